@@ -1,0 +1,185 @@
+r"""Moving averages of curvature statistics: TF K-FAC's and kfac-jax's, on one formula.
+
+Both libraries keep a weighted sum and its total weight,
+
+.. math::
+
+    S_k = \delta_k S_{k-1} + w_k X_k, \qquad W_k = \delta_k W_{k-1} + w_k,
+    \qquad \bar X_k = S_k / W_k ,
+
+with :math:`S_0 = 0, W_0 = 0`.  TF K-FAC calls :math:`\delta` the decay and :math:`w` the
+weight and reports :math:`\bar X_k` ("zero-debiased", ``ZERO_DEBIAS = True``) or the raw
+:math:`S_k` (``ZERO_DEBIAS = False``); TF's contrib-era ``assign_moving_average`` is the
+special case :math:`w = 1 - \delta`, where :math:`W_k = 1 - \delta^k`.  kfac-jax's
+``WeightedMovingAverage`` calls them ``ema_old`` and ``ema_new`` and always reports
+:math:`\bar X_k`.  With ``decay = ema_old`` and ``weight = ema_new`` the zero-debiased TF
+average and the kfac-jax average are the same number.
+
+States are immutable: ``update`` returns a new object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ._backend import (
+    KFACValueError,
+    check_array,
+    check_scalar,
+    namespace_of,
+    zeros_like_shape,
+)
+
+__all__ = [
+    "weighted_accumulate",
+    "MovingAverageVariable",
+    "WeightedMovingAverage",
+]
+
+
+def weighted_accumulate(old, new, old_weight, new_weight):
+    r"""One step of a weighted moving sum.
+
+    .. math::
+
+        S \leftarrow \delta\, S + w\, X
+
+    where ``old`` is :math:`S`, ``new`` is :math:`X`, ``old_weight`` :math:`\delta` and
+    ``new_weight`` :math:`w`.  Both :class:`MovingAverageVariable` and
+    :class:`WeightedMovingAverage` update their sum and their total weight with this.
+    ``old`` and ``new`` may be arrays of one shape or Python floats.
+    """
+    return old_weight * old + new_weight * new
+
+
+def _check_update(func, raw, x, old_weight, new_weight, names):
+    namespace_of(func, value=raw, x=x)
+    check_array(func, "x", x)
+    if tuple(x.shape) != tuple(raw.shape):
+        raise KFACValueError(
+            f"{func}: x must have the averaged shape {tuple(raw.shape)}; got shape "
+            f"{tuple(x.shape)}."
+        )
+    old_weight = check_scalar(func, names[0], old_weight, nonnegative=True)
+    new_weight = check_scalar(func, names[1], new_weight, nonnegative=True)
+    return old_weight, new_weight
+
+
+@dataclass(frozen=True)
+class MovingAverageVariable:
+    r"""TF K-FAC's moving average with optional zero-debiasing.
+
+    .. math::
+
+        S \leftarrow \delta S + w X,\quad W \leftarrow \delta W + w,\quad
+        \text{value} = \begin{cases} S / W & \text{zero\_debias} \\ S & \text{otherwise}
+        \end{cases}
+
+    With ``zero_debias=True`` two updates with batch statistics :math:`c_1, c_2`, decay
+    :math:`d` and weight 1 give :math:`(d c_1 + c_2)/(d + 1)`.  Before the first update the
+    value is the initial sum (zeros unless ``initial_value`` is given to :meth:`zeros_like`).
+
+    Attributes
+    ----------
+    raw : array
+        The weighted sum :math:`S`.
+    total_weight : float
+        :math:`W`.
+    zero_debias : bool
+        TF's ``ZERO_DEBIAS``.
+    """
+
+    raw: Any
+    total_weight: float = 0.0
+    zero_debias: bool = True
+
+    @classmethod
+    def zeros_like(cls, like, zero_debias=True, initial_value=None):
+        r"""A fresh average shaped like ``like``: :math:`S_0 = 0` (or ``initial_value``),
+        :math:`W_0 = 0`.
+
+        A non-zero ``initial_value`` (TF's ``INIT_COVARIANCES_AT_ZERO = False`` starts
+        covariances at :math:`I`) only makes sense without zero-debiasing, where it decays
+        as :math:`\delta^k S_0`; with debiasing it is rejected.
+        """
+        func = "MovingAverageVariable.zeros_like"
+        namespace_of(func, like=like, initial_value=initial_value)
+        check_array(func, "like", like)
+        if initial_value is None:
+            return cls(zeros_like_shape(like, like.shape), 0.0, bool(zero_debias))
+        if zero_debias:
+            raise KFACValueError(f"{func}: initial_value must be None when zero_debias=True "
+                                 "(the debiased value ignores S_0 only if S_0 = 0); got an "
+                                 "array.")
+        check_array(func, "initial_value", initial_value, shape=tuple(like.shape))
+        return cls(initial_value, 0.0, False)
+
+    def update(self, x, decay, weight=1.0):
+        r"""Return the average after :math:`S \leftarrow \delta S + w X`,
+        :math:`W \leftarrow \delta W + w`.
+
+        ``decay`` is :math:`\delta \ge 0` and ``weight`` is :math:`w \ge 0` (TF's
+        estimator passes ``ema_weight = 1``; the contrib-era factor passes
+        :math:`1 - \delta`).
+        """
+        decay, weight = _check_update("MovingAverageVariable.update", self.raw, x, decay,
+                                      weight, ("decay", "weight"))
+        return MovingAverageVariable(
+            weighted_accumulate(self.raw, x, decay, weight),
+            weighted_accumulate(self.total_weight, 1.0, decay, weight),
+            self.zero_debias,
+        )
+
+    @property
+    def value(self):
+        r"""The average: :math:`S/W` with zero-debiasing (S before any update), else
+        :math:`S`."""
+        if self.zero_debias and self.total_weight > 0:
+            return self.raw / self.total_weight
+        return self.raw
+
+
+@dataclass(frozen=True)
+class WeightedMovingAverage:
+    r"""kfac-jax's weighted moving average (``ema_old``, ``ema_new``).
+
+    .. math::
+
+        S \leftarrow \texttt{ema\_old}\; S + \texttt{ema\_new}\; X, \quad
+        W \leftarrow \texttt{ema\_old}\; W + \texttt{ema\_new}, \quad
+        \text{value} = S / W .
+
+    ``ema_old = 0, ema_new = 1`` replaces the value by the new statistic; ``ema_old = 1,
+    ema_new = 1`` accumulates a running mean of all statistics seen.  The same numbers as
+    :class:`MovingAverageVariable` with ``zero_debias=True``, ``decay = ema_old``,
+    ``weight = ema_new``.  Before the first update the value is zero.
+    """
+
+    raw: Any
+    weight: float = 0.0
+
+    @classmethod
+    def zeros_like(cls, like):
+        """A fresh average shaped like ``like`` (:math:`S_0 = 0`, :math:`W_0 = 0`)."""
+        func = "WeightedMovingAverage.zeros_like"
+        namespace_of(func, like=like)
+        check_array(func, "like", like)
+        return cls(zeros_like_shape(like, like.shape), 0.0)
+
+    def update(self, x, ema_old, ema_new):
+        r"""Return the average after one update with :math:`X`
+        (:math:`S \leftarrow \texttt{ema\_old}\,S + \texttt{ema\_new}\,X`)."""
+        ema_old, ema_new = _check_update("WeightedMovingAverage.update", self.raw, x, ema_old,
+                                         ema_new, ("ema_old", "ema_new"))
+        return WeightedMovingAverage(
+            weighted_accumulate(self.raw, x, ema_old, ema_new),
+            weighted_accumulate(self.weight, 1.0, ema_old, ema_new),
+        )
+
+    @property
+    def value(self):
+        r"""The average :math:`S / W` (zeros before any update)."""
+        if self.weight > 0:
+            return self.raw / self.weight
+        return self.raw

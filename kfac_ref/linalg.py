@@ -1,0 +1,677 @@
+r"""Linear algebra of K-FAC factors: covariances, damped matrix functions, π, Kronecker products.
+
+Every function takes arrays from any array-API namespace (NumPy, CuPy, PyTorch, JAX,
+array-api-strict) and returns arrays of the same namespace, device and floating dtype.
+Scalars (damping, exponents, thresholds) are Python numbers, so they never change the
+dtype of a result.
+
+Vectorisation conventions (see the conventions page of the docs):
+
+* ``vec_r`` (``order="C"``) flattens row-major; for ``X`` of shape ``[p, q]``
+  :math:`(A \otimes B)\,\mathrm{vec}_r(X) = \mathrm{vec}_r(A X B^\top)`.
+* ``vec_c`` (``order="F"``) flattens column-major; for ``X`` of shape ``[q, p]``
+  :math:`(A \otimes B)\,\mathrm{vec}_c(X) = \mathrm{vec}_c(B X A^\top)`.
+
+The K-FAC block of a dense layer whose combined parameter matrix ``[W; b]`` has shape
+``[d_in + 1, d_out]`` (TF/JAX kernel layout) is ``kron(A, G)`` acting on the row-major
+flattening of that matrix.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ._backend import (
+    KFACValueError,
+    check_array,
+    check_option,
+    check_scalar,
+    check_square,
+    check_symmetric,
+    eye_like,
+    namespace_of,
+    ones_like_shape,
+)
+
+__all__ = [
+    "compute_cov",
+    "append_homog",
+    "clipped_eigh",
+    "damped_matpower",
+    "damped_inverse",
+    "damped_cholesky",
+    "damped_cholesky_inverse",
+    "factor_norm",
+    "FACTOR_NORMS",
+    "pi_tracenorm",
+    "pi_adjusted_damping",
+    "kron",
+    "kron_matvec",
+    "kron_matmat",
+    "kron_damped_matpower_matvec",
+    "kron_damped_inverse_matvec",
+]
+
+FACTOR_NORMS = ("avg_diag", "avg_fro", "2_norm", "1_norm")
+"""Factor norms accepted by :func:`factor_norm` (kfac-jax's ``psd_matrix_norm`` names)."""
+
+_KRON_DAMPING = ("factored", "exact")
+
+
+# --------------------------------------------------------------------------------------
+# Covariances
+# --------------------------------------------------------------------------------------
+def compute_cov(tensor, tensor_right=None, normalizer=None):
+    r"""Uncentred second moment of the rows of a 2-D array.
+
+    .. math::
+
+        C = \tfrac12\Big(\frac{X^\top X}{n} + \big(\frac{X^\top X}{n}\big)^\top\Big),
+        \qquad
+        C_{XY} = \frac{X^\top Y}{n} \ \text{(with ``tensor_right``, not symmetrised)}.
+
+    The statistic is *uncentred* (no mean is subtracted), as K-FAC requires.  The explicit
+    symmetrisation matches TF K-FAC's ``compute_cov`` and removes the rounding asymmetry of
+    the product; kfac-jax does not symmetrise (the two differ only by rounding).
+
+    Parameters
+    ----------
+    tensor : array [n, d]
+        Rows are samples.
+    tensor_right : array [n, e], optional
+        Second factor of the cross moment.
+    normalizer : float, optional
+        The :math:`n` of the formula; defaults to the number of rows.  Must be positive.
+
+    Returns
+    -------
+    array [d, d] (or [d, e])
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Non-2-D or non-floating input, NaN/Inf, row counts that differ, non-positive
+        ``normalizer``.
+
+    References
+    ----------
+    Martens & Grosse (2015), §3.
+    """
+    func = "compute_cov"
+    namespace_of(func, tensor=tensor, tensor_right=tensor_right)
+    check_array(func, "tensor", tensor, ndim=2, layout="[n, d]")
+    if tensor_right is not None:
+        check_array(func, "tensor_right", tensor_right, ndim=2, layout="[n, e]")
+        if tensor_right.shape[0] != tensor.shape[0]:
+            raise KFACValueError(
+                f"{func}: tensor_right must have as many rows as tensor ({tensor.shape[0]}); "
+                f"got shape {tuple(tensor_right.shape)}."
+            )
+    if normalizer is None:
+        normalizer = tensor.shape[0]
+        if normalizer == 0:
+            raise KFACValueError(f"{func}: tensor must have at least one row; got shape "
+                                 f"{tuple(tensor.shape)}.")
+    normalizer = check_scalar(func, "normalizer", normalizer, positive=True)
+    if tensor_right is None:
+        cov = (tensor.T @ tensor) / normalizer
+        return (cov + cov.T) / 2.0
+    return (tensor.T @ tensor_right) / normalizer
+
+
+def append_homog(tensor, homog_value=1.0):
+    r"""Append a constant (homogeneous) coordinate to the last axis.
+
+    .. math::
+
+        \bar a = [a_1, \dots, a_d, c], \qquad c = \texttt{homog\_value}.
+
+    This is how the bias enters the input factor: :math:`\bar a \bar a^\top` has the bias
+    row/column LAST (kfac_ref, TF K-FAC and kfac-jax all put it there).
+
+    Parameters
+    ----------
+    tensor : array [..., d]
+    homog_value : float
+        Value of the appended coordinate (1 for a bias).
+
+    Returns
+    -------
+    array [..., d + 1]
+    """
+    func = "append_homog"
+    xp = namespace_of(func, tensor=tensor)
+    check_array(func, "tensor", tensor, min_ndim=1, layout="[..., d]")
+    homog_value = check_scalar(func, "homog_value", homog_value)
+    ones = ones_like_shape(tensor, (*tensor.shape[:-1], 1))
+    return xp.concat([tensor, ones * homog_value], axis=-1)
+
+
+# --------------------------------------------------------------------------------------
+# Matrix functions of symmetric PSD matrices
+# --------------------------------------------------------------------------------------
+def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
+    r"""Eigendecomposition of a symmetric matrix with eigenvalues clipped from below.
+
+    .. math::
+
+        M = Q \,\mathrm{diag}(s)\, Q^\top, \qquad s_i \leftarrow \max(s_i, c).
+
+    Clipping at :math:`c = 0` (TF K-FAC's ``EIGENVALUE_CLIPPING_THRESHOLD``, kfac-jax's
+    ``safe_psd_eigh``) removes the small negative eigenvalues that rounding gives a PSD
+    matrix, so fractional and negative powers stay real and finite once damping is added.
+
+    Parameters
+    ----------
+    matrix : array [n, n], symmetric
+    eigenvalue_clipping_threshold : float
+        Lower bound :math:`c` for the eigenvalues.
+
+    Returns
+    -------
+    (s, Q) : (array [n], array [n, n])
+        Eigenvalues (ascending before clipping) and orthonormal eigenvectors (columns).
+    """
+    func = "clipped_eigh"
+    xp = namespace_of(func, matrix=matrix)
+    check_symmetric(func, "matrix", matrix)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    return _clipped_eigh(xp, matrix, c)
+
+
+def _clipped_eigh(xp, matrix, threshold):
+    # Symmetrise before eigh: backends read different triangles, and the input is only
+    # symmetric up to rounding.
+    s, q = xp.linalg.eigh((matrix + matrix.T) / 2.0)
+    return xp.clip(s, min=threshold), q
+
+
+def _check_exponent(func, exp):
+    return check_scalar(func, "exp", exp)
+
+
+def _power_of_eigenvalues(func, xp, s, exp):
+    """``s**exp`` with a clear error where a negative power meets a zero eigenvalue."""
+    if exp < 0 and s.shape[0] > 0 and not bool(xp.min(s) > 0):
+        raise KFACValueError(
+            f"{func}: matrix + damping·I must be positive definite for a negative exponent "
+            f"({exp}); its smallest eigenvalue after clipping and damping is "
+            f"{float(xp.min(s)):.3g}. Add damping."
+        )
+    if not float(exp).is_integer() and s.shape[0] > 0 and not bool(xp.min(s) >= 0):
+        raise KFACValueError(
+            f"{func}: matrix + damping·I must be positive semi-definite for the fractional "
+            f"exponent {exp}; its smallest eigenvalue is {float(xp.min(s)):.3g}."
+        )
+    return s**exp
+
+
+def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0):
+    r"""Power of a damped symmetric PSD matrix.
+
+    .. math::
+
+        (M + \lambda I)^{p} = Q\, \mathrm{diag}\big((\max(s, c) + \lambda)^{p}\big)\, Q^\top,
+        \qquad M = Q\,\mathrm{diag}(s)\,Q^\top .
+
+    For :math:`p = 1` the result is computed directly as :math:`M + \lambda I` (no
+    eigendecomposition, no clipping), as TF K-FAC does.  Every other exponent, integer or
+    fractional, goes through :func:`clipped_eigh`.
+
+    Parameters
+    ----------
+    matrix : array [n, n], symmetric
+    exp : float
+        The exponent :math:`p`.
+    damping : float
+        :math:`\lambda \ge 0`, added after clipping.
+    eigenvalue_clipping_threshold : float
+        :math:`c`; eigenvalues below it are raised to it before damping is added.
+
+    Raises
+    ------
+    KFACValueError
+        Non-symmetric or non-square matrix, negative damping, a negative exponent of a
+        singular damped matrix.
+    """
+    func = "damped_matpower"
+    xp = namespace_of(func, matrix=matrix)
+    check_symmetric(func, "matrix", matrix)
+    exp = _check_exponent(func, exp)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    return _damped_matpower(func, xp, matrix, exp, damping, c)
+
+
+def _damped_matpower(func, xp, matrix, exp, damping, threshold):
+    if exp == 1.0:
+        return matrix + damping * eye_like(matrix, matrix.shape[0])
+    s, q = _clipped_eigh(xp, matrix, threshold)
+    powers = _power_of_eigenvalues(func, xp, s + damping, exp)
+    return (q * powers) @ q.T
+
+
+def damped_inverse(matrix, damping=0.0):
+    r"""Inverse of a damped symmetric positive definite matrix through Cholesky.
+
+    .. math::
+
+        (M + \lambda I)^{-1} = L^{-\top} L^{-1}, \qquad L L^\top = M + \lambda I .
+
+    TF K-FAC's ``posdef_inv``: the path a factor takes when only inverses are registered
+    (fewer than ``EIGENVALUE_DECOMPOSITION_THRESHOLD`` of them).  No eigenvalue clipping is
+    applied, so an indefinite :math:`M + \lambda I` raises.
+    """
+    func = "damped_inverse"
+    xp = namespace_of(func, matrix=matrix)
+    linv = _damped_cholesky_inverse(func, xp, matrix, damping)
+    return linv.T @ linv
+
+
+def damped_cholesky(matrix, damping=0.0):
+    r"""Lower Cholesky factor of a damped symmetric positive definite matrix.
+
+    .. math::
+
+        L L^\top = M + \lambda I, \qquad L \ \text{lower triangular}, \ L_{ii} > 0 .
+
+    Raises
+    ------
+    KFACValueError
+        When :math:`M + \lambda I` is not numerically positive definite.
+    """
+    func = "damped_cholesky"
+    xp = namespace_of(func, matrix=matrix)
+    return _damped_cholesky(func, xp, matrix, damping)
+
+
+def _damped_cholesky(func, xp, matrix, damping):
+    check_symmetric(func, "matrix", matrix)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    damped = matrix + damping * eye_like(matrix, matrix.shape[0])
+    try:
+        l_factor = xp.linalg.cholesky((damped + damped.T) / 2.0)
+    except Exception as exc:  # backends raise their own LinAlgError types
+        raise KFACValueError(
+            f"{func}: matrix + damping·I must be positive definite; the Cholesky "
+            f"factorisation failed ({type(exc).__name__}: {exc}). Add damping."
+        ) from None
+    if matrix.shape[0] and not bool(xp.all(xp.isfinite(l_factor))):
+        # Some backends (PyTorch, JAX) return NaN instead of raising.
+        raise KFACValueError(
+            f"{func}: matrix + damping·I must be positive definite; the Cholesky factor "
+            "has non-finite entries. Add damping."
+        )
+    return l_factor
+
+
+def damped_cholesky_inverse(matrix, damping=0.0):
+    r"""Inverse of the lower Cholesky factor of a damped matrix (TF's ``cholesky_inverse``).
+
+    .. math::
+
+        L^{-1}, \qquad L L^\top = M + \lambda I, \qquad
+        (M + \lambda I)^{-1} = L^{-\top} L^{-1}.
+
+    The result is lower triangular.
+    """
+    func = "damped_cholesky_inverse"
+    xp = namespace_of(func, matrix=matrix)
+    return _damped_cholesky_inverse(func, xp, matrix, damping)
+
+
+def _damped_cholesky_inverse(func, xp, matrix, damping):
+    l_factor = _damped_cholesky(func, xp, matrix, damping)
+    # The standard has no triangular solve; a general solve against I is exact enough
+    # for the well-conditioned damped factors K-FAC works with, and stays on device.
+    linv = xp.linalg.solve(l_factor, eye_like(matrix, matrix.shape[0]))
+    return xp.tril(linv)
+
+
+# --------------------------------------------------------------------------------------
+# Factor norms and the π damping split
+# --------------------------------------------------------------------------------------
+def factor_norm(matrix, norm_type="avg_diag"):
+    r"""Scale of a PSD Kronecker factor, normalised so that the identity has norm 1.
+
+    .. math::
+
+        \|M\|_{\text{avg\_diag}} = \frac{\operatorname{tr} M}{n}, \quad
+        \|M\|_{\text{avg\_fro}} = \frac{\|M\|_F}{\sqrt n}, \quad
+        \|M\|_{\text{2\_norm}} = \lambda_{\max}(M), \quad
+        \|M\|_{\text{1\_norm}} = \max_j \sum_i |M_{ij}| .
+
+    These are kfac-jax's ``psd_matrix_norm`` choices; ``"avg_diag"`` is the trace norm of
+    TF K-FAC's :func:`pi_tracenorm`.  A 1-D input is read as the diagonal of a diagonal
+    matrix and a 0-D input as a 1×1 matrix.
+
+    Parameters
+    ----------
+    matrix : array [n, n], [n] or []
+    norm_type : {"avg_diag", "avg_fro", "2_norm", "1_norm"}
+
+    Returns
+    -------
+    float
+        A host scalar (it feeds the damping split, which is host-side arithmetic).
+    """
+    func = "factor_norm"
+    xp = namespace_of(func, matrix=matrix)
+    check_option(func, "norm_type", norm_type, FACTOR_NORMS)
+    check_array(func, "matrix", matrix, ndim=(0, 1, 2))
+    return _factor_norm(func, xp, matrix, norm_type)
+
+
+def _factor_norm(func, xp, matrix, norm_type):
+    if matrix.ndim == 0:
+        return abs(float(matrix))
+    if matrix.ndim == 2:
+        check_square(func, "matrix", matrix)
+    n = matrix.shape[0]
+    if n == 0:
+        raise KFACValueError(f"{func}: matrix must not be empty; got shape "
+                             f"{tuple(matrix.shape)}.")
+    if matrix.ndim == 1:  # diagonal matrix given by its diagonal
+        if norm_type == "avg_diag":
+            return float(xp.sum(matrix)) / n
+        if norm_type == "avg_fro":
+            return float(xp.sqrt(xp.sum(matrix**2))) / math.sqrt(n)
+        return float(xp.max(xp.abs(matrix)))  # 2-norm and 1-norm of a diagonal matrix
+    if norm_type == "avg_diag":
+        return float(xp.linalg.trace(matrix)) / n
+    if norm_type == "avg_fro":
+        return float(xp.linalg.matrix_norm(matrix, ord="fro")) / math.sqrt(n)
+    if norm_type == "2_norm":
+        return float(xp.max(xp.abs(xp.linalg.eigvalsh((matrix + matrix.T) / 2.0))))
+    return float(xp.max(xp.sum(xp.abs(matrix), axis=0)))
+
+
+def pi_tracenorm(left_cov, right_cov):
+    r"""The trace-norm π that splits damping between two Kronecker factors.
+
+    .. math::
+
+        \pi = \sqrt{\frac{\operatorname{tr}(L)/\dim L}{\operatorname{tr}(R)/\dim R}},
+        \qquad \pi = 1 \text{ if either trace is } 0 .
+
+    It minimises the trace of the residual of factored Tikhonov damping,
+    :math:`\operatorname{tr}\big(\pi\gamma\, I\otimes R + \tfrac{\gamma}{\pi} L\otimes I\big)`
+    (Martens & Grosse 2015, §6.3).  The fall-back π = 1 for a zero trace is TF K-FAC's.
+    1-D inputs are diagonals (diagonal factors such as the embedding input factor).
+
+    Parameters
+    ----------
+    left_cov, right_cov : array [n, n] or [n]
+
+    Returns
+    -------
+    float
+    """
+    return _pi(pi_tracenorm.__name__, left_cov, right_cov, "avg_diag")
+
+
+def _pi(func, left, right, norm_type):
+    xp = namespace_of(func, left_cov=left, right_cov=right)
+    check_option(func, "norm_type", norm_type, FACTOR_NORMS)
+    check_array(func, "left_cov", left, ndim=(0, 1, 2))
+    check_array(func, "right_cov", right, ndim=(0, 1, 2))
+    left_norm = _factor_norm(func, xp, left, norm_type)
+    right_norm = _factor_norm(func, xp, right, norm_type)
+    if left_norm == 0.0 or right_norm == 0.0:
+        return 1.0
+    return math.sqrt(left_norm / right_norm)
+
+
+def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
+    r"""Split a damping λ between two Kronecker factors with π.
+
+    .. math::
+
+        (L + \pi\sqrt\lambda\, I) \otimes (R + \tfrac{\sqrt\lambda}{\pi} I)
+        = L \otimes R + \lambda I + \pi\sqrt\lambda\, I \otimes R
+          + \tfrac{\sqrt\lambda}{\pi}\, L \otimes I,
+        \qquad
+        \pi = \sqrt{\|L\| / \|R\|} .
+
+    With ``norm_type="avg_diag"`` π is :func:`pi_tracenorm` (TF K-FAC's
+    ``compute_pi_adjusted_damping``, kfac-jax's default); other norms are kfac-jax's
+    alternatives (:func:`factor_norm`).
+
+    Returns
+    -------
+    (left_damping, right_damping) : (float, float)
+        :math:`(\pi\sqrt\lambda,\ \sqrt\lambda/\pi)`.
+    """
+    func = "pi_adjusted_damping"
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    pi = _pi(func, left_cov, right_cov, norm_type)
+    root = math.sqrt(damping)
+    return pi * root, root / pi
+
+
+# --------------------------------------------------------------------------------------
+# Kronecker products
+# --------------------------------------------------------------------------------------
+def kron(a, b):
+    r"""Dense Kronecker product.
+
+    .. math::
+
+        (A \otimes B)_{(i k),(j l)} = A_{ij} B_{kl}, \qquad
+        \text{row index } i\,q + k,\ \text{column index } j\,q' + l,
+
+    for :math:`A` of shape ``[p, p']`` and :math:`B` of shape ``[q, q']``.  Use it as an
+    oracle and for teaching; K-FAC products never form it (see :func:`kron_matvec`).
+    """
+    func = "kron"
+    xp = namespace_of(func, a=a, b=b)
+    check_array(func, "a", a, ndim=2)
+    check_array(func, "b", b, ndim=2)
+    p, pp = a.shape
+    q, qq = b.shape
+    prod = a[:, None, :, None] * b[None, :, None, :]
+    return xp.reshape(prod, (p * q, pp * qq))
+
+
+def _check_kron_pair(func, a, b):
+    check_array(func, "a", a, ndim=2)
+    check_array(func, "b", b, ndim=2)
+
+
+def _as_row_major_matrix(func, xp, x, order, in_shape):
+    """Read ``x`` as the row-major matrix ``X`` [..., p', q'] of the C convention.
+
+    Returns the matrix and a function mapping a result [..., p, q] back to ``x``'s layout.
+    """
+    p_in, q_in = in_shape
+    if x.ndim == 1:
+        if x.shape[0] != p_in * q_in:
+            raise KFACValueError(
+                f"{func}: x must be a flat vector of length {p_in * q_in} (= {p_in}·{q_in}); "
+                f"got shape {tuple(x.shape)}."
+            )
+        # Both vec conventions give kron(A, B) @ x for a flat x: vec_c of the [q', p']
+        # matrix is the row-major flattening of its transpose.
+        return xp.reshape(x, (p_in, q_in)), lambda y: xp.reshape(y, (-1,))
+    if order == "C":
+        if tuple(x.shape[-2:]) != (p_in, q_in):
+            raise KFACValueError(
+                f"{func}: x must be [..., {p_in}, {q_in}] for order='C' (X with A X Bᵀ); "
+                f"got shape {tuple(x.shape)}."
+            )
+        return x, lambda y: y
+    if tuple(x.shape[-2:]) != (q_in, p_in):
+        raise KFACValueError(
+            f"{func}: x must be [..., {q_in}, {p_in}] for order='F' (X with B X Aᵀ); "
+            f"got shape {tuple(x.shape)}."
+        )
+    return xp.matrix_transpose(x), xp.matrix_transpose
+
+
+def kron_matvec(a, b, x, order="C"):
+    r"""Kronecker matrix–vector product without forming the Kronecker product.
+
+    .. math::
+
+        (A \otimes B)\,\mathrm{vec}_r(X) = \mathrm{vec}_r(A X B^\top)
+        \quad (\texttt{order="C"},\ X \in \mathbb{R}^{p' \times q'}),
+        \qquad
+        (A \otimes B)\,\mathrm{vec}_c(X) = \mathrm{vec}_c(B X A^\top)
+        \quad (\texttt{order="F"},\ X \in \mathbb{R}^{q' \times p'}).
+
+    Parameters
+    ----------
+    a : array [p, p']
+    b : array [q, q']
+    x : array
+        Either a flat vector of length :math:`p' q'` — then the result is
+        ``kron(a, b) @ x`` whatever ``order`` is, because ``order`` only says how a vector
+        is read as a matrix — or a (batched) matrix ``[..., p', q']`` for ``order="C"``
+        / ``[..., q', p']`` for ``order="F"``, in which case the product is returned in the
+        same matrix layout (``A X Bᵀ`` resp. ``B X Aᵀ``), batched over leading axes.
+    order : {"C", "F"}
+
+    Returns
+    -------
+    array
+        Flat ``[p q]`` or matrix ``[..., p, q]`` (C) / ``[..., q, p]`` (F).
+    """
+    func = "kron_matvec"
+    xp = namespace_of(func, a=a, b=b, x=x)
+    _check_kron_pair(func, a, b)
+    check_option(func, "order", order, ("C", "F"))
+    check_array(func, "x", x, min_ndim=1)
+    mat, back = _as_row_major_matrix(func, xp, x, order, (a.shape[1], b.shape[1]))
+    return back(a @ mat @ xp.matrix_transpose(b))
+
+
+def kron_matmat(a, b, x):
+    r"""Kronecker product times a matrix of column vectors, without forming the product.
+
+    .. math::
+
+        (A \otimes B)\, X, \qquad
+        \big[(A \otimes B) X\big]_{:, k} = \mathrm{vec}_r\big(A\, X_k\, B^\top\big),
+
+    where :math:`X_k` is column :math:`k` of :math:`X` read row-major as a
+    :math:`p' \times q'` matrix.  The batch of columns is one GEMM-shaped contraction.
+
+    Parameters
+    ----------
+    a : array [p, p']
+    b : array [q, q']
+    x : array [p' q', k]
+
+    Returns
+    -------
+    array [p q, k]
+    """
+    func = "kron_matmat"
+    xp = namespace_of(func, a=a, b=b, x=x)
+    _check_kron_pair(func, a, b)
+    p_in, q_in = a.shape[1], b.shape[1]
+    check_array(func, "x", x, ndim=2, shape=(p_in * q_in, None),
+                layout=f"[{p_in}·{q_in}, k]")
+    k = x.shape[1]
+    cols = xp.permute_dims(xp.reshape(x, (p_in, q_in, k)), (2, 0, 1))  # [k, p', q']
+    out = a @ cols @ b.T  # [k, p, q]
+    return xp.reshape(xp.permute_dims(out, (1, 2, 0)), (a.shape[0] * b.shape[0], k))
+
+
+def kron_damped_matpower_matvec(
+    a,
+    b,
+    x,
+    exp=-1.0,
+    damping=0.0,
+    damping_method="factored",
+    order="C",
+    norm_type="avg_diag",
+    eigenvalue_clipping_threshold=0.0,
+):
+    r"""Power of a damped Kronecker product applied to a vector, in two damping styles.
+
+    Factored (π-split) damping, ``damping_method="factored"``:
+
+    .. math::
+
+        \big[(A + \pi\sqrt\lambda I) \otimes (B + \tfrac{\sqrt\lambda}{\pi} I)\big]^{p} x
+        = \big[(A + \pi\sqrt\lambda I)^{p} \otimes (B + \tfrac{\sqrt\lambda}{\pi} I)^{p}\big] x ,
+
+    with π from :func:`pi_adjusted_damping` (``norm_type``).  Exact damping,
+    ``damping_method="exact"``, through both eigendecompositions
+    :math:`A = Q_A \mathrm{diag}(s_A) Q_A^\top`, :math:`B = Q_B \mathrm{diag}(s_B) Q_B^\top`:
+
+    .. math::
+
+        (A \otimes B + \lambda I)^{p}\, \mathrm{vec}_r(X)
+        = \mathrm{vec}_r\Big(Q_A \big[(Q_A^\top X Q_B) \odot
+          (s_A s_B^\top + \lambda)^{\odot p}\big] Q_B^\top\Big).
+
+    Eigenvalues are clipped below at ``eigenvalue_clipping_threshold`` in both styles.  The
+    inverse (``exp=-1``) is :func:`kron_damped_inverse_matvec`.
+
+    Parameters
+    ----------
+    a : array [p, p], symmetric PSD
+    b : array [q, q], symmetric PSD
+    x : array
+        A flat vector of length :math:`pq` or a matrix as in :func:`kron_matvec`.
+    exp : float
+        The power :math:`p` (any real; negative powers need a positive definite result).
+    damping : float
+        :math:`\lambda \ge 0`.
+    damping_method : {"factored", "exact"}
+    order : {"C", "F"}
+        How ``x`` is read when it is a matrix (see :func:`kron_matvec`).
+    norm_type : str
+        Factor norm for π (factored damping only), see :func:`factor_norm`.
+    eigenvalue_clipping_threshold : float
+
+    References
+    ----------
+    Martens & Grosse (2015) §6.3 (factored); George et al. (2018) and Grosse et al. (2023)
+    (exact damping in the Kronecker eigenbasis).
+    """
+    func = "kron_damped_matpower_matvec"
+    xp = namespace_of(func, a=a, b=b, x=x)
+    check_symmetric(func, "a", a)
+    check_symmetric(func, "b", b)
+    check_option(func, "damping_method", damping_method, _KRON_DAMPING)
+    check_option(func, "order", order, ("C", "F"))
+    check_option(func, "norm_type", norm_type, FACTOR_NORMS)
+    check_array(func, "x", x, min_ndim=1)
+    exp = _check_exponent(func, exp)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    mat, back = _as_row_major_matrix(func, xp, x, order, (a.shape[0], b.shape[0]))
+
+    if damping_method == "factored":
+        pi = _pi(func, a, b, norm_type)
+        root = math.sqrt(damping)
+        a_pow = _damped_matpower(func, xp, a, exp, pi * root, c)
+        b_pow = _damped_matpower(func, xp, b, exp, root / pi, c)
+        return back(a_pow @ mat @ b_pow)
+
+    s_a, q_a = _clipped_eigh(xp, a, c)
+    s_b, q_b = _clipped_eigh(xp, b, c)
+    scale = _power_of_eigenvalues(func, xp, s_a[:, None] * s_b[None, :] + damping, exp)
+    rotated = xp.matrix_transpose(q_a) @ mat @ q_b
+    return back(q_a @ (rotated * scale) @ xp.matrix_transpose(q_b))
+
+
+def kron_damped_inverse_matvec(
+    a, b, x, damping=0.0, damping_method="factored", order="C", norm_type="avg_diag",
+    eigenvalue_clipping_threshold=0.0,
+):
+    r"""Damped Kronecker inverse applied to a vector: :func:`kron_damped_matpower_matvec`
+    with ``exp = -1``.
+
+    .. math::
+
+        \big[(A + \pi\sqrt\lambda I)^{-1} \otimes (B + \tfrac{\sqrt\lambda}{\pi} I)^{-1}\big] x
+        \quad\text{or}\quad (A \otimes B + \lambda I)^{-1} x .
+    """
+    return kron_damped_matpower_matvec(
+        a, b, x, -1.0, damping, damping_method, order, norm_type, eigenvalue_clipping_threshold
+    )

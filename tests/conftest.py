@@ -1,0 +1,216 @@
+"""Test matrix: one session-scoped ``xp`` fixture over every available backend.
+
+Each parameter is a :class:`Backend`: the array namespace, the device and the floating dtype
+a test should build its inputs in, plus helpers to move host (NumPy) data in and results
+out.  Tests build inputs on the host with an explicit ``numpy.random.Generator``, convert
+them with ``xp.asarray``, call kfac_ref, check with ``xp.check(result)`` that the result
+stayed in the backend's namespace, device and dtype, and compare ``xp.to_numpy(result)``
+with an oracle computed in float64 NumPy from the *same* (possibly float32-rounded) inputs.
+
+Tolerances (``xp.rtol``)
+------------------------
+Comparisons are norm-wise: ``max|r - e| <= rtol * max|e|``.  For a backward-stable
+computation on an ``n × n`` problem with condition number ``κ`` the relative error is
+bounded by ``c · n · κ · eps``.  The test matrices here have ``n <= 16`` and are built with
+``κ <= 256`` (eigenvalues in a bounded range, or damping), so ``n · κ <= 4096`` and
+``rtol = 4096 · eps`` covers ``c`` of order one:
+
+* float64: ``4096 · 2.2e-16 ≈ 9.1e-13``;
+* float32: ``4096 · 1.19e-7 ≈ 4.9e-4``.
+
+A test whose computation is worse conditioned than that (finite differences, Monte-Carlo)
+derives its own tolerance and says how.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import array_api_compat
+import numpy as np
+import pytest
+
+try:  # hypothesis profile: deterministic, CI-sized
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "kfac_ref",
+        max_examples=int(os.environ.get("KFAC_REF_HYPOTHESIS_EXAMPLES", "25")),
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture,
+                               HealthCheck.differing_executors],
+    )
+    settings.load_profile("kfac_ref")
+except ImportError:  # pragma: no cover
+    pass
+
+RTOL_FACTOR = 4096.0
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One cell of the test matrix."""
+
+    name: str
+    xp: Any  # the array namespace
+    device: Any
+    dtype: Any
+    float64: bool  # whether the dtype under test is float64
+
+    # -- moving data ---------------------------------------------------------------
+    def asarray(self, host, dtype=None):
+        """Host data -> backend array on ``device`` in ``dtype`` (default: the float dtype
+        under test; pass an integer dtype of the namespace for ids)."""
+        host = np.asarray(host)
+        if dtype is None:
+            dtype = self.dtype if host.dtype.kind in "fc" else None
+        if dtype is None:
+            if host.dtype.kind == "b":
+                dtype = self.xp.bool
+            elif host.dtype.kind in "iu":
+                dtype = self.xp.int64 if self.float64 else self.xp.int32
+        return self.xp.asarray(host, dtype=dtype, device=self.device)
+
+    def round_host(self, host):
+        """The host value the backend actually sees (float32 rounding on float32 cells)."""
+        host = np.asarray(host)
+        if host.dtype.kind == "f":
+            return host.astype(np.float64 if self.float64 else np.float32).astype(np.float64)
+        return host
+
+    def to_numpy(self, arr):
+        """Backend array -> float64 (or integer) NumPy array, for comparison."""
+        if self.name.startswith("strict"):
+            # array-api-strict refuses __array__ off its CPU device; go via a copy to CPU.
+            import array_api_strict
+
+            arr = self.xp.asarray(arr, copy=True, device=array_api_strict.Device("CPU_DEVICE"))
+            out = np.asarray(arr._array)  # noqa: SLF001 - test-only host read-back
+        elif self.name.startswith("torch"):
+            out = arr.detach().cpu().numpy()
+        elif self.name.startswith("cupy"):
+            out = arr.get()
+        else:
+            out = np.asarray(arr)
+        return out.astype(np.float64) if out.dtype.kind == "f" else out
+
+    # -- checks ------------------------------------------------------------------
+    @property
+    def eps(self) -> float:
+        return float(np.finfo(np.float64 if self.float64 else np.float32).eps)
+
+    @property
+    def rtol(self) -> float:
+        return RTOL_FACTOR * self.eps
+
+    def check(self, arr, dtype=None):
+        """Assert ``arr`` is of this backend's namespace, device and (float) dtype."""
+        assert array_api_compat.array_namespace(arr) is self.xp, (
+            f"result left the namespace: {type(arr)}"
+        )
+        assert array_api_compat.device(arr) == self.device, (
+            f"result left the device: {array_api_compat.device(arr)} != {self.device}"
+        )
+        assert arr.dtype == (self.dtype if dtype is None else dtype), (
+            f"result dtype {arr.dtype} != {self.dtype if dtype is None else dtype}"
+        )
+        return arr
+
+    def assert_close(self, result, expected, rtol=None, atol=0.0):
+        """Check namespace/device/dtype of ``result`` and compare it norm-wise with the
+        float64 NumPy oracle ``expected``."""
+        self.check(result)
+        got = self.to_numpy(result)
+        assert_allclose_normwise(got, expected, self.rtol if rtol is None else rtol, atol)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def assert_allclose_normwise(got, expected, rtol, atol=0.0):
+    """``max|got - expected| <= rtol * max|expected| + atol``; shapes must match, NaN fails."""
+    got = np.asarray(got, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape, f"shape {got.shape} != expected {expected.shape}"
+    assert np.all(np.isfinite(got)), "result has NaN/Inf"
+    if got.size == 0:
+        return
+    err = float(np.max(np.abs(got - expected)))
+    scale = float(np.max(np.abs(expected)))
+    assert err <= rtol * scale + atol, (
+        f"max abs error {err:.3e} > rtol {rtol:.1e} * scale {scale:.3e} + atol {atol:.1e}"
+    )
+
+
+def _backends():
+    params = []
+    import array_api_compat.numpy as anp
+
+    params.append(pytest.param(("numpy", anp, "cpu", anp.float64, True), id="numpy"))
+    try:
+        import array_api_strict as xs
+
+        params.append(pytest.param(("strict", xs, xs.Device("CPU_DEVICE"), xs.float64, True),
+                                   id="strict"))
+        params.append(pytest.param(("strict-device1", xs, xs.Device("device1"), xs.float64,
+                                    True), id="strict-device1"))
+        params.append(pytest.param(("strict-no_float64", xs, xs.Device("no_float64"),
+                                    xs.float32, False), id="strict-no_float64"))
+    except ImportError:
+        params.append(pytest.param(None, id="strict",
+                                   marks=pytest.mark.skip(reason="array-api-strict not installed")))
+    try:
+        import array_api_compat.torch as atorch
+        import torch
+
+        params.append(pytest.param(("torch-cpu", atorch, torch.device("cpu"), torch.float64,
+                                    True), id="torch-cpu"))
+    except ImportError:
+        params.append(pytest.param(None, id="torch-cpu",
+                                   marks=pytest.mark.skip(reason="torch not installed")))
+    try:
+        import cupy
+
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            raise RuntimeError("no GPU")
+        import array_api_compat.cupy as acp
+
+        params.append(pytest.param(("cupy", acp, cupy.cuda.Device(0), acp.float64, True),
+                                   id="cupy"))
+    except Exception as exc:  # ImportError, or CUDA errors on a machine without a GPU
+        params.append(pytest.param(None, id="cupy", marks=pytest.mark.skip(
+            reason=f"CuPy needs a CUDA GPU ({type(exc).__name__}: {exc})")))
+    return params
+
+
+@pytest.fixture(scope="session", params=_backends())
+def xp(request) -> Backend:
+    """The backend under test (namespace, device, dtype and host conversions)."""
+    name, ns, device, dtype, f64 = request.param
+    return Backend(name, ns, device, dtype, f64)
+
+
+@pytest.fixture
+def rng():
+    """A fresh, fixed-seed host generator for each test."""
+    return np.random.default_rng(20261202)
+
+
+# -- host-side helpers for building well-conditioned test data ------------------------
+def random_spd(rng, n, low=0.1, high=10.0):
+    """Symmetric positive definite ``n × n`` matrix with eigenvalues in [low, high]
+    (condition number <= high/low)."""
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    s = rng.uniform(low, high, size=n)
+    m = (q * s) @ q.T
+    return (m + m.T) / 2
+
+
+def random_psd(rng, n, rank):
+    """Symmetric PSD ``n × n`` matrix of the given rank."""
+    x = rng.standard_normal((rank, n))
+    m = x.T @ x / max(rank, 1)
+    return (m + m.T) / 2
