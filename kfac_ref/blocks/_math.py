@@ -1,0 +1,544 @@
+r"""Formula functions of curvature blocks: one place for each block product.
+
+Every block of :mod:`kfac_ref.blocks` (TF K-FAC's Fisher blocks and kfac-jax's curvature blocks)
+multiplies a vector by a power of a damped block through one of the functions below.  The
+classes only hold statistics and options; the arithmetic is here.
+
+Conventions
+-----------
+* A Kronecker block acts on the **row-major** flattening of the combined parameter matrix
+  ``X`` of shape ``[p, q]`` (``p`` = input side, bias row last; ``q`` = output side):
+  :math:`(A \otimes G)\,\mathrm{vec}_r(X) = \mathrm{vec}_r(A X G^\top)`.
+* A factor given as a 1-D array is the diagonal of a diagonal factor (TF's
+  ``DiagonalKroneckerFactor``, the embedding input factor).
+* ``scale`` is the block's multiplier :math:`s` (TF's ``_renorm_coeff``, kfac-jax's
+  ``scale``): the block is :math:`s\,(A \otimes G)`, e.g. :math:`s = |T|` for KFC convolutions
+  and :math:`s = T` for layers used :math:`T` times.
+* ``damping`` is the weight :math:`\lambda` of the identity added to the *scaled* block.
+  Factored damping therefore splits :math:`\lambda / s` between the factors (TF's
+  ``normalize_damping`` with ``NORMALIZE_DAMPING_POWER = 1``, kfac-jax's
+  ``identity_weight / scale``).
+
+Private ``_prepare_*`` / ``_apply_*`` pairs split each product into the part that depends only
+on the statistics (what a cache stores) and the part that touches the vector, so a cached
+product and an uncached one run the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._backend import (
+    KFACValueError,
+    check_array,
+    check_option,
+    check_scalar,
+    check_symmetric,
+    namespace_of,
+)
+from ..linalg import FACTOR_NORMS, clipped_eigh, damped_matpower, pi_adjusted_damping
+
+__all__ = [
+    "PI_NORMS",
+    "ZERO_FACTOR_FALLBACKS",
+    "kronecker_block_matpower",
+    "kronecker_block_eigenvalues",
+    "diagonal_block_matpower",
+    "full_block_matpower",
+    "scaled_identity_matpower",
+    "normalize_damping",
+    "series_gamma",
+    "series_option1_multiply_inverse",
+    "series_option2_multiply_inverse",
+]
+
+PI_NORMS = (*FACTOR_NORMS, "off")
+"""Norms accepted for the π damping split: :data:`kfac_ref.linalg.FACTOR_NORMS` plus
+``"off"`` (π = 1, TF's ``PI_TYPE = "off"``)."""
+
+ZERO_FACTOR_FALLBACKS = ("pi_one", "identity")
+"""What factored damping does when a factor has zero norm: ``"pi_one"`` (TF K-FAC: π = 1, the
+factors are damped with :math:`\\sqrt\\lambda` each) or ``"identity"`` (kfac-jax's
+``special_case_zero_inv``: the damped block is :math:`\\lambda I`)."""
+
+
+# --------------------------------------------------------------------------------------
+# Validation helpers
+# --------------------------------------------------------------------------------------
+def _check_factor(func, name, f):
+    """A Kronecker factor: symmetric [n, n] or a diagonal [n]."""
+    check_array(func, name, f, ndim=(1, 2), layout="[n, n] or diagonal [n]")
+    if f.ndim == 2:
+        check_symmetric(func, name, f)
+    return f
+
+
+def _check_common(func, power, damping, scale, threshold=0.0):
+    power = check_scalar(func, "power", power)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    scale = check_scalar(func, "scale", scale, positive=True)
+    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold)
+    return power, damping, scale, threshold
+
+
+def _elementwise_power(func, xp, s, power):
+    """``s**power`` with clear errors for a negative power of a zero or a fractional power of a
+    negative number."""
+    if s.size == 0:
+        return s
+    if power < 0 and not bool(xp.min(s) > 0):
+        raise KFACValueError(
+            f"{func}: the damped block must be positive definite for the negative power "
+            f"{power}; its smallest eigenvalue is {float(xp.min(s)):.3g}. Add damping."
+        )
+    if not float(power).is_integer() and not bool(xp.min(s) >= 0):
+        raise KFACValueError(
+            f"{func}: the damped block must be positive semi-definite for the fractional power "
+            f"{power}; its smallest eigenvalue is {float(xp.min(s)):.3g}."
+        )
+    if power == 1.0:
+        return s
+    return s**power
+
+
+def _factor_norm_is_zero(xp, f):
+    # avg_diag norm (trace / n) of a PSD factor; zero exactly when the factor is zero on its
+    # diagonal, which for a PSD matrix means the factor is zero.
+    diag = f if f.ndim == 1 else xp.linalg.diagonal(f)
+    return float(xp.sum(diag)) == 0.0
+
+
+# --------------------------------------------------------------------------------------
+# Kronecker-factored blocks
+# --------------------------------------------------------------------------------------
+def _prepare_kron_eigen(func, xp, a, g, threshold):
+    """Eigendecompositions of both factors (a diagonal factor is its own eigenbasis)."""
+    out = []
+    for f in (a, g):
+        if f.ndim == 1:
+            out.append((xp.clip(f, min=threshold), None))
+        else:
+            out.append(clipped_eigh(f, threshold))
+    return out[0][0], out[0][1], out[1][0], out[1][1]
+
+
+def _apply_kron_eigen(func, xp, eig, x, power, damping, scale):
+    r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
+    s_a, q_a, s_g, q_g = eig
+    y = x
+    if q_a is not None:
+        y = xp.matrix_transpose(q_a) @ y
+    if q_g is not None:
+        y = y @ q_g
+    spectrum = scale * (s_a[:, None] * s_g[None, :]) + damping
+    y = y * _elementwise_power(func, xp, spectrum, power)
+    if q_a is not None:
+        y = q_a @ y
+    if q_g is not None:
+        y = y @ xp.matrix_transpose(q_g)
+    return y
+
+
+def _apply_kron_exact_one(xp, a, g, x, damping, scale):
+    """``(s·A⊗G + λI) vec_r(X) = vec_r(s·A X Gᵀ + λX)`` (power 1, no eigendecomposition)."""
+    left = a[:, None] * x if a.ndim == 1 else a @ x
+    prod = left * g[None, :] if g.ndim == 1 else left @ xp.matrix_transpose(g)
+    return scale * prod + damping * x
+
+
+def _factor_power(func, xp, f, power, delta, threshold):
+    """``(F + δI)^p`` of one factor: a matrix, or a vector for a diagonal factor."""
+    if f.ndim == 1:
+        return _elementwise_power(func, xp, xp.clip(f, min=threshold) + delta, power)
+    try:
+        return damped_matpower(f, power, delta, threshold)
+    except KFACValueError as exc:
+        raise KFACValueError(f"{func}: a damped Kronecker factor is singular for the power "
+                             f"{power} ({exc}). Add damping.") from None
+
+
+def _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+                           threshold):
+    r"""Factor powers of the π-damped block.
+
+    Returns ``(a_pow, g_pow, coeff)`` with
+    :math:`(s (A + \delta_A I) \otimes (G + \delta_G I))^p = c\, A_p \otimes G_p`; for the
+    kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
+    """
+    lam = damping / scale
+    zero = _factor_norm_is_zero(xp, a) or _factor_norm_is_zero(xp, g)
+    if zero and zero_factor_fallback == "identity":
+        # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
+        if power < 0 and damping == 0.0:
+            raise KFACValueError(
+                f"{func}: a Kronecker factor is zero and damping is 0, so the block is singular "
+                f"for the power {power}. Add damping."
+            )
+        return None, None, damping**power
+    if norm_type == "off":
+        delta_a = delta_g = math.sqrt(lam)
+    else:
+        delta_a, delta_g = pi_adjusted_damping(a, g, lam, norm_type)
+    a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
+    g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
+    return a_pow, g_pow, scale**power
+
+
+def _apply_kron_factored(xp, prepared, x):
+    a_pow, g_pow, coeff = prepared
+    if a_pow is None:
+        return coeff * x
+    left = a_pow[:, None] * x if a_pow.ndim == 1 else a_pow @ x
+    prod = left * g_pow[None, :] if g_pow.ndim == 1 else left @ g_pow
+    return coeff * prod
+
+
+def _check_kron_inputs(func, a, g, x):
+    xp = namespace_of(func, a=a, g=g, x=x)
+    _check_factor(func, "a", a)
+    _check_factor(func, "g", g)
+    p, q = a.shape[0], g.shape[0]
+    check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}] (row-major [W; b])")
+    return xp
+
+
+def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=False,
+                             norm_type="avg_diag", zero_factor_fallback="pi_one",
+                             eigenvalue_clipping_threshold=0.0):
+    r"""Power of a damped, scaled Kronecker-factored block times a parameter matrix.
+
+    The block is :math:`B = s\,(A \otimes G)` on :math:`\mathrm{vec}_r(X)`, ``X`` of shape
+    ``[p, q]``.  Exact power (``exact=True``), through both eigendecompositions
+    :math:`A = Q_A \mathrm{diag}(a) Q_A^\top`, :math:`G = Q_G \mathrm{diag}(\gamma) Q_G^\top`:
+
+    .. math::
+
+        (B + \lambda I)^{p}\,\mathrm{vec}_r(X) = \mathrm{vec}_r\!\Big(Q_A\big[(Q_A^\top X Q_G)
+        \odot (s\,a\gamma^\top + \lambda)^{\odot p}\big] Q_G^\top\Big),
+
+    (for :math:`p = 1` computed directly as :math:`s A X G^\top + \lambda X`).  Approximate
+    power (``exact=False``), factored Tikhonov damping with the π split of :math:`\lambda/s`:
+
+    .. math::
+
+        \big(s\,(A + \pi\sqrt{\lambda/s}\,I) \otimes (G + \tfrac{1}{\pi}\sqrt{\lambda/s}\,I)
+        \big)^{p}\,\mathrm{vec}_r(X)
+        = s^{p}\,\mathrm{vec}_r\big((A + \delta_A I)^{p}\, X\, (G + \delta_G I)^{p}\big),
+        \qquad \pi = \sqrt{\|A\| / \|G\|}.
+
+    For :math:`s = |T|` this is TF's ``ConvKFCBasicFB`` and kfac-jax's
+    ``Conv2DTwoKroneckerFactored`` (damping :math:`\lambda/|T|` reaches the factors).
+
+    Parameters
+    ----------
+    a : array [p, p] or [p]
+        Input-side factor (a 1-D array is a diagonal factor, e.g. the embedding input factor).
+    g : array [q, q] or [q]
+        Output-side factor.
+    x : array [p, q]
+        The parameter-shaped vector (bias row last for dense layers).
+    power : float
+        Any real power (negative powers need a positive definite damped block).
+    damping : float
+        :math:`\lambda \ge 0`, the weight of the identity added to :math:`B`.
+    scale : float
+        :math:`s > 0`.
+    exact : bool
+        Exact damping (eigendecompositions) or factored π damping.
+    norm_type : {"avg_diag", "avg_fro", "2_norm", "1_norm", "off"}
+        Norm for π (:func:`kfac_ref.linalg.factor_norm`); ``"avg_diag"`` is the trace norm
+        (TF ``PI_TYPE="tracenorm"``, kfac-jax); ``"off"`` sets π = 1 (TF ``PI_TYPE="off"``).
+    zero_factor_fallback : {"pi_one", "identity"}
+        Factored damping of a zero factor: TF's π = 1 (default) or kfac-jax's :math:`\lambda I`.
+    eigenvalue_clipping_threshold : float
+        Eigenvalues (diagonal entries of diagonal factors) are raised to at least this value.
+
+    Returns
+    -------
+    array [p, q]
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Non-symmetric factors, ``x`` not of shape ``[p, q]``, negative damping, non-positive
+        scale, unknown ``norm_type``/``zero_factor_fallback``, a negative power of a singular
+        damped block.
+
+    References
+    ----------
+    Martens & Grosse (2015) §6.3; Grosse & Martens (2016) eq. 23 (|T|); George et al. (2018)
+    (eigenbasis damping).
+    """
+    func = "kronecker_block_matpower"
+    xp = _check_kron_inputs(func, a, g, x)
+    power, damping, scale, c = _check_common(func, power, damping, scale,
+                                             eigenvalue_clipping_threshold)
+    check_option(func, "norm_type", norm_type, PI_NORMS)
+    check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
+    if exact:
+        if power == 1.0:
+            return _apply_kron_exact_one(xp, a, g, x, damping, scale)
+        eig = _prepare_kron_eigen(func, xp, a, g, c)
+        return _apply_kron_eigen(func, xp, eig, x, power, damping, scale)
+    prepared = _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
+                                      zero_factor_fallback, c)
+    return _apply_kron_factored(xp, prepared, x)
+
+
+def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshold=0.0):
+    r"""Eigenvalues of the undamped block :math:`s\,(A \otimes G)`.
+
+    .. math::
+
+        \operatorname{spec}(s\,A \otimes G) = \{ s\, a_i \gamma_j \},
+        \qquad \text{returned as } \mathrm{vec}_r(s\, a \gamma^\top)\ \text{(length } pq),
+
+    with :math:`a, \gamma` the (clipped) eigenvalues of :math:`A, G` in ascending order.
+    """
+    func = "kronecker_block_eigenvalues"
+    xp = namespace_of(func, a=a, g=g)
+    _check_factor(func, "a", a)
+    _check_factor(func, "g", g)
+    scale = check_scalar(func, "scale", scale, positive=True)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    s_a, _, s_g, _ = _prepare_kron_eigen(func, xp, a, g, c)
+    return _kron_spectrum(xp, s_a, s_g, scale)
+
+
+def _kron_spectrum(xp, s_a, s_g, scale):
+    return xp.reshape(scale * (s_a[:, None] * s_g[None, :]), (-1,))
+
+
+# --------------------------------------------------------------------------------------
+# Diagonal, full and scaled-identity blocks
+# --------------------------------------------------------------------------------------
+def _apply_diagonal(func, xp, diagonal, x, power, damping, scale):
+    return _elementwise_power(func, xp, scale * diagonal + damping, power) * x
+
+
+def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
+    r"""Power of a damped diagonal block times a vector of the same shape.
+
+    .. math::
+
+        (s\,\mathrm{diag}(d) + \lambda I)^{p}\, x = (s\, d + \lambda)^{\odot p} \odot x .
+
+    Exact and approximate powers coincide (TF ``DiagonalFB``, kfac-jax ``Diagonal``).
+
+    Parameters
+    ----------
+    diagonal : array, any shape
+        The block's diagonal laid out like the parameter (e.g. ``[in + 1, out]``).
+    x : array, same shape as ``diagonal``
+    power, damping, scale : float
+
+    Raises
+    ------
+    KFACValueError
+        Shape mismatch, negative damping, a negative power of a zero damped entry.
+    """
+    func = "diagonal_block_matpower"
+    xp = namespace_of(func, diagonal=diagonal, x=x)
+    check_array(func, "diagonal", diagonal)
+    check_array(func, "x", x, shape=tuple(diagonal.shape))
+    power, damping, scale, _ = _check_common(func, power, damping, scale)
+    return _apply_diagonal(func, xp, diagonal, x, power, damping, scale)
+
+
+def _prepare_full(func, xp, matrix, threshold):
+    return clipped_eigh(matrix, threshold)
+
+
+def _apply_full_eigen(func, xp, eig, x, power, damping, scale):
+    s, q = eig
+    coeff = _elementwise_power(func, xp, scale * s + damping, power)
+    return q @ (coeff * (xp.matrix_transpose(q) @ x))
+
+
+def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
+                        eigenvalue_clipping_threshold=0.0):
+    r"""Power of a damped full (dense) block times a flat vector.
+
+    .. math::
+
+        (s\,F + \lambda I)^{p}\, x = Q\,\big((s\,\sigma + \lambda)^{\odot p} \odot Q^\top x\big),
+        \qquad F = Q\,\mathrm{diag}(\sigma)\,Q^\top,
+
+    with :math:`\sigma` clipped below at the threshold; :math:`p = 1` is computed directly as
+    :math:`sFx + \lambda x`.  Exact and approximate powers coincide (TF ``FullFB``, kfac-jax
+    ``Full``).
+
+    Parameters
+    ----------
+    matrix : array [n, n], symmetric PSD
+    x : array [n]
+        The concatenation of the flattened parameters.
+    power, damping, scale, eigenvalue_clipping_threshold : float
+
+    Raises
+    ------
+    KFACValueError
+        Shape mismatch, non-symmetric matrix, a negative power of a singular damped block.
+    """
+    func = "full_block_matpower"
+    xp = namespace_of(func, matrix=matrix, x=x)
+    check_symmetric(func, "matrix", matrix)
+    n = matrix.shape[0]
+    check_array(func, "x", x, ndim=1, shape=(n,), layout=f"[{n}]")
+    power, damping, scale, c = _check_common(func, power, damping, scale,
+                                             eigenvalue_clipping_threshold)
+    if power == 1.0:
+        return scale * (matrix @ x) + damping * x
+    return _apply_full_eigen(func, xp, _prepare_full(func, xp, matrix, c), x, power, damping,
+                             scale)
+
+
+def scaled_identity_matpower(x, power, damping=0.0, *, scale=1.0):
+    r"""Power of a damped scaled identity block (kfac-jax ``ScaledIdentity``).
+
+    .. math::
+
+        (s I + \lambda I)^{p}\, x = (s + \lambda)^{p}\, x .
+    """
+    func = "scaled_identity_matpower"
+    namespace_of(func, x=x)
+    check_array(func, "x", x)
+    power = check_scalar(func, "power", power)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    scale = check_scalar(func, "scale", scale, nonnegative=True)
+    base = scale + damping
+    if power < 0 and base == 0.0:
+        raise KFACValueError(f"{func}: scale + damping must be positive for the negative power "
+                             f"{power}; got 0.")
+    return (base**power) * x
+
+
+# --------------------------------------------------------------------------------------
+# Damping bookkeeping for replicated parameters
+# --------------------------------------------------------------------------------------
+def normalize_damping(damping, num_replications, normalize_damping_power=1.0):
+    r"""Damping per replication of a parameter used :math:`k` times (TF ``normalize_damping``).
+
+    .. math::
+
+        \lambda_k = \lambda / k^{\,\rho}, \qquad \rho = \texttt{normalize\_damping\_power}
+        \ (\text{TF's } \texttt{NORMALIZE\_DAMPING\_POWER} = 1),
+
+    with :math:`\rho = 0` meaning no normalisation.  For a block :math:`k\,(A\otimes G)`
+    (:math:`k = |T|` conv locations, :math:`T` time steps) factored damping with
+    :math:`\lambda_k` gives :math:`k A\otimes G + \lambda I` + a residual (FORMULAS §1.4).
+    """
+    func = "normalize_damping"
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    k = check_scalar(func, "num_replications", num_replications, positive=True)
+    rho = check_scalar(func, "normalize_damping_power", normalize_damping_power)
+    if rho:
+        return damping / k**rho
+    return damping
+
+
+# --------------------------------------------------------------------------------------
+# Series (RNN) blocks, Martens, Ba & Johnson (2018)
+# --------------------------------------------------------------------------------------
+def series_gamma(x, num_timesteps):
+    r"""Option-1 spectral function :math:`\gamma_T = 1/\zeta_T` of the series block.
+
+    .. math::
+
+        \zeta_T(x) = T + 2\sum_{d=1}^{T-1}(T-d)\,x^{d}
+                   = \frac{T(1-x^2) - 2x(1-x^{T})}{(1-x)^2},
+        \qquad \gamma_T(x) = \frac{(1-x)^2}{T(1-x^2) - 2x(1-x^{T})},
+
+    elementwise, with the limit :math:`\gamma_T(1) = 1/T^2` substituted where :math:`x = 1`
+    exactly.  :math:`\gamma_T(0) = 1/T`.
+    """
+    func = "series_gamma"
+    xp = namespace_of(func, x=x)
+    check_array(func, "x", x)
+    t = check_scalar(func, "num_timesteps", num_timesteps, positive=True, integer=True)
+    one = x == 1.0
+    safe = xp.where(one, xp.zeros_like(x), x)
+    gamma = (1.0 - safe) ** 2 / (t * (1.0 - safe**2) - 2.0 * safe * (1.0 - safe**t))
+    return xp.where(one, xp.full_like(x, 1.0 / t**2), gamma)
+
+
+def _check_series_x(func, x, p, q):
+    check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}] (row-major [W; b])")
+
+
+def series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, num_timesteps, x):
+    r"""Option-1 inverse of the series (RNN) block, TF ``FullyConnectedSeriesFB`` option 1.
+
+    With damped :math:`\tilde C_0 = C_0 + \delta I`, the symmetrised lag-1 statistic
+    :math:`\bar C_1 = (C_1 + C_1^\top)/2`,
+    :math:`\hat\Psi = \tilde C_0^{-1/2}\bar C_1\tilde C_0^{-1/2} = U\mathrm{diag}(\psi)U^\top`
+    and :math:`L = \tilde C_0^{-1/2} U` per factor (``series_option1_quantities`` of
+    :mod:`kfac_ref.factors`), the block
+    :math:`F_T = V_0^{1/2}\zeta_T(\hat\Psi)V_0^{1/2}`, :math:`V_0 = \tilde A_0\otimes\tilde G_0`,
+    :math:`\hat\Psi = \hat\Psi_A\otimes\hat\Psi_G`, is inverted as
+
+    .. math::
+
+        F_T^{-1}\mathrm{vec}_r(X) = \mathrm{vec}_r\Big(L_A\big[(L_A^\top X L_G) \odot
+        \gamma_T(\psi_A\psi_G^\top)\big]L_G^\top\Big)
+
+    (no extra :math:`1/T`: :math:`\gamma_T(0) = 1/T` carries it).  ``X`` is ``[p, q]``
+    row-major (input side first); TF's ``[out, in]`` algebra is the transpose.
+    """
+    func = "series_option1_multiply_inverse"
+    xp = namespace_of(func, l_a=l_a, psi_a=psi_a, l_g=l_g, psi_g=psi_g, x=x)
+    p, q = _check_series_pairs(func, ("l_a", l_a, "psi_a", psi_a), ("l_g", l_g, "psi_g", psi_g))
+    _check_series_x(func, x, p, q)
+    y = xp.matrix_transpose(l_a) @ x @ l_g
+    y = y * series_gamma(psi_a[:, None] * psi_g[None, :], num_timesteps)
+    return l_a @ y @ xp.matrix_transpose(l_g)
+
+
+def _check_series_pairs(func, *pairs):
+    dims = []
+    for mname, m, vname, v in pairs:
+        check_array(func, mname, m, ndim=2)
+        n = m.shape[0]
+        check_array(func, mname, m, shape=(n, n), layout="[n, n]")
+        check_array(func, vname, v, ndim=1, shape=(n,), layout=f"[{n}]")
+        dims.append(n)
+    return dims
+
+
+def series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, num_timesteps, x):
+    r"""Option-2 (:math:`T\to\infty`) inverse of the series block, TF ``FullyConnectedSeriesFB``.
+
+    Per factor (``series_option2_quantities`` of :mod:`kfac_ref.factors`):
+    :math:`P = C_1^\top\tilde C_0^{-1}` (time-reversed AR coefficient),
+    :math:`\hat\Psi = \tilde C_0^{-1/2}C_1\tilde C_0^{-1/2}`,
+    :math:`\hat\Psi^\top\hat\Psi = E\,\mathrm{diag}(\mu)E^\top`, :math:`K = \tilde C_0^{-1/2}E`.
+    With :math:`\mathcal P = P_A\otimes P_G` and :math:`V_0 = \tilde A_0\otimes\tilde G_0`:
+
+    .. math::
+
+        F_\infty^{-1} = \tfrac1T (I - \mathcal P^\top)(V_0 - \mathcal P V_0\mathcal P^\top)^{-1}
+        (I - \mathcal P), \qquad
+        (V_0 - \mathcal P V_0\mathcal P^\top)^{-1}
+        = (K_A\otimes K_G)\,\mathrm{diag}\big(1/(1 - \mu_A\otimes\mu_G)\big)(K_A\otimes K_G)^\top,
+
+    computed on ``X`` [p, q] (row-major) as
+    :math:`X \leftarrow X - P_A X P_G^\top`, :math:`X \leftarrow K_A^\top X K_G`,
+    :math:`X \leftarrow X \oslash (1 - \mu_A\mu_G^\top)` (exact zeros of the denominator
+    replaced by 1, as TF does), :math:`X \leftarrow K_A X K_G^\top`,
+    :math:`X \leftarrow X - P_A^\top X P_G`, :math:`X \leftarrow X/T`.
+    """
+    func = "series_option2_multiply_inverse"
+    xp = namespace_of(func, p_a=p_a, k_a=k_a, mu_a=mu_a, p_g=p_g, k_g=k_g, mu_g=mu_g, x=x)
+    p, q = _check_series_pairs(func, ("k_a", k_a, "mu_a", mu_a), ("k_g", k_g, "mu_g", mu_g))
+    check_array(func, "p_a", p_a, shape=(p, p), layout=f"[{p}, {p}]")
+    check_array(func, "p_g", p_g, shape=(q, q), layout=f"[{q}, {q}]")
+    _check_series_x(func, x, p, q)
+    t = check_scalar(func, "num_timesteps", num_timesteps, positive=True, integer=True)
+    y = x - p_a @ x @ xp.matrix_transpose(p_g)
+    y = xp.matrix_transpose(k_a) @ y @ k_g
+    denom = 1.0 - mu_a[:, None] * mu_g[None, :]
+    denom = xp.where(denom == 0.0, xp.ones_like(denom), denom)
+    y = y / denom
+    y = k_a @ y @ xp.matrix_transpose(k_g)
+    y = y - xp.matrix_transpose(p_a) @ y @ p_g
+    return y / t

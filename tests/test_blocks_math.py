@@ -1,0 +1,293 @@
+"""Formula functions of kfac_ref.blocks against dense NumPy oracles (eigh of explicit kron)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_allclose_normwise, random_spd
+
+from kfac_ref import KFACTypeError, KFACValueError, kron_damped_matpower_matvec
+from kfac_ref.blocks import (
+    diagonal_block_matpower,
+    full_block_matpower,
+    kronecker_block_eigenvalues,
+    kronecker_block_matpower,
+    normalize_damping,
+    scaled_identity_matpower,
+    series_gamma,
+    series_option1_multiply_inverse,
+    series_option2_multiply_inverse,
+)
+
+POWERS = [-1.0, -0.5, 0.5, 1.0, 2.0]
+
+
+def dense_power(m, p):
+    """Oracle: power of a symmetric PSD matrix through numpy eigh."""
+    s, q = np.linalg.eigh((m + m.T) / 2)
+    return (q * np.clip(s, 0, None) ** p) @ q.T
+
+
+def pi_split(a, g, lam):
+    """Oracle π split with the trace norm (1-D inputs are diagonals)."""
+    ta = np.sum(a) if a.ndim == 1 else np.trace(a)
+    tg = np.sum(g) if g.ndim == 1 else np.trace(g)
+    pi = 1.0 if ta == 0 or tg == 0 else np.sqrt((ta / a.shape[0]) / (tg / g.shape[0]))
+    return pi * np.sqrt(lam), np.sqrt(lam) / pi
+
+
+def as_mat(f):
+    return np.diag(f) if f.ndim == 1 else f
+
+
+# Conditioning: factor eigenvalues in [0.5, 2] ⇒ kron condition number <= 16; dense size <= 12;
+# powers |p| <= 2 at most square the condition number (256), so n·κ <= 12·256 < 4096 = the
+# fixture's rtol factor.
+@pytest.mark.parametrize("power", POWERS)
+@pytest.mark.parametrize("damping", [0.0, 0.3])
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("diag", ["none", "a", "g"])
+def test_kronecker_block_matpower_vs_dense(xp, rng, power, damping, exact, diag):
+    p, q, scale = 4, 3, 2.5
+    a = random_spd(rng, p, 0.5, 2.0)
+    g = random_spd(rng, q, 0.5, 2.0)
+    if diag == "a":
+        a = rng.uniform(0.5, 2.0, p)
+    if diag == "g":
+        g = rng.uniform(0.5, 2.0, q)
+    x = rng.standard_normal((p, q))
+    ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
+    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power, damping,
+                                   scale=scale, exact=exact)
+    if exact:
+        dense = scale * np.kron(as_mat(ah), as_mat(gh)) + damping * np.eye(p * q)
+    else:
+        da, dg = pi_split(ah, gh, damping / scale)
+        dense = scale * np.kron(as_mat(ah) + da * np.eye(p), as_mat(gh) + dg * np.eye(q))
+    expected = (dense_power(dense, power) @ xh.reshape(-1)).reshape(p, q)
+    xp.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("power", [-1.0, 0.5, 2.0])
+@pytest.mark.parametrize("method", ["factored", "exact"])
+def test_kronecker_matches_linalg_primitive(xp, rng, power, method):
+    """Second oracle: scale 1 agrees with linalg.kron_damped_matpower_matvec."""
+    a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 4, 0.5, 2.0)
+    x = rng.standard_normal((3, 4))
+    A, G, X = xp.asarray(a), xp.asarray(g), xp.asarray(x)
+    got = kronecker_block_matpower(A, G, X, power, 0.2, exact=method == "exact")
+    ref = kron_damped_matpower_matvec(A, G, X, power, 0.2, damping_method=method)
+    xp.assert_close(got, xp.to_numpy(ref))
+
+
+def test_conv_scale_bookkeeping(xp, rng):
+    """|T|·kron(A, G) with λ/|T| split by π of the normalised factors (FORMULAS §2.2)."""
+    T, lam = 9, 0.4
+    a, g = random_spd(rng, 5, 0.5, 2.0), random_spd(rng, 2, 0.5, 2.0)
+    x = rng.standard_normal((5, 2))
+    ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
+    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), 1.0, lam,
+                                   scale=T, exact=False)
+    pi = np.sqrt((np.trace(ah) / 5) / (np.trace(gh) / 2))
+    d = np.sqrt(lam / T)
+    expected = T * (ah + pi * d * np.eye(5)) @ xh @ (gh + d / pi * np.eye(2))
+    xp.assert_close(got, expected)
+    # expansion: T A⊗G + λ I + residual (FORMULAS D9)
+    resid = T * (pi * d * xh @ gh + d / pi * ah @ xh)
+    assert_allclose_normwise(xp.to_numpy(got), T * ah @ xh @ gh + lam * xh + resid, xp.rtol)
+
+
+@pytest.mark.parametrize("norm_type", ["avg_fro", "2_norm", "1_norm", "off"])
+def test_kronecker_norm_types(xp, rng, norm_type):
+    a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 2, 0.5, 4.0)
+    x = rng.standard_normal((3, 2))
+    ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
+    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), -1.0, 0.5,
+                                   norm_type=norm_type)
+    norms = {
+        "avg_fro": lambda m: np.linalg.norm(m, "fro") / np.sqrt(m.shape[0]),
+        "2_norm": lambda m: np.max(np.linalg.eigvalsh(m)),
+        "1_norm": lambda m: np.max(np.abs(m).sum(0)),
+        "off": lambda m: 1.0,
+    }[norm_type]
+    pi = np.sqrt(norms(ah) / norms(gh))
+    r = np.sqrt(0.5)
+    expected = np.linalg.solve(ah + pi * r * np.eye(3), xh) @ np.linalg.inv(gh + r / pi * np.eye(2))
+    xp.assert_close(got, expected)
+
+
+def test_zero_factor_fallbacks(xp, rng):
+    a = random_spd(rng, 3, 0.5, 2.0)
+    g = np.zeros((2, 2))
+    x = rng.standard_normal((3, 2))
+    ah, xh = xp.round_host(a), xp.round_host(x)
+    A, G, X = xp.asarray(a), xp.asarray(g), xp.asarray(x)
+    lam = 0.25
+    # TF: π = 1, factors damped with √λ each: (A + √λ)⁻¹ X (√λ I)⁻¹
+    got = kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="pi_one")
+    xp.assert_close(got, np.linalg.solve(ah + 0.5 * np.eye(3), xh) / 0.5)
+    # kfac-jax: the damped block is λ I
+    got = kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="identity")
+    xp.assert_close(got, xh / lam)
+    with pytest.raises(KFACValueError, match="zero_factor_fallback"):
+        kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="nope")
+    with pytest.raises(KFACValueError, match="singular"):
+        kronecker_block_matpower(A, G, X, -1.0, 0.0, zero_factor_fallback="identity")
+
+
+def test_kronecker_eigenvalues(xp, rng):
+    a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 4, 0.5, 2.0)
+    ev = kronecker_block_eigenvalues(xp.asarray(a), xp.asarray(g), scale=3.0)
+    dense = 3.0 * np.kron(xp.round_host(a), xp.round_host(g))
+    xp.check(ev)
+    assert_allclose_normwise(np.sort(xp.to_numpy(ev)), np.linalg.eigvalsh(dense), xp.rtol)
+
+
+def test_kronecker_bad_inputs(xp, rng):
+    a, g = xp.asarray(random_spd(rng, 3)), xp.asarray(random_spd(rng, 2))
+    with pytest.raises(KFACValueError, match=r"x must be an array of shape \(3, 2\)"):
+        kronecker_block_matpower(a, g, xp.asarray(np.ones((2, 3))), 1.0)
+    with pytest.raises(KFACValueError, match="norm_type must be one of"):
+        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, norm_type="trace")
+    with pytest.raises(KFACValueError, match="damping must be non-negative"):
+        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, -1.0)
+    with pytest.raises(KFACValueError, match="symmetric"):
+        kronecker_block_matpower(xp.asarray(np.triu(np.ones((3, 3)))), g,
+                                 xp.asarray(np.ones((3, 2))), 1.0)
+    with pytest.raises(KFACValueError, match="positive definite"):
+        kronecker_block_matpower(xp.asarray(np.zeros((3, 3))), g, xp.asarray(np.ones((3, 2))),
+                                 -1.0, exact=True)
+    with pytest.raises(KFACTypeError, match="power must be a real number"):
+        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), "1")
+
+
+@pytest.mark.parametrize("power", POWERS)
+@pytest.mark.parametrize("damping", [0.0, 0.3])
+def test_diagonal_and_full_and_identity(xp, rng, power, damping):
+    d = rng.uniform(0.5, 2.0, (3, 2))
+    x = rng.standard_normal((3, 2))
+    dh, xh = xp.round_host(d), xp.round_host(x)
+    got = diagonal_block_matpower(xp.asarray(d), xp.asarray(x), power, damping, scale=2.0)
+    dense = np.diag(2.0 * dh.reshape(-1) + damping)
+    xp.assert_close(got, (dense_power(dense, power) @ xh.reshape(-1)).reshape(3, 2))
+
+    m = random_spd(rng, 5, 0.5, 2.0)
+    v = rng.standard_normal(5)
+    mh, vh = xp.round_host(m), xp.round_host(v)
+    got = full_block_matpower(xp.asarray(m), xp.asarray(v), power, damping, scale=1.5)
+    xp.assert_close(got, dense_power(1.5 * mh + damping * np.eye(5), power) @ vh)
+
+    got = scaled_identity_matpower(xp.asarray(v), power, damping, scale=1.5)
+    xp.assert_close(got, (1.5 + damping) ** power * vh)
+
+
+def test_diagonal_full_bad_inputs(xp, rng):
+    with pytest.raises(KFACValueError, match="x must be an array of shape"):
+        diagonal_block_matpower(xp.asarray(np.ones((3, 2))), xp.asarray(np.ones(6)), 1.0)
+    with pytest.raises(KFACValueError, match="positive definite"):
+        diagonal_block_matpower(xp.asarray(np.zeros((3, 2))), xp.asarray(np.ones((3, 2))), -1.0)
+    with pytest.raises(KFACValueError, match=r"x must be an array of shape \(4\)"):
+        full_block_matpower(xp.asarray(np.eye(4)), xp.asarray(np.ones(3)), 1.0)
+    with pytest.raises(KFACValueError, match="positive"):
+        scaled_identity_matpower(xp.asarray(np.ones(3)), -1.0, 0.0, scale=0.0)
+
+
+def test_normalize_damping():
+    assert normalize_damping(0.6, 3) == pytest.approx(0.2)
+    assert normalize_damping(0.6, 4, 0.5) == pytest.approx(0.3)
+    assert normalize_damping(0.6, 4, 0.0) == 0.6
+    with pytest.raises(KFACValueError, match="num_replications must be positive"):
+        normalize_damping(0.6, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Series (RNN) block: option 1 and option 2 against the defining dense systems (FORMULAS §3)
+# --------------------------------------------------------------------------------------
+def _sym_inv_sqrt(m):
+    s, q = np.linalg.eigh(m)
+    return (q / np.sqrt(s)) @ q.T
+
+
+def _series_stats(rng, n, T=5, B=40, rho=0.5):
+    """Time-correlated data, folded time-major: C0 and the lag-1 C1 = future^T present/(T·B)."""
+    x = np.empty((T, B, n))
+    mix = rng.standard_normal((n, n)) / np.sqrt(n) * rho
+    x[0] = rng.standard_normal((B, n))
+    for t in range(1, T):
+        x[t] = x[t - 1] @ mix + rng.standard_normal((B, n))
+    flat = x.reshape(T * B, n)
+    c0 = flat.T @ flat / (T * B)
+    c1 = flat[B:].T @ flat[:-B] / (T * B)
+    return c0, c1
+
+
+def test_series_gamma(xp):
+    x = np.array([0.0, 0.3, -0.7, 1.0, 0.999])
+    T = 4
+    expected = 1.0 / np.array([T + 2 * sum((T - d) * v**d for d in range(1, T)) for v in x])
+    xp.assert_close(series_gamma(xp.asarray(x), T), expected, rtol=max(xp.rtol, 1e-9))
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.1])
+def test_series_option1_vs_dense(xp, rng, delta):
+    T, p, q = 5, 3, 2
+    a0, a1 = _series_stats(rng, p, T)
+    g0, g1 = _series_stats(rng, q, T)
+    quants = []
+    for c0, c1 in ((a0, a1), (g0, g1)):
+        c0d = c0 + delta * np.eye(c0.shape[0])
+        c1s = (c1 + c1.T) / 2
+        r = _sym_inv_sqrt(c0d)
+        psi, u = np.linalg.eigh(r @ c1s @ r)
+        quants.append((r @ u, psi, c0d, c1s))
+    (l_a, psi_a, a0d, a1s), (l_g, psi_g, g0d, g1s) = quants
+    x = rng.standard_normal((p, q))
+    got = series_option1_multiply_inverse(*(xp.asarray(v) for v in (l_a, psi_a, l_g, psi_g)), T,
+                                          xp.asarray(x))
+    # Dense F_T = T V0 + Σ_d (T−d)(Ψ^d V0 + V0 Ψ^{dT}), Ψ = V1 V0⁻¹ (FORMULAS §3.1).
+    v0, v1 = np.kron(a0d, g0d), np.kron(a1s, g1s)
+    psi = v1 @ np.linalg.inv(v0)
+    f = T * v0
+    for d in range(1, T):
+        pd = np.linalg.matrix_power(psi, d)
+        f = f + (T - d) * (pd @ v0 + v0 @ pd.T)
+    expected = np.linalg.solve(f, x.reshape(-1)).reshape(p, q)
+    # float32: the quantities are rounded once (eps·κ(F_T) with κ < 1e2 here).
+    xp.assert_close(got, expected, rtol=xp.rtol if xp.float64 else 1e-3)
+
+
+@pytest.mark.parametrize("delta", [0.0, 0.1])
+def test_series_option2_vs_dense(xp, rng, delta):
+    T, p, q = 6, 3, 2
+    a0, a1 = _series_stats(rng, p, T)
+    g0, g1 = _series_stats(rng, q, T)
+    quants = []
+    for c0, c1 in ((a0, a1), (g0, g1)):
+        c0d = c0 + delta * np.eye(c0.shape[0])
+        r = _sym_inv_sqrt(c0d)
+        psih = r @ c1 @ r
+        mu, e = np.linalg.eigh(psih.T @ psih)
+        quants.append((c1.T @ np.linalg.inv(c0d), r @ e, mu, c0d))
+    (p_a, k_a, mu_a, a0d), (p_g, k_g, mu_g, g0d) = quants
+    x = rng.standard_normal((p, q))
+    got = series_option2_multiply_inverse(
+        *(xp.asarray(v) for v in (p_a, k_a, mu_a, p_g, k_g, mu_g)), T, xp.asarray(x))
+    # Dense F_∞ = T (I−P)⁻¹ (V0 − P V0 Pᵀ) (I−Pᵀ)⁻¹ with P = P_A ⊗ P_G (FORMULAS §3.1, R4).
+    v0, pk = np.kron(a0d, g0d), np.kron(p_a, p_g)
+    eye = np.eye(p * q)
+    ip = np.linalg.inv(eye - pk)
+    f = T * ip @ (v0 - pk @ v0 @ pk.T) @ ip.T
+    expected = np.linalg.solve(f, x.reshape(-1)).reshape(p, q)
+    xp.assert_close(got, expected, rtol=xp.rtol if xp.float64 else 1e-3)
+
+
+def test_series_bad_inputs(xp):
+    e = xp.asarray(np.eye(3))
+    v = xp.asarray(np.ones(3))
+    with pytest.raises(KFACValueError, match=r"x must be an array of shape \(3, 3\)"):
+        series_option1_multiply_inverse(e, v, e, v, 4, xp.asarray(np.ones((3, 2))))
+    with pytest.raises(KFACValueError, match="psi_g must be an array of shape"):
+        series_option1_multiply_inverse(e, v, e, xp.asarray(np.ones(2)), 4,
+                                        xp.asarray(np.ones((3, 3))))
+    with pytest.raises(KFACValueError, match="num_timesteps must be"):
+        series_option2_multiply_inverse(e, e, v, e, e, v, 0, xp.asarray(np.ones((3, 3))))
