@@ -1,0 +1,133 @@
+"""Backend layer: namespace/device resolution, constructors, host RNG, validation messages."""
+
+import array_api_compat
+import numpy as np
+import pytest
+
+from kfac_ref import _backend as B
+from kfac_ref import KFACInputError, KFACTypeError, KFACValueError
+
+
+def test_namespace_of_returns_input_namespace(xp):
+    a = xp.asarray(np.ones((2, 2)))
+    assert B.namespace_of("f", a=a, b=None, c=1.0) is xp.xp
+
+
+def test_namespace_of_rejects_mixed_namespaces():
+    import array_api_strict as xs
+
+    with pytest.raises(KFACTypeError, match=r"f: all arrays must come from one array namespace; "
+                       r"a is from array_api_compat.numpy but b is from array_api_strict"):
+        B.namespace_of("f", a=np.ones(2), b=xs.ones(2))
+
+
+def test_namespace_of_rejects_mixed_devices():
+    import array_api_strict as xs
+
+    a = xs.ones(2)
+    b = xs.ones(2, device=xs.Device("device1"))
+    with pytest.raises(KFACTypeError, match=r"f: all arrays must live on one device; a is on .*"
+                       r"CPU_DEVICE.* but b is on .*device1"):
+        B.namespace_of("f", a=a, b=b)
+
+
+def test_namespace_of_rejects_non_arrays_and_empty():
+    with pytest.raises(KFACTypeError, match=r"f: a must be an array .*; got a list of length 2"):
+        B.namespace_of("f", a=[1, 2])
+    with pytest.raises(KFACTypeError, match="at least one array"):
+        B.namespace_of("f", a=None)
+
+
+def test_errors_are_standard_exceptions():
+    assert issubclass(KFACValueError, ValueError) and issubclass(KFACValueError, KFACInputError)
+    assert issubclass(KFACTypeError, TypeError) and issubclass(KFACTypeError, KFACInputError)
+
+
+def test_constructors_keep_namespace_device_dtype(xp):
+    a = xp.asarray(np.ones((3, 2)))
+    for out, shape in ((B.eye_like(a, 4), (4, 4)), (B.zeros_like_shape(a, (2, 5)), (2, 5)),
+                       (B.ones_like_shape(a, (1,)), (1,)), (B.asarray_like([1.0, 2.0], a), (2,))):
+        xp.check(out)
+        assert tuple(out.shape) == shape
+    np.testing.assert_array_equal(xp.to_numpy(B.eye_like(a, 3)), np.eye(3))
+
+
+def test_host_draw_same_numbers_on_every_backend(xp):
+    like = xp.asarray(np.zeros(1))
+    out = B.host_draw(np.random.default_rng(7), like, lambda r: r.standard_normal(5))
+    xp.check(out)
+    expected = xp.round_host(np.random.default_rng(7).standard_normal(5))
+    np.testing.assert_array_equal(xp.to_numpy(out), expected)
+
+
+def test_check_rng():
+    with pytest.raises(KFACTypeError, match=r"f: rng must be a numpy.random.Generator .*; got 0"):
+        B.check_rng("f", "rng", 0)
+    assert B.check_rng("f", "rng", np.random.default_rng()) is not None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value", "message"),
+    [
+        ({"ndim": 2, "layout": "[n, d]"}, np.ones(3),
+         r"f: x must be a 2-D array \[n, d\]; got a 1-D float64 array of shape \(3,\)\."),
+        ({"shape": (2, None)}, np.ones((3, 4)),
+         r"f: x must be an array of shape \(2, \*\); got a 2-D float64 array of shape \(3, 4\)"),
+        ({}, np.ones(3, dtype=np.int64), r"f: x must be an array of real floating dtype; got"),
+        ({}, np.array([1.0, np.inf, np.nan]),
+         r"f: x must be finite \(no NaN or Inf\); got 2 non-finite entries"),
+        ({"min_ndim": 2}, np.ones(2), r"f: x must be an array of at least 2 dimensions"),
+    ],
+)
+def test_check_array_messages(kwargs, value, message):
+    with pytest.raises(KFACInputError, match=message):
+        B.check_array("f", "x", B.asarray_like(value, np.ones(1), dtype=value.dtype), **kwargs)
+
+
+def test_check_array_finite_on_every_backend(xp):
+    bad = xp.asarray(np.array([0.0, np.nan]))
+    with pytest.raises(KFACValueError, match="finite"):
+        B.check_array("f", "x", bad)
+    assert B.check_array("f", "x", bad, finite=False) is bad
+
+
+def test_check_symmetric(xp):
+    m = np.array([[1.0, 2.0], [2.0 + 1e-3, 1.0]])
+    with pytest.raises(KFACValueError, match=r"f: m must be a symmetric matrix; got max\|M - Mᵀ\|"):
+        B.check_symmetric("f", "m", xp.asarray(m))
+    # rounding-level asymmetry is accepted
+    ok = np.array([[1.0, 2.0], [2.0 * (1 + xp.eps), 1.0]])
+    B.check_symmetric("f", "m", xp.asarray(ok))
+    with pytest.raises(KFACValueError, match="square matrix"):
+        B.check_symmetric("f", "m", xp.asarray(np.ones((2, 3))))
+
+
+@pytest.mark.parametrize(
+    ("value", "kwargs", "message"),
+    [
+        (-1.0, {"nonnegative": True}, r"f: d must be non-negative; got -1.0 \(float\)"),
+        (0.0, {"positive": True}, "f: d must be positive"),
+        ("1", {}, r"f: d must be a real number; got '1' \(str\)"),
+        (True, {}, "f: d must be a real number"),
+        (float("nan"), {}, "f: d must be finite"),
+        (1.5, {"integer": True}, "f: d must be an integer"),
+    ],
+)
+def test_check_scalar_messages(value, kwargs, message):
+    with pytest.raises(KFACInputError, match=message):
+        B.check_scalar("f", "d", value, **kwargs)
+
+
+def test_check_option_and_int():
+    with pytest.raises(KFACValueError, match=r"f: mode must be one of 'a', 'b'; got 'c' \(str\)"):
+        B.check_option("f", "mode", "c", ("a", "b"))
+    with pytest.raises(KFACTypeError, match="f: n must be an integer"):
+        B.check_int("f", "n", 2.0)
+    with pytest.raises(KFACValueError, match="f: n must be an integer >= 1"):
+        B.check_int("f", "n", 0, minimum=1)
+
+
+def test_result_float_dtype(xp):
+    a = xp.asarray(np.ones(2))
+    assert B.result_float_dtype(xp.xp, a, None) == xp.dtype
+    assert array_api_compat.array_namespace(a) is xp.xp
