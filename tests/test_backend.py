@@ -4,8 +4,8 @@ import array_api_compat
 import numpy as np
 import pytest
 
-from kfac_ref import _backend as B
 from kfac_ref import KFACInputError, KFACTypeError, KFACValueError
+from kfac_ref import _backend as B
 
 
 def test_namespace_of_returns_input_namespace(xp):
