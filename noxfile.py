@@ -54,4 +54,4 @@ def tests(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """ruff over the library, the tests and the tooling."""
     session.install("ruff>=0.5")
-    session.run("ruff", "check", "kfac_ref", "tests", "noxfile.py")
+    session.run("ruff", "check", "kfac_ref", "tests", "benchmarks", "noxfile.py")
