@@ -1,0 +1,542 @@
+r"""Stateful machinery shared by the TF K-FAC factor classes (immutable states).
+
+A TF K-FAC ``FisherFactor`` owns a moving average of a curvature statistic and, for dense
+factors, cached functions of it (matrix powers, Cholesky factors, their inverses) that are
+refreshed only when the inverse update is run.  Here the same life cycle is expressed with
+immutable objects: every "update" returns a new factor and leaves the old one untouched.
+
+.. math::
+
+    \text{new\_cov} = \frac{1}{n_{\text{towers}}}
+        \sum_{\text{sources } s} \sum_{\text{towers } t} C(s, t), \qquad
+    S \leftarrow \delta S + w\,\text{new\_cov},\ W \leftarrow \delta W + w,\
+    \text{cov} = S / W \ (\text{zero-debiased}).
+
+Life cycle (TF name → kfac_ref method)
+
+* ``make_covariance_update_op(ema_decay, ema_weight)`` → :meth:`FisherFactor.update_cov`
+  (data are passed in, as ``sources × towers`` nested sequences);
+* ``register_matpower / register_cholesky / register_cholesky_inverse`` → same names, each
+  returning a new factor;
+* ``make_inverse_update_ops()`` → :meth:`DenseSquareMatrixFactor.update_inverses`;
+* ``get_matpower / get_cholesky / get_cholesky_inverse / get_eigendecomp`` → same names.
+
+Cached inverses are *stale*: they reflect the covariance at the last
+:meth:`~DenseSquareMatrixFactor.update_inverses`, exactly as TF's inverse variables do, and
+are zero before the first one (TF's ``INIT_INVERSES_AT_ZERO``).  ``get_matpower(1, λ)`` and
+:meth:`~DenseSquareMatrixFactor.get_eigendecomp` are always fresh.
+
+Damping is a non-negative Python number or a zero-argument callable returning one (TF's
+``damping_func``); registrations are keyed by the number's value or by the callable's
+identity, and callables are evaluated at :meth:`~DenseSquareMatrixFactor.update_inverses`.
+"""
+
+from __future__ import annotations
+
+import copy
+import numbers
+from collections.abc import Sequence
+
+from .._backend import (
+    KFACTypeError,
+    KFACValueError,
+    _is_array,  # the lead's array test (private helper, reused)
+    check_int,
+    check_scalar,
+    describe,
+    eye_like,
+    namespace_of,
+    zeros_like_shape,
+)
+from ..averaging import MovingAverageVariable
+from ..linalg import (
+    clipped_eigh,
+    damped_cholesky,
+    damped_cholesky_inverse,
+    damped_inverse,
+    damped_matpower,
+)
+
+__all__ = [
+    "EIGENVALUE_DECOMPOSITION_THRESHOLD",
+    "EIGENVALUE_CLIPPING_THRESHOLD",
+    "FisherFactor",
+    "DenseSquareMatrixFactor",
+    "DiagonalFactor",
+]
+
+EIGENVALUE_DECOMPOSITION_THRESHOLD = 4
+"""TF K-FAC master's threshold: with at least this many registered inverses (or any other
+registered power) the inverses come from one eigendecomposition (the contrib-era seed used 2)."""
+
+EIGENVALUE_CLIPPING_THRESHOLD = 0.0
+"""Eigenvalues below this are raised to it before powers are taken (TF K-FAC's value)."""
+
+
+# --------------------------------------------------------------------------------------
+# Nested data helpers
+# --------------------------------------------------------------------------------------
+def as_towers(func, name, value):
+    """``value`` as a tuple over towers: a bare array is one tower."""
+    if _is_array(value):
+        return (value,)
+    if isinstance(value, Sequence) and not isinstance(value, str) and value and all(
+        _is_array(v) for v in value
+    ):
+        return tuple(value)
+    raise KFACTypeError(
+        f"{func}: {name} must be an array or a non-empty sequence of arrays (one per tower); "
+        f"got {describe(value)}."
+    )
+
+
+def as_sources_towers(func, name, value):
+    """``value`` as a tuple (sources) of tuples (towers).
+
+    A bare array is one source on one tower.  Otherwise the nesting must be explicit, as in
+    TF K-FAC: a sequence over sources of sequences over towers.  A flat sequence of arrays is
+    rejected because it could mean either.
+    """
+    if _is_array(value):
+        return ((value,),)
+    if isinstance(value, Sequence) and not isinstance(value, str) and value:
+        out = []
+        for src in value:
+            if isinstance(src, Sequence) and not isinstance(src, str) and src and all(
+                _is_array(v) for v in src
+            ):
+                out.append(tuple(src))
+            else:
+                break
+        else:
+            n_towers = {len(s) for s in out}
+            if len(n_towers) != 1:
+                raise KFACValueError(
+                    f"{func}: every source in {name} must have the same number of towers; got "
+                    f"{[len(s) for s in out]}."
+                )
+            return tuple(out)
+    raise KFACTypeError(
+        f"{func}: {name} must be an array or a sequence (sources) of sequences (towers) of "
+        f"arrays, e.g. [[g]] for one source on one tower; got {describe(value)}."
+    )
+
+
+def check_equal_batches(func, name, arrays, axis=0):
+    """All towers/sources must share the batch size (TF's ``check_partial_batch_sizes``:
+    per-tower statistics are averaged, which is only right for equal tower batches)."""
+    sizes = [a.shape[axis] if a.ndim > axis else None for a in arrays]
+    if len(set(sizes)) > 1:
+        raise KFACValueError(
+            f"{func}: all arrays in {name} must have the same batch size (towers are averaged); "
+            f"got sizes {sizes}."
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Damping registrations
+# --------------------------------------------------------------------------------------
+def _damping_key(func, damping):
+    if callable(damping):
+        return ("func", damping)
+    v = check_scalar(func, "damping", damping, nonnegative=True)
+    return ("value", v)
+
+
+def _damping_value(func, key):
+    kind, d = key
+    if kind == "func":
+        return check_scalar(func, "damping_func()", d(), nonnegative=True)
+    return d
+
+
+def _exp_value(func, exp):
+    return check_scalar(func, "exp", exp)
+
+
+# --------------------------------------------------------------------------------------
+# Base classes
+# --------------------------------------------------------------------------------------
+class FisherFactor:
+    r"""Base of every factor: the moving average of a batch statistic.
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t} C(s, t),
+        \qquad \text{cov} = \frac{\sum_k \delta^{K-k} w_k\, \text{new\_cov}_k}
+                                 {\sum_k \delta^{K-k} w_k}\ (\text{zero\_debias}),
+
+    i.e. statistics of different *sources* (e.g. several sampled targets) are summed and
+    those of different *towers* (data shards) are averaged, then fed to
+    :class:`kfac_ref.averaging.MovingAverageVariable`.  After two updates with statistics
+    :math:`c_1, c_2`, decay :math:`d` and weight 1 the value is
+    :math:`(d\,c_1 + c_2)/(d + 1)`.
+
+    Objects are immutable: every method that "changes" a factor returns a new one.
+
+    Parameters
+    ----------
+    zero_debias : bool
+        TF's ``ZERO_DEBIAS`` (default True).
+
+    Raises
+    ------
+    KFACValueError
+        Reading :attr:`cov` before the first :meth:`update_cov`.
+
+    References
+    ----------
+    TF K-FAC ``fisher_factors.FisherFactor``.
+    """
+
+    _cov_kind = "dense"
+
+    def __init__(self, *, zero_debias=True):
+        self._set(_cov_avg=None, zero_debias=bool(zero_debias))
+
+    # -- immutability ------------------------------------------------------------------
+    def _set(self, **attrs):
+        for k, v in attrs.items():
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable; methods return new objects.")
+
+    def _evolve(self, **changes):
+        new = copy.copy(self)
+        new._set(**changes)
+        return new
+
+    @property
+    def name(self):
+        """The class name (TF's variable scope has no meaning here)."""
+        return type(self).__name__
+
+    # -- statistics --------------------------------------------------------------------
+    def _contributions(self, *data, **kwargs):  # pragma: no cover - abstract
+        """Return a nested tuple ``[source][tower]`` of batch statistics."""
+        raise NotImplementedError
+
+    def compute_new_cov(self, *data, **kwargs):
+        r"""The batch statistic: sources summed, towers averaged (TF's
+        ``_compute_total_new_cov``).
+
+        .. math:: \frac{1}{n_{\text{towers}}} \sum_s \sum_t C(s, t)
+        """
+        contribs = self._contributions(*data, **kwargs)
+        n_towers = len(contribs[0])
+        total = None
+        for src in contribs:
+            for c in src:
+                total = c if total is None else total + c
+        return total / float(n_towers)
+
+    def update_cov(self, *data, ema_decay, ema_weight=1.0, **kwargs):
+        r"""Return the factor after one moving-average update with the batch statistic.
+
+        .. math::
+
+            S \leftarrow \delta S + w\,\text{new\_cov}, \quad W \leftarrow \delta W + w .
+
+        Parameters
+        ----------
+        *data
+            The factor's data (see the subclass), nested ``sources × towers`` where TF does.
+        ema_decay : float
+            :math:`\delta \ge 0`.
+        ema_weight : float
+            :math:`w \ge 0`; TF K-FAC's estimator passes 1 (the contrib-era factor used
+            :math:`1 - \delta`; with zero-debiasing both give the same value).
+        """
+        new_cov = self.compute_new_cov(*data, **kwargs)
+        avg = self._cov_avg
+        if avg is None:
+            avg = MovingAverageVariable.zeros_like(new_cov, zero_debias=self.zero_debias)
+        return self._evolve(_cov_avg=avg.update(new_cov, ema_decay, ema_weight))
+
+    @property
+    def cov(self):
+        """The current (moving-average) statistic."""
+        if self._cov_avg is None:
+            raise KFACValueError(
+                f"{self.name}.cov: the factor must have been updated at least once (call "
+                "update_cov); got a factor with no statistics."
+            )
+        return self._cov_avg.value
+
+    def get_cov(self):
+        """Alias of :attr:`cov` (TF's ``get_cov``)."""
+        return self.cov
+
+    @property
+    def num_updates_seen(self):
+        """Whether statistics exist (``False`` before the first :meth:`update_cov`)."""
+        return self._cov_avg is not None
+
+
+class DenseSquareMatrixFactor(FisherFactor):
+    r"""A factor stored as a dense symmetric PSD matrix, with cached damped functions of it.
+
+    .. math::
+
+        (C + \lambda I)^{p} = V\,\mathrm{diag}\big((\max(e, c) + \lambda)^{p}\big)\,V^\top
+        \ \text{(eigen path)}, \qquad
+        (C + \lambda I)^{-1} = L^{-\top} L^{-1} \ \text{(Cholesky path)},
+
+    with :math:`C = V \mathrm{diag}(e) V^\top` and clipping threshold :math:`c`.
+
+    **Eigendecomposition rule** (TF K-FAC): the eigen path is used when any power other
+    than :math:`-1` is registered, or when at least ``eigenvalue_decomposition_threshold``
+    inverses are registered (4 in TF master, 2 in the contrib-era seed), or when a subclass
+    needs the eigendecomposition anyway (the series quantities of
+    :class:`~kfac_ref.factors.FullyConnectedMultiKF`); otherwise each inverse is a Cholesky
+    solve.  Cholesky factors and their inverses are always computed by Cholesky.
+
+    Parameters
+    ----------
+    zero_debias : bool
+    eigenvalue_decomposition_threshold : int
+    eigenvalue_clipping_threshold : float
+
+    Raises
+    ------
+    KFACValueError
+        Asking for a quantity that was not registered; negative damping.
+
+    References
+    ----------
+    TF K-FAC ``fisher_factors.DenseSquareMatrixFactor``.
+    """
+
+    def __init__(self, *, zero_debias=True,
+                 eigenvalue_decomposition_threshold=EIGENVALUE_DECOMPOSITION_THRESHOLD,
+                 eigenvalue_clipping_threshold=EIGENVALUE_CLIPPING_THRESHOLD):
+        super().__init__(zero_debias=zero_debias)
+        func = type(self).__name__
+        self._set(
+            eigenvalue_decomposition_threshold=check_int(
+                func, "eigenvalue_decomposition_threshold", eigenvalue_decomposition_threshold,
+                minimum=1),
+            eigenvalue_clipping_threshold=check_scalar(
+                func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold,
+                nonnegative=True),
+            _matpower_regs=(),  # ((exp, damping_key), ...) in registration order
+            _cholesky_regs=(),
+            _cholesky_inverse_regs=(),
+            _cache={},  # (kind, exp, damping_key) -> array
+        )
+
+    # -- registrations -----------------------------------------------------------------
+    def register_matpower(self, exp, damping):
+        r"""Return a factor that also maintains :math:`(C + \lambda I)^{p}`.
+
+        ``exp == 1`` is not cached (it is served fresh), as in TF.
+        """
+        func = f"{self.name}.register_matpower"
+        exp = _exp_value(func, exp)
+        if exp == 1.0:
+            return self
+        key = (exp, _damping_key(func, damping))
+        if key in self._matpower_regs:
+            return self
+        return self._evolve(_matpower_regs=(*self._matpower_regs, key))
+
+    def register_inverse(self, damping):
+        r"""``register_matpower(-1, damping)``: :math:`(C + \lambda I)^{-1}`."""
+        return self.register_matpower(-1, damping)
+
+    def register_cholesky(self, damping):
+        r"""Return a factor that also maintains :math:`L`, :math:`L L^\top = C + \lambda I`."""
+        key = _damping_key(f"{self.name}.register_cholesky", damping)
+        if key in self._cholesky_regs:
+            return self
+        return self._evolve(_cholesky_regs=(*self._cholesky_regs, key))
+
+    def register_cholesky_inverse(self, damping):
+        r"""Return a factor that also maintains :math:`L^{-1}`."""
+        key = _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        if key in self._cholesky_inverse_regs:
+            return self
+        return self._evolve(_cholesky_inverse_regs=(*self._cholesky_inverse_regs, key))
+
+    # -- inverse update ------------------------------------------------------------------
+    @property
+    def _needs_eigendecomp(self):
+        return False
+
+    @property
+    def uses_eigendecomposition(self):
+        """Whether :meth:`update_inverses` takes the eigen path (TF's ``use_eig``)."""
+        num_inverses = sum(1 for exp, _ in self._matpower_regs if exp == -1.0)
+        other = len(self._matpower_regs) - num_inverses
+        return (self._needs_eigendecomp or other >= 1
+                or num_inverses >= self.eigenvalue_decomposition_threshold)
+
+    def _inverse_cache(self):
+        func = f"{self.name}.update_inverses"
+        cov = self.cov
+        cache = {}
+        if self.uses_eigendecomposition:
+            for exp, key in self._matpower_regs:
+                cache[("matpower", exp, key)] = damped_matpower(
+                    cov, exp, _damping_value(func, key), self.eigenvalue_clipping_threshold)
+        else:
+            for exp, key in self._matpower_regs:
+                cache[("matpower", exp, key)] = damped_inverse(cov, _damping_value(func, key))
+        for key in self._cholesky_regs:
+            cache[("cholesky", None, key)] = damped_cholesky(cov, _damping_value(func, key))
+        for key in self._cholesky_inverse_regs:
+            cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse(
+                cov, _damping_value(func, key))
+        return cache
+
+    def update_inverses(self):
+        r"""Return a factor whose cached quantities are recomputed from the current
+        :attr:`cov` (TF's ``make_inverse_update_ops``).
+
+        .. math::
+
+            \{(C + \lambda I)^{p},\ L_\lambda,\ L_\lambda^{-1}\}
+            \ \text{for every registered } (p, \lambda).
+        """
+        return self._evolve(_cache=self._inverse_cache())
+
+    make_inverse_update_ops = update_inverses
+
+    # -- getters -------------------------------------------------------------------------
+    def _cached(self, func, kind, exp, key, regs, reg_key):
+        if reg_key not in regs:
+            raise KFACValueError(
+                f"{func}: the quantity must be registered before use (call the matching "
+                f"register_* method); got an unregistered damping {key[1]!r}"
+                + ("" if exp is None else f" and exponent {exp}") + "."
+            )
+        value = self._cache.get((kind, exp, key))
+        if value is None:  # registered, never computed: TF initialises inverses at zero
+            cov = self.cov
+            return zeros_like_shape(cov, cov.shape)
+        return value
+
+    def get_matpower(self, exp, damping):
+        r""":math:`(C + \lambda I)^{p}`: fresh for :math:`p = 1`, else the cached (possibly
+        stale) value of the last :meth:`update_inverses`."""
+        func = f"{self.name}.get_matpower"
+        exp = _exp_value(func, exp)
+        key = _damping_key(func, damping)
+        if exp == 1.0:
+            cov = self.cov
+            return cov + _damping_value(func, key) * eye_like(cov, cov.shape[0])
+        return self._cached(func, "matpower", exp, key, self._matpower_regs, (exp, key))
+
+    def get_inverse(self, damping):
+        r"""The cached :math:`(C + \lambda I)^{-1}`."""
+        return self.get_matpower(-1, damping)
+
+    def get_cholesky(self, damping):
+        r"""The cached lower Cholesky factor of :math:`C + \lambda I`."""
+        func = f"{self.name}.get_cholesky"
+        key = _damping_key(func, damping)
+        return self._cached(func, "cholesky", None, key, self._cholesky_regs, key)
+
+    def get_cholesky_inverse(self, damping):
+        r"""The cached inverse of the lower Cholesky factor of :math:`C + \lambda I`."""
+        func = f"{self.name}.get_cholesky_inverse"
+        key = _damping_key(func, damping)
+        return self._cached(func, "cholesky_inverse", None, key, self._cholesky_inverse_regs,
+                            key)
+
+    def get_eigendecomp(self):
+        r"""Fresh clipped eigendecomposition :math:`(\max(e, c), V)` of the current
+        :attr:`cov` (TF computes it from the current covariance, never cached)."""
+        return clipped_eigh(self.cov, self.eigenvalue_clipping_threshold)
+
+
+class DiagonalFactor(FisherFactor):
+    r"""A factor stored by its diagonal (in the parameter's shape).
+
+    .. math::
+
+        (D + \lambda I)^{p} = \mathrm{diag}\big((d + \lambda)^{p}\big), \qquad
+        \text{Cholesky} = p = \tfrac12, \quad \text{Cholesky inverse} = p = -\tfrac12 .
+
+    Nothing is cached: every power is computed from the current diagonal (TF's
+    ``DiagonalFactor``), so the ``register_*`` methods and :meth:`update_inverses` return the
+    factor unchanged.  Results have the shape of :attr:`cov`; flatten row-major for the
+    parameter vector order.
+
+    Raises
+    ------
+    KFACValueError
+        A negative power of a diagonal with a zero (or negative) damped entry.
+
+    References
+    ----------
+    TF K-FAC ``fisher_factors.DiagonalFactor``.
+    """
+
+    _cov_kind = "diagonal"
+
+    def register_matpower(self, exp, damping):
+        """No-op (diagonal powers are served fresh)."""
+        _exp_value(f"{self.name}.register_matpower", exp)
+        _damping_key(f"{self.name}.register_matpower", damping)
+        return self
+
+    def register_inverse(self, damping):
+        """No-op."""
+        return self.register_matpower(-1, damping)
+
+    def register_cholesky(self, damping):
+        """No-op."""
+        _damping_key(f"{self.name}.register_cholesky", damping)
+        return self
+
+    def register_cholesky_inverse(self, damping):
+        """No-op."""
+        _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        return self
+
+    def update_inverses(self):
+        """No-op (returns ``self``)."""
+        return self
+
+    make_inverse_update_ops = update_inverses
+
+    def get_matpower(self, exp, damping):
+        r""":math:`(d + \lambda)^{p}` elementwise, from the current diagonal."""
+        func = f"{self.name}.get_matpower"
+        exp = _exp_value(func, exp)
+        lam = _damping_value(func, _damping_key(func, damping))
+        cov = self.cov
+        xp = namespace_of(func, cov=cov)
+        damped = cov + lam
+        if exp < 0 and damped.size and not bool(xp.min(damped) > 0):
+            raise KFACValueError(
+                f"{func}: diagonal + damping must be positive for a negative exponent ({exp}); "
+                f"its smallest entry is {float(xp.min(damped)):.3g}. Add damping."
+            )
+        return damped**exp
+
+    def get_inverse(self, damping):
+        r""":math:`(d + \lambda)^{-1}`."""
+        return self.get_matpower(-1, damping)
+
+    def get_cholesky(self, damping):
+        r""":math:`(d + \lambda)^{1/2}`."""
+        return self.get_matpower(0.5, damping)
+
+    def get_cholesky_inverse(self, damping):
+        r""":math:`(d + \lambda)^{-1/2}`."""
+        return self.get_matpower(-0.5, damping)
+
+
+def is_number(v):
+    """True for real Python/NumPy numbers (not bool)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_bool(func, name, value):
+    """Validate a Python bool flag (``has_bias`` and friends)."""
+    if not isinstance(value, bool):
+        raise KFACTypeError(f"{func}: {name} must be a bool; got {describe(value)}.")
+    return value

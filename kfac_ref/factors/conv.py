@@ -1,0 +1,520 @@
+r"""Convolution layer factors of TF K-FAC: KFC input/output Kronecker factors and the diagonal.
+
+Conventions: inputs ``[N, *spatial, C_in]`` (``data_format`` channels last, default
+``"NHWC"``) or ``[N, C_in, *spatial]`` (``"NCHW"`` etc.); kernels ``[k_1, ..., k_r, C_in,
+C_out]``; patch vectors ordered ``(k_1, ..., k_r, C_in)`` with ``C_in`` fastest, bias
+coordinate appended last (:mod:`kfac_ref.patches`).  Both Kronecker factors are normalised
+by :math:`N|T|` (|T| = number of output locations), so the KFC block is
+:math:`|T|\,(\Omega \otimes \Gamma)` and a damping :math:`\lambda` reaches the factors as
+:math:`\lambda/|T|` (TF ``ConvKFCBasicFB``, kfac-jax ``Conv2DTwoKroneckerFactored``).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._backend import (
+    KFACValueError,
+    check_array,
+    check_int,
+    check_rng,
+    namespace_of,
+)
+from ..linalg import append_homog, compute_cov
+from ..patches import (
+    _channels_last,
+    _check_filter_shape,
+    _spatial_ints,
+    extract_convolution_patches,
+    extract_image_patches,
+    extract_pointwise_conv2d_patches,
+    num_subsampled_inputs,
+    num_subsampled_patches,
+    subsample_rows,
+)
+from .base import (
+    DenseSquareMatrixFactor,
+    DiagonalFactor,
+    as_sources_towers,
+    as_towers,
+    check_bool,
+    check_equal_batches,
+)
+
+__all__ = [
+    "EXTRACT_PATCHES_FNS",
+    "conv_patch_matrix",
+    "conv_input_kronecker_factor",
+    "conv_output_kronecker_factor",
+    "conv_diagonal_factor",
+    "ConvInputKroneckerFactor",
+    "ConvOutputKroneckerFactor",
+    "ConvDiagonalFactor",
+    "ConvInputMultiKF",
+    "ConvOutputMultiKF",
+]
+
+EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
+                       "extract_pointwise_conv2d_patches")
+"""TF's ``extract_patches_fn`` choices (``None`` means the first)."""
+
+
+def _check_patch_mask(func, xp, patch_mask, filter_shape, like):
+    if patch_mask is None:
+        return None
+    namespace_of(func, inputs=like, patch_mask=patch_mask)
+    check_array(func, "patch_mask", patch_mask, shape=tuple(filter_shape[:-1]),
+                layout="[k_1, ..., k_r, C_in]")
+    return patch_mask
+
+
+def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate=None,
+                      data_format="NHWC", has_bias=False, *, extract_patches_fn=None,
+                      patch_mask=None):
+    r"""KFC's expanded matrix :math:`[[A]]_H`: one row per (example, output location).
+
+    .. math::
+
+        [[A]]_H = \big[\, P \;\; \mathbf 1 \,\big]
+        \in \mathbb{R}^{N|T| \times (|\Delta| C_{in} + 1)},
+        \qquad P_{(n,t),(\delta,c)} = x^{\text{pad}}_{n,\, s\odot t + d\odot\delta,\, c},
+
+    rows ordered example-major then location (row-major over the output grid), columns
+    ``(k_1, …, k_r, C_in)`` with ``C_in`` fastest, the ones column (``has_bias``) last.  A
+    ``patch_mask`` ``[k_1, …, k_r, C_in]`` multiplies every patch (TF master).
+
+    Parameters
+    ----------
+    inputs, filter_shape, padding, strides, dilation_rate, data_format
+        As :func:`kfac_ref.patches.extract_convolution_patches` (``data_format`` defaults
+        to ``"NHWC"``; pass ``None`` for channels last at any rank).
+    has_bias : bool
+    extract_patches_fn : {None, "extract_convolution_patches", "extract_image_patches",
+        "extract_pointwise_conv2d_patches"}
+        TF's switch; all three give the same patches where they apply (the image variant
+        is 2-D only, the pointwise one needs a 1×1 kernel and unit strides).
+    patch_mask : array, optional
+
+    Returns
+    -------
+    array [N·|T|, |Δ|·C_in (+1)]
+        Peak memory: :math:`N\,|T|\,|\Delta|\,C_{in}` entries.
+
+    References
+    ----------
+    Grosse & Martens (2016), eq. 14; TF K-FAC ``ConvInputKroneckerFactor._compute_new_cov``.
+    """
+    func = "conv_patch_matrix"
+    xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    channels_last = _channels_last(func, data_format, inputs.ndim)
+    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    check_bool(func, "has_bias", has_bias)
+    if extract_patches_fn is not None and extract_patches_fn not in EXTRACT_PATCHES_FNS:
+        raise KFACValueError(
+            f"{func}: extract_patches_fn must be None or one of "
+            f"{', '.join(repr(f) for f in EXTRACT_PATCHES_FNS)}; got {extract_patches_fn!r}."
+        )
+    patch_mask = _check_patch_mask(func, xp, patch_mask, filter_shape, inputs)
+    if extract_patches_fn in (None, "extract_convolution_patches"):
+        patches = extract_convolution_patches(inputs, filter_shape, padding, strides,
+                                              dilation_rate, data_format)
+    elif extract_patches_fn == "extract_image_patches":
+        if inputs.ndim != 4:
+            raise KFACValueError(f"{func}: extract_image_patches needs 4-D inputs; got "
+                                 f"{inputs.ndim}-D.")
+        patches = extract_image_patches(inputs, filter_shape[:2], strides,
+                                        dilation_rate, padding, data_format)
+    else:
+        rank = inputs.ndim - 2
+        s = _spatial_ints(func, "strides", strides, rank, channels_last, 1)
+        if any(v != 1 for v in s):
+            raise KFACValueError(f"{func}: extract_pointwise_conv2d_patches needs unit "
+                                 f"strides; got {s}.")
+        patches = extract_pointwise_conv2d_patches(inputs, filter_shape, data_format)
+    flat = math.prod(filter_shape[:-1])
+    patches = xp.reshape(patches, (-1, flat))
+    if patch_mask is not None:
+        patches = patches * xp.reshape(patch_mask, (flat,))
+    if has_bias:
+        patches = append_homog(patches)
+    return patches
+
+
+def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dilation_rate=None,
+                                data_format="NHWC", has_bias=False, *, extract_patches_fn=None,
+                                patch_mask=None, sub_sample_inputs=False,
+                                sub_sample_patches=False, rng=None,
+                                inputs_to_extract_patches_factor=0.2,
+                                max_num_patches=10_000_000, max_num_patches_per_dimension=3.0):
+    r"""KFC input factor :math:`\Omega`: second moment of the patch vectors over examples
+    *and* locations.
+
+    .. math::
+
+        \Omega = \frac{1}{N |T|} \sum_{n=1}^{N} \sum_{t \in T} \bar p_{n,t}\, \bar p_{n,t}^\top
+               = \frac{1}{N|T|}\, [[A]]_H^\top [[A]]_H ,
+        \qquad \bar p_{n,t} = [p_{n,t}, 1]\ (\texttt{has\_bias}),
+
+    where :math:`p_{n,t}` is the patch read by output location :math:`t` (zero padding
+    included; the homogeneous 1 is present at every location, so the bias corner is 1).
+    This is TF K-FAC's normalisation, :math:`\hat\Omega/|T|` in the KFC paper's notation;
+    the block multiplies by :math:`|T|`.
+
+    Memory: the patch matrix :math:`[[A]]_H` is materialised, :math:`N\,|T|\,k_h k_w C_{in}`
+    entries (times the dtype size) at peak, then reduced by one GEMM.  Subsampling bounds
+    it (below); a memory-bounded variant is future work.
+
+    Subsampling (TF's ``_SUB_SAMPLE_INPUTS`` / ``_SUB_SAMPLE_PATCHES``, both off by default)
+    draws from the explicit generator ``rng`` on the host (:func:`kfac_ref.patches.subsample_rows`):
+    ``sub_sample_inputs`` keeps :math:`\lceil f N \rceil` random examples before patch
+    extraction; ``sub_sample_patches`` keeps :math:`\min(M_{\max}, \lceil \rho D \rceil)` random
+    patch rows (:math:`D` the patch dimension without bias) before the bias is appended.  The
+    normaliser is then the number of rows kept.
+
+    Parameters
+    ----------
+    inputs : array [N, *spatial, C_in] or channels first
+    filter_shape : sequence of int
+        ``[k_1, ..., k_r, C_in, C_out]``.
+    padding : {"SAME", "VALID"} or sequence of (int, int)
+    strides, dilation_rate : int, sequence or None
+        Spatial or TF's full-rank form.
+    data_format : str or None
+        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
+        ``None`` (channels last, any rank).
+    has_bias : bool
+    extract_patches_fn, patch_mask
+        See :func:`conv_patch_matrix`.
+    sub_sample_inputs, sub_sample_patches : bool
+    rng : numpy.random.Generator
+        Required when subsampling.
+    inputs_to_extract_patches_factor, max_num_patches, max_num_patches_per_dimension
+        TF's constants (0.2, 1e7, 3.0).
+
+    Returns
+    -------
+    array [|Δ| C_in (+1), |Δ| C_in (+1)]
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Channel mismatch between ``inputs`` and ``filter_shape``, wrong rank for the data
+        format, unknown padding, non-positive strides/dilation, missing ``rng`` when
+        subsampling, an empty output grid.
+
+    References
+    ----------
+    Grosse & Martens (2016), §3.1; TF K-FAC ``ConvInputKroneckerFactor``.
+    """
+    func = "conv_input_kronecker_factor"
+    namespace_of(func, inputs=inputs, patch_mask=patch_mask)
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    check_bool(func, "sub_sample_inputs", sub_sample_inputs)
+    check_bool(func, "sub_sample_patches", sub_sample_patches)
+    if sub_sample_inputs or sub_sample_patches:
+        check_rng(func, "rng", rng)
+    if sub_sample_inputs:
+        inputs = subsample_rows(
+            inputs, num_subsampled_inputs(inputs.shape[0], inputs_to_extract_patches_factor),
+            rng)
+    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilation_rate,
+                                data_format, False, extract_patches_fn=extract_patches_fn,
+                                patch_mask=patch_mask)
+    if patches.shape[0] == 0:
+        raise KFACValueError(f"{func}: the convolution must have at least one example and one "
+                             f"output location; got {patches.shape[0]} patch rows.")
+    if sub_sample_patches:
+        keep = num_subsampled_patches(patches.shape[0], patches.shape[1], max_num_patches,
+                                      max_num_patches_per_dimension)
+        if keep < patches.shape[0]:
+            patches = subsample_rows(patches, keep, rng)
+    check_bool(func, "has_bias", has_bias)
+    if has_bias:
+        patches = append_homog(patches)
+    return compute_cov(patches)
+
+
+def _grads_channels_last(func, xp, outputs_grad, data_format):
+    check_array(func, "outputs_grad", outputs_grad, min_ndim=2, layout="[N, *spatial, C_out]")
+    channels_last = _channels_last(func, data_format, outputs_grad.ndim)
+    if channels_last:
+        return outputs_grad
+    return xp.permute_dims(outputs_grad, (0, *range(2, outputs_grad.ndim), 1))
+
+
+def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
+    r"""KFC output factor :math:`\Gamma`: second moment of the back-propagated vectors over
+    examples and locations.
+
+    .. math::
+
+        \Gamma = \frac{1}{N|T|} \sum_{n} \sum_{t \in T} g_{n,t}\, g_{n,t}^\top
+               = \frac{1}{N|T|}\, DS^\top DS, \qquad DS = \mathrm{reshape}(g, [N|T|, C_{out}]).
+
+    Parameters
+    ----------
+    outputs_grad : array [N, *spatial, C_out] or [N, C_out, *spatial]
+        Per-example gradients of the summed loss w.r.t. the pre-activations.
+    data_format : str or None
+        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
+        ``None`` (channels last, any rank ≥ 2).
+
+    Returns
+    -------
+    array [C_out, C_out]
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Rank mismatch with ``data_format``, non-finite input, no rows.
+
+    References
+    ----------
+    Grosse & Martens (2016), §3.1; TF K-FAC ``ConvOutputKroneckerFactor``.
+    """
+    func = "conv_output_kronecker_factor"
+    xp = namespace_of(func, outputs_grad=outputs_grad)
+    g = _grads_channels_last(func, xp, outputs_grad, data_format)
+    c_out = g.shape[-1]
+    ds = xp.reshape(g, (-1, c_out))
+    if ds.shape[0] == 0:
+        raise KFACValueError(f"{func}: outputs_grad must have at least one location; got shape "
+                             f"{tuple(outputs_grad.shape)}.")
+    return compute_cov(ds)
+
+
+def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
+                         data_format="NHWC", dilations=None, has_bias=False, *,
+                         patch_mask=None):
+    r"""Exact diagonal of the per-example second moment of a convolution's gradient.
+
+    .. math::
+
+        F = \frac{1}{N} \sum_{n=1}^{N}
+            \Big(\sum_{t \in T} \bar p_{n,t}\, g_{n,t}^\top\Big)^{\odot 2},
+        \qquad F \in \mathbb{R}^{(|\Delta| C_{in} + 1) \times C_{out}},
+
+    the "sum of squares" estimator: each example's weight gradient :math:`DW_n` (summed over
+    locations, one batched GEMM) is squared elementwise and averaged over examples.
+
+    Parameters
+    ----------
+    inputs : array [N, *spatial, C_in] (or channels first)
+    outputs_grad : array [N, *out_spatial, C_out] (same data format)
+    filter_shape : sequence of int
+        ``[k_1, ..., k_r, C_in, C_out]``.
+    strides : int, sequence or None
+        Spatial or TF's full-rank form (TF requires the 4-element form).
+    padding : {"SAME", "VALID"} or sequence of (int, int)
+    data_format : str or None
+    dilations : int, sequence or None
+    has_bias : bool
+    patch_mask : array [k_1, ..., k_r, C_in], optional
+
+    Returns
+    -------
+    array [|Δ| C_in (+1), C_out]
+        In the shape of the kernel reshaped to 2-D with the bias row last; peak memory is
+        the patch tensor, :math:`N\,|T|\,|\Delta|\,C_{in}` entries, plus
+        :math:`N (|\Delta| C_{in} + 1) C_{out}` for the per-example gradients.
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Channel mismatches (inputs vs ``filter_shape[-2]``, outputs_grad vs
+        ``filter_shape[-1]``), batch or output-grid mismatch, bad padding/strides.
+
+    References
+    ----------
+    TF K-FAC ``ConvDiagonalFactor`` (einsum ``bijk,bijl->bkl``).
+    """
+    func = "conv_diagonal_factor"
+    xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad, patch_mask=patch_mask)
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim,
+                layout="[N, *out_spatial, C_out]")
+    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    g = _grads_channels_last(func, xp, outputs_grad, data_format)
+    if g.shape[-1] != filter_shape[-1]:
+        raise KFACValueError(
+            f"{func}: outputs_grad and filter_shape must agree on out_channels; outputs_grad "
+            f"has {g.shape[-1]} but filter_shape is {filter_shape}."
+        )
+    if g.shape[0] != inputs.shape[0]:
+        raise KFACValueError(f"{func}: inputs and outputs_grad must have the same batch size; "
+                             f"got {inputs.shape[0]} and {g.shape[0]}.")
+    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilations, data_format,
+                                has_bias, patch_mask=patch_mask)
+    n = inputs.shape[0]
+    out_spatial = tuple(g.shape[1:-1])
+    t = patches.shape[0] // n if n else 0
+    if math.prod(out_spatial) != t:
+        raise KFACValueError(
+            f"{func}: outputs_grad must have the convolution's output grid ({t} locations); got "
+            f"spatial shape {out_spatial}."
+        )
+    if n == 0:
+        raise KFACValueError(f"{func}: inputs must have at least one example; got shape "
+                             f"{tuple(inputs.shape)}.")
+    p = xp.reshape(patches, (n, t, patches.shape[1]))
+    gg = xp.reshape(g, (n, t, g.shape[-1]))
+    per_example = xp.matrix_transpose(p) @ gg  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
+    return xp.sum(per_example * per_example, axis=0) / float(n)
+
+
+# --------------------------------------------------------------------------------------
+# Stateful classes
+# --------------------------------------------------------------------------------------
+class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
+    r"""TF K-FAC's ``ConvInputKroneckerFactor``: moving average of
+    :func:`conv_input_kronecker_factor`.
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{t}
+            \frac{1}{N|T|}\, [[A_t]]_H^\top [[A_t]]_H \quad (\text{one source}).
+
+    Data for :meth:`update_cov`: ``inputs`` (an array or a sequence over towers); pass
+    ``rng=`` (a :class:`numpy.random.Generator`) when subsampling is on.
+
+    Parameters
+    ----------
+    filter_shape, padding, strides, dilation_rate, data_format, has_bias
+        As :func:`conv_input_kronecker_factor`.
+    extract_patches_fn, sub_sample_inputs, sub_sample_patches, patch_mask
+        TF's options (subsampling off by default).
+    zero_debias, eigenvalue_decomposition_threshold, eigenvalue_clipping_threshold
+        See :class:`~kfac_ref.factors.base.DenseSquareMatrixFactor`.
+    """
+
+    def __init__(self, filter_shape, padding, strides=None, dilation_rate=None,
+                 data_format="NHWC", extract_patches_fn=None, has_bias=False,
+                 sub_sample_inputs=False, sub_sample_patches=False, patch_mask=None, **kwargs):
+        super().__init__(**kwargs)
+        func = type(self).__name__
+        self._set(filter_shape=_check_filter_shape(func, filter_shape), padding=padding,
+                  strides=strides, dilation_rate=dilation_rate, data_format=data_format,
+                  extract_patches_fn=extract_patches_fn,
+                  has_bias=check_bool(func, "has_bias", has_bias),
+                  sub_sample_inputs=check_bool(func, "sub_sample_inputs", sub_sample_inputs),
+                  sub_sample_patches=check_bool(func, "sub_sample_patches", sub_sample_patches),
+                  patch_mask=patch_mask)
+
+    def _contributions(self, inputs, rng=None):
+        func = f"{self.name}.update_cov"
+        towers = as_towers(func, "inputs", inputs)
+        check_equal_batches(func, "inputs", towers)
+        return (tuple(
+            conv_input_kronecker_factor(
+                x, self.filter_shape, self.padding, self.strides, self.dilation_rate,
+                self.data_format, self.has_bias, extract_patches_fn=self.extract_patches_fn,
+                patch_mask=self.patch_mask, sub_sample_inputs=self.sub_sample_inputs,
+                sub_sample_patches=self.sub_sample_patches, rng=rng)
+            for x in towers),)
+
+
+class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
+    r"""TF K-FAC's ``ConvOutputKroneckerFactor``: moving average of
+    :func:`conv_output_kronecker_factor`.
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t}
+            \frac{1}{N|T|}\, DS_{s,t}^\top DS_{s,t} .
+
+    Data for :meth:`update_cov`: ``outputs_grads``, an array or sources × towers.
+    (TF rejects channels-first data; here ``data_format="NCHW"`` is accepted.)
+    """
+
+    def __init__(self, data_format="NHWC", **kwargs):
+        super().__init__(**kwargs)
+        self._set(data_format=data_format)
+
+    def _contributions(self, outputs_grads):
+        func = f"{self.name}.update_cov"
+        st = as_sources_towers(func, "outputs_grads", outputs_grads)
+        for src in st:
+            check_equal_batches(func, "outputs_grads", src)
+        return tuple(tuple(conv_output_kronecker_factor(g, self.data_format) for g in src)
+                     for src in st)
+
+
+class ConvDiagonalFactor(DiagonalFactor):
+    r"""TF K-FAC's ``ConvDiagonalFactor``: moving average of :func:`conv_diagonal_factor`.
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t}
+            \frac{1}{N} \sum_n
+            \big(\textstyle\sum_{\tau} \bar p_{n,\tau} g_{s,n,\tau}^\top\big)^{\odot 2} .
+
+    Data for :meth:`update_cov`: ``inputs`` (array or towers) and ``outputs_grads`` (array or
+    sources × towers).
+    """
+
+    def __init__(self, filter_shape, strides, padding, data_format="NHWC", dilations=None,
+                 has_bias=False, patch_mask=None, **kwargs):
+        super().__init__(**kwargs)
+        func = type(self).__name__
+        self._set(filter_shape=_check_filter_shape(func, filter_shape), strides=strides,
+                  padding=padding, data_format=data_format, dilations=dilations,
+                  has_bias=check_bool(func, "has_bias", has_bias), patch_mask=patch_mask)
+
+    def _contributions(self, inputs, outputs_grads):
+        func = f"{self.name}.update_cov"
+        towers = as_towers(func, "inputs", inputs)
+        st = as_sources_towers(func, "outputs_grads", outputs_grads)
+        if len(st[0]) != len(towers):
+            raise KFACValueError(
+                f"{func}: outputs_grads must have one array per input tower ({len(towers)}); "
+                f"got {len(st[0])}."
+            )
+        check_equal_batches(func, "inputs", towers)
+        return tuple(
+            tuple(conv_diagonal_factor(x, g, self.filter_shape, self.strides, self.padding,
+                                       self.data_format, self.dilations, self.has_bias,
+                                       patch_mask=self.patch_mask)
+                  for x, g in zip(towers, src, strict=True))
+            for src in st
+        )
+
+
+class ConvInputMultiKF(ConvInputKroneckerFactor):
+    r"""TF master's ``ConvInputMultiKF``: a conv input factor for a layer used ``num_uses``
+    times, with the uses folded into the batch axis (``[num_uses·N, ...]``).
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{T N |L|} \sum_{u,n,\ell} \bar p\, \bar p^\top ,
+
+    i.e. the same statistic as :class:`ConvInputKroneckerFactor` on the folded batch (TF
+    changes only its batch-size bookkeeping, :meth:`batch_size`).
+    """
+
+    def __init__(self, filter_shape, padding, num_uses, *args, **kwargs):
+        super().__init__(filter_shape, padding, *args, **kwargs)
+        self._set(num_uses=check_int(type(self).__name__, "num_uses", num_uses, minimum=1))
+
+    def batch_size(self, inputs):
+        """Examples per use: the folded batch divided by ``num_uses``."""
+        return as_towers(f"{self.name}.batch_size", "inputs", inputs)[0].shape[0] // self.num_uses
+
+
+class ConvOutputMultiKF(ConvOutputKroneckerFactor):
+    r"""TF master's ``ConvOutputMultiKF``: :class:`ConvOutputKroneckerFactor` for a layer
+    used ``num_uses`` times (uses folded into the batch axis).
+
+    .. math::
+
+        \text{new\_cov} = \frac{1}{T N |L|} \sum_{u,n,\ell} g\, g^\top .
+    """
+
+    def __init__(self, num_uses, data_format="NHWC", **kwargs):
+        super().__init__(data_format=data_format, **kwargs)
+        self._set(num_uses=check_int(type(self).__name__, "num_uses", num_uses, minimum=1))
+
+    def batch_size(self, outputs_grads):
+        """Examples per use: the folded batch divided by ``num_uses``."""
+        st = as_sources_towers(f"{self.name}.batch_size", "outputs_grads", outputs_grads)
+        return st[0][0].shape[0] // self.num_uses
