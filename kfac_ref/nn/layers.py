@@ -1,0 +1,894 @@
+r"""Reference layers with explicit forward, Jacobian-vector, vector-Jacobian and R-operator maps.
+
+Every layer is a small immutable object that holds its hyper-parameters (sizes, strides, ...)
+and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the order given by
+:meth:`Layer.param_names`.  Each layer provides
+
+* ``forward(params, x)`` — the map :math:`y = f(\theta, x)`;
+* ``jvp(params, x, dparams, dx)`` — the forward-mode tangent
+  :math:`\dot y = \partial_\theta f\,\dot\theta + \partial_x f\,\dot x`;
+* ``vjp_input(params, x, g)`` — :math:`(\partial_x f)^\top g`;
+* ``param_grads(params, x, g, per_example)`` — :math:`(\partial_\theta f)^\top g`, summed over the
+  batch or kept per example (leading axis ``N``);
+* ``rvjp(params, x, dparams, dx, g, rg)`` — Pearlmutter's R-operator applied to the backward pass:
+  the directional derivative of ``(param_grads, vjp_input)`` when :math:`\theta, x, g` move along
+  :math:`\dot\theta, \dot x, \dot g` (``rg``).  This is the second-order piece that turns a
+  backward pass into an exact Hessian-vector product.
+
+Conventions (see the project's DESIGN.md): batch axis first; dense kernels ``W`` are
+``[d_in, d_out]`` with ``y = x W + b``; convolution kernels are HWIO; the bias is the last
+parameter of a layer.  A ``None`` tangent or cotangent stands for zero.
+
+References
+----------
+Pearlmutter, B. A. (1994). Fast exact multiplication by the Hessian. Neural Computation 6(1).
+Schraudolph, N. N. (2002). Fast curvature matrix-vector products for second-order gradient
+descent. Neural Computation 14(7).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .._backend import (
+    KFACValueError,
+    check_array,
+    check_int,
+    check_option,
+    namespace_of,
+)
+
+__all__ = [
+    "Layer",
+    "Dense",
+    "Conv2D",
+    "ScaleAndShift",
+    "Embedding",
+    "Activation",
+    "MeanPool",
+    "Flatten",
+    "ACTIVATIONS",
+]
+
+ACTIVATIONS = ("identity", "tanh", "sigmoid", "relu", "softplus")
+"""Names of the elementwise activations of :class:`Activation`."""
+
+
+def _add(a, b):
+    """Sum of two tangents where ``None`` means zero."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def _zeros_if_none(xp, t, like):
+    return xp.zeros_like(like) if t is None else t
+
+
+class Layer:
+    r"""Base class of the reference layers.
+
+    A layer is the map :math:`y = f(\theta, x)` applied independently to every example of
+    the batch (no mixing across the batch axis), so every Jacobian is block diagonal over
+    examples:
+
+    .. math::
+
+        \frac{\partial y_n}{\partial x_m} = 0 \quad (n \ne m).
+
+    Subclasses set ``kind`` (the name the block map of the curvature estimator keys on)
+    and implement the maps listed in the module docstring.
+    """
+
+    kind = "layer"
+
+    # -- parameters -------------------------------------------------------------------
+    def param_names(self) -> tuple[str, ...]:
+        """Names of the parameter arrays, in the layer's canonical order (bias last)."""
+        return ()
+
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Shapes of the parameter arrays, in :meth:`param_names` order."""
+        return ()
+
+    @property
+    def num_params(self) -> int:
+        """Number of scalar parameters."""
+        return sum(math.prod(s) for s in self.param_shapes())
+
+    def init_params(self, rng, like):
+        """Random parameters (host draws, see ``kfac_ref._backend.host_draw``)."""
+        return ()
+
+    def check_params(self, func: str, params) -> tuple:
+        """Validate a parameter tuple against :meth:`param_shapes`."""
+        shapes = self.param_shapes()
+        if not isinstance(params, (tuple, list)) or len(params) != len(shapes):
+            raise KFACValueError(
+                f"{func}: params of a {type(self).__name__} layer must be a tuple of "
+                f"{len(shapes)} arrays {self.param_names()}; got {params!r:.80}."
+            )
+        for name, p, s in zip(self.param_names(), params, shapes, strict=True):
+            check_array(func, name, p, shape=s)
+        return tuple(params)
+
+    # -- shapes -----------------------------------------------------------------------
+    def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """Per-batch output shape for a per-batch input shape (both include ``N``)."""
+        return tuple(input_shape)
+
+    def check_input(self, func: str, x) -> None:
+        """Validate the input array (rank, trailing sizes, dtype)."""
+        check_array(func, "x", x, min_ndim=2)
+
+    # -- maps ---------------------------------------------------------------------------
+    def forward(self, params, x):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def vjp_input(self, params, x, g):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def param_grads(self, params, x, g, per_example=False):
+        """Parameter cotangents (empty for parameter-free layers)."""
+        return ()
+
+    def rvjp(self, params, x, dparams, dx, g, rg):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _normal_init(rng, like, shape, scale):
+    import numpy as np  # host-side random draws only
+
+    from .._backend import host_draw
+
+    return host_draw(rng, like, lambda r: scale * r.standard_normal(shape).astype(np.float64))
+
+
+# ----------------------------------------------------------------------------------------
+# Dense
+# ----------------------------------------------------------------------------------------
+class Dense(Layer):
+    r"""Fully connected layer, optionally applied to every position of ``[N, T, d]`` inputs.
+
+    .. math::
+
+        y_{n,t} = x_{n,t} W + b, \qquad W \in \mathbb{R}^{d_{in} \times d_{out}},\;
+        b \in \mathbb{R}^{d_{out}},
+
+    with the optional position axis ``t`` (weight sharing, Eschenhagen et al. 2023).  The
+    parameter cotangents sum over positions:
+    :math:`\partial W = \sum_t x_{n,t}^\top g_{n,t}`, :math:`\partial b = \sum_t g_{n,t}`.
+    Flattened, the layer's parameters are the row-major ``[W; b]`` of shape
+    ``[d_in + 1, d_out]`` (bias last).
+
+    Parameters
+    ----------
+    d_in, d_out : int
+    use_bias : bool
+
+    Raises
+    ------
+    KFACValueError
+        Non-positive sizes; inputs whose last axis is not ``d_in`` or whose rank is not 2 or 3.
+    """
+
+    kind = "dense"
+
+    def __init__(self, d_in: int, d_out: int, use_bias: bool = True):
+        self.d_in = check_int("Dense", "d_in", d_in, minimum=1)
+        self.d_out = check_int("Dense", "d_out", d_out, minimum=1)
+        self.use_bias = bool(use_bias)
+
+    def param_names(self):
+        return ("w", "b") if self.use_bias else ("w",)
+
+    def param_shapes(self):
+        w = (self.d_in, self.d_out)
+        return (w, (self.d_out,)) if self.use_bias else (w,)
+
+    def init_params(self, rng, like):
+        w = _normal_init(rng, like, (self.d_in, self.d_out), 1.0 / math.sqrt(self.d_in))
+        if not self.use_bias:
+            return (w,)
+        return (w, _normal_init(rng, like, (self.d_out,), 0.5))
+
+    def output_shape(self, input_shape):
+        return (*input_shape[:-1], self.d_out)
+
+    def check_input(self, func, x):
+        check_array(func, "x", x, ndim=(2, 3), layout="[N, d_in] or [N, T, d_in]")
+        if x.shape[-1] != self.d_in:
+            raise KFACValueError(
+                f"{func}: x must have last axis d_in = {self.d_in}; got shape {tuple(x.shape)}."
+            )
+
+    def forward(self, params, x):
+        y = x @ params[0]
+        return y + params[1] if self.use_bias else y
+
+    def jvp(self, params, x, dparams, dx):
+        out = None
+        if dparams is not None:
+            out = x @ dparams[0]
+            if self.use_bias:
+                out = out + dparams[1]
+        if dx is not None:
+            out = _add(out, dx @ params[0])
+        return out
+
+    def vjp_input(self, params, x, g):
+        return g @ params[0].T
+
+    def param_grads(self, params, x, g, per_example=False):
+        xp = namespace_of("Dense.param_grads", x=x, g=g)
+        if per_example:
+            if x.ndim == 2:
+                gw = x[:, :, None] * g[:, None, :]
+                gb = g
+            else:
+                gw = xp.permute_dims(x, (0, 2, 1)) @ g
+                gb = xp.sum(g, axis=1)
+        else:
+            x2 = xp.reshape(x, (-1, self.d_in))
+            g2 = xp.reshape(g, (-1, self.d_out))
+            gw = x2.T @ g2
+            gb = xp.sum(g2, axis=0)
+        return (gw, gb) if self.use_bias else (gw,)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        # R{x^T g} = dx^T g + x^T rg ; R{sum g} = sum rg ; R{g W^T} = rg W^T + g dW^T
+        xp = namespace_of("Dense.rvjp", x=x, g=g)
+        rg = _zeros_if_none(xp, rg, g)
+        r_params = self.param_grads(params, x, rg)
+        if dx is not None:
+            r_w = r_params[0] + xp.reshape(dx, (-1, self.d_in)).T @ xp.reshape(g, (-1, self.d_out))
+            r_params = (r_w, *r_params[1:])
+        r_x = rg @ params[0].T
+        if dparams is not None:
+            r_x = r_x + g @ dparams[0].T
+        return r_params, r_x
+
+    def __repr__(self):
+        return f"Dense({self.d_in}, {self.d_out}, use_bias={self.use_bias})"
+
+
+# ----------------------------------------------------------------------------------------
+# Conv2D
+# ----------------------------------------------------------------------------------------
+class Conv2D(Layer):
+    r"""2-D convolution computed as patch extraction followed by one GEMM.
+
+    .. math::
+
+        y_{n,t} = P(x)_{n,t}\, K + b, \qquad
+        K \in \mathbb{R}^{(k_h k_w C_{in}) \times C_{out}},
+
+    where :math:`P(x)_{n,t}` is the patch of example ``n`` at output location ``t``, ordered
+    ``(kh, kw, C_in)`` with ``C_in`` fastest (:func:`kfac_ref.patches.extract_convolution_patches`),
+    and ``K`` is the HWIO kernel ``[kh, kw, C_in, C_out]`` reshaped row-major.  The input
+    cotangent is the transpose of patch extraction applied to :math:`g K^\top`:
+
+    .. math::
+
+        \partial x = P^\top\!\big(g K^\top\big), \qquad
+        \partial K = \sum_t P(x)_{n,t}^\top g_{n,t}, \qquad \partial b = \sum_t g_{n,t}.
+
+    :math:`P^\top` is applied as a 0/1 selection matrix :math:`S` (``[H W, |T| k_h k_w]``)
+    obtained by running the *same* patch extractor on an image of pixel indices, so forward
+    and backward share one definition of the patch geometry.
+
+    Parameters
+    ----------
+    c_in, c_out : int
+    kernel_size : int or (int, int)
+    stride, dilation : int or (int, int)
+    padding : "VALID", "SAME" or ((top, bottom), (left, right))
+        "SAME" splits as TF does (low side gets ``total // 2``).
+    data_format : {"NHWC", "NCHW"}
+        Layout of inputs and outputs; the kernel is always HWIO.
+    use_bias : bool
+
+    Raises
+    ------
+    KFACValueError
+        Bad sizes, unknown layouts, inputs of the wrong rank or channel count.
+    """
+
+    kind = "conv2d"
+
+    def __init__(self, c_in, c_out, kernel_size, stride=1, padding="VALID", dilation=1,
+                 data_format="NHWC", use_bias=True):
+        func = "Conv2D"
+        self.c_in = check_int(func, "c_in", c_in, minimum=1)
+        self.c_out = check_int(func, "c_out", c_out, minimum=1)
+        self.kernel_size = _pair(func, "kernel_size", kernel_size)
+        self.stride = _pair(func, "stride", stride)
+        self.dilation = _pair(func, "dilation", dilation)
+        if isinstance(padding, str):
+            check_option(func, "padding", padding, ("VALID", "SAME"))
+            self.padding = padding
+        else:
+            try:
+                (pt, pb), (pl, pr) = padding
+                self.padding = ((int(pt), int(pb)), (int(pl), int(pr)))
+            except (TypeError, ValueError):
+                raise KFACValueError(
+                    f"{func}: padding must be 'VALID', 'SAME' or ((top, bottom), (left, right)); "
+                    f"got {padding!r}."
+                ) from None
+            if min(self.padding[0] + self.padding[1]) < 0:
+                raise KFACValueError(f"{func}: padding must be non-negative; got {padding!r}.")
+        self.data_format = check_option(func, "data_format", data_format, ("NHWC", "NCHW"))
+        self.use_bias = bool(use_bias)
+
+    # -- geometry ------------------------------------------------------------------------
+    @property
+    def patch_size(self) -> int:
+        """:math:`k_h k_w C_{in}`."""
+        return self.kernel_size[0] * self.kernel_size[1] * self.c_in
+
+    @property
+    def filter_shape(self) -> tuple[int, int, int, int]:
+        """HWIO kernel shape ``(kh, kw, C_in, C_out)``."""
+        return (*self.kernel_size, self.c_in, self.c_out)
+
+    def _padding_arg(self):
+        return self.padding if isinstance(self.padding, str) else list(self.padding)
+
+    def spatial_output(self, input_shape):
+        """Output spatial size ``(Ho, Wo)`` (:func:`kfac_ref.patches.conv_output_spatial_shape`)."""
+        from ..patches import conv_output_spatial_shape
+
+        fmt = "NHWC" if self.data_format == "NHWC" else "NCHW"
+        return conv_output_spatial_shape(tuple(input_shape), self.filter_shape, self.stride,
+                                         self._padding_arg(), self.dilation, fmt)
+
+    def output_shape(self, input_shape):
+        ho, wo = self.spatial_output(input_shape)
+        n = input_shape[0]
+        return (n, ho, wo, self.c_out) if self.data_format == "NHWC" else (n, self.c_out, ho, wo)
+
+    def check_input(self, func, x):
+        lay = "[N, H, W, C_in]" if self.data_format == "NHWC" else "[N, C_in, H, W]"
+        check_array(func, "x", x, ndim=4, layout=lay)
+        c = x.shape[3] if self.data_format == "NHWC" else x.shape[1]
+        if c != self.c_in:
+            raise KFACValueError(
+                f"{func}: x must have C_in = {self.c_in} channels {lay}; got shape "
+                f"{tuple(x.shape)}."
+            )
+        ho, wo = self.spatial_output(tuple(x.shape))
+        if ho < 1 or wo < 1:
+            raise KFACValueError(
+                f"{func}: x must be large enough for the kernel (output size >= 1); got shape "
+                f"{tuple(x.shape)} for kernel {self.kernel_size}, dilation {self.dilation}, "
+                f"padding {self.padding!r}."
+            )
+
+    # -- parameters ------------------------------------------------------------------------
+    def param_names(self):
+        return ("w", "b") if self.use_bias else ("w",)
+
+    def param_shapes(self):
+        w = (*self.kernel_size, self.c_in, self.c_out)
+        return (w, (self.c_out,)) if self.use_bias else (w,)
+
+    def init_params(self, rng, like):
+        w = _normal_init(rng, like, self.param_shapes()[0], 1.0 / math.sqrt(self.patch_size))
+        if not self.use_bias:
+            return (w,)
+        return (w, _normal_init(rng, like, (self.c_out,), 0.5))
+
+    # -- layout helpers ----------------------------------------------------------------------
+    def _to_nhwc(self, xp, x):
+        return x if self.data_format == "NHWC" else xp.permute_dims(x, (0, 2, 3, 1))
+
+    def _from_nhwc(self, xp, y):
+        return y if self.data_format == "NHWC" else xp.permute_dims(y, (0, 3, 1, 2))
+
+    def patches(self, x):
+        r"""Patches of ``x`` as ``[N, Ho, Wo, kh·kw·C_in]`` (locations in NHWC order).
+
+        .. math::
+
+            P(x)_{n,(i,j)} = \big[x^{\text{pad}}_{n,\, i s_h + a d_h,\; j s_w + b d_w,\; c}
+            \big]_{(a, b, c)}, \quad c \text{ fastest}.
+
+        Delegates to :func:`kfac_ref.patches.extract_convolution_patches`.
+        """
+        from ..patches import extract_convolution_patches
+
+        xp = namespace_of("Conv2D.patches", x=x)
+        x = self._to_nhwc(xp, x)
+        p = extract_convolution_patches(x, (*self.kernel_size, x.shape[3], self.c_out),
+                                        self._padding_arg(), strides=self.stride,
+                                        dilation_rate=self.dilation, data_format="NHWC")
+        return xp.reshape(p, (*p.shape[:3], -1))
+
+    def _kernel_matrix(self, xp, w):
+        return xp.reshape(w, (self.patch_size, self.c_out))
+
+    def _selection(self, xp, like, hw):
+        """0/1 matrix S [H·W, Ho·Wo·kh·kw]: S[p, (t, k)] = 1 iff patch slot (t, k) reads pixel p.
+
+        Built by extracting the patches of an image whose pixels hold their own index + 1
+        (padding reads 0), so it is the exact transpose of the patch extractor.
+        """
+        from ..patches import extract_convolution_patches
+
+        h, w = hw
+        dev = _device(like)
+        idx = xp.reshape(xp.arange(1, h * w + 1, dtype=like.dtype, device=dev), (1, h, w, 1))
+        pidx = extract_convolution_patches(idx, (*self.kernel_size, 1, 1), self._padding_arg(),
+                                           strides=self.stride, dilation_rate=self.dilation,
+                                           data_format="NHWC")
+        flat = xp.reshape(pidx, (1, -1))
+        pix = xp.reshape(xp.arange(1, h * w + 1, dtype=like.dtype, device=dev), (-1, 1))
+        return xp.astype(flat == pix, like.dtype)
+
+    def _transpose_patches(self, xp, gp, hw):
+        """Adjoint of patch extraction: gp [N, Ho, Wo, kh·kw·C_in] -> [N, H, W, C_in] (NHWC)."""
+        n = gp.shape[0]
+        sel = self._selection(xp, gp, hw)  # [HW, L*KK]
+        gp3 = xp.reshape(gp, (n, -1, self.c_in))  # [N, L*KK, C_in]
+        gx = sel @ gp3  # [N, HW, C_in]
+        return xp.reshape(gx, (n, hw[0], hw[1], self.c_in))
+
+    # -- maps --------------------------------------------------------------------------------
+    def _conv(self, xp, x, w, b):
+        p = self.patches(x)
+        y = p @ self._kernel_matrix(xp, w)
+        if b is not None:
+            y = y + b
+        return self._from_nhwc(xp, y)
+
+    def forward(self, params, x):
+        xp = namespace_of("Conv2D.forward", x=x)
+        return self._conv(xp, x, params[0], params[1] if self.use_bias else None)
+
+    def jvp(self, params, x, dparams, dx):
+        xp = namespace_of("Conv2D.jvp", x=x)
+        out = None
+        if dparams is not None:
+            out = self._conv(xp, x, dparams[0], dparams[1] if self.use_bias else None)
+        if dx is not None:
+            out = _add(out, self._conv(xp, dx, params[0], None))
+        return out
+
+    def vjp_input(self, params, x, g):
+        xp = namespace_of("Conv2D.vjp_input", x=x, g=g)
+        g = self._to_nhwc(xp, g)
+        xn = self._to_nhwc(xp, x)
+        gp = g @ self._kernel_matrix(xp, params[0]).T
+        return self._from_nhwc(xp, self._transpose_patches(xp, gp, (xn.shape[1], xn.shape[2])))
+
+    def param_grads(self, params, x, g, per_example=False):
+        xp = namespace_of("Conv2D.param_grads", x=x, g=g)
+        g = self._to_nhwc(xp, g)
+        p = self.patches(x)
+        n = p.shape[0]
+        kshape = self.param_shapes()[0]
+        if per_example:
+            p3 = xp.reshape(p, (n, -1, self.patch_size))
+            g3 = xp.reshape(g, (n, -1, self.c_out))
+            gw = xp.reshape(xp.permute_dims(p3, (0, 2, 1)) @ g3, (n, *kshape))
+            gb = xp.sum(g3, axis=1)
+        else:
+            p2 = xp.reshape(p, (-1, self.patch_size))
+            g2 = xp.reshape(g, (-1, self.c_out))
+            gw = xp.reshape(p2.T @ g2, kshape)
+            gb = xp.sum(g2, axis=0)
+        return (gw, gb) if self.use_bias else (gw,)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        xp = namespace_of("Conv2D.rvjp", x=x, g=g)
+        rg = _zeros_if_none(xp, rg, g)
+        r_params = self.param_grads(params, x, rg)
+        if dx is not None:
+            r_w = r_params[0] + self.param_grads(params, dx, g)[0]
+            r_params = (r_w, *r_params[1:])
+        r_x = self.vjp_input(params, x, rg)
+        if dparams is not None:
+            r_x = r_x + self.vjp_input(dparams, x, g)
+        return r_params, r_x
+
+    def __repr__(self):
+        return (f"Conv2D({self.c_in}, {self.c_out}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding!r}, dilation={self.dilation}, "
+                f"data_format={self.data_format!r}, use_bias={self.use_bias})")
+
+
+def _device(x):
+    import array_api_compat
+
+    return array_api_compat.device(x)
+
+
+def _pair(func, name, v):
+    if isinstance(v, int) and not isinstance(v, bool):
+        v = (v, v)
+    try:
+        a, b = v
+    except (TypeError, ValueError):
+        raise KFACValueError(f"{func}: {name} must be an int or a pair of ints; got {v!r}.") \
+            from None
+    return (check_int(func, name, a, minimum=1), check_int(func, name, b, minimum=1))
+
+
+# ----------------------------------------------------------------------------------------
+# Scale and shift
+# ----------------------------------------------------------------------------------------
+class ScaleAndShift(Layer):
+    r"""Per-channel scale and shift on the last axis (the affine part of a normalisation layer).
+
+    .. math::
+
+        y_{n,\dots,c} = x_{n,\dots,c}\, s_c + t_c, \qquad
+        \partial s_c = \sum_{\dots} g_{n,\dots,c}\, x_{n,\dots,c}, \quad
+        \partial t_c = \sum_{\dots} g_{n,\dots,c}.
+
+    Flattened parameters: ``[s; t]`` (shift last), matching kfac-jax's
+    ``ScaleAndShiftDiagonal`` (scale then shift).
+
+    Parameters
+    ----------
+    num_channels : int
+    has_scale, has_shift : bool
+        At least one must be true.
+    """
+
+    kind = "scale_and_shift"
+
+    def __init__(self, num_channels, has_scale=True, has_shift=True):
+        self.num_channels = check_int("ScaleAndShift", "num_channels", num_channels, minimum=1)
+        self.has_scale = bool(has_scale)
+        self.has_shift = bool(has_shift)
+        if not (self.has_scale or self.has_shift):
+            raise KFACValueError("ScaleAndShift: has_scale or has_shift must be true; got both "
+                                 "False.")
+
+    def param_names(self):
+        return (("scale",) if self.has_scale else ()) + (("shift",) if self.has_shift else ())
+
+    def param_shapes(self):
+        return tuple((self.num_channels,) for _ in self.param_names())
+
+    def init_params(self, rng, like):
+        out = []
+        if self.has_scale:
+            import numpy as np  # host-side random draws only
+
+            from .._backend import host_draw
+
+            out.append(host_draw(rng, like,
+                                 lambda r: 1.0 + 0.3 * r.standard_normal(self.num_channels)
+                                 .astype(np.float64)))
+        if self.has_shift:
+            out.append(_normal_init(rng, like, (self.num_channels,), 0.5))
+        return tuple(out)
+
+    def check_input(self, func, x):
+        check_array(func, "x", x, min_ndim=2, layout="[N, ..., C]")
+        if x.shape[-1] != self.num_channels:
+            raise KFACValueError(
+                f"{func}: x must have last axis C = {self.num_channels}; got shape "
+                f"{tuple(x.shape)}."
+            )
+
+    def _split(self, params):
+        s = params[0] if self.has_scale else None
+        t = params[-1] if self.has_shift else None
+        return s, t
+
+    def forward(self, params, x):
+        s, t = self._split(params)
+        y = x * s if s is not None else x
+        return y + t if t is not None else y
+
+    def jvp(self, params, x, dparams, dx):
+        xp = namespace_of("ScaleAndShift.jvp", x=x)
+        s, _ = self._split(params)
+        out = None
+        if dparams is not None:
+            ds, dt = self._split(dparams)
+            out = x * ds if ds is not None else None
+            out = _add(out, None if dt is None else xp.broadcast_to(dt, x.shape))
+        if dx is not None:
+            out = _add(out, dx * s if s is not None else dx)
+        return out
+
+    def vjp_input(self, params, x, g):
+        s, _ = self._split(params)
+        return g * s if s is not None else g
+
+    def param_grads(self, params, x, g, per_example=False):
+        xp = namespace_of("ScaleAndShift.param_grads", x=x, g=g)
+        n = x.shape[0]
+        c = self.num_channels
+        out = []
+        if per_example:
+            if self.has_scale:
+                out.append(xp.sum(xp.reshape(g * x, (n, -1, c)), axis=1))
+            if self.has_shift:
+                out.append(xp.sum(xp.reshape(g, (n, -1, c)), axis=1))
+        else:
+            if self.has_scale:
+                out.append(xp.sum(xp.reshape(g * x, (-1, c)), axis=0))
+            if self.has_shift:
+                out.append(xp.sum(xp.reshape(g, (-1, c)), axis=0))
+        return tuple(out)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        xp = namespace_of("ScaleAndShift.rvjp", x=x, g=g)
+        rg = _zeros_if_none(xp, rg, g)
+        r_params = self.param_grads(params, x, rg)
+        if dx is not None and self.has_scale:
+            r_params = (r_params[0] + xp.sum(xp.reshape(g * dx, (-1, self.num_channels)),
+                                             axis=0), *r_params[1:])
+        r_x = self.vjp_input(params, x, rg)
+        if dparams is not None and self.has_scale:
+            r_x = r_x + g * dparams[0]
+        return r_params, r_x
+
+    def __repr__(self):
+        return (f"ScaleAndShift({self.num_channels}, has_scale={self.has_scale}, "
+                f"has_shift={self.has_shift})")
+
+
+# ----------------------------------------------------------------------------------------
+# Embedding
+# ----------------------------------------------------------------------------------------
+class Embedding(Layer):
+    r"""Embedding lookup of integer ids, a dense layer on one-hot inputs without bias.
+
+    .. math::
+
+        y_{n,t} = E_{i_{n,t}} = \mathrm{onehot}(i_{n,t})^\top E, \qquad
+        \partial E = \sum_{n,t} \mathrm{onehot}(i_{n,t})\, g_{n,t}^\top ,
+
+    with ``E`` of shape ``[vocab_size, dim]``.  Ids ``[N]`` or ``[N, T]`` are integers and are
+    not differentiable (``vjp_input`` returns ``None``); an embedding is therefore the first
+    layer of a network.
+
+    Parameters
+    ----------
+    vocab_size, dim : int
+    """
+
+    kind = "embedding"
+
+    def __init__(self, vocab_size, dim):
+        self.vocab_size = check_int("Embedding", "vocab_size", vocab_size, minimum=1)
+        self.dim = check_int("Embedding", "dim", dim, minimum=1)
+
+    def param_names(self):
+        return ("embeddings",)
+
+    def param_shapes(self):
+        return ((self.vocab_size, self.dim),)
+
+    def init_params(self, rng, like):
+        return (_normal_init(rng, like, (self.vocab_size, self.dim), 1.0),)
+
+    def output_shape(self, input_shape):
+        return (*input_shape, self.dim)
+
+    def check_input(self, func, x):
+        check_array(func, "ids", x, ndim=(1, 2), dtype="integral", layout="[N] or [N, T]")
+        xp = namespace_of(func, ids=x)
+        if x.size and (int(xp.min(x)) < 0 or int(xp.max(x)) >= self.vocab_size):
+            raise KFACValueError(
+                f"{func}: ids must lie in [0, {self.vocab_size}); got range "
+                f"[{int(xp.min(x))}, {int(xp.max(x))}]."
+            )
+
+    def one_hot(self, ids, dtype):
+        """``[..., vocab_size]`` one-hot encoding of ``ids`` in ``dtype``."""
+        xp = namespace_of("Embedding.one_hot", ids=ids)
+        classes = xp.arange(self.vocab_size, dtype=ids.dtype, device=_device(ids))
+        return xp.astype(ids[..., None] == classes, dtype)
+
+    def forward(self, params, x):
+        xp = namespace_of("Embedding.forward", ids=x, params=params[0])
+        flat = xp.reshape(x, (-1,))
+        y = xp.take(params[0], flat, axis=0)
+        return xp.reshape(y, (*x.shape, self.dim))
+
+    def jvp(self, params, x, dparams, dx):
+        if dparams is None:
+            return None
+        return self.forward(dparams, x)
+
+    def vjp_input(self, params, x, g):
+        return None
+
+    def param_grads(self, params, x, g, per_example=False):
+        xp = namespace_of("Embedding.param_grads", g=g)
+        oh = self.one_hot(x, g.dtype)
+        if per_example:
+            if x.ndim == 1:
+                return (oh[:, :, None] * g[:, None, :],)
+            return (xp.permute_dims(oh, (0, 2, 1)) @ g,)
+        return (xp.reshape(oh, (-1, self.vocab_size)).T @ xp.reshape(g, (-1, self.dim)),)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        xp = namespace_of("Embedding.rvjp", g=g)
+        rg = _zeros_if_none(xp, rg, g)
+        return self.param_grads(params, x, rg), None
+
+    def __repr__(self):
+        return f"Embedding({self.vocab_size}, {self.dim})"
+
+
+# ----------------------------------------------------------------------------------------
+# Activations
+# ----------------------------------------------------------------------------------------
+def _sigmoid(xp, x):
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def activation_derivatives(kind, x):
+    r"""Value, first and second derivative of an elementwise activation.
+
+    .. math::
+
+        \begin{aligned}
+        \tanh:&\ \sigma' = 1 - \sigma^2,\ \sigma'' = -2\sigma(1 - \sigma^2);\\
+        \mathrm{sigmoid}:&\ \sigma' = \sigma(1-\sigma),\ \sigma'' = \sigma(1-\sigma)(1-2\sigma);\\
+        \mathrm{relu}:&\ \sigma' = [x > 0],\ \sigma'' = 0;\\
+        \mathrm{softplus}:&\ \sigma = \log(1 + e^x),\ \sigma' = \mathrm{sigmoid}(x),\
+            \sigma'' = \mathrm{sigmoid}(x)(1 - \mathrm{sigmoid}(x));\\
+        \mathrm{identity}:&\ \sigma' = 1,\ \sigma'' = 0.
+        \end{aligned}
+
+    The relu derivative at 0 is taken as 0.
+
+    Parameters
+    ----------
+    kind : {"identity", "tanh", "sigmoid", "relu", "softplus"}
+    x : array
+
+    Returns
+    -------
+    (value, first, second) : arrays of ``x``'s shape
+    """
+    func = "activation_derivatives"
+    check_option(func, "kind", kind, ACTIVATIONS)
+    xp = namespace_of(func, x=x)
+    check_array(func, "x", x)
+    one = xp.ones_like(x)
+    zero = xp.zeros_like(x)
+    if kind == "identity":
+        return x, one, zero
+    if kind == "tanh":
+        t = xp.tanh(x)
+        d1 = 1.0 - t * t
+        return t, d1, -2.0 * t * d1
+    if kind == "sigmoid":
+        s = _sigmoid(xp, x)
+        d1 = s * (1.0 - s)
+        return s, d1, d1 * (1.0 - 2.0 * s)
+    if kind == "relu":
+        pos = x > 0
+        return xp.where(pos, x, zero), xp.where(pos, one, zero), zero
+    # softplus: max(x, 0) + log1p(exp(-|x|)), stable for large |x|
+    s = _sigmoid(xp, x)
+    val = xp.where(x > 0, x, zero) + xp.log1p(xp.exp(-xp.abs(x)))
+    return val, s, s * (1.0 - s)
+
+
+class Activation(Layer):
+    r"""Elementwise activation :math:`y = \sigma(x)`.
+
+    .. math::
+
+        \dot y = \sigma'(x)\,\dot x, \qquad \partial x = \sigma'(x)\, g, \qquad
+        R\{\partial x\} = \sigma'(x)\, R\{g\} + \sigma''(x)\, \dot x\, g .
+
+    Parameters
+    ----------
+    kind : {"identity", "tanh", "sigmoid", "relu", "softplus"}
+        See :func:`activation_derivatives`.
+    """
+
+    kind = "activation"
+
+    def __init__(self, kind):
+        self.activation = check_option("Activation", "kind", kind, ACTIVATIONS)
+
+    def forward(self, params, x):
+        return activation_derivatives(self.activation, x)[0]
+
+    def jvp(self, params, x, dparams, dx):
+        if dx is None:
+            return None
+        return activation_derivatives(self.activation, x)[1] * dx
+
+    def vjp_input(self, params, x, g):
+        return activation_derivatives(self.activation, x)[1] * g
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        _, d1, d2 = activation_derivatives(self.activation, x)
+        out = None if rg is None else d1 * rg
+        if dx is not None:
+            out = _add(out, d2 * dx * g)
+        return (), out
+
+    def __repr__(self):
+        return f"Activation({self.activation!r})"
+
+
+# ----------------------------------------------------------------------------------------
+# Parameter-free linear reshaping layers
+# ----------------------------------------------------------------------------------------
+class MeanPool(Layer):
+    r"""Mean over the non-batch, non-channel axes (tokens or spatial locations).
+
+    .. math::
+
+        y_{n,c} = \frac{1}{S} \sum_{s} x_{n,s,c}, \qquad \partial x_{n,s,c} = g_{n,c}/S,
+
+    for inputs ``[N, S..., C]`` (channels last).  This is the pooling of the KFAC-reduce
+    setting (Eschenhagen et al. 2023).
+    """
+
+    kind = "pool"
+
+    def output_shape(self, input_shape):
+        return (input_shape[0], input_shape[-1])
+
+    def check_input(self, func, x):
+        check_array(func, "x", x, min_ndim=3, layout="[N, S..., C]")
+
+    def forward(self, params, x):
+        xp = namespace_of("MeanPool.forward", x=x)
+        return xp.mean(xp.reshape(x, (x.shape[0], -1, x.shape[-1])), axis=1)
+
+    def jvp(self, params, x, dparams, dx):
+        return None if dx is None else self.forward(params, dx)
+
+    def vjp_input(self, params, x, g):
+        xp = namespace_of("MeanPool.vjp_input", x=x, g=g)
+        s = math.prod(x.shape[1:-1])
+        shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
+        return xp.broadcast_to(xp.reshape(g / s, shape), x.shape)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        return (), None if rg is None else self.vjp_input(params, x, rg)
+
+
+class Flatten(Layer):
+    r"""Flatten every non-batch axis (row-major).
+
+    .. math::
+
+        y_n = \mathrm{vec}_r(x_n), \qquad \partial x_n = \mathrm{vec}_r^{-1}(g_n).
+    """
+
+    kind = "flatten"
+
+    def output_shape(self, input_shape):
+        return (input_shape[0], math.prod(input_shape[1:]))
+
+    def forward(self, params, x):
+        xp = namespace_of("Flatten.forward", x=x)
+        return xp.reshape(x, (x.shape[0], -1))
+
+    def jvp(self, params, x, dparams, dx):
+        return None if dx is None else self.forward(params, dx)
+
+    def vjp_input(self, params, x, g):
+        xp = namespace_of("Flatten.vjp_input", g=g)
+        return xp.reshape(g, x.shape)
+
+    def rvjp(self, params, x, dparams, dx, g, rg):
+        return (), None if rg is None else self.vjp_input(params, x, rg)

@@ -1,0 +1,350 @@
+"""Reference layers: forward against explicit loops, JVP/VJP/R-operator against finite differences
+and adjoint identities, parameter orderings against PyTorch/Haiku layouts, error paths.
+
+Finite-difference tolerances
+----------------------------
+The oracles are central differences ``(F(θ + h v) − F(θ − h v)) / (2h)`` of the float64 NumPy
+forward map (itself checked against explicit loops below).  Their error is
+``h²/6 · max|F'''| + eps64 · max|F| / h``.  With ``h = 1e-4`` and the small, O(1)-scaled
+networks used here (|F'''| ≲ 10 for tanh/sigmoid/softplus compositions, |F| ≲ 10) this is
+``≲ 2e-8 + 2e-11``, so ``FD_RTOL = 1e-6`` (relative to the max entry, itself O(1)) leaves a
+safety factor ≳ 50.  For maps that are at most quadratic in the step (dense and conv layers are
+bilinear in (θ, x) and linear in g) the central difference is exact up to rounding.  Float32
+cells compare with ``max(FD_RTOL, xp.rtol)``: their own rounding (4096·eps32 ≈ 5e-4) dominates.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import assert_allclose_normwise
+
+import kfac_ref.nn as nn
+from kfac_ref import KFACTypeError, KFACValueError
+
+FD_H = 1e-4
+FD_RTOL = 1e-6
+
+
+def _np_tuple(params, f):
+    return tuple(tuple(f(a) for a in p) for p in params)
+
+
+def _rtol(xp):
+    return max(FD_RTOL, xp.rtol)
+
+
+# ---------------------------------------------------------------------------------------------
+# explicit-loop oracles
+# ---------------------------------------------------------------------------------------------
+def conv_oracle(x, w, b, stride, pads, dilation):
+    """Direct 2-D convolution, NHWC input, HWIO kernel, explicit ((t, b), (l, r)) padding."""
+    n, h, wd, c = x.shape
+    kh, kw, _, co = w.shape
+    xp_ = np.zeros((n, h + pads[0][0] + pads[0][1], wd + pads[1][0] + pads[1][1], c))
+    xp_[:, pads[0][0]:pads[0][0] + h, pads[1][0]:pads[1][0] + wd] = x
+    ho = (xp_.shape[1] - (kh - 1) * dilation[0] - 1) // stride[0] + 1
+    wo = (xp_.shape[2] - (kw - 1) * dilation[1] - 1) // stride[1] + 1
+    y = np.zeros((n, ho, wo, co))
+    for i, j, a, bb in itertools.product(range(ho), range(wo), range(kh), range(kw)):
+        row, col = i * stride[0] + a * dilation[0], j * stride[1] + bb * dilation[1]
+        y[:, i, j] += xp_[:, row, col] @ w[a, bb]
+    return y + (0 if b is None else b)
+
+
+def same_pads(size, k, s, d):
+    out = -(-size // s)
+    total = max((out - 1) * s + (k - 1) * d + 1 - size, 0)
+    return (total // 2, total - total // 2)
+
+
+CONV_CASES = [
+    # (H, W, c_in, c_out, kernel, stride, padding, dilation, fmt)
+    (5, 4, 2, 3, (3, 2), (1, 1), "VALID", (1, 1), "NHWC"),
+    (6, 5, 2, 2, (3, 3), (2, 1), "SAME", (1, 2), "NHWC"),
+    (5, 5, 1, 2, (2, 3), (2, 2), ((1, 0), (2, 1)), (1, 1), "NCHW"),
+    (7, 6, 2, 3, (3, 2), (1, 2), "SAME", (2, 1), "NCHW"),
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_forward_matches_loop(xp, rng, case):
+    h, w, ci, co, k, s, pad, d, fmt = case
+    layer = nn.Conv2D(ci, co, k, stride=s, padding=pad, dilation=d, data_format=fmt)
+    x = rng.standard_normal((2, h, w, ci))
+    kern = rng.standard_normal((*k, ci, co))
+    b = rng.standard_normal(co)
+    if pad == "SAME":
+        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
+    elif pad == "VALID":
+        pads = ((0, 0), (0, 0))
+    else:
+        pads = pad
+    xin = x if fmt == "NHWC" else x.transpose(0, 3, 1, 2)
+    out = layer.forward((xp.asarray(kern), xp.asarray(b)), xp.asarray(xin))
+    exp = conv_oracle(xp.round_host(x), xp.round_host(kern), xp.round_host(b), s, pads, d)
+    if fmt == "NCHW":
+        exp = exp.transpose(0, 3, 1, 2)
+    assert tuple(out.shape) == layer.output_shape(xin.shape)
+    xp.assert_close(out, exp)
+
+
+def test_dense_scale_shift_embedding_forward(xp, rng):
+    x = rng.standard_normal((3, 4, 5))
+    w, b = rng.standard_normal((5, 2)), rng.standard_normal(2)
+    out = nn.Dense(5, 2).forward((xp.asarray(w), xp.asarray(b)), xp.asarray(x))
+    rx, rw, rb = xp.round_host(x), xp.round_host(w), xp.round_host(b)
+    exp = np.array([[rx[n, t] @ rw + rb for t in range(4)] for n in range(3)])
+    xp.assert_close(out, exp)
+
+    s, t = rng.standard_normal(5), rng.standard_normal(5)
+    out = nn.ScaleAndShift(5).forward((xp.asarray(s), xp.asarray(t)), xp.asarray(x))
+    xp.assert_close(out, rx * xp.round_host(s) + xp.round_host(t))
+
+    e = rng.standard_normal((7, 3))
+    ids = rng.integers(0, 7, size=(4, 2))
+    out = nn.Embedding(7, 3).forward((xp.asarray(e),), xp.asarray(ids))
+    exp = np.array([[xp.round_host(e)[ids[n, j]] for j in range(2)] for n in range(4)])
+    xp.assert_close(out, exp)
+
+
+@pytest.mark.parametrize("kind", nn.ACTIVATIONS)
+def test_activation_derivatives_match_formulas(xp, rng, kind):
+    x = rng.standard_normal((4, 5)) * 3
+    x[0, 0] = 40.0  # overflow guard for sigmoid/softplus
+    x[0, 1] = -40.0
+    v, d1, d2 = nn.activation_derivatives(kind, xp.asarray(x))
+    r = xp.round_host(x)
+    sig = 1 / (1 + np.exp(-r))
+    ref = {
+        "identity": (r, np.ones_like(r), np.zeros_like(r)),
+        "tanh": (np.tanh(r), 1 - np.tanh(r) ** 2, -2 * np.tanh(r) * (1 - np.tanh(r) ** 2)),
+        "sigmoid": (sig, sig * (1 - sig), sig * (1 - sig) * (1 - 2 * sig)),
+        "relu": (np.maximum(r, 0), (r > 0).astype(float), np.zeros_like(r)),
+        "softplus": (np.logaddexp(0, r), sig, sig * (1 - sig)),
+    }[kind]
+    for got, exp in zip((v, d1, d2), ref, strict=False):
+        xp.assert_close(got, exp)
+    # first and second derivative against central differences of the host formula
+    if kind != "relu":
+        f = {"identity": lambda z: z, "tanh": np.tanh, "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+             "softplus": lambda z: np.logaddexp(0, z)}[kind]
+        r2 = r[1:]
+        fd1 = (f(r2 + FD_H) - f(r2 - FD_H)) / (2 * FD_H)
+        fd2 = (f(r2 + FD_H) - 2 * f(r2) + f(r2 - FD_H)) / FD_H**2  # error h²/12 f'''' + 4 eps/h²
+        assert_allclose_normwise(ref[1][1:], fd1, FD_RTOL)
+        assert_allclose_normwise(ref[2][1:], fd2, 1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# derivative maps of single layers
+# ---------------------------------------------------------------------------------------------
+def _layer_cases():
+    return [
+        ("dense2", nn.Dense(4, 3), (5, 4)),
+        ("dense3", nn.Dense(4, 3), (2, 3, 4)),
+        ("dense_nobias", nn.Dense(4, 3, use_bias=False), (5, 4)),
+        ("conv_nhwc", nn.Conv2D(2, 3, (3, 2), stride=(2, 1), padding="SAME", dilation=(1, 2)),
+         (2, 5, 6, 2)),
+        ("conv_nchw", nn.Conv2D(2, 2, (2, 2), stride=1, padding=((1, 0), (0, 1)),
+                                data_format="NCHW"), (2, 2, 4, 3)),
+        ("scale_shift", nn.ScaleAndShift(3), (4, 2, 3)),
+        ("scale_only", nn.ScaleAndShift(3, has_shift=False), (4, 3)),
+        ("tanh", nn.Activation("tanh"), (3, 4)),
+        ("sigmoid", nn.Activation("sigmoid"), (3, 4)),
+        ("softplus", nn.Activation("softplus"), (3, 4)),
+        ("relu", nn.Activation("relu"), (3, 4)),
+        ("pool", nn.MeanPool(), (3, 2, 2, 4)),
+        ("flatten", nn.Flatten(), (3, 2, 2)),
+    ]
+
+
+LAYER_CASES = _layer_cases()
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=[c[0] for c in LAYER_CASES])
+def test_layer_jvp_vjp_rvjp(xp, rng, case):
+    _, layer, shape = case
+    x = rng.standard_normal(shape)
+    if layer.kind == "activation" and layer.activation == "relu":
+        x = np.sign(x) * (0.5 + np.abs(x))  # keep away from the kink by more than FD_H
+    params = layer.init_params(rng, np.zeros(1))
+    params = tuple(np.asarray(p) for p in params)
+    dparams = tuple(rng.standard_normal(p.shape) for p in params)
+    dx = rng.standard_normal(shape)
+    y = np.asarray(layer.forward(params, x))
+    g = rng.standard_normal(y.shape)
+    rg = rng.standard_normal(y.shape)
+    # host float64 oracles from the rounded inputs
+    rp = tuple(xp.round_host(p) for p in params)
+    rdp = tuple(xp.round_host(p) for p in dparams)
+    rx, rdx, rgh, rrg = (xp.round_host(a) for a in (x, dx, g, rg))
+
+    def fwd(p, z):
+        return np.asarray(layer.forward(p, z))
+
+    def shift(p, dp, eps):
+        return tuple(a + eps * b for a, b in zip(p, dp, strict=False))
+
+    fd_jvp = (fwd(shift(rp, rdp, FD_H), rx + FD_H * rdx)
+              - fwd(shift(rp, rdp, -FD_H), rx - FD_H * rdx)) / (2 * FD_H)
+
+    bp = tuple(xp.asarray(p) for p in params)
+    bdp = tuple(xp.asarray(p) for p in dparams)
+    bx, bdx, bg, brg = (xp.asarray(a) for a in (x, dx, g, rg))
+    xp.assert_close(layer.jvp(bp, bx, bdp if params else None, bdx), fd_jvp, rtol=_rtol(xp))
+
+    # VJP: adjoint identity <g, J v> = <Jᵀ g, v> against the float64 FD of <g, f>
+    def obj(p, z):
+        return float(np.sum(rgh * fwd(p, z)))
+
+    gx = layer.vjp_input(bp, bx, bg)
+    gp = layer.param_grads(bp, bx, bg)
+    gp_ex = layer.param_grads(bp, bx, bg, per_example=True)
+    lhs = sum(float(np.sum(xp.to_numpy(a) * d)) for a, d in zip(gp, rdp, strict=False)) + float(
+        np.sum(xp.to_numpy(gx) * rdx))
+    fd = (obj(shift(rp, rdp, FD_H), rx + FD_H * rdx)
+          - obj(shift(rp, rdp, -FD_H), rx - FD_H * rdx)) / (2 * FD_H)
+    scale = float(np.sum(np.abs(rgh * fd_jvp))) + 1.0
+    assert abs(lhs - fd) <= _rtol(xp) * scale * 10, (lhs, fd)
+    for a, b in zip(gp, gp_ex, strict=False):
+        xp.assert_close(xp.xp.sum(b, axis=0), xp.to_numpy(a))
+
+    # R-operator: directional derivative of the backward map along (dθ, dx, rg)
+    def back(p, z, gg):
+        gpp = layer.param_grads(p, z, gg)
+        gxx = layer.vjp_input(p, z, gg)
+        return [np.asarray(a) for a in gpp] + [np.asarray(gxx)]
+
+    plus = back(shift(rp, rdp, FD_H), rx + FD_H * rdx, rgh + FD_H * rrg)
+    minus = back(shift(rp, rdp, -FD_H), rx - FD_H * rdx, rgh - FD_H * rrg)
+    fd_r = [(a - b) / (2 * FD_H) for a, b in zip(plus, minus, strict=False)]
+    r_params, r_x = layer.rvjp(bp, bx, bdp if params else None, bdx, bg, brg)
+    for got, exp in zip([*r_params, r_x], fd_r, strict=False):
+        xp.assert_close(got, exp, rtol=_rtol(xp))
+
+
+def test_embedding_param_grads_and_rvjp(xp, rng):
+    layer = nn.Embedding(6, 3)
+    ids = rng.integers(0, 6, size=(5, 4))
+    g = rng.standard_normal((5, 4, 3))
+    e = xp.asarray(rng.standard_normal((6, 3)))
+    (ge,) = layer.param_grads((e,), xp.asarray(ids), xp.asarray(g))
+    exp = np.zeros((6, 3))
+    rg = xp.round_host(g)
+    for n in range(5):
+        for t in range(4):
+            exp[ids[n, t]] += rg[n, t]
+    xp.assert_close(ge, exp)
+    (gex,) = layer.param_grads((e,), xp.asarray(ids), xp.asarray(g), per_example=True)
+    xp.assert_close(xp.xp.sum(gex, axis=0), exp)
+    (rge,), rx = layer.rvjp((e,), xp.asarray(ids), None, None, xp.asarray(g), xp.asarray(g))
+    assert rx is None
+    xp.assert_close(rge, exp)
+
+
+# ---------------------------------------------------------------------------------------------
+# networks: flattening and conversions
+# ---------------------------------------------------------------------------------------------
+def small_net():
+    return nn.Sequential([
+        ("conv", nn.Conv2D(2, 2, (2, 2), padding="SAME")),
+        ("act", nn.Activation("tanh")),
+        ("norm", nn.ScaleAndShift(2)),
+        ("flat", nn.Flatten()),
+        ("a_dense", nn.Dense(2 * 3 * 3, 3)),
+    ])
+
+
+def test_flatten_order_and_roundtrip(xp, rng):
+    net = small_net()
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    vec = net.flatten(params)
+    assert vec.shape == (net.num_params,)
+    host = _np_tuple(params, xp.to_numpy)
+    # canonical order: per layer [W; b] row-major, bias last
+    exp = np.concatenate([np.concatenate([host[0][0].reshape(-1, 2), host[0][1][None]]).ravel(),
+                          np.concatenate([host[2][0], host[2][1]]),
+                          np.concatenate([host[4][0], host[4][1][None]]).ravel()])
+    xp.assert_close(vec, exp)
+    back = net.unflatten(vec)
+    for p, q in zip(params, back, strict=False):
+        for a, b in zip(p, q, strict=False):
+            xp.assert_close(b, xp.to_numpy(a))
+
+
+def test_torch_and_kfac_jax_orders(xp, rng):
+    net = small_net()
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    vec = net.flatten(params)
+    tp = nn.to_torch_parameters(net, params)
+    assert list(tp) == ["conv.weight", "conv.bias", "norm.weight", "norm.bias",
+                        "a_dense.weight", "a_dense.bias"]
+    host = _np_tuple(params, xp.to_numpy)
+    assert tp["conv.weight"].shape == (2, 2, 2, 2)
+    xp.assert_close(tp["a_dense.weight"], host[4][0].T)
+    xp.assert_close(tp["conv.weight"], host[0][0].transpose(3, 2, 0, 1))
+    flat_t = np.concatenate([xp.to_numpy(a).ravel() for a in tp.values()])
+    xp.assert_close(nn.permute_vector(vec, nn.torch_permutation(net)), flat_t)
+    # kfac-jax: layers sorted by name ("a_dense" < "conv" < "norm"); b before w, offset before scale
+    kj = nn.to_kfac_jax_params(net, params)
+    leaves = [kj[k1][k2] for k1 in sorted(kj) for k2 in sorted(kj[k1])]
+    flat_j = np.concatenate([xp.to_numpy(a).ravel() for a in leaves])
+    xp.assert_close(nn.permute_vector(vec, nn.kfac_jax_permutation(net)), flat_j)
+    # matrices: Π M Πᵀ
+    m = rng.standard_normal((net.num_params, net.num_params))
+    perm = nn.torch_permutation(net)
+    xp.assert_close(nn.permute_matrix(xp.asarray(m), perm), xp.round_host(m)[np.ix_(perm, perm)])
+
+
+def test_network_jvp_vjp_adjoint_and_per_example(xp, rng):
+    net = small_net()
+    x = rng.standard_normal((3, 3, 3, 2))
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    v = rng.standard_normal(net.num_params)
+    u = rng.standard_normal((3, 3))
+    jv = net.jvp(params, xp.asarray(x), xp.asarray(v))
+    jtu = net.vjp(params, xp.asarray(x), xp.asarray(u))
+    per = net.vjp(params, xp.asarray(x), xp.asarray(u), per_example=True)
+    assert per.shape == (3, net.num_params)
+    xp.assert_close(xp.xp.sum(per, axis=0), xp.to_numpy(jtu))
+    lhs = float(np.sum(xp.round_host(u) * xp.to_numpy(jv)))
+    rhs = float(xp.to_numpy(jtu) @ xp.round_host(v))
+    scale = float(np.sum(np.abs(xp.round_host(u) * xp.to_numpy(jv)))) + 1
+    assert abs(lhs - rhs) <= xp.rtol * scale
+
+
+# ---------------------------------------------------------------------------------------------
+# error paths
+# ---------------------------------------------------------------------------------------------
+def test_errors(xp, rng):
+    with pytest.raises(KFACValueError, match="d_in"):
+        nn.Dense(0, 3)
+    with pytest.raises(KFACValueError, match="padding"):
+        nn.Conv2D(1, 1, 2, padding="FULL")
+    with pytest.raises(KFACValueError, match="data_format"):
+        nn.Conv2D(1, 1, 2, data_format="CHWN")
+    with pytest.raises(KFACValueError, match="kind"):
+        nn.Activation("gelu")
+    with pytest.raises(KFACValueError, match="unique"):
+        nn.Sequential([("a", nn.Dense(2, 2)), ("a", nn.Dense(2, 2))])
+    with pytest.raises(KFACTypeError, match="Layer"):
+        nn.Sequential([("a", 3)])
+    net = nn.Sequential([("d", nn.Dense(3, 2))])
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    with pytest.raises(KFACValueError, match="d_in"):
+        net.forward(params, xp.asarray(np.zeros((2, 4))))
+    bad = np.zeros((2, 3))
+    bad[0, 0] = np.nan
+    with pytest.raises(KFACValueError, match="finite"):
+        net.forward(params, xp.asarray(bad))
+    with pytest.raises(KFACValueError, match="shape"):
+        net.forward(((xp.asarray(np.zeros((2, 2))), params[0][1]),), xp.asarray(np.zeros((2, 3))))
+    with pytest.raises(KFACValueError, match=r"\[P\]"):
+        net.jvp(params, xp.asarray(np.zeros((2, 3))), xp.asarray(np.zeros(5)))
+    with pytest.raises(KFACValueError, match="ids"):
+        nn.Embedding(3, 2).check_input("f", xp.asarray(np.array([0, 3])))
+    with pytest.raises(KFACValueError, match="channels"):
+        nn.Conv2D(2, 1, 2).check_input("f", xp.asarray(np.zeros((1, 3, 3, 1))))
