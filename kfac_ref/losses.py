@@ -1,0 +1,1481 @@
+r"""Loss functions: the curvature of a predictive distribution with respect to the network output.
+
+Each class here describes, for a batch of :math:`N` examples, the per-example negative
+log-likelihood :math:`\ell_n(f_n) = -\log p(y_n \mid f_n)` of a network output :math:`f_n`
+(logits, a mean, a mean and a variance) and the matrices that K-FAC needs from it: the Fisher
+:math:`F_n`, the generalised Gauss-Newton matrix (GGN) :math:`G_n`, and factors
+:math:`B_n` with :math:`B_n B_n^\top = F_n`.  Names and method semantics follow kfac-jax
+(``kfac_jax.CategoricalLogitsNegativeLogProbLoss`` and friends, themselves ported from TF
+K-FAC's ``loss_functions.py``).
+
+Conventions (shared by every class)
+-----------------------------------
+* **Batch axis first.**  Inputs ("parameter dependants") have shape ``[N, ...]``.  Every
+  quantity is *per example*: ``evaluate`` returns an array ``[N]`` (not reduced over the
+  batch), and every product acts on each example's slice independently (the matrices are
+  block diagonal over the batch).
+* **Vectors are tuples** of arrays, one per parameter dependant (one for the logits or the
+  mean, two for ``(mean, variance)``), each of that input's shape.  Every product returns a
+  tuple, except ``multiply_fisher_factor_transpose`` / ``multiply_ggn_factor_transpose``,
+  which return one array of the factor's *inner shape*; ``multiply_fisher_factor`` /
+  ``multiply_ggn_factor`` take one such array.
+* **Weight.**  ``weight`` :math:`w \ge 0` multiplies the loss, hence the Fisher and the GGN;
+  the factors carry :math:`\sqrt{w}` so that :math:`(\sqrt w B)(\sqrt w B)^\top = wF`.  The
+  ``_unweighted`` methods leave :math:`w` out.  ``coefficient_mode`` of ``evaluate`` and
+  ``grad_of_evaluate`` selects :math:`w` ("regular"), :math:`\sqrt w` ("sqrt", used to
+  back-propagate sampled gradients whose outer products must carry :math:`w`) or 1 ("off").
+* **The batch normaliser 1/N.**  kfac-jax's ``register_*`` functions declare the objective
+  :math:`\mathcal L = \frac{w}{N}\sum_{n=1}^N \ell_n`.  The products here carry *no* 1/N:
+  they are the per-example quantities.  The 1/N enters where the per-example vectors become
+  statistics: with :math:`g_n = J_n^\top \sqrt{w} B_n u_n` the back-propagated vectors
+  (:math:`u_n` a one-hot, Rademacher or sampled-target direction), the Kronecker factor is
+  the per-example average :math:`G = \frac1N \sum_n g_n g_n^\top`
+  (kfac_ref DESIGN, "Factors"), which is the curvature of :math:`\mathcal L`.  Dividing the
+  loss (or the factors) by N as well counts it twice: the :math:`1/N^2` pitfall.
+* **Masks** (categorical losses) are 0/1 per example; a masked-out example contributes zero
+  to the loss, its gradient and every product.
+* **Dense per-example matrices** (``fisher_matrix`` ...) have shape ``[N, D, D]`` (factors
+  ``[N, D, K]``), where :math:`D` is the number of output coordinates of one example,
+  flattened row-major (for ``(mean, variance)`` the mean block comes first) and :math:`K`
+  the size of one example's slice of the factor's inner shape.  They are for oracles and
+  teaching; the matrix-free products are what an optimiser uses.
+* **Randomness.**  ``sample(rng)`` takes an explicit :class:`numpy.random.Generator`; the
+  noise is drawn on the host in float64 (:func:`kfac_ref._backend.host_draw`) and moved to
+  the inputs' device, so one seed gives the same samples on every backend.
+
+References
+----------
+J. Martens, "New insights and perspectives on the natural gradient method",
+arXiv:1412.1193 (2014/2020), §9 (GGN = Fisher for natural parameters).
+J. Martens and R. Grosse, "Optimizing neural networks with Kronecker-factored approximate
+curvature", ICML 2015, §5 (sampling targets for the Fisher).
+kfac-jax ``loss_functions.py``; TF K-FAC ``loss_functions.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import numbers
+
+import numpy as np  # host-side only: index arithmetic for one-hot rows and the noise draws
+
+from ._backend import (
+    KFACTypeError,
+    KFACValueError,
+    asarray_like,
+    check_array,
+    check_option,
+    check_rng,
+    check_scalar,
+    describe,
+    eye_like,
+    host_draw,
+    namespace_of,
+)
+
+__all__ = [
+    "COEFFICIENT_MODES",
+    "LossFunction",
+    "NegativeLogProbLoss",
+    "NaturalParamsNegativeLogProbLoss",
+    "CategoricalLogitsNegativeLogProbLoss",
+    "OneHotCategoricalLogitsNegativeLogProbLoss",
+    "MultiBernoulliNegativeLogProbLoss",
+    "NormalMeanNegativeLogProbLoss",
+    "NormalMeanVarianceNegativeLogProbLoss",
+]
+
+COEFFICIENT_MODES = ("regular", "sqrt", "off")
+"""Accepted ``coefficient_mode`` values: multiply by ``weight``, ``sqrt(weight)`` or 1."""
+
+_LOG_2PI = math.log(2.0 * math.pi)
+
+
+# --------------------------------------------------------------------------------------
+# Numerically stable elementary functions (the one home of log-softmax / log-sigmoid)
+# --------------------------------------------------------------------------------------
+def _log_softmax(xp, z):
+    # log p_c = (z_c - m) - log Σ_j exp(z_j - m), m = max_j z_j: the exponents are <= 0, so
+    # nothing overflows and the largest term of the sum is exactly 1 (no log(0)).
+    s = z - xp.max(z, axis=-1, keepdims=True)
+    return s - xp.log(xp.sum(xp.exp(s), axis=-1, keepdims=True))
+
+
+def _log_sigmoid(xp, z):
+    # log σ(z) = min(z, 0) - log1p(exp(-|z|)): exp never overflows, log1p keeps tiny tails.
+    zero = xp.zeros_like(z)
+    return xp.where(z < zero, z, zero) - xp.log1p(xp.exp(-xp.abs(z)))
+
+
+def _flat(xp, x):
+    """[N, ...] -> [N, D] (row-major flattening of one example's coordinates)."""
+    return xp.reshape(x, (x.shape[0], -1))
+
+
+def _diag_embed(xp, d):
+    """[N, D] -> [N, D, D] with ``d`` on the diagonals (broadcast against an identity)."""
+    return d[:, :, None] * eye_like(d, d.shape[1])[None, :, :]
+
+
+def _scaled(vectors, c):
+    if c == 1.0:
+        return tuple(vectors)
+    return tuple(v * c for v in vectors)
+
+
+def _prod(shape):
+    return int(math.prod(shape))
+
+
+# --------------------------------------------------------------------------------------
+# Base classes
+# --------------------------------------------------------------------------------------
+class LossFunction(abc.ABC):
+    r"""Abstract per-example loss :math:`w\,\ell_n(f_n)` with its GGN products.
+
+    .. math::
+
+        \mathcal L = \frac{w}{N}\sum_{n=1}^{N} \ell_n(f_n), \qquad
+        G_n = J_{\eta_n}^\top\, \nabla^2_{\eta}\ell_n\, J_{\eta_n} = B_n B_n^\top ,
+
+    where :math:`\eta_n(f_n)` is the point at which the loss is split into a (convex)
+    outer part and the rest; for natural parameters :math:`\eta = f` and :math:`G_n` is the
+    Hessian of :math:`\ell_n`.  ``evaluate`` returns the per-example values
+    :math:`w\,\ell_n` (``[N]``, not reduced); the products act per example without the
+    :math:`1/N` of :math:`\mathcal L` (see the module docstring).
+
+    Parameters
+    ----------
+    weight : float
+        Non-negative scalar :math:`w` that multiplies the loss (Python number).
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        ``weight`` not a real number, or negative, NaN or infinite.
+
+    References
+    ----------
+    kfac-jax ``LossFunction``; Martens (2014), arXiv:1412.1193, §8-9.
+    """
+
+    def __init__(self, weight=1.0):
+        self._weight = check_scalar(self._fname("__init__"), "weight", weight,
+                                    nonnegative=True)
+
+    # -- identification ------------------------------------------------------------------
+    @classmethod
+    def _fname(cls, method):
+        return f"{cls.__name__}.{method}" if method != "__init__" else cls.__name__
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def weight(self) -> float:
+        """The relative weight :math:`w` of the loss."""
+        return self._weight
+
+    @property
+    def dtype(self):
+        """Floating dtype of the inputs (and of every result)."""
+        return self.parameter_dependants[0].dtype
+
+    @property
+    def batch_size(self) -> int:
+        """Number :math:`N` of examples (leading axis of the inputs)."""
+        return int(self.parameter_dependants[0].shape[0])
+
+    @property
+    @abc.abstractmethod
+    def targets(self):
+        """The targets given at construction (``None`` if none)."""
+
+    @property
+    @abc.abstractmethod
+    def parameter_dependants(self) -> tuple:
+        """The inputs of the loss that depend on the network parameters."""
+
+    @property
+    def num_parameter_dependants(self) -> int:
+        """Number of parameter-dependent inputs (length of every vector tuple)."""
+        return len(self.parameter_dependants)
+
+    @property
+    @abc.abstractmethod
+    def parameter_independants(self) -> tuple:
+        """The inputs that do not depend on the parameters (targets, mask, weight, ...)."""
+
+    @property
+    def num_parameter_independants(self) -> int:
+        """Number of parameter-independent inputs."""
+        return len(self.parameter_independants)
+
+    @property
+    @abc.abstractmethod
+    def ggn_factor_inner_shape(self) -> tuple:
+        """Shape of the array that ``multiply_ggn_factor`` takes (``[N, K...]``)."""
+
+    # -- construction ----------------------------------------------------------------------
+    def copy_with_different_inputs(self, parameter_dependants):
+        """A copy of this loss with new parameter-dependent inputs (targets, mask, weight
+        and hyper-parameters kept).  The new inputs are validated like the constructor's.
+
+        Parameters
+        ----------
+        parameter_dependants : sequence of arrays
+            One array per parameter dependant, in the order of ``parameter_dependants``.
+
+        Returns
+        -------
+        LossFunction
+            Same class, new inputs.
+        """
+        func = self._fname("copy_with_different_inputs")
+        if not isinstance(parameter_dependants, (tuple, list)) or (
+                len(parameter_dependants) != self.num_parameter_dependants):
+            raise KFACValueError(
+                f"{func}: parameter_dependants must be a sequence of "
+                f"{self.num_parameter_dependants} array(s); got {describe(parameter_dependants)}."
+            )
+        return self._with_inputs(tuple(parameter_dependants))
+
+    @abc.abstractmethod
+    def _with_inputs(self, inputs):
+        """Build the same loss around new parameter dependants."""
+
+    # -- validation helpers ----------------------------------------------------------------
+    def _namespace(self, func, **arrays):
+        return namespace_of(func, **{f"input{i}": x for i, x in
+                                     enumerate(self.parameter_dependants)}, **arrays)
+
+    def _check_vector(self, func, vector):
+        """A tuple of arrays shaped like the parameter dependants, in their dtype."""
+        deps = self.parameter_dependants
+        if not isinstance(vector, (tuple, list)) or len(vector) != len(deps):
+            shapes = ", ".join(str(tuple(d.shape)) for d in deps)
+            raise KFACValueError(
+                f"{func}: vector must be a tuple of {len(deps)} array(s) of shape(s) {shapes}; "
+                f"got {describe(vector)}."
+            )
+        arrays = {f"vector[{i}]": v for i, v in enumerate(vector)}
+        self._namespace(func, **arrays)
+        for (name, v), d in zip(arrays.items(), deps, strict=True):
+            check_array(func, name, v, shape=tuple(d.shape))
+            self._check_dtype(func, name, v)
+        return tuple(vector)
+
+    def _check_factor_vector(self, func, vector, inner_shape):
+        self._namespace(func, vector=vector)
+        check_array(func, "vector", vector, shape=tuple(inner_shape))
+        self._check_dtype(func, "vector", vector)
+        return vector
+
+    def _check_dtype(self, func, name, v):
+        if v.dtype != self.dtype:
+            raise KFACTypeError(f"{func}: {name} must be of the inputs' dtype {self.dtype}; "
+                                f"got {describe(v)}.")
+
+    def _check_index(self, func, index, inner_shape):
+        """A replicated-one-hot index: ints, one per non-batch axis of the inner shape."""
+        event = tuple(inner_shape[1:])
+        if isinstance(index, numbers.Integral) and not isinstance(index, bool):
+            index = (index,)
+        if not isinstance(index, (tuple, list)) or len(index) != len(event) or not all(
+                isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in index):
+            raise KFACValueError(
+                f"{func}: index must be a sequence of {len(event)} integer(s) (one per "
+                f"non-batch axis of the inner shape {tuple(inner_shape)}); got "
+                f"{describe(index)}.")
+        for i, (j, size) in enumerate(zip(index, event, strict=True)):
+            if not 0 <= j < size:
+                raise KFACValueError(f"{func}: index[{i}] must be in [0, {size}); got {j}.")
+        return tuple(int(j) for j in index)
+
+    def _one_hot_event(self, index, event_shape):
+        """Host-built one-hot array of ``event_shape`` (index arithmetic on the host),
+        moved to the inputs' device with a leading batch axis of 1."""
+        host = np.zeros(_prod(event_shape))
+        host[int(np.ravel_multi_index(index, event_shape))] = 1.0
+        return asarray_like(np.reshape(host, (1, *event_shape)), self.parameter_dependants[0])
+
+    def _coefficient(self, func, coefficient_mode):
+        check_option(func, "coefficient_mode", coefficient_mode, COEFFICIENT_MODES)
+        if coefficient_mode == "regular":
+            return self.weight
+        if coefficient_mode == "sqrt":
+            return math.sqrt(self.weight)
+        return 1.0
+
+    def _resolve_targets(self, func, targets):
+        if targets is None:
+            if self.targets is None:
+                raise KFACValueError(
+                    f"{func}: targets must be given (the loss was built without targets); "
+                    f"got None.")
+            return self.targets
+        return self._check_targets(func, targets)
+
+    @abc.abstractmethod
+    def _check_targets(self, func, targets):
+        """Validate targets (shape, dtype, range) and return them ready for the formulas."""
+
+    # -- values and gradients ----------------------------------------------------------------
+    def evaluate(self, targets=None, coefficient_mode="regular"):
+        r"""Per-example loss values :math:`c\,\ell_n(y_n)`, not reduced over the batch.
+
+        .. math::
+
+            c = w \ (\text{"regular"}),\quad \sqrt{w}\ (\text{"sqrt"}),\quad
+            1\ (\text{"off"}).
+
+        Parameters
+        ----------
+        targets : array, optional
+            Targets to evaluate at; defaults to the construction-time targets.
+        coefficient_mode : {"regular", "sqrt", "off"}
+
+        Returns
+        -------
+        array [N]
+
+        Raises
+        ------
+        KFACValueError
+            No targets at all, targets of wrong shape or out of range, unknown mode.
+        """
+        func = self._fname("evaluate")
+        c = self._coefficient(func, coefficient_mode)
+        y = self._resolve_targets(func, targets)
+        return self._evaluate(y) * c
+
+    def grad_of_evaluate(self, targets=None, coefficient_mode="regular"):
+        r"""Gradient of :math:`\sum_n c\,\ell_n(y_n)` with respect to each input.
+
+        .. math::
+
+            \Big(\frac{\partial\, c\,\ell_n}{\partial f_n}\Big)_{n=1}^{N}
+
+        (closed forms in each subclass's docstring).  Per example: there is no 1/N.
+
+        Parameters
+        ----------
+        targets : array, optional
+            Defaults to the construction-time targets.
+        coefficient_mode : {"regular", "sqrt", "off"}
+
+        Returns
+        -------
+        tuple of arrays
+            One per parameter dependant, of its shape.
+        """
+        func = self._fname("grad_of_evaluate")
+        c = self._coefficient(func, coefficient_mode)
+        y = self._resolve_targets(func, targets)
+        return _scaled(self._grad(y), c)
+
+    @abc.abstractmethod
+    def _evaluate(self, targets):
+        """Unweighted per-example loss [N] (masked)."""
+
+    @abc.abstractmethod
+    def _grad(self, targets):
+        """Unweighted gradient tuple (masked)."""
+
+    # -- GGN products --------------------------------------------------------------------------
+    def multiply_ggn(self, vector):
+        r"""Per-example GGN product :math:`w\, G_n v_n`.
+
+        Parameters
+        ----------
+        vector : tuple of arrays
+            Shaped like ``parameter_dependants``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``parameter_dependants``.
+        """
+        vector = self._check_vector(self._fname("multiply_ggn"), vector)
+        return _scaled(self._ggn_vp(vector), self.weight)
+
+    def multiply_ggn_unweighted(self, vector):
+        r""":math:`G_n v_n` (``multiply_ggn`` without the weight)."""
+        return self._ggn_vp(self._check_vector(self._fname("multiply_ggn_unweighted"), vector))
+
+    def multiply_ggn_factor(self, vector):
+        r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = G_n`.
+
+        Parameters
+        ----------
+        vector : array
+            Of shape ``ggn_factor_inner_shape``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``parameter_dependants``.
+        """
+        func = self._fname("multiply_ggn_factor")
+        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
+        return _scaled(self._ggn_factor_vp(vector), math.sqrt(self.weight))
+
+    def multiply_ggn_factor_unweighted(self, vector):
+        r""":math:`B_n u_n` (``multiply_ggn_factor`` without :math:`\sqrt w`)."""
+        func = self._fname("multiply_ggn_factor_unweighted")
+        return self._ggn_factor_vp(
+            self._check_factor_vector(func, vector, self.ggn_factor_inner_shape))
+
+    def multiply_ggn_factor_transpose(self, vector):
+        r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
+
+        Parameters
+        ----------
+        vector : tuple of arrays
+            Shaped like ``parameter_dependants``.
+
+        Returns
+        -------
+        array
+            Of shape ``ggn_factor_inner_shape`` (a single array, not a tuple).
+        """
+        vector = self._check_vector(self._fname("multiply_ggn_factor_transpose"), vector)
+        return self._ggn_factor_t_vp(vector) * math.sqrt(self.weight)
+
+    def multiply_ggn_factor_transpose_unweighted(self, vector):
+        r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
+        func = self._fname("multiply_ggn_factor_transpose_unweighted")
+        return self._ggn_factor_t_vp(self._check_vector(func, vector))
+
+    def multiply_ggn_factor_replicated_one_hot(self, index):
+        r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
+
+        The replicated one-hot vector has, in every example's slice of the inner shape, a 1
+        at ``index`` and 0 elsewhere; the result equals ``multiply_ggn_factor`` of it.
+
+        Parameters
+        ----------
+        index : sequence of int
+            One integer per non-batch axis of ``ggn_factor_inner_shape``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``parameter_dependants``.
+        """
+        func = self._fname("multiply_ggn_factor_replicated_one_hot")
+        index = self._check_index(func, index, self.ggn_factor_inner_shape)
+        return _scaled(self._ggn_one_hot(index), math.sqrt(self.weight))
+
+    def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
+        r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
+        func = self._fname("multiply_ggn_factor_replicated_one_hot_unweighted")
+        return self._ggn_one_hot(self._check_index(func, index, self.ggn_factor_inner_shape))
+
+    def ggn_matrix(self):
+        r"""Dense per-example GGN :math:`w\,G_n`, shape ``[N, D, D]`` (see module docstring)."""
+        return self._ggn_dense() * self.weight
+
+    def ggn_factor_matrix(self):
+        r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
+        return self._ggn_factor_dense() * math.sqrt(self.weight)
+
+    @abc.abstractmethod
+    def _ggn_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _ggn_factor_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _ggn_factor_t_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _ggn_one_hot(self, index): ...
+
+    @abc.abstractmethod
+    def _ggn_dense(self): ...
+
+    @abc.abstractmethod
+    def _ggn_factor_dense(self): ...
+
+
+class NegativeLogProbLoss(LossFunction):
+    r"""Negative log-likelihood :math:`\ell_n = -\log p(y_n \mid f_n)` with Fisher products.
+
+    .. math::
+
+        F_n = \mathbb E_{y\sim p(\cdot\mid f_n)}\big[\nabla_{f}\ell_n(y)\,
+        \nabla_{f}\ell_n(y)^\top\big] = B_n B_n^\top ,
+
+    the Fisher information of the predictive distribution with respect to its parameters
+    ``params`` (= the parameter dependants).  ``grad_of_evaluate_on_sample`` gives the
+    single-sample Monte-Carlo vectors whose outer products are unbiased for :math:`F_n`
+    (Martens & Grosse 2015, §5).
+
+    Parameters
+    ----------
+    weight : float
+        Non-negative scalar :math:`w`.
+
+    References
+    ----------
+    kfac-jax ``NegativeLogProbLoss``; TF K-FAC ``NegativeLogProbLoss``.
+    """
+
+    @property
+    def parameter_dependants(self) -> tuple:
+        return self.params
+
+    @property
+    @abc.abstractmethod
+    def params(self) -> tuple:
+        """Parameters of the predictive distribution (the network outputs)."""
+
+    @property
+    @abc.abstractmethod
+    def fisher_factor_inner_shape(self) -> tuple:
+        """Shape of the array that ``multiply_fisher_factor`` takes (``[N, K...]``)."""
+
+    # -- sampling -----------------------------------------------------------------------------
+    def sample(self, rng):
+        """Targets drawn from the predictive distribution :math:`y_n \\sim p(\\cdot\\mid f_n)`.
+
+        Parameters
+        ----------
+        rng : numpy.random.Generator
+            Source of the host-side noise (same seed, same samples on every backend).
+
+        Returns
+        -------
+        array
+            Targets in the form ``evaluate`` accepts.
+        """
+        check_rng(self._fname("sample"), "rng", rng)
+        return self._sample(rng)
+
+    @abc.abstractmethod
+    def _sample(self, rng): ...
+
+    def grad_of_evaluate_on_sample(self, rng, coefficient_mode="regular"):
+        r"""``grad_of_evaluate(sample(rng), coefficient_mode)``.
+
+        .. math::
+
+            \hat g_n = c\,\nabla_f \ell_n(\tilde y_n),\quad \tilde y_n\sim p(\cdot\mid f_n),
+            \qquad \mathbb E[\hat g_n \hat g_n^\top] = c^2 F_n .
+
+        With ``coefficient_mode="sqrt"``, :math:`c^2 = w` and the outer products are unbiased
+        for the weighted Fisher.
+        """
+        func = self._fname("grad_of_evaluate_on_sample")
+        check_rng(func, "rng", rng)
+        c = self._coefficient(func, coefficient_mode)
+        return _scaled(self._grad(self._sample(rng)), c)
+
+    # -- Fisher products ----------------------------------------------------------------------
+    def multiply_fisher(self, vector):
+        r"""Per-example Fisher product :math:`w\, F_n v_n`.
+
+        Parameters
+        ----------
+        vector : tuple of arrays
+            Shaped like ``params``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``params``.
+        """
+        vector = self._check_vector(self._fname("multiply_fisher"), vector)
+        return _scaled(self._fisher_vp(vector), self.weight)
+
+    def multiply_fisher_unweighted(self, vector):
+        r""":math:`F_n v_n` (without the weight)."""
+        return self._fisher_vp(
+            self._check_vector(self._fname("multiply_fisher_unweighted"), vector))
+
+    def multiply_fisher_factor(self, vector):
+        r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = F_n`.
+
+        Parameters
+        ----------
+        vector : array
+            Of shape ``fisher_factor_inner_shape``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``params``.
+        """
+        func = self._fname("multiply_fisher_factor")
+        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
+        return _scaled(self._fisher_factor_vp(vector), math.sqrt(self.weight))
+
+    def multiply_fisher_factor_unweighted(self, vector):
+        r""":math:`B_n u_n` (without :math:`\sqrt w`)."""
+        func = self._fname("multiply_fisher_factor_unweighted")
+        return self._fisher_factor_vp(
+            self._check_factor_vector(func, vector, self.fisher_factor_inner_shape))
+
+    def multiply_fisher_factor_transpose(self, vector):
+        r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
+
+        Parameters
+        ----------
+        vector : tuple of arrays
+            Shaped like ``params``.
+
+        Returns
+        -------
+        array
+            Of shape ``fisher_factor_inner_shape`` (a single array, not a tuple).
+        """
+        vector = self._check_vector(self._fname("multiply_fisher_factor_transpose"), vector)
+        return self._fisher_factor_t_vp(vector) * math.sqrt(self.weight)
+
+    def multiply_fisher_factor_transpose_unweighted(self, vector):
+        r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
+        func = self._fname("multiply_fisher_factor_transpose_unweighted")
+        return self._fisher_factor_t_vp(self._check_vector(func, vector))
+
+    def multiply_fisher_factor_replicated_one_hot(self, index):
+        r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
+
+        Equals ``multiply_fisher_factor`` of the replicated one-hot vector (1 at ``index``
+        in every example's slice of ``fisher_factor_inner_shape``, 0 elsewhere).
+
+        Parameters
+        ----------
+        index : sequence of int
+            One integer per non-batch axis of ``fisher_factor_inner_shape``.
+
+        Returns
+        -------
+        tuple of arrays
+            Shaped like ``params``.
+        """
+        func = self._fname("multiply_fisher_factor_replicated_one_hot")
+        index = self._check_index(func, index, self.fisher_factor_inner_shape)
+        return _scaled(self._fisher_one_hot(index), math.sqrt(self.weight))
+
+    def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
+        r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
+        func = self._fname("multiply_fisher_factor_replicated_one_hot_unweighted")
+        return self._fisher_one_hot(
+            self._check_index(func, index, self.fisher_factor_inner_shape))
+
+    def fisher_matrix(self):
+        r"""Dense per-example Fisher :math:`w\,F_n`, shape ``[N, D, D]``."""
+        return self._fisher_dense() * self.weight
+
+    def fisher_factor_matrix(self):
+        r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
+        return self._fisher_factor_dense() * math.sqrt(self.weight)
+
+    def hessian_matrix(self, targets=None):
+        r"""Dense per-example Hessian :math:`w\,\nabla^2_{f}\ell_n(y_n)`, shape ``[N, D, D]``.
+
+        For natural parameters this is the Fisher and does not depend on the targets; for
+        :class:`NormalMeanVarianceNegativeLogProbLoss` it does, and it is indefinite in
+        general (only its expectation over :math:`y` is the Fisher).
+        """
+        func = self._fname("hessian_matrix")
+        return self._hessian_dense(func, targets) * self.weight
+
+    @abc.abstractmethod
+    def _hessian_dense(self, func, targets): ...
+
+    @abc.abstractmethod
+    def _fisher_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _fisher_factor_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _fisher_factor_t_vp(self, vector): ...
+
+    @abc.abstractmethod
+    def _fisher_one_hot(self, index): ...
+
+    @abc.abstractmethod
+    def _fisher_dense(self): ...
+
+    @abc.abstractmethod
+    def _fisher_factor_dense(self): ...
+
+    # GGN = Fisher is the default (true for natural parameters, and chosen with a stated
+    # reason for the mean-variance normal); a subclass with another GGN overrides these.
+    def _ggn_vp(self, vector):
+        return self._fisher_vp(vector)
+
+    def _ggn_factor_vp(self, vector):
+        return self._fisher_factor_vp(vector)
+
+    def _ggn_factor_t_vp(self, vector):
+        return self._fisher_factor_t_vp(vector)
+
+    def _ggn_one_hot(self, index):
+        return self._fisher_one_hot(index)
+
+    def _ggn_dense(self):
+        return self._fisher_dense()
+
+    def _ggn_factor_dense(self):
+        return self._fisher_factor_dense()
+
+    @property
+    def ggn_factor_inner_shape(self) -> tuple:
+        return self.fisher_factor_inner_shape
+
+
+class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
+    r"""Negative log-likelihood of an exponential family in its natural parameters.
+
+    .. math::
+
+        p(y\mid f) = h(y)\exp\big(T(y)^\top f - A(f)\big)
+        \;\Rightarrow\;
+        \nabla^2_f \ell = \nabla^2 A(f) = \mathrm{Cov}[T(y)] = F = G ,
+
+    so the Hessian of the loss, the Fisher and the GGN coincide and do not depend on the
+    targets.  Softmax cross-entropy, sigmoid cross-entropy and the fixed-variance normal
+    are of this kind.
+
+    References
+    ----------
+    Martens (2014), arXiv:1412.1193, §9.2; kfac-jax / TF K-FAC
+    ``NaturalParamsNegativeLogProbLoss``.
+    """
+
+    def _hessian_dense(self, func, targets):
+        if targets is not None:  # validated for the caller's sake, not used (y-free)
+            self._check_targets(func, targets)
+        return self._fisher_dense()
+
+
+# --------------------------------------------------------------------------------------
+# Categorical
+# --------------------------------------------------------------------------------------
+class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
+    r"""Softmax cross-entropy: categorical distribution over :math:`k` classes given by logits.
+
+    .. math::
+
+        p = \mathrm{softmax}(z),\qquad \ell(y) = -\log p_y = \log\textstyle\sum_j e^{z_j} - z_y,
+        \qquad \nabla_z \ell = p - e_y,
+
+        F = G = \nabla^2_z \ell = \mathrm{diag}(p) - p p^\top,\qquad
+        B = \mathrm{diag}(\sqrt p) - p\,\sqrt{p}^{\,\top},\qquad B B^\top = F
+
+    (the last identity uses :math:`\sqrt p^{\,\top}\sqrt p = 1`).  :math:`F` is singular
+    (:math:`F\mathbf 1 = 0`: adding a constant to all logits changes nothing), and so is
+    :math:`B`.  The inner shape of the factor is that of the logits, ``[N, k]``.
+
+    ``log p`` is computed as :math:`(z - m) - \log\sum_j e^{z_j - m}` with
+    :math:`m = \max_j z_j`, and :math:`\sqrt p = \exp(\tfrac12 \log p)`, so logits of any
+    finite size (|z| ≈ 100 and beyond) give finite values.
+
+    Registered with kfac-jax's ``register_softmax_cross_entropy_loss``, the objective is
+    :math:`\frac{w}{N}\sum_n m_n\ell_n` (:math:`m_n` the mask); the products here are the
+    per-example :math:`w\,m_n F_n v_n` (no 1/N, see the module docstring).
+
+    Parameters
+    ----------
+    logits : array [N, k]
+        Real floating, finite.
+    targets : array [N], optional
+        Integer class indices in :math:`[0, k)`.
+    mask : array [N], optional
+        0/1 values (bool, integer or floating).  Masked-out examples have zero loss,
+        gradient and curvature; every product is multiplied by the mask (as in kfac-jax).
+    weight : float
+        Non-negative :math:`w`.
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Logits not 2-D, non-floating or non-finite; targets of wrong shape or dtype or out
+        of range; mask of wrong shape or not 0/1; negative weight; arrays from different
+        namespaces or devices.
+
+    References
+    ----------
+    kfac-jax / TF K-FAC ``CategoricalLogitsNegativeLogProbLoss``; Martens (2014) §9.2.
+    """
+
+    _layout = "[N, k]"
+
+    def __init__(self, logits, targets=None, mask=None, weight=1.0):
+        func = self._fname("__init__")
+        namespace_of(func, logits=logits, targets=targets, mask=mask)
+        check_array(func, "logits", logits, ndim=2, layout=self._layout)
+        super().__init__(weight)
+        self._logits = logits
+        self._targets = None if targets is None else self._check_targets(func, targets)
+        self._mask_in = mask
+        self._mask = None if mask is None else self._check_mask(func, mask)
+
+    # -- inputs ---------------------------------------------------------------------------
+    def _check_mask(self, func, mask):
+        xp = namespace_of(func, logits=self._logits, mask=mask)
+        n = self._logits.shape[0]
+        check_array(func, "mask", mask, shape=(n,), dtype=None, layout="[N] of 0/1")
+        if not (xp.isdtype(mask.dtype, "bool") or xp.isdtype(mask.dtype, "numeric")) or \
+                xp.isdtype(mask.dtype, "complex floating"):
+            raise KFACTypeError(f"{func}: mask must be a bool, integer or real floating array; "
+                                f"got {describe(mask)}.")
+        m = xp.astype(mask, self._logits.dtype)
+        bad = ~((m == 0.0) | (m == 1.0))
+        if bool(xp.any(bad)):
+            raise KFACValueError(f"{func}: mask must hold only 0 and 1; got "
+                                 f"{int(xp.sum(xp.astype(bad, xp.int32)))} other value(s).")
+        return m
+
+    def _check_targets(self, func, targets):
+        xp = namespace_of(func, logits=self._logits, targets=targets)
+        n, k = self._logits.shape
+        check_array(func, "targets", targets, shape=(n,), dtype="integral",
+                    layout="[N] of class indices")
+        if n and bool(xp.any((targets < 0) | (targets >= k))):
+            raise KFACValueError(
+                f"{func}: targets must be class indices in [0, {k}); got values in "
+                f"[{int(xp.min(targets))}, {int(xp.max(targets))}].")
+        return targets
+
+    @property
+    def logits(self):
+        """The logits ``[N, k]``."""
+        return self._logits
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def mask(self):
+        """The 0/1 mask ``[N]`` in the logits' dtype (``None`` if not given)."""
+        return self._mask
+
+    @property
+    def params(self) -> tuple:
+        return (self._logits,)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._mask_in, self._weight)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        return tuple(self._logits.shape)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, mask=self._mask_in,
+                          weight=self._weight)
+
+    # -- formulas -------------------------------------------------------------------------
+    @property
+    def _xp(self):
+        return namespace_of(self._fname("formula"), logits=self._logits)
+
+    def _log_probs(self):
+        return _log_softmax(self._xp, self._logits)
+
+    def _probs(self):
+        return self._xp.exp(self._log_probs())
+
+    def _sqrt_probs(self):
+        return self._xp.exp(0.5 * self._log_probs())
+
+    def _masked(self, x):
+        """Multiply a per-example quantity [N, ...] by the mask."""
+        if self._mask is None:
+            return x
+        return x * self._xp.reshape(self._mask, (x.shape[0],) + (1,) * (x.ndim - 1))
+
+    def _one_hot_targets(self, targets):
+        """[N] class indices -> [N, k] 0/1 rows in the logits' dtype."""
+        xp = self._xp
+        classes = asarray_like(np.arange(self._logits.shape[1]), targets)
+        return xp.astype(targets[:, None] == classes[None, :], self._logits.dtype)
+
+    def _targets_as_one_hot(self, targets):
+        return self._one_hot_targets(targets)
+
+    def _evaluate(self, targets):
+        xp = self._xp
+        y = self._targets_as_one_hot(targets)
+        return self._masked(-xp.sum(y * self._log_probs(), axis=-1))
+
+    def _grad(self, targets):
+        return (self._masked(self._probs() - self._targets_as_one_hot(targets)),)
+
+    def _sample(self, rng):
+        # Gumbel-max: argmax_c (z_c + g_c), g_c iid Gumbel(0, 1), is distributed as softmax(z)
+        # and needs no cumulative sums (exact at any logit size).
+        xp = self._xp
+        g = host_draw(rng, self._logits, lambda r: r.gumbel(size=self._logits.shape))
+        return xp.argmax(self._logits + g, axis=-1)
+
+    def _fisher_vp(self, vector):
+        xp = self._xp
+        (v,) = vector
+        p = self._probs()
+        return (self._masked(p * v - p * xp.sum(p * v, axis=-1, keepdims=True)),)
+
+    def _fisher_factor_vp(self, vector):
+        xp = self._xp
+        p, q = self._probs(), self._sqrt_probs()
+        return (self._masked(q * vector - p * xp.sum(q * vector, axis=-1, keepdims=True)),)
+
+    def _fisher_factor_t_vp(self, vector):
+        xp = self._xp
+        (v,) = vector
+        p, q = self._probs(), self._sqrt_probs()
+        return self._masked(q * v - q * xp.sum(p * v, axis=-1, keepdims=True))
+
+    def _fisher_one_hot(self, index):
+        # Column c of B: sqrt(p_c) (e_c - p).
+        (c,) = index
+        e = self._one_hot_event(index, (self._logits.shape[1],))
+        q_c = self._sqrt_probs()[:, c:c + 1]
+        return (self._masked(q_c * (e - self._probs())),)
+
+    def _fisher_dense(self):
+        xp = self._xp
+        p = self._probs()
+        return self._masked(_diag_embed(xp, p) - p[:, :, None] * p[:, None, :])
+
+    def _fisher_factor_dense(self):
+        xp = self._xp
+        p, q = self._probs(), self._sqrt_probs()
+        return self._masked(_diag_embed(xp, q) - p[:, :, None] * q[:, None, :])
+
+
+class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogProbLoss):
+    r"""Softmax cross-entropy with one-hot targets (the OneHotCategorical distribution).
+
+    .. math::
+
+        \ell(y) = -\sum_c y_c \log p_c,\qquad y\in\{e_1,\dots,e_k\},\qquad
+        F = G = \mathrm{diag}(p) - p p^\top,\quad B = \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
+
+    Identical to :class:`CategoricalLogitsNegativeLogProbLoss` (same Fisher, factors and
+    mask semantics) except that targets and samples are one-hot rows ``[N, k]`` in the
+    logits' dtype rather than class indices.
+
+    Parameters
+    ----------
+    logits : array [N, k]
+    targets : array [N, k], optional
+        One-hot rows: entries 0/1 (bool, integer or floating), exactly one 1 per row.
+        Soft labels are rejected (they are not samples of this distribution).
+    mask : array [N], optional
+    weight : float
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        As the categorical loss; targets of wrong shape or not one-hot.
+
+    References
+    ----------
+    kfac-jax ``OneHotCategoricalLogitsNegativeLogProbLoss``.
+    """
+
+    def _check_targets(self, func, targets):
+        xp = namespace_of(func, logits=self._logits, targets=targets)
+        n, k = self._logits.shape
+        check_array(func, "targets", targets, shape=(n, k), dtype=None,
+                    layout="[N, k] of one-hot rows")
+        if not (xp.isdtype(targets.dtype, "bool") or xp.isdtype(targets.dtype, "integral")
+                or xp.isdtype(targets.dtype, "real floating")):
+            raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
+                                f"array; got {describe(targets)}.")
+        y = xp.astype(targets, self._logits.dtype)
+        if n and k and (bool(xp.any(~((y == 0.0) | (y == 1.0))))
+                        or bool(xp.any(xp.sum(y, axis=-1) != 1.0))):
+            raise KFACValueError(f"{func}: targets must be one-hot rows (entries 0/1, exactly "
+                                 f"one 1 per row); got {describe(targets)} that is not.")
+        return y
+
+    def _targets_as_one_hot(self, targets):
+        return targets
+
+    def _sample(self, rng):
+        xp = self._xp
+        g = host_draw(rng, self._logits, lambda r: r.gumbel(size=self._logits.shape))
+        return self._one_hot_targets(xp.argmax(self._logits + g, axis=-1))
+
+
+# --------------------------------------------------------------------------------------
+# Multi-Bernoulli
+# --------------------------------------------------------------------------------------
+class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
+    r"""Sigmoid cross-entropy: independent Bernoulli variables given by logits.
+
+    .. math::
+
+        p = \sigma(z),\qquad
+        \ell(y) = -\sum_j \big[y_j\log\sigma(z_j) + (1-y_j)\log\sigma(-z_j)\big],\qquad
+        \nabla_z\ell = p - y,
+
+        F = G = \nabla^2_z\ell = \mathrm{diag}\big(p(1-p)\big),\qquad
+        B = B^\top = \mathrm{diag}\big(\sqrt{p(1-p)}\big).
+
+    :math:`\log\sigma(z) = \min(z,0) - \log(1+e^{-|z|})` and
+    :math:`p(1-p) = \exp(\log\sigma(z) + \log\sigma(-z))`, so large logits give finite,
+    correctly tiny curvature instead of :math:`1\cdot(1-1) = 0` with NaN gradients.
+
+    ``evaluate`` sums over all non-batch axes and returns ``[N]``; kfac-jax returns the
+    unsummed element-wise values (``distrax.Bernoulli``) — their sum over the non-batch axes
+    is this.  Registered via ``register_sigmoid_cross_entropy_loss`` the objective is
+    :math:`\frac{w}{N}\sum_n \ell_n`; products here are per example (no 1/N).
+
+    Parameters
+    ----------
+    logits : array [N, ...]
+        At least 2-D, real floating, finite.
+    targets : array, optional
+        Same shape as ``logits``; values in :math:`[0, 1]` (bool, integer or floating; soft
+        labels are accepted for ``evaluate``).  Samples are 0/1 in the logits' dtype.
+    weight : float
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Bad logits, targets of wrong shape or outside [0, 1], negative weight.
+
+    References
+    ----------
+    kfac-jax / TF K-FAC ``MultiBernoulliNegativeLogProbLoss``.
+    """
+
+    def __init__(self, logits, targets=None, weight=1.0):
+        func = self._fname("__init__")
+        namespace_of(func, logits=logits, targets=targets)
+        check_array(func, "logits", logits, min_ndim=2, layout="[N, ...]")
+        super().__init__(weight)
+        self._logits = logits
+        self._targets = None if targets is None else self._check_targets(func, targets)
+
+    def _check_targets(self, func, targets):
+        xp = namespace_of(func, logits=self._logits, targets=targets)
+        check_array(func, "targets", targets, shape=tuple(self._logits.shape), dtype=None,
+                    layout="like logits, values in [0, 1]")
+        if xp.isdtype(targets.dtype, "real floating"):
+            self._check_dtype(func, "targets", targets)
+        elif not (xp.isdtype(targets.dtype, "bool") or xp.isdtype(targets.dtype, "integral")):
+            raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
+                                f"array; got {describe(targets)}.")
+        y = xp.astype(targets, self._logits.dtype)
+        if y.size and bool(xp.any((y < 0.0) | (y > 1.0))):
+            raise KFACValueError(f"{func}: targets must lie in [0, 1]; got values in "
+                                 f"[{float(xp.min(y))}, {float(xp.max(y))}].")
+        return y
+
+    @property
+    def logits(self):
+        """The logits ``[N, ...]``."""
+        return self._logits
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def params(self) -> tuple:
+        return (self._logits,)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._weight)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        return tuple(self._logits.shape)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, weight=self._weight)
+
+    @property
+    def _xp(self):
+        return namespace_of(self._fname("formula"), logits=self._logits)
+
+    def _probs(self):
+        return self._xp.exp(_log_sigmoid(self._xp, self._logits))
+
+    def _log_variance(self):
+        xp = self._xp
+        return _log_sigmoid(xp, self._logits) + _log_sigmoid(xp, -self._logits)
+
+    def _variance(self):  # p (1 - p)
+        return self._xp.exp(self._log_variance())
+
+    def _sqrt_variance(self):
+        return self._xp.exp(0.5 * self._log_variance())
+
+    def _evaluate(self, targets):
+        xp = self._xp
+        z = self._logits
+        per_element = -(targets * _log_sigmoid(xp, z) + (1.0 - targets) * _log_sigmoid(xp, -z))
+        return xp.sum(_flat(xp, per_element), axis=-1)
+
+    def _grad(self, targets):
+        return (self._probs() - targets,)
+
+    def _sample(self, rng):
+        # y = [z + L > 0] with L ~ Logistic(0, 1): P(y = 1) = P(L > -z) = σ(z).
+        xp = self._xp
+        noise = host_draw(rng, self._logits, lambda r: r.logistic(size=self._logits.shape))
+        return xp.astype(self._logits + noise > 0.0, self._logits.dtype)
+
+    def _fisher_vp(self, vector):
+        return (self._variance() * vector[0],)
+
+    def _fisher_factor_vp(self, vector):
+        return (self._sqrt_variance() * vector,)
+
+    def _fisher_factor_t_vp(self, vector):
+        return self._sqrt_variance() * vector[0]
+
+    def _fisher_one_hot(self, index):
+        e = self._one_hot_event(index, tuple(self._logits.shape[1:]))
+        return (self._sqrt_variance() * e,)
+
+    def _fisher_dense(self):
+        return _diag_embed(self._xp, _flat(self._xp, self._variance()))
+
+    def _fisher_factor_dense(self):
+        return _diag_embed(self._xp, _flat(self._xp, self._sqrt_variance()))
+
+
+# --------------------------------------------------------------------------------------
+# Normal with fixed variance
+# --------------------------------------------------------------------------------------
+class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
+    r"""Normal distribution with mean :math:`\mu` (the output) and fixed scalar variance :math:`v`.
+
+    .. math::
+
+        \ell(y) = \frac{\lVert y-\mu\rVert^2}{2v} + \big[\tfrac D2\log(2\pi v)\big],\qquad
+        \nabla_\mu\ell = \frac{\mu - y}{v},
+
+        F = G = \nabla^2_\mu\ell = \frac1v I,\qquad B = B^\top = \frac{1}{\sqrt v} I.
+
+    The bracketed constant is included when ``normalize_log_prob`` is true.
+
+    **The factor-2 pitfall.**  The default :math:`v = 1/2` makes :math:`\ell` the *plain*
+    squared error :math:`\lVert y-\mu\rVert^2` (kfac-jax ``register_squared_error_loss``,
+    PyTorch ``MSELoss(reduction="sum")``), whose curvature is :math:`2I`, not :math:`I`.
+    For :math:`\tfrac12\lVert y-\mu\rVert^2` use :math:`v = 1` (curvature :math:`I`).
+    Mixing the two conventions scales every output-side factor by 2 (curvlinops #82).
+    ``register_normal_predictive_distribution`` declares
+    :math:`\frac{w}{N}\sum_n\ell_n`; the products here are per example (no 1/N).
+
+    Parameters
+    ----------
+    mean : array [N, ...]
+        At least 2-D, real floating, finite.
+    targets : array, optional
+        Same shape and dtype as ``mean``, finite.
+    variance : float
+        Positive scalar :math:`v` (Python number).  Default 0.5 (squared error).
+    weight : float
+    normalize_log_prob : bool
+        Include the additive normalising constant in ``evaluate``.
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Bad mean or targets, non-positive variance, negative weight.
+
+    References
+    ----------
+    kfac-jax ``NormalMeanNegativeLogProbLoss``; FORMULAS.md §5 (variance conventions).
+    """
+
+    def __init__(self, mean, targets=None, variance=0.5, weight=1.0, normalize_log_prob=True):
+        func = self._fname("__init__")
+        namespace_of(func, mean=mean, targets=targets)
+        check_array(func, "mean", mean, min_ndim=2, layout="[N, ...]")
+        super().__init__(weight)
+        self._mean = mean
+        self._variance = check_scalar(func, "variance", variance, positive=True)
+        if not isinstance(normalize_log_prob, bool):
+            raise KFACTypeError(f"{func}: normalize_log_prob must be a bool; got "
+                                f"{describe(normalize_log_prob)}.")
+        self._normalize = normalize_log_prob
+        self._targets = None if targets is None else self._check_targets(func, targets)
+
+    def _check_targets(self, func, targets):
+        namespace_of(func, mean=self._mean, targets=targets)
+        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
+                    layout="like mean")
+        self._check_dtype(func, "targets", targets)
+        return targets
+
+    @property
+    def mean(self):
+        """The mean ``[N, ...]``."""
+        return self._mean
+
+    @property
+    def variance(self) -> float:
+        """The fixed scalar variance :math:`v`."""
+        return self._variance
+
+    @property
+    def normalize_log_prob(self) -> bool:
+        return self._normalize
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def params(self) -> tuple:
+        return (self._mean,)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._variance, self._weight, self._normalize)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        return tuple(self._mean.shape)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, variance=self._variance,
+                          weight=self._weight, normalize_log_prob=self._normalize)
+
+    @property
+    def _xp(self):
+        return namespace_of(self._fname("formula"), mean=self._mean)
+
+    def _evaluate(self, targets):
+        xp = self._xp
+        r = _flat(xp, targets - self._mean)
+        value = xp.sum(r * r, axis=-1) / (2.0 * self._variance)
+        if self._normalize:
+            value = value + 0.5 * r.shape[1] * (_LOG_2PI + math.log(self._variance))
+        return value
+
+    def _grad(self, targets):
+        return ((self._mean - targets) / self._variance,)
+
+    def _sample(self, rng):
+        z = host_draw(rng, self._mean, lambda r: r.standard_normal(self._mean.shape))
+        return self._mean + math.sqrt(self._variance) * z
+
+    def _fisher_vp(self, vector):
+        return (vector[0] / self._variance,)
+
+    def _fisher_factor_vp(self, vector):
+        return (vector / math.sqrt(self._variance),)
+
+    def _fisher_factor_t_vp(self, vector):
+        return vector[0] / math.sqrt(self._variance)
+
+    def _fisher_one_hot(self, index):
+        xp = self._xp
+        e = self._one_hot_event(index, tuple(self._mean.shape[1:]))
+        ones = xp.ones_like(self._mean)
+        return (ones * e / math.sqrt(self._variance),)
+
+    def _identity_batch(self):
+        xp = self._xp
+        d = _flat(xp, self._mean).shape[1]
+        return xp.ones_like(_flat(xp, self._mean))[:, :, None] * eye_like(self._mean, d)[None, :, :]
+
+    def _fisher_dense(self):
+        return self._identity_batch() / self._variance
+
+    def _fisher_factor_dense(self):
+        return self._identity_batch() / math.sqrt(self._variance)
+
+
+# --------------------------------------------------------------------------------------
+# Normal with mean and variance
+# --------------------------------------------------------------------------------------
+class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
+    r"""Normal distribution whose mean :math:`\mu` and variance :math:`v` are both outputs.
+
+    Per coordinate :math:`j` (coordinates independent), with :math:`r = y - \mu`:
+
+    .. math::
+
+        \ell = \sum_j \Big[\frac{r_j^2}{2v_j} + \tfrac12\log(2\pi v_j)\Big],\qquad
+        \nabla_{\mu_j}\ell = -\frac{r_j}{v_j},\qquad
+        \nabla_{v_j}\ell = \frac{1}{2v_j} - \frac{r_j^2}{2v_j^2},
+
+        F = \mathrm{diag}\Big(\frac1{v},\ \frac{1}{2v^2}\Big),\qquad
+        B = B^\top = \mathrm{diag}\Big(\frac{1}{\sqrt v},\ \frac{1}{\sqrt2\,v}\Big)
+
+    in the ``[mean, variance]`` parameterisation (the inner shape of the factor is
+    ``[N, 2d]``, mean coordinates first, as in kfac-jax).
+
+    **The GGN.**  :math:`(\mu, v)` are not natural parameters, so the Hessian of the loss,
+
+    .. math::
+
+        \nabla^2\ell = \begin{pmatrix} 1/v & r/v^2 \\ r/v^2 & r^2/v^3 - 1/(2v^2)\end{pmatrix}
+        \ (\text{per coordinate}),
+
+    depends on :math:`y` and is indefinite when :math:`r^2 < v/2`; only its expectation
+    over :math:`y\sim\mathcal N(\mu, v)` is :math:`F` (``hessian_matrix`` returns it).  The
+    GGN needs a split of the loss into a convex outer part and an inner map.  kfac_ref splits
+    at the natural parameters :math:`\eta = (\mu/v,\ -1/(2v))`: the loss is convex in
+    :math:`\eta` with :math:`\nabla^2_\eta\ell = \mathrm{Cov}[(y, y^2)]`, and
+
+    .. math::
+
+        G = J_\eta^\top\,\nabla^2_\eta\ell\,J_\eta = F ,
+        \qquad J_\eta = \frac{\partial\eta}{\partial(\mu, v)},
+
+    because the Fisher transforms covariantly under reparameterisation.  So the GGN products
+    here equal the Fisher products (PSD, independent of :math:`y`).  kfac-jax raises
+    ``NotImplementedError`` for this loss's GGN and TF K-FAC has none; a conformance check
+    against them must skip the GGN, not compare with the Hessian.
+
+    Parameters
+    ----------
+    mean : array [N, d]
+        Real floating, finite.
+    variance : array [N, d]
+        Same dtype, finite and strictly positive.
+    targets : array [N, d], optional
+        Same dtype, finite.
+    weight : float
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Arrays not 2-D or of different shapes or dtypes, non-finite values, variance with
+        a non-positive entry, negative weight.
+
+    References
+    ----------
+    kfac-jax ``NormalMeanVarianceNegativeLogProbLoss``; Martens (2014), arXiv:1412.1193,
+    §9 (GGN = Fisher at the natural parameters).
+    """
+
+    def __init__(self, mean, variance, targets=None, weight=1.0):
+        func = self._fname("__init__")
+        namespace_of(func, mean=mean, variance=variance, targets=targets)
+        check_array(func, "mean", mean, ndim=2, layout="[N, d]")
+        check_array(func, "variance", variance, shape=tuple(mean.shape),
+                    layout="[N, d] like mean")
+        super().__init__(weight)
+        if variance.dtype != mean.dtype:
+            raise KFACTypeError(f"{func}: variance must be of the mean's dtype {mean.dtype}; "
+                                f"got {describe(variance)}.")
+        xp = namespace_of(func, mean=mean)
+        self._mean = mean
+        if variance.size and not bool(xp.all(variance > 0.0)):
+            raise KFACValueError(
+                f"{func}: variance must be strictly positive; got minimum "
+                f"{float(xp.min(variance))!r}.")
+        self._variance = variance
+        self._targets = None if targets is None else self._check_targets(func, targets)
+
+    def _check_targets(self, func, targets):
+        namespace_of(func, mean=self._mean, targets=targets)
+        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
+                    layout="[N, d] like mean")
+        self._check_dtype(func, "targets", targets)
+        return targets
+
+    @property
+    def mean(self):
+        """The mean ``[N, d]``."""
+        return self._mean
+
+    @property
+    def variance(self):
+        """The variance ``[N, d]``."""
+        return self._variance
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def params(self) -> tuple:
+        return (self._mean, self._variance)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._weight)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        n, d = self._mean.shape
+        return (n, 2 * d)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], inputs[1], targets=self._targets, weight=self._weight)
+
+    @property
+    def _xp(self):
+        return namespace_of(self._fname("formula"), mean=self._mean)
+
+    def _factor_diagonals(self):
+        xp = self._xp
+        return 1.0 / xp.sqrt(self._variance), 1.0 / (math.sqrt(2.0) * self._variance)
+
+    def _evaluate(self, targets):
+        xp = self._xp
+        v = self._variance
+        r = targets - self._mean
+        return xp.sum(r * r / (2.0 * v) + 0.5 * (_LOG_2PI + xp.log(v)), axis=-1)
+
+    def _grad(self, targets):
+        v = self._variance
+        r = targets - self._mean
+        return (-r / v, 0.5 / v - r * r / (2.0 * v * v))
+
+    def _sample(self, rng):
+        xp = self._xp
+        z = host_draw(rng, self._mean, lambda r: r.standard_normal(self._mean.shape))
+        return self._mean + xp.sqrt(self._variance) * z
+
+    def _fisher_vp(self, vector):
+        v = self._variance
+        return (vector[0] / v, vector[1] / (2.0 * v * v))
+
+    def _fisher_factor_vp(self, vector):
+        a, c = self._factor_diagonals()
+        d = self._mean.shape[1]
+        return (a * vector[:, :d], c * vector[:, d:])
+
+    def _fisher_factor_t_vp(self, vector):
+        a, c = self._factor_diagonals()
+        return self._xp.concat([a * vector[0], c * vector[1]], axis=-1)
+
+    def _fisher_one_hot(self, index):
+        # Column j of the diagonal factor: mean block for j < d, variance block otherwise.
+        a, c = self._factor_diagonals()
+        d = self._mean.shape[1]
+        e = self._one_hot_event(index, (2 * d,))
+        return (a * e[:, :d], c * e[:, d:])
+
+    def _fisher_dense(self):
+        xp = self._xp
+        v = self._variance
+        return _diag_embed(xp, xp.concat([1.0 / v, 1.0 / (2.0 * v * v)], axis=-1))
+
+    def _fisher_factor_dense(self):
+        xp = self._xp
+        a, c = self._factor_diagonals()
+        return _diag_embed(xp, xp.concat([a, c], axis=-1))
+
+    def _hessian_dense(self, func, targets):
+        xp = self._xp
+        y = self._resolve_targets(func, targets)
+        v = self._variance
+        r = y - self._mean
+        h_mm = _diag_embed(xp, 1.0 / v)
+        h_mv = _diag_embed(xp, r / (v * v))
+        h_vv = _diag_embed(xp, r * r / (v * v * v) - 0.5 / (v * v))
+        top = xp.concat([h_mm, h_mv], axis=-1)
+        bottom = xp.concat([h_mv, h_vv], axis=-1)
+        return xp.concat([top, bottom], axis=-2)
