@@ -1,0 +1,206 @@
+"""The reference itself as an implementation under test (the suite's default target).
+
+Three adapters over one class, differing in the array backend the inputs are handed over in:
+
+* ``kfac_ref`` — NumPy.  Against live cases this is a self-check of the plumbing; against the
+  committed golden vectors (the default source) it is a regression test of kfac_ref.
+* ``kfac_ref_strict`` — array-api-strict (CPU device): every formula must go through the
+  standard only.
+* ``kfac_ref_torch`` — PyTorch CPU tensors (float64).
+
+The canonical conventions are the reference's, so nothing is converted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import Adapter, AdapterUnavailable, implements
+
+ADAPTERS = {
+    "kfac_ref": "conformance.adapters.kfac_ref_adapter:KfacRefAdapter",
+    "kfac_ref_strict": "conformance.adapters.kfac_ref_adapter:KfacRefStrictAdapter",
+    "kfac_ref_torch": "conformance.adapters.kfac_ref_adapter:KfacRefTorchAdapter",
+}
+
+
+class KfacRefAdapter(Adapter):
+    name = "kfac_ref"
+    description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
+    backend = "numpy"
+
+    # -- backend plumbing -----------------------------------------------------------------
+    def setup(self):
+        try:
+            import kfac_ref  # noqa: F401
+        except ImportError as exc:  # pragma: no cover - the suite ships with kfac_ref
+            raise AdapterUnavailable(f"kfac_ref is not importable: {exc}") from exc
+
+    def version(self):
+        import kfac_ref
+
+        return f"{kfac_ref.__version__} ({self.backend})"
+
+    def to_backend(self, x):
+        return np.asarray(x, dtype=np.float64)
+
+    def to_numpy(self, x):
+        return np.asarray(x, dtype=np.float64)
+
+    def _in(self, inputs, *names):
+        return [self.to_backend(inputs[n]) for n in names]
+
+    # -- linalg ---------------------------------------------------------------------------
+    @implements("linalg.compute_cov")
+    def compute_cov(self, inputs, params):
+        from kfac_ref import linalg
+
+        (x,) = self._in(inputs, "x")
+        return self.to_numpy(linalg.compute_cov(x))
+
+    @implements("linalg.cross_cov")
+    def cross_cov(self, inputs, params):
+        from kfac_ref import linalg
+
+        x, y = self._in(inputs, "x", "y")
+        return self.to_numpy(linalg.compute_cov(x, y))
+
+    @implements("linalg.homog_cov")
+    def homog_cov(self, inputs, params):
+        from kfac_ref import linalg
+
+        (a,) = self._in(inputs, "a")
+        return self.to_numpy(linalg.compute_cov(linalg.append_homog(a)))
+
+    @implements("linalg.kron")
+    def kron(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g = self._in(inputs, "a", "g")
+        return self.to_numpy(linalg.kron(a, g))
+
+    @implements("linalg.kron_matvec")
+    def kron_matvec(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g, v = self._in(inputs, "a", "g", "v")
+        return self.to_numpy(linalg.kron_matvec(a, g, v))
+
+    @implements("linalg.damped_matpower")
+    def damped_matpower(self, inputs, params):
+        from kfac_ref import linalg
+
+        (m,) = self._in(inputs, "m")
+        return self.to_numpy(linalg.damped_matpower(m, params["exp"], params["damping"]))
+
+    @implements("linalg.damped_inverse")
+    def damped_inverse(self, inputs, params):
+        from kfac_ref import linalg
+
+        (m,) = self._in(inputs, "m")
+        return self.to_numpy(linalg.damped_inverse(m, params["damping"]))
+
+    @implements("linalg.pi_tracenorm")
+    def pi_tracenorm(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g = self._in(inputs, "a", "g")
+        return np.asarray(linalg.pi_tracenorm(a, g))
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g = self._in(inputs, "a", "g")
+        return np.asarray(linalg.pi_adjusted_damping(a, g, params["damping"]))
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g, v = self._in(inputs, "a", "g", "v")
+        return self.to_numpy(linalg.kron_damped_inverse_matvec(
+            a, g, v, params["damping"], damping_method="factored"))
+
+    @implements("linalg.exact_damped_inverse_matvec")
+    def exact_inverse(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g, v = self._in(inputs, "a", "g", "v")
+        return self.to_numpy(linalg.kron_damped_inverse_matvec(
+            a, g, v, params["damping"], damping_method="exact"))
+
+    @implements("linalg.factored_damped_matpower_matvec")
+    def factored_matpower(self, inputs, params):
+        from kfac_ref import linalg
+
+        a, g, v = self._in(inputs, "a", "g", "v")
+        return self.to_numpy(linalg.kron_damped_matpower_matvec(
+            a, g, v, params["exp"], params["damping"], damping_method="factored"))
+
+    @implements("linalg.factor_norm")
+    def factor_norm(self, inputs, params):
+        from kfac_ref import linalg
+
+        (m,) = self._in(inputs, "m")
+        return np.asarray(linalg.factor_norm(m, params["norm_type"]))
+
+    # -- averaging ------------------------------------------------------------------------
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        from kfac_ref.averaging import MovingAverageVariable
+
+        xs = inputs["xs"]
+        avg = MovingAverageVariable.zeros_like(self.to_backend(xs[0]), zero_debias=True)
+        out = []
+        for x in xs:
+            avg = avg.update(self.to_backend(x), params["decay"], params["weight"])
+            out.append(self.to_numpy(avg.value))
+        return np.stack(out)
+
+
+class KfacRefStrictAdapter(KfacRefAdapter):
+    name = "kfac_ref_strict"
+    description = "kfac_ref on array-api-strict arrays (CPU device; canonical conventions)"
+    backend = "array_api_strict"
+
+    def setup(self):
+        super().setup()
+        try:
+            import array_api_strict  # noqa: F401
+        except ImportError as exc:
+            raise AdapterUnavailable("array-api-strict is not installed "
+                                     "(pip install array-api-strict)") from exc
+
+    def to_backend(self, x):
+        import array_api_strict as xs
+
+        return xs.asarray(np.asarray(x, dtype=np.float64))
+
+    def to_numpy(self, x):
+        if isinstance(x, (float, int, np.ndarray)):
+            return np.asarray(x, dtype=np.float64)
+        return np.asarray(x._array, dtype=np.float64)  # noqa: SLF001 - host read-back
+
+
+class KfacRefTorchAdapter(KfacRefAdapter):
+    name = "kfac_ref_torch"
+    description = "kfac_ref on PyTorch CPU tensors (float64; canonical conventions)"
+    backend = "torch"
+
+    def setup(self):
+        super().setup()
+        try:
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise AdapterUnavailable("torch is not installed") from exc
+
+    def to_backend(self, x):
+        import torch
+
+        return torch.as_tensor(np.asarray(x, dtype=np.float64))
+
+    def to_numpy(self, x):
+        if isinstance(x, (float, int, np.ndarray)):
+            return np.asarray(x, dtype=np.float64)
+        return x.detach().cpu().numpy().astype(np.float64)

@@ -1,0 +1,148 @@
+"""Conventions an implementation declares, and how the suite moves the reference into them.
+
+The reference (kfac_ref) has one canonical convention for everything (see ``CANONICAL``).
+An adapter declares where its implementation differs; the suite converts the reference's
+expected outputs (and, where a layout is involved, the inputs it hands over) into the declared
+conventions before comparing.  A difference that a declared convention explains therefore
+passes, and the report says which declaration explained it.
+
+Each field below is documented in :data:`FIELDS` (allowed values and meaning); the README's
+"Conventions" table is generated from the same text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+import numpy as np
+
+__all__ = ["Conventions", "CANONICAL", "FIELDS", "kron_index", "vec_index", "a_index"]
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """Conventions of an implementation under test (defaults are the reference's)."""
+
+    kron_order: str = "AG"
+    bias_position: str = "last"
+    curvature_of: str = "mean"
+    mse_variance: float = 1.0
+    conv_style: str = "kfc"
+    symmetrised: bool = True
+    ema_style: str = "zero_debias"
+    empirical_fisher_scale: str = "per_example"
+
+    def __post_init__(self):
+        for f in fields(self):
+            allowed = FIELDS[f.name][0]
+            value = getattr(self, f.name)
+            if allowed is not None and value not in allowed:
+                raise ValueError(
+                    f"Conventions: {f.name} must be one of {allowed}; got {value!r}."
+                )
+        if not (isinstance(self.mse_variance, (int, float)) and self.mse_variance > 0):
+            raise ValueError(
+                f"Conventions: mse_variance must be a positive number; got {self.mse_variance!r}."
+            )
+
+    def differences(self, relevant=None) -> dict:
+        """Fields that differ from :data:`CANONICAL` (restricted to ``relevant`` names)."""
+        out = {}
+        for f in fields(self):
+            if relevant is not None and f.name not in relevant:
+                continue
+            if getattr(self, f.name) != getattr(CANONICAL, f.name):
+                out[f.name] = getattr(self, f.name)
+        return out
+
+    def with_(self, **changes) -> Conventions:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d) -> Conventions:
+        return cls(**d)
+
+
+#: field -> (allowed values or None, meaning)
+FIELDS = {
+    "kron_order": (
+        ("AG", "GA"),
+        "'AG': the dense block is kron(A, G) acting on the row-major flattening of the "
+        "[d_in+1, d_out] matrix [W; b] (TF, kfac-jax, kfac_ref). 'GA': kron(G, A) acting on "
+        "the row-major flattening of the [d_out, d_in+1] matrix (PyTorch weight layout: "
+        "curvlinops, BackPACK, ASDL, nngeometry). Vectors handed to the implementation and "
+        "matrices expected from it are permuted accordingly (a perfect shuffle).",
+    ),
+    "bias_position": (
+        ("last", "first"),
+        "Where the homogeneous coordinate (the bias) sits in the input factor A and in the "
+        "parameter vector of a layer: 'last' (kfac_ref, TF, kfac-jax with a list pytree) or "
+        "'first' (e.g. a {'b','w'} dict pytree).",
+    ),
+    "curvature_of": (
+        ("mean", "sum"),
+        "Curvature of the mean loss (1/N)Σℓ_n (reference; G = (1/N)Σ g gᵀ with g the "
+        "per-example gradient) or of the sum loss Σℓ_n (G, blocks and curvature matrices N "
+        "times larger; curvlinops/BackPACK with reduction='sum').",
+    ),
+    "mse_variance": (
+        None,
+        "The Gaussian variance v that the implementation's squared-error loss corresponds to: "
+        "its output-space curvature is I/v. 1.0 means ½‖f−y‖² (reference default); 0.5 means "
+        "‖f−y‖² (PyTorch MSELoss(reduction='sum'), kfac-jax's register_squared_error_loss).",
+    ),
+    "conv_style": (
+        ("kfc", "expand", "reduce", "hybrid"),
+        "Convolution factors: 'kfc' A=ΣāāᵀN⁻¹|T|⁻¹, G=ΣggᵀN⁻¹|T|⁻¹, block |T|·A⊗G (TF, "
+        "kfac-jax, reference); 'expand' the same block with A=Σāāᵀ/(N|T|), G=Σggᵀ/N "
+        "(curvlinops 'expand'); 'reduce' KFAC-reduce (location-averaged inputs, "
+        "location-summed gradients); 'hybrid' A of expand times |T| with G of reduce "
+        "(BackPACK).",
+    ),
+    "symmetrised": (
+        (True, False),
+        "Whether covariances are explicitly symmetrised ((XᵀX + (XᵀX)ᵀ)/2, TF) or not "
+        "(kfac-jax). Only rounding differs; recorded for the report, never converted.",
+    ),
+    "ema_style": (
+        ("zero_debias", "raw"),
+        "Moving averages: 'zero_debias' reports S_k/W_k (TF ZERO_DEBIAS=True, kfac-jax "
+        "WeightedMovingAverage, reference); 'raw' reports the weighted sum S_k (TF "
+        "ZERO_DEBIAS=False).",
+    ),
+    "empirical_fisher_scale": (
+        ("per_example", "kfac_jax"),
+        "Empirical Fisher statistics: 'per_example' (1/N)Σ∇ℓ_n∇ℓ_nᵀ (TF, curvlinops, "
+        "reference) or 'kfac_jax' with the extra 1/N of kfac-jax's fisher_empirical.",
+    ),
+}
+
+CANONICAL = Conventions()
+
+
+# -- index maps (host-side, numpy) ---------------------------------------------------------
+def a_index(p: int, bias_position: str, has_bias: bool = True) -> np.ndarray:
+    """Index map for the A side (length p): entry j of the declared layout is entry
+    ``a_index[j]`` of the canonical layout."""
+    idx = np.arange(p)
+    if has_bias and bias_position == "first" and p > 0:
+        idx = np.concatenate([[p - 1], np.arange(p - 1)])
+    return idx
+
+
+def vec_index(p: int, q: int, conv: Conventions, has_bias: bool = False) -> np.ndarray:
+    """Index map from the canonical row-major vec of a [p, q] matrix (A side rows, G side
+    columns) to the declared vec: ``v_declared = v_canonical[vec_index(...)]``."""
+    ai = a_index(p, conv.bias_position, has_bias)
+    grid = ai[:, None] * q + np.arange(q)[None, :]  # [p, q], rows permuted
+    if conv.kron_order == "GA":
+        grid = grid.T  # the declared vector is the row-major vec of the [q, p] transpose
+    return grid.reshape(-1)
+
+
+def kron_index(p: int, q: int, conv: Conventions, has_bias: bool = False) -> np.ndarray:
+    """Alias of :func:`vec_index`, applied to both rows and columns of a block matrix."""
+    return vec_index(p, q, conv, has_bias)

@@ -1,0 +1,292 @@
+"""Diagnosis: which known K-FAC pitfall explains a disagreement.
+
+When an output disagrees with the reference, the suite recomputes what the output *would*
+be under each known pitfall and reports the first one that reconciles the numbers (within the
+case's own tolerance).  Candidates, in this order:
+
+1. **undeclared conventions** — the reference converted with one declared convention field
+   flipped (Kronecker order, bias position, mean/sum curvature, EMA debiasing, conv style,
+   empirical-Fisher scale, MSE variance ×2/÷2);
+2. **case alternatives** — what kfac_ref computes with the pitfall built in (π without the
+   dimensions, unsplit damping, exact instead of factored damping, the empirical instead of the
+   true Fisher, no zero-debias, expand instead of reduce, ...), stored with the case;
+3. **scalar factors** — N, N², 1/N, 1/N², |T|, 1/|T|, 2, 1/2 (from the case's N and |T|);
+4. **structure** — transposed, symmetrised, negated;
+5. **pairs** of a scalar factor with a candidate of 1–2;
+6. otherwise, the least-squares constant ``c`` if ``c·expected`` fits ("off by a constant
+   factor c"), else "unexplained" with the relative error.
+
+Shape mismatches are diagnosed separately (transposed shape, other vec order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .compare import as_float64, compare
+from .conventions import FIELDS
+
+__all__ = ["Diagnosis", "PITFALLS", "diagnose"]
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    pitfall: str  # stable id (see PITFALLS); "unexplained" when nothing fits
+    explanation: str  # plain words, with the numbers that identify it
+    rel_err: float = float("nan")  # error of the matching candidate
+
+    def to_dict(self):
+        return {"pitfall": self.pitfall, "explanation": self.explanation,
+                "rel_err": self.rel_err}
+
+
+#: pitfall id -> (title, what it means, evidence)
+PITFALLS = {
+    "kron_order_swapped": (
+        "Kronecker order swapped",
+        "the block is kron(G, A) where kron(A, G) is declared (or vice versa): a row-major "
+        "flattening of a [d_out, d_in] weight read as the [d_in, d_out] convention",
+        "curvlinops#182, FORMULAS §0.2",
+    ),
+    "bias_position": (
+        "bias (homogeneous coordinate) in the wrong position",
+        "the bias row/column of the input factor sits first where last is declared (or vice "
+        "versa)", "FORMULAS §0.2, P4",
+    ),
+    "sum_vs_mean": (
+        "curvature of the sum instead of the mean loss (or vice versa)",
+        "the result is N times (or 1/N times) the declared normalisation",
+        "FORMULAS §1.2",
+    ),
+    "no_zero_debias": (
+        "moving average not zero-debiased",
+        "the value is the raw weighted sum S_k instead of S_k/W_k", "tensorflow/kfac#37, P7",
+    ),
+    "spurious_zero_debias": (
+        "moving average debiased where the raw sum is declared",
+        "the value is S_k/W_k where the raw weighted sum is declared", "P7",
+    ),
+    "identity_init": (
+        "moving average started at the identity without debiasing",
+        "the first estimates are dominated by I (an implicit decaying damping)", "P7",
+    ),
+    "conv_style": (
+        "convolution factors in another style (KFC/expand/reduce/hybrid)",
+        "the factors match a different weight-sharing approximation than declared",
+        "Eschenhagen et al. 2023; FORMULAS §2.3, P6",
+    ),
+    "empirical_fisher_scale": (
+        "empirical-Fisher scale convention",
+        "an extra 1/N (kfac-jax fisher_empirical) present or missing", "P11",
+    ),
+    "mse_factor_2": (
+        "squared-error factor 2",
+        "the loss curvature is 2I where I is declared (‖f−y‖² vs ½‖f−y‖²) or vice versa",
+        "curvlinops#82, P10",
+    ),
+    "pi_without_dimensions": (
+        "π without the dimension normalisation",
+        "π = sqrt(tr A / tr G) instead of sqrt((tr A/dim A)/(tr G/dim G))",
+        "Thrandis/EKFAC-pytorch#4, P3",
+    ),
+    "pi_squared": ("π squared", "π² used where π is meant", "Thrandis/EKFAC-pytorch#4"),
+    "unsplit_damping": (
+        "damping added to both factors without the π split",
+        "(A + λI)⊗(G + λI) instead of (A + π√λI)⊗(G + √λ/πI)", "P9",
+    ),
+    "pi_off": (
+        "π = 1 (√λ on both factors)", "the damping split ignores the factor scales", "P9",
+    ),
+    "exact_damping": (
+        "exact damping where factored damping is expected",
+        "(A⊗G + λI)⁻¹ instead of (A + π√λI)⁻¹⊗(G + √λ/πI)⁻¹", "FORMULAS §1.4",
+    ),
+    "factored_damping": (
+        "factored damping where exact damping is expected",
+        "(A + π√λI)⁻¹⊗(G + √λ/πI)⁻¹ instead of (A⊗G + λI)⁻¹", "FORMULAS §1.4",
+    ),
+    "empirical_fisher": (
+        "empirical instead of true Fisher",
+        "the statistics use the data labels instead of targets from the model",
+        "gpauloski/kfac-pytorch#109, P2",
+    ),
+    "true_fisher": (
+        "true instead of empirical Fisher",
+        "the statistics use model targets where data labels are expected", "P2",
+    ),
+    "symmetrised": (
+        "symmetrised a non-symmetric quantity",
+        "the output is (C + Cᵀ)/2 of the expected cross moment", "FORMULAS §3.3",
+    ),
+    "transposed": ("transposed", "the output is the transpose of the expected matrix", ""),
+    "negated": ("sign flipped", "the output is −expected", ""),
+    "no_eigenvalue_clipping": (
+        "no eigenvalue clipping",
+        "negative round-off eigenvalues were not clipped before taking powers",
+        "kfac-jax#183, P8",
+    ),
+    "vec_order": (
+        "column-major instead of row-major vec (or vice versa)",
+        "the output has the right entries in the other flattening order", "FORMULAS §0.2",
+    ),
+    "non_finite": ("non-finite output", "NaN or Inf in the output never passes", "P8"),
+    "shape": ("wrong shape", "the output's shape differs from the expected one", ""),
+    "scale": ("constant scale factor", "the output is a constant multiple of the expected one "
+              "that is no known factor", ""),
+    "scale:N": ("scaled by N", "N times too large: curvature of the sum loss, or a missing "
+                "1/N", "FORMULAS §1.2"),
+    "scale:1/N": ("scaled by 1/N", "N times too small: an extra 1/N (e.g. kfac-jax's "
+                  "empirical-Fisher scale, or per-example gradients of the mean loss in one "
+                  "factor)", "P1, P11"),
+    "scale:N^2": ("scaled by N²", "N² times too large", "P1"),
+    "scale:1/N^2": ("scaled by 1/N²", "gradients of the mean loss used as per-example "
+                    "gradients: G carries 1/N²", "wiseodd/natural-gradients#2, P1"),
+    "scale:T": ("scaled by |T|", "|T| times too large: the location bookkeeping of a "
+                "weight-shared layer", "tensorflow/kfac#41, P6"),
+    "scale:1/T": ("scaled by 1/|T|", "|T| times too small: a missing |T| (block scale or "
+                  "factor normalisation)", "tensorflow/kfac#41, P6"),
+    "scale:T^2": ("scaled by |T|²", "|T|² times too large", "P6"),
+    "scale:1/T^2": ("scaled by 1/|T|²", "|T|² times too small", "P6"),
+    "scale:NT": ("scaled by N·|T|", "normalised by neither N nor |T|", "P6"),
+    "scale:1/NT": ("scaled by 1/(N·|T|)", "normalised twice", "P6"),
+    "scale:2": ("scaled by 2", "twice the reference (squared-error factor 2, a doubled "
+                "symmetrisation)", "curvlinops#82, P10"),
+    "scale:1/2": ("scaled by 1/2", "half the reference", "P10"),
+    "unexplained": ("unexplained", "no known pitfall reconciles the numbers", ""),
+}
+
+# convention field -> pitfall id for a flip of that field
+_FLIP_PITFALL = {
+    "kron_order": "kron_order_swapped",
+    "bias_position": "bias_position",
+    "curvature_of": "sum_vs_mean",
+    "conv_style": "conv_style",
+    "empirical_fisher_scale": "empirical_fisher_scale",
+    "mse_variance": "mse_factor_2",
+}
+
+
+def _flip_candidates(cap, case, conv):
+    for field in cap.conventions:
+        if field == "symmetrised":
+            continue  # only rounding differs
+        declared = getattr(conv, field)
+        if field == "mse_variance":
+            values = (declared * 2.0, declared / 2.0)
+        else:
+            values = [v for v in FIELDS[field][0] if v != declared]
+        for value in values:
+            try:
+                cand = cap.convert_output(case.expected, case, conv.with_(**{field: value}))
+            except Exception:  # noqa: BLE001 - a conversion that needs absent data
+                continue
+            if field == "ema_style":
+                pid = "no_zero_debias" if value == "raw" else "spurious_zero_debias"
+            else:
+                pid = _FLIP_PITFALL.get(field, field)
+            yield (pid, f"matches the reference under {field}={value!r}, but the adapter "
+                        f"declares {field}={declared!r}", np.asarray(cand, dtype=np.float64))
+
+
+def _alt_candidates(cap, case, conv):
+    for name, alt in case.alternatives.items():
+        try:
+            cand = cap.convert_output(alt, case, conv)
+        except Exception:  # noqa: BLE001
+            continue
+        yield name, f"matches what the reference computes with the pitfall '{name}'", \
+            np.asarray(cand, dtype=np.float64)
+
+
+def _scalar_factors(case):
+    """(pitfall id, label, factor) for the scalar pitfalls that the case's N and |T| allow."""
+    out = []
+    n, t = case.meta.get("N"), case.meta.get("T")
+    if n and n > 1:
+        out += [("scale:N", f"N = {n}", n), ("scale:1/N", f"1/N = 1/{n}", 1 / n),
+                ("scale:N^2", f"N² = {n * n}", n * n),
+                ("scale:1/N^2", f"1/N² = 1/{n * n}", 1 / (n * n))]
+    if t and t > 1:
+        out += [("scale:T", f"|T| = {t}", t), ("scale:1/T", f"1/|T| = 1/{t}", 1 / t),
+                ("scale:T^2", f"|T|² = {t * t}", t * t),
+                ("scale:1/T^2", f"1/|T|² = 1/{t * t}", 1 / (t * t))]
+        if n and n > 1:
+            out += [("scale:NT", f"N·|T| = {n * t}", n * t),
+                    ("scale:1/NT", f"1/(N·|T|) = 1/{n * t}", 1 / (n * t))]
+    out += [("scale:2", "2", 2.0), ("scale:1/2", "1/2", 0.5)]
+    seen, uniq = set(), []
+    for pid, label, c in out:  # the catalogue avoids coincidences; keep the first name
+        key = round(float(c), 12)
+        if key not in seen:
+            seen.add(key)
+            uniq.append((pid, label, float(c)))
+    return uniq
+
+
+def _structure_candidates(expected):
+    if expected.ndim == 2 and expected.shape[0] == expected.shape[1]:
+        if not np.allclose(expected, expected.T, rtol=1e-10, atol=0):
+            yield "transposed", "equals the transpose of the expected matrix", expected.T
+            yield "symmetrised", "equals the symmetric part of the expected matrix", \
+                (expected + expected.T) / 2
+    yield "negated", "equals −expected", -expected
+
+
+def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
+    """Name the pitfall that reconciles ``actual`` with the reference, if any."""
+    expected = cap.expected_for(case, conv)
+    act = as_float64(actual)
+    scale = case.tolerance.scale
+    if act is None:
+        return Diagnosis("shape", f"the output is not a real array ({type(actual).__name__})")
+    if act.shape != expected.shape:
+        if act.size == expected.size and expected.ndim >= 1:
+            if act.shape == expected.T.shape and compare(act.T, expected, rtol, scale).ok:
+                return Diagnosis("transposed", f"shape {act.shape} is the transpose of "
+                                               f"{expected.shape} and the values match")
+            if compare(act.reshape(expected.shape), expected, rtol, scale).ok:
+                return Diagnosis("shape", f"shape {act.shape} instead of {expected.shape}; "
+                                          "the values match after a row-major reshape")
+            if compare(act.reshape(expected.shape, order="F"), expected, rtol, scale).ok:
+                return Diagnosis("vec_order", f"shape {act.shape} instead of "
+                                              f"{expected.shape}; the values match after a "
+                                              "column-major reshape")
+        return Diagnosis("shape", f"shape {act.shape} != expected {expected.shape}")
+    if not np.all(np.isfinite(act)):
+        bad = int(np.sum(~np.isfinite(act)))
+        extra = ""
+        if "no_eigenvalue_clipping" in case.alternatives:
+            extra = "; eigenvalue clipping is the usual cause"
+        return Diagnosis("non_finite", f"{bad} of {act.size} entries are NaN/Inf{extra}")
+
+    primary = list(_flip_candidates(cap, case, conv)) + list(_alt_candidates(cap, case, conv))
+    for pid, text, cand in primary:
+        c = compare(act, cand, rtol, scale)
+        if c.ok:
+            return Diagnosis(pid, text, c.rel_err)
+    factors = _scalar_factors(case)
+    for spid, label, f in factors:
+        c = compare(act, f * expected, rtol, scale)
+        if c.ok:
+            return Diagnosis(spid, f"output = {label} × expected", c.rel_err)
+    for pid, text, cand in _structure_candidates(expected):
+        c = compare(act, cand, rtol, scale)
+        if c.ok:
+            return Diagnosis(pid, text, c.rel_err)
+    for pid, text, cand in primary:
+        for spid, label, f in factors:
+            c = compare(act, f * cand, rtol, scale)
+            if c.ok:
+                return Diagnosis(f"{pid}+{spid}", f"{text}, times {label}", c.rel_err)
+    denom = float(np.vdot(expected, expected))
+    if denom > 0:
+        coef = float(np.vdot(expected, act)) / denom
+        c = compare(act, coef * expected, rtol, scale)
+        if c.ok and coef != 0:
+            return Diagnosis("scale", f"output = {coef:.6g} × expected (no known factor of "
+                                      "N, |T| or 2)", c.rel_err)
+    rel = compare(act, expected, rtol, scale).rel_err
+    return Diagnosis("unexplained", f"relative error {rel:.3e} (rtol {rtol:.1e}); no known "
+                                    "pitfall reconciles the numbers", rel)

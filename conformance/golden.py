@@ -1,0 +1,213 @@
+"""Golden vectors: the catalogue as portable files (see GOLDEN_SPEC.md).
+
+Layout of ``conformance/golden/``:
+
+* ``manifest.json`` — schema version, canonical conventions, capabilities, and per case its
+  capability, parameters, metadata, tolerance (with derivation), and the keys of its arrays;
+  the sha256 and size of every data file;
+* ``<family>.npz`` — an uncompressed ZIP of ``.npy`` (format 1.0) arrays, little-endian
+  float64, one entry per array named ``<case id>/<role>[/<name>].npy``; written with fixed
+  timestamps so regeneration is byte-for-byte reproducible for identical numbers.
+
+Loading verifies the schema version and every file's sha256 before reading it with
+``allow_pickle=False``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .conventions import CANONICAL, FIELDS
+from .model import Case, Tolerance
+
+__all__ = ["GOLDEN_DIR", "SCHEMA", "SCHEMA_VERSION", "write_golden", "load_golden",
+           "check_golden", "GoldenError"]
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+SCHEMA = "kfac_ref.conformance.golden"
+SCHEMA_VERSION = 1
+_ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+
+
+class GoldenError(RuntimeError):
+    """The golden files are missing, corrupt or of an unknown schema."""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _npy_bytes(arr) -> bytes:
+    buf = io.BytesIO()
+    arr = np.ascontiguousarray(np.asarray(arr, dtype="<f8"))
+    np.lib.format.write_array(buf, arr, version=(1, 0), allow_pickle=False)
+    return buf.getvalue()
+
+
+def _json_clean(obj):
+    if isinstance(obj, dict):
+        return {str(k): _json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, np.integer, np.bool_)):
+        return obj.item()
+    return obj
+
+
+def write_golden(cases, capabilities, directory=GOLDEN_DIR, extra=None) -> dict:
+    """Write ``cases`` (live, from kfac_ref) to ``directory``; return the manifest."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    by_family: dict[str, list[Case]] = {}
+    for case in cases:
+        by_family.setdefault(case.family, []).append(case)
+    manifest_cases, files = [], {}
+    for old in directory.glob("*.npz"):
+        old.unlink()
+    for family, fcases in by_family.items():
+        fname = f"{family}.npz"
+        path = directory / fname
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as zf:
+
+            def put(key, arr, zf=zf):
+                info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
+                info.external_attr = 0o644 << 16
+                zf.writestr(info, _npy_bytes(arr))
+                a = np.asarray(arr)
+                return {"key": key, "shape": list(a.shape), "dtype": "<f8"}
+
+            for case in fcases:
+                arrays = {
+                    "inputs": {n: put(f"{case.id}/inputs/{n}", a) for n, a in
+                               case.inputs.items()},
+                    "expected": put(f"{case.id}/expected", case.expected),
+                    "alternatives": {n: put(f"{case.id}/alternatives/{n}", a) for n, a in
+                                     case.alternatives.items()},
+                }
+                manifest_cases.append({
+                    "id": case.id, "capability": case.capability, "file": fname,
+                    "description": case.description, "params": _json_clean(case.params),
+                    "meta": _json_clean(case.meta), "tolerance": case.tolerance.to_dict(),
+                    "arrays": arrays,
+                })
+        files[fname] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    manifest = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "generated_by": "python -m conformance golden --write",
+        "generator": _json_clean(extra or {}),
+        "conventions": {"canonical": CANONICAL.to_dict(),
+                        "meaning": {k: v[1] for k, v in FIELDS.items()}},
+        "comparison": ("norm-wise: ||actual - expected||_F <= rtol * max(||expected||_F, "
+                       "tolerance.scale), rtol = tolerance.budget * eps(dtype) (+ declared "
+                       "hyper-parameter precision); NaN/Inf or a shape mismatch fails"),
+        "capabilities": {name: {"summary": cap.summary, "signature": cap.signature,
+                                "conventions": list(cap.conventions)}
+                         for name, cap in capabilities.items()
+                         if any(c.capability == name for c in cases)},
+        "files": files,
+        "cases": manifest_cases,
+    }
+    (directory / "manifest.json").write_text(
+        json.dumps(manifest, indent=1, ensure_ascii=False, sort_keys=False) + "\n",
+        encoding="utf-8")
+    return manifest
+
+
+def read_manifest(directory=GOLDEN_DIR) -> dict:
+    path = Path(directory) / "manifest.json"
+    if not path.exists():
+        raise GoldenError(f"no golden manifest at {path}; run `python -m conformance golden "
+                          "--write`")
+    manifest = json.loads(path.read_text(encoding="utf-8"))
+    if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
+        raise GoldenError(f"{path}: schema {manifest.get('schema')!r} version "
+                          f"{manifest.get('schema_version')!r}; this suite reads {SCHEMA!r} "
+                          f"version {SCHEMA_VERSION}")
+    return manifest
+
+
+def load_golden(directory=GOLDEN_DIR) -> list[Case]:
+    """Load and integrity-check the golden cases (raises :class:`GoldenError`)."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    data = {}
+    for fname, meta in manifest["files"].items():
+        path = directory / fname
+        if not path.exists():
+            raise GoldenError(f"golden file {path} is missing")
+        digest = _sha256(path)
+        if digest != meta["sha256"]:
+            raise GoldenError(f"golden file {path} is corrupt: sha256 {digest} != manifest "
+                              f"{meta['sha256']}")
+        with np.load(path, allow_pickle=False) as npz:
+            data[fname] = {k: npz[k] for k in npz.files}
+    cases = []
+    for c in manifest["cases"]:
+        arrays = data[c["file"]]
+
+        def get(entry, arrays=arrays, cid=c["id"]):
+            try:
+                arr = arrays[entry["key"]]
+            except KeyError:
+                raise GoldenError(f"case {cid}: array {entry['key']} missing from "
+                                  "its file") from None
+            if list(arr.shape) != list(entry["shape"]):
+                raise GoldenError(f"case {cid}: array {entry['key']} has shape "
+                                  f"{arr.shape}, manifest says {entry['shape']}")
+            return arr
+
+        a = c["arrays"]
+        cases.append(Case(
+            c["id"], c["capability"], {n: get(e) for n, e in a["inputs"].items()},
+            dict(c["params"]), get(a["expected"]), Tolerance.from_dict(c["tolerance"]),
+            dict(c["meta"]), {n: get(e) for n, e in a["alternatives"].items()},
+            c.get("description", ""), source="golden"))
+    return cases
+
+
+def check_golden(live_cases, directory=GOLDEN_DIR) -> list[str]:
+    """Compare the golden files with a freshly built catalogue; return problems (empty = ok).
+
+    Inputs must be identical; expected outputs and alternatives must agree within the case's
+    float64 tolerance (different BLAS/LAPACK builds round differently).
+    """
+    problems = []
+    try:
+        golden = {c.id: c for c in load_golden(directory)}
+    except GoldenError as exc:
+        return [str(exc)]
+    live = {c.id: c for c in live_cases}
+    for cid in sorted(set(live) - set(golden)):
+        problems.append(f"{cid}: in the live catalogue but not in the golden files "
+                        "(regenerate with `python -m conformance golden --write`)")
+    for cid in sorted(set(golden) - set(live)):
+        problems.append(f"{cid}: in the golden files but not in the live catalogue")
+    for cid in sorted(set(golden) & set(live)):
+        g, v = golden[cid], live[cid]
+        rtol = g.tolerance.rtol()
+        for name in set(g.inputs) | set(v.inputs):
+            if name not in g.inputs or name not in v.inputs or not np.array_equal(
+                    g.inputs[name], v.inputs[name]):
+                problems.append(f"{cid}: input {name!r} differs")
+        pairs = [("expected", g.expected, v.expected)] + [
+            (f"alternative {n!r}", g.alternatives.get(n), v.alternatives.get(n))
+            for n in set(g.alternatives) | set(v.alternatives)]
+        for what, ga, va in pairs:
+            if ga is None or va is None or ga.shape != va.shape:
+                problems.append(f"{cid}: {what} missing or of another shape")
+                continue
+            den = max(float(np.linalg.norm(va)), g.tolerance.scale, 1e-300)
+            err = float(np.linalg.norm(ga - va)) / den
+            if not err <= rtol:
+                problems.append(f"{cid}: {what} differs (relative error {err:.2e} > "
+                                f"{rtol:.1e})")
+        if g.params != v.params:
+            problems.append(f"{cid}: params differ {g.params} != {v.params}")
+    return problems

@@ -1,0 +1,193 @@
+"""Mutants of the linear-algebra and moving-average capabilities (one pitfall each)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..adapter import implements
+from ..adapters.kfac_ref_adapter import KfacRefAdapter
+
+_M = "conformance.mutants.linalg_mutants"
+
+
+class _Mutant(KfacRefAdapter):
+    """Base: kfac_ref with one pitfall; ``EXPECTED`` = capability -> pitfall id."""
+
+    EXPECTED: dict = {}
+    pitfall = ""
+
+    @property
+    def description(self):
+        return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
+
+
+def _pi_no_dims(a, g):
+    ta, tg = float(np.trace(a)), float(np.trace(g))
+    return math.sqrt(ta / tg) if ta and tg else 1.0
+
+
+def _inv_pow(m, exp, damping):
+    s, q = np.linalg.eigh(m)
+    return (q * (np.maximum(s, 0) + damping) ** exp) @ q.T
+
+
+class KronSwapped(_Mutant):
+    name = "mutant_kron_swapped"
+    pitfall = "row-major vec of the [out, in] weight read as kron(A, G): returns kron(G, A)"
+    EXPECTED = {"linalg.kron": "kron_order_swapped", "linalg.kron_matvec": "kron_order_swapped"}
+
+    @implements("linalg.kron")
+    def kron(self, inputs, params):
+        return np.kron(inputs["g"], inputs["a"])
+
+    @implements("linalg.kron_matvec")
+    def kron_matvec(self, inputs, params):
+        return np.kron(inputs["g"], inputs["a"]) @ inputs["v"]
+
+
+class BiasFirst(_Mutant):
+    name = "mutant_bias_first"
+    pitfall = "homogeneous coordinate prepended instead of appended"
+    EXPECTED = {"linalg.homog_cov": "bias_position"}
+
+    @implements("linalg.homog_cov")
+    def homog_cov(self, inputs, params):
+        a = inputs["a"]
+        ab = np.concatenate([np.ones((a.shape[0], 1)), a], axis=1)
+        return ab.T @ ab / a.shape[0]
+
+
+class MeanLossGradients(_Mutant):
+    name = "mutant_mean_loss_gradients"
+    pitfall = ("rows are gradients of the mean loss (g/N), so the covariance carries 1/N² "
+               "(wiseodd/natural-gradients#2)")
+    EXPECTED = {"linalg.compute_cov": "scale:1/N^2", "linalg.cross_cov": "scale:1/N^2"}
+
+    @implements("linalg.compute_cov")
+    def compute_cov(self, inputs, params):
+        x = inputs["x"] / inputs["x"].shape[0]
+        return x.T @ x / x.shape[0]
+
+    @implements("linalg.cross_cov")
+    def cross_cov(self, inputs, params):
+        n = inputs["x"].shape[0]
+        return (inputs["x"] / n).T @ (inputs["y"] / n) / n
+
+
+class PiWithoutDimensions(_Mutant):
+    name = "mutant_pi_without_dimensions"
+    pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
+    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
+                "linalg.pi_adjusted_damping": "pi_without_dimensions",
+                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions",
+                "linalg.factored_damped_matpower_matvec": "pi_without_dimensions"}
+
+    @implements("linalg.pi_tracenorm")
+    def pi_tracenorm(self, inputs, params):
+        return np.asarray(_pi_no_dims(inputs["a"], inputs["g"]))
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        pi, root = _pi_no_dims(inputs["a"], inputs["g"]), math.sqrt(params["damping"])
+        return np.array([pi * root, root / pi])
+
+    def _apply(self, inputs, exp, damping):
+        a, g, v = inputs["a"], inputs["g"], inputs["v"]
+        pi, root = _pi_no_dims(a, g), math.sqrt(damping)
+        return np.kron(_inv_pow(a, exp, pi * root), _inv_pow(g, exp, root / pi)) @ v
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        return self._apply(inputs, -1.0, params["damping"])
+
+    @implements("linalg.factored_damped_matpower_matvec")
+    def factored_matpower(self, inputs, params):
+        return self._apply(inputs, params["exp"], params["damping"])
+
+
+class UnsplitDamping(_Mutant):
+    name = "mutant_unsplit_damping"
+    pitfall = "the same λ added to both factors: (A + λI) ⊗ (G + λI)"
+    EXPECTED = {"linalg.pi_adjusted_damping": "unsplit_damping",
+                "linalg.factored_damped_inverse_matvec": "unsplit_damping",
+                "linalg.factored_damped_matpower_matvec": "unsplit_damping"}
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        return np.array([params["damping"], params["damping"]])
+
+    def _apply(self, inputs, exp, lam):
+        a, g, v = inputs["a"], inputs["g"], inputs["v"]
+        return np.kron(_inv_pow(a, exp, lam), _inv_pow(g, exp, lam)) @ v
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        return self._apply(inputs, -1.0, params["damping"])
+
+    @implements("linalg.factored_damped_matpower_matvec")
+    def factored_matpower(self, inputs, params):
+        return self._apply(inputs, params["exp"], params["damping"])
+
+
+class ExactForFactored(_Mutant):
+    name = "mutant_exact_for_factored"
+    pitfall = "exact damping (A⊗G + λI)⁻¹ where factored Tikhonov damping is asked for"
+    EXPECTED = {"linalg.factored_damped_inverse_matvec": "exact_damping"}
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        a, g, v = inputs["a"], inputs["g"], inputs["v"]
+        return np.linalg.solve(np.kron(a, g) + params["damping"] * np.eye(v.size), v)
+
+
+class NoZeroDebias(_Mutant):
+    name = "mutant_no_zero_debias"
+    pitfall = "moving average reported as the raw weighted sum (not zero-debiased)"
+    EXPECTED = {"averaging.ema": "no_zero_debias"}
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        s, out = np.zeros_like(inputs["xs"][0]), []
+        for x in inputs["xs"]:
+            s = params["decay"] * s + params["weight"] * x
+            out.append(s)
+        return np.stack(out)
+
+
+class SymmetrisedCross(_Mutant):
+    name = "mutant_symmetrised_cross_cov"
+    pitfall = "a cross moment XᵀY/n symmetrised as if it were a covariance"
+    EXPECTED = {"linalg.cross_cov": "symmetrised"}
+
+    @implements("linalg.cross_cov")
+    def cross_cov(self, inputs, params):
+        c = inputs["x"].T @ inputs["y"] / inputs["x"].shape[0]
+        return (c + c.T) / 2
+
+
+class NaNOutput(_Mutant):
+    name = "mutant_nan"
+    pitfall = "returns NaN where a power of a singular matrix is taken without clipping"
+    EXPECTED = {"linalg.damped_matpower": "non_finite"}
+
+    @implements("linalg.damped_matpower")
+    def damped_matpower(self, inputs, params):
+        out = np.asarray(super().damped_matpower(inputs, params))
+        return np.where(np.eye(out.shape[0]) > 0, np.nan, out)
+
+
+class EmptyOutput(_Mutant):
+    name = "mutant_empty"
+    pitfall = "returns an empty array (an empty comparison must never pass)"
+    EXPECTED = {"linalg.kron": "shape"}
+
+    @implements("linalg.kron")
+    def kron(self, inputs, params):
+        return np.zeros((0,))
+
+
+MUTANTS = [KronSwapped, BiasFirst, MeanLossGradients, PiWithoutDimensions, UnsplitDamping,
+           ExactForFactored, NoZeroDebias, SymmetrisedCross, NaNOutput, EmptyOutput]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}

@@ -1,0 +1,241 @@
+"""Reports: terminal progress and summary table, JSON, JUnit XML, Markdown, and the ecosystem
+matrix (implementation × capability)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from .diagnosis import PITFALLS
+from .runner import STATUSES, RunReport
+
+__all__ = ["Progress", "terminal_summary", "write_reports", "write_matrix", "matrix_cell"]
+
+_CHAR = {"pass": ".", "convention": "c", "fail": "F", "error": "E", "xfail": "x", "skip": "s"}
+
+
+class Progress:
+    """pytest-style progress: one character per case, a counter per capability line."""
+
+    def __init__(self, stream=None, quiet=False):
+        self.stream = stream or sys.stdout
+        self.quiet = quiet
+        self.current = None
+        self.width = 0
+
+    def __call__(self, case, result, index, total):
+        if self.quiet:
+            return
+        if case.capability != self.current:
+            if self.current is not None:
+                self.stream.write("\n")
+            self.current = case.capability
+            label = f"{case.capability:<44.44}"
+            self.stream.write(label + " ")
+            self.width = 0
+        self.stream.write(_CHAR[result.status])
+        self.width += 1
+        if index == total:
+            self.stream.write(f"  [{index}/{total}]\n")
+        self.stream.flush()
+
+
+def _table(rows, headers):
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [line.format(*headers), line.format(*("-" * w for w in widths))]
+    out += [line.format(*map(str, r)) for r in rows]
+    return "\n".join(out)
+
+
+def terminal_summary(report: RunReport) -> str:
+    a = report.adapter
+    lines = [f"\nkfac_ref conformance — adapter {a.get('name')} {a.get('version', '')} "
+             f"(dtype {a.get('dtype')}, source {report.source})"]
+    nc = a.get("non_canonical_conventions") or {}
+    if nc:
+        lines.append("declared conventions: " + ", ".join(f"{k}={v!r}" for k, v in nc.items()))
+    if report.unavailable:
+        lines.append(f"ADAPTER UNAVAILABLE: {report.unavailable}")
+    rows = []
+    for cap in report.capabilities():
+        c = report.counts(cap)
+        diags = sorted({r.diagnosis["pitfall"] for r in report.results
+                        if r.capability == cap and r.diagnosis})
+        rows.append([cap, c["pass"], c["convention"], c["fail"], c["error"], c["xfail"],
+                     c["skip"], ", ".join(diags)])
+    tot = report.counts()
+    rows.append(["TOTAL", tot["pass"], tot["convention"], tot["fail"], tot["error"],
+                 tot["xfail"], tot["skip"], ""])
+    lines.append(_table(rows, ["capability", "pass", "conv", "fail", "error", "xfail", "skip",
+                               "diagnosis"]))
+    bad = [r for r in report.results if r.status in ("fail", "error")]
+    if bad:
+        lines.append("\nFailures:")
+        for r in bad:
+            lines.append(f"  {r.status.upper():5} {r.case_id}: {r.message}")
+    for fam, why in report.absent.items():
+        lines.append(f"absent family {fam}: {why}")
+    n_cmp = tot["pass"] + tot["convention"]
+    verdict = "PASSED" if report.ok else "FAILED"
+    if n_cmp == 0 and not bad:
+        verdict += " (nothing was compared: an empty run never passes)"
+    lines.append(f"\n{verdict}: {tot['pass']} passed, {tot['convention']} passed under declared "
+                 f"conventions, {tot['fail']} failed, {tot['error']} errors, {tot['xfail']} "
+                 f"expected failures, {tot['skip']} skipped in {report.duration_s:.1f} s")
+    return "\n".join(lines)
+
+
+def _junit(report: RunReport) -> bytes:
+    suites = ET.Element("testsuites", name=f"kfac_ref-conformance-{report.adapter.get('name')}")
+    for cap in report.capabilities():
+        c = report.counts(cap)
+        rs = [r for r in report.results if r.capability == cap]
+        suite = ET.SubElement(suites, "testsuite", name=cap, tests=str(len(rs)),
+                              failures=str(c["fail"]), errors=str(c["error"]),
+                              skipped=str(c["skip"] + c["xfail"]),
+                              time=f"{sum(r.duration_s for r in rs):.6f}")
+        for r in rs:
+            tc = ET.SubElement(suite, "testcase", classname=cap, name=r.case_id,
+                               time=f"{r.duration_s:.6f}")
+            if r.status == "fail":
+                ET.SubElement(tc, "failure", message=r.message,
+                              type=(r.diagnosis or {}).get("pitfall", "value")).text = r.message
+            elif r.status == "error":
+                ET.SubElement(tc, "error", message=r.message).text = r.message
+            elif r.status in ("skip", "xfail"):
+                ET.SubElement(tc, "skipped", message=r.message)
+            elif r.message:
+                ET.SubElement(tc, "system-out").text = r.message
+    ET.indent(suites)
+    return ET.tostring(suites, encoding="utf-8", xml_declaration=True)
+
+
+def _markdown(report: RunReport) -> str:
+    a = report.adapter
+    out = [f"# kfac_ref conformance report: `{a.get('name')}`", "",
+           f"- implementation: {a.get('description', '')} — version `{a.get('version', '')}`",
+           f"- dtype: {a.get('dtype')}; source of expected values: {report.source}",
+           f"- started {report.started} UTC, {report.duration_s:.1f} s; "
+           f"Python {report.environment.get('python')}, NumPy {report.environment.get('numpy')}"
+           f", kfac_ref {report.environment.get('kfac_ref')}",
+           f"- verdict: **{'PASSED' if report.ok else 'FAILED'}**", ""]
+    nc = a.get("non_canonical_conventions") or {}
+    if nc:
+        out.append("Declared conventions (differences from the reference): " +
+                   ", ".join(f"`{k}={v!r}`" for k, v in nc.items()))
+        out.append("")
+    if report.unavailable:
+        out += [f"**Adapter unavailable**: {report.unavailable}", ""]
+    out += ["| capability | pass | convention | fail | error | xfail | skip | diagnosis |",
+            "|---|---|---|---|---|---|---|---|"]
+    for cap in report.capabilities():
+        c = report.counts(cap)
+        diags = sorted({r.diagnosis["pitfall"] for r in report.results
+                        if r.capability == cap and r.diagnosis})
+        out.append(f"| `{cap}` | {c['pass']} | {c['convention']} | {c['fail']} | {c['error']} | "
+                   f"{c['xfail']} | {c['skip']} | {', '.join(diags)} |")
+    bad = [r for r in report.results if r.status in ("fail", "error", "xfail")]
+    if bad:
+        out += ["", "## Failures and expected failures", ""]
+        for r in bad:
+            out.append(f"- **{r.status}** `{r.case_id}`: {r.message}")
+            if r.diagnosis:
+                title = PITFALLS.get(r.diagnosis["pitfall"].split("+")[0], ("",))[0]
+                if title:
+                    out.append(f"  - pitfall: {title}")
+    skipped = sorted({r.message for r in report.results if r.status == "skip"})
+    if skipped:
+        out += ["", "## Skip reasons", ""] + [f"- {m}" for m in skipped]
+    if report.absent:
+        out += ["", "## Capability families absent from the catalogue", ""]
+        out += [f"- {k}: {v}" for k, v in report.absent.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_reports(report: RunReport, out_dir) -> dict:
+    """Write report.json, junit.xml and report.md under ``out_dir/<adapter>/``."""
+    d = Path(out_dir) / str(report.adapter.get("name"))
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {"json": d / "report.json", "junit": d / "junit.xml", "markdown": d / "report.md"}
+    paths["json"].write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
+                             encoding="utf-8")
+    paths["junit"].write_bytes(_junit(report))
+    paths["markdown"].write_text(_markdown(report), encoding="utf-8")
+    return paths
+
+
+# -- ecosystem matrix --------------------------------------------------------------------
+def matrix_cell(counts: dict, results: list) -> str:
+    """One cell: pass / fail (diagnosis) / skip / convention, from a capability's results."""
+    if counts.get("fail") or counts.get("error"):
+        diags = sorted({r["diagnosis"]["pitfall"] for r in results if r.get("diagnosis")})
+        n = counts.get("fail", 0) + counts.get("error", 0)
+        tot = sum(counts.values()) - counts.get("skip", 0)
+        return f"FAIL {n}/{tot}" + (f" ({', '.join(diags)})" if diags else " (error)")
+    if counts.get("xfail"):
+        diags = sorted({r["diagnosis"]["pitfall"] for r in results if r.get("diagnosis")})
+        return "xfail" + (f" ({', '.join(diags)})" if diags else "")
+    if counts.get("convention"):
+        convs = sorted({f"{k}={v}" for r in results for k, v in (r.get("conventions") or
+                                                                  {}).items()})
+        return "pass (convention: " + ", ".join(convs) + ")"
+    if counts.get("pass"):
+        return "pass"
+    reasons = sorted({r.get("message", "") for r in results if r["status"] == "skip"})
+    return "skip" + (f" ({reasons[0][:60]})" if reasons else "")
+
+
+def write_matrix(reports: list[dict], out_dir, date: str | None = None) -> dict:
+    """Write matrix.md and matrix.json from report dicts (``RunReport.to_dict()`` or loaded
+    report.json files)."""
+    caps = []
+    for rep in reports:
+        for c in rep["capabilities"]:
+            if c not in caps:
+                caps.append(c)
+    cells = {}
+    for rep in reports:
+        name = rep["adapter"]["name"]
+        cells[name] = {}
+        for cap in caps:
+            rs = [r for r in rep["results"] if r["capability"] == cap]
+            counts = rep["capabilities"].get(cap, {})
+            cells[name][cap] = matrix_cell(counts, rs) if rs else "skip (not in this run)"
+            if rep.get("unavailable"):
+                cells[name][cap] = "skip (adapter unavailable)"
+    data = {
+        "schema": "kfac_ref.conformance.matrix/1",
+        "date": date or (reports[0]["started"] if reports else ""),
+        "implementations": {rep["adapter"]["name"]: {
+            "version": rep["adapter"].get("version", ""),
+            "dtype": rep["adapter"].get("dtype"),
+            "conventions": rep["adapter"].get("non_canonical_conventions", {}),
+            "ok": rep.get("ok"), "unavailable": rep.get("unavailable", ""),
+            "counts": rep.get("counts", {})} for rep in reports},
+        "capabilities": caps,
+        "cells": cells,
+    }
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "matrix.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n",
+                                   encoding="utf-8")
+    names = list(cells)
+    md = ["# K-FAC ecosystem conformance matrix", "",
+          f"Generated by `python -m conformance --all-adapters` on {data['date']}. Cells: "
+          "`pass`; `pass (convention: …)` = agrees once the declared convention is applied; "
+          "`FAIL k/n (diagnosis)`; `skip (reason)`.", "",
+          "| implementation | version | declared conventions | verdict |", "|---|---|---|---|"]
+    for name, info in data["implementations"].items():
+        conv = ", ".join(f"{k}={v}" for k, v in info["conventions"].items()) or "canonical"
+        verdict = ("unavailable: " + info["unavailable"]) if info["unavailable"] else (
+            "PASSED" if info["ok"] else "FAILED")
+        md.append(f"| {name} | {info['version']} | {conv} | {verdict} |")
+    md += ["", "| capability | " + " | ".join(names) + " |",
+           "|---|" + "---|" * len(names)]
+    for cap in caps:
+        md.append(f"| `{cap}` | " + " | ".join(cells[n][cap] for n in names) + " |")
+    (d / "matrix.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    return data
