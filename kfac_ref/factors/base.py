@@ -34,6 +34,7 @@ identity, and callables are evaluated at :meth:`~DenseSquareMatrixFactor.update_
 from __future__ import annotations
 
 import copy
+import math
 import numbers
 from collections.abc import Sequence
 
@@ -510,7 +511,7 @@ class DiagonalFactor(FisherFactor):
         cov = self.cov
         xp = namespace_of(func, cov=cov)
         damped = cov + lam
-        if exp < 0 and damped.size and not bool(xp.min(damped) > 0):
+        if exp < 0 and math.prod(damped.shape) and not bool(xp.min(damped) > 0):
             raise KFACValueError(
                 f"{func}: diagonal + damping must be positive for a negative exponent ({exp}); "
                 f"its smallest entry is {float(xp.min(damped)):.3g}. Add damping."

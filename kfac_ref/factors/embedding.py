@@ -9,6 +9,8 @@ dropped and a repeated id counts :math:`c` times (not :math:`c^2`), as in TF.
 
 from __future__ import annotations
 
+import math
+
 from .._backend import (
     KFACTypeError,
     KFACValueError,
@@ -65,7 +67,7 @@ def _id_counts(xp, flat_ids, vocab_size, dtype):
 
 def _check_ids(func, xp, input_ids, vocab_size, ndim):
     check_array(func, "input_ids", input_ids, ndim=ndim, dtype="integral")
-    if input_ids.size:
+    if math.prod(input_ids.shape):  # (torch's .size is a method)
         lo, hi = int(xp.min(input_ids)), int(xp.max(input_ids))
         if lo < 0 or hi >= vocab_size:
             raise KFACValueError(
