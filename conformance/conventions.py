@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
-__all__ = ["Conventions", "CANONICAL", "FIELDS", "kron_index", "vec_index", "a_index"]
+__all__ = ["Conventions", "CANONICAL", "FIELDS", "kron_index", "vec_index", "a_index",
+           "patch_index"]
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,9 @@ class Conventions:
     kron_order: str = "AG"
     bias_position: str = "last"
     curvature_of: str = "mean"
-    mse_variance: float = 1.0
+    mse_variance: float | None = None
     conv_style: str = "kfc"
+    patch_order: str = "hwc"
     symmetrised: bool = True
     ema_style: str = "zero_debias"
     empirical_fisher_scale: str = "per_example"
@@ -40,9 +42,11 @@ class Conventions:
                 raise ValueError(
                     f"Conventions: {f.name} must be one of {allowed}; got {value!r}."
                 )
-        if not (isinstance(self.mse_variance, (int, float)) and self.mse_variance > 0):
+        if self.mse_variance is not None and not (
+                isinstance(self.mse_variance, (int, float)) and self.mse_variance > 0):
             raise ValueError(
-                f"Conventions: mse_variance must be a positive number; got {self.mse_variance!r}."
+                "Conventions: mse_variance must be None or a positive number; got "
+                f"{self.mse_variance!r}."
             )
 
     def differences(self, relevant=None) -> dict:
@@ -90,9 +94,12 @@ FIELDS = {
     ),
     "mse_variance": (
         None,
-        "The Gaussian variance v that the implementation's squared-error loss corresponds to: "
-        "its output-space curvature is I/v. 1.0 means ½‖f−y‖² (reference default); 0.5 means "
-        "‖f−y‖² (PyTorch MSELoss(reduction='sum'), kfac-jax's register_squared_error_loss).",
+        "None (reference): the implementation takes the Gaussian variance v of a normal-mean "
+        "(squared-error) loss from the case parameters. A number: the implementation's "
+        "squared-error loss always corresponds to that variance, whatever the case asks, and "
+        "its output-space curvature is I/v: 1.0 means ½‖f−y‖² (ASDL, nngeometry), 0.5 means "
+        "‖f−y‖² (PyTorch MSELoss(reduction='sum'): curvlinops, BackPACK; kfac-jax's "
+        "register_squared_error_loss). The reference is rescaled by v_case / v.",
     ),
     "conv_style": (
         ("kfc", "expand", "reduce", "hybrid"),
@@ -101,6 +108,13 @@ FIELDS = {
         "(curvlinops 'expand'); 'reduce' KFAC-reduce (location-averaged inputs, "
         "location-summed gradients); 'hybrid' A of expand times |T| with G of reduce "
         "(BackPACK).",
+    ),
+    "patch_order": (
+        ("hwc", "chw"),
+        "Order of a convolution patch vector (and of the kernel's input dimension): 'hwc' "
+        "(kh, kw, C_in) with C_in fastest (TF, kfac-jax, reference); 'chw' C_in slowest "
+        "(PyTorch unfold: c·kh·kw + i·kw + j). The bias coordinate stays where bias_position "
+        "puts it.",
     ),
     "symmetrised": (
         (True, False),
@@ -124,25 +138,45 @@ CANONICAL = Conventions()
 
 
 # -- index maps (host-side, numpy) ---------------------------------------------------------
-def a_index(p: int, bias_position: str, has_bias: bool = True) -> np.ndarray:
+def patch_index(kernel_hw, c_in: int, patch_order: str) -> np.ndarray:
+    """Index map of a patch vector (without bias): declared position -> canonical index.
+
+    Canonical order is (k_1, ..., k_r, C_in) with C_in fastest; 'chw' puts C_in slowest."""
+    k = int(np.prod(kernel_hw))
+    canon = np.arange(k * c_in).reshape(k, c_in)  # [spatial offset, channel]
+    if patch_order == "chw":
+        return canon.T.reshape(-1)
+    return canon.reshape(-1)
+
+
+def a_index(p: int, bias_position: str, has_bias: bool = True, patch=None,
+            patch_order: str = "hwc") -> np.ndarray:
     """Index map for the A side (length p): entry j of the declared layout is entry
-    ``a_index[j]`` of the canonical layout."""
-    idx = np.arange(p)
-    if has_bias and bias_position == "first" and p > 0:
-        idx = np.concatenate([[p - 1], np.arange(p - 1)])
+    ``a_index[j]`` of the canonical layout.  ``patch = (kernel_spatial_shape, C_in)`` for
+    convolution inputs (then ``patch_order`` applies to the non-bias part)."""
+    core = p - 1 if has_bias else p
+    idx = np.arange(core)
+    if patch is not None:
+        idx = patch_index(patch[0], patch[1], patch_order)
+    if has_bias:
+        if bias_position == "first":
+            return np.concatenate([[core], idx])
+        return np.concatenate([idx, [core]])
     return idx
 
 
-def vec_index(p: int, q: int, conv: Conventions, has_bias: bool = False) -> np.ndarray:
+def vec_index(p: int, q: int, conv: Conventions, has_bias: bool = False,
+              patch=None) -> np.ndarray:
     """Index map from the canonical row-major vec of a [p, q] matrix (A side rows, G side
     columns) to the declared vec: ``v_declared = v_canonical[vec_index(...)]``."""
-    ai = a_index(p, conv.bias_position, has_bias)
+    ai = a_index(p, conv.bias_position, has_bias, patch, conv.patch_order)
     grid = ai[:, None] * q + np.arange(q)[None, :]  # [p, q], rows permuted
     if conv.kron_order == "GA":
         grid = grid.T  # the declared vector is the row-major vec of the [q, p] transpose
     return grid.reshape(-1)
 
 
-def kron_index(p: int, q: int, conv: Conventions, has_bias: bool = False) -> np.ndarray:
+def kron_index(p: int, q: int, conv: Conventions, has_bias: bool = False,
+               patch=None) -> np.ndarray:
     """Alias of :func:`vec_index`, applied to both rows and columns of a block matrix."""
-    return vec_index(p, q, conv, has_bias)
+    return vec_index(p, q, conv, has_bias, patch)

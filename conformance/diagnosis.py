@@ -120,6 +120,10 @@ PITFALLS = {
         "symmetrised a non-symmetric quantity",
         "the output is (C + Cᵀ)/2 of the expected cross moment", "FORMULAS §3.3",
     ),
+    "fisher_for_hessian": (
+        "Fisher where the Hessian is asked",
+        "the expected (label-free) curvature instead of the Hessian at the data targets", "§5",
+    ),
     "transposed": ("transposed", "the output is the transpose of the expected matrix", ""),
     "negated": ("sign flipped", "the output is −expected", ""),
     "no_eigenvalue_clipping": (
@@ -174,7 +178,10 @@ def _flip_candidates(cap, case, conv):
             continue  # only rounding differs
         declared = getattr(conv, field)
         if field == "mse_variance":
-            values = (declared * 2.0, declared / 2.0)
+            base = declared if declared is not None else case.params.get("variance")
+            if base is None:
+                continue
+            values = (base * 2.0, base / 2.0)
         else:
             values = [v for v in FIELDS[field][0] if v != declared]
         for value in values:

@@ -43,9 +43,16 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _portable(arr):
+    """float64 for real data, int64 for integer data (ids), little-endian, C order."""
+    arr = np.asarray(arr)
+    dtype = "<i8" if arr.dtype.kind in "iub" else "<f8"
+    return np.array(arr, dtype=dtype, order="C", copy=True)  # keeps 0-d arrays 0-d
+
+
 def _npy_bytes(arr) -> bytes:
     buf = io.BytesIO()
-    arr = np.ascontiguousarray(np.asarray(arr, dtype="<f8"))
+    arr = _portable(arr)
     np.lib.format.write_array(buf, arr, version=(1, 0), allow_pickle=False)
     return buf.getvalue()
 
@@ -79,8 +86,8 @@ def write_golden(cases, capabilities, directory=GOLDEN_DIR, extra=None) -> dict:
                 info = zipfile.ZipInfo(key + ".npy", date_time=_ZIP_DATE)
                 info.external_attr = 0o644 << 16
                 zf.writestr(info, _npy_bytes(arr))
-                a = np.asarray(arr)
-                return {"key": key, "shape": list(a.shape), "dtype": "<f8"}
+                a = _portable(arr)
+                return {"key": key, "shape": list(a.shape), "dtype": a.dtype.str}
 
             for case in fcases:
                 arrays = {

@@ -24,6 +24,15 @@ ADAPTERS = {
 }
 
 
+def _host_dtype(x):
+    return np.int64 if np.asarray(x).dtype.kind in "iub" else np.float64
+
+
+def _conv_args(params):
+    return (params["filter_shape"], params["padding"], params["strides"], params["dilation"],
+            params["data_format"])
+
+
 class KfacRefAdapter(Adapter):
     name = "kfac_ref"
     description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
@@ -42,7 +51,7 @@ class KfacRefAdapter(Adapter):
         return f"{kfac_ref.__version__} ({self.backend})"
 
     def to_backend(self, x):
-        return np.asarray(x, dtype=np.float64)
+        return np.asarray(x, dtype=_host_dtype(x))
 
     def to_numpy(self, x):
         return np.asarray(x, dtype=np.float64)
@@ -158,6 +167,96 @@ class KfacRefAdapter(Adapter):
             out.append(self.to_numpy(avg.value))
         return np.stack(out)
 
+    # -- factors --------------------------------------------------------------------------
+    @implements("factors.dense_input")
+    def dense_input(self, inputs, params):
+        from kfac_ref import factors
+
+        (a,) = self._in(inputs, "a")
+        return self.to_numpy(factors.fully_connected_kronecker_factor(a, params["has_bias"]))
+
+    @implements("factors.dense_output")
+    def dense_output(self, inputs, params):
+        from kfac_ref import factors
+
+        (g,) = self._in(inputs, "g")
+        return self.to_numpy(factors.fully_connected_kronecker_factor(g))
+
+    @implements("factors.dense_diagonal")
+    def dense_diagonal(self, inputs, params):
+        from kfac_ref import factors
+
+        a, g = self._in(inputs, "a", "g")
+        return self.to_numpy(factors.fully_connected_diagonal_factor(a, g, params["has_bias"]))
+
+    @implements("factors.conv_input")
+    def conv_input(self, inputs, params):
+        from kfac_ref import factors
+
+        (x,) = self._in(inputs, "x")
+        return self.to_numpy(factors.conv_input_kronecker_factor(
+            x, *_conv_args(params), has_bias=params["has_bias"]))
+
+    @implements("factors.conv_output")
+    def conv_output(self, inputs, params):
+        from kfac_ref import factors
+
+        (g,) = self._in(inputs, "g")
+        return self.to_numpy(factors.conv_output_kronecker_factor(g, params["data_format"]))
+
+    @implements("factors.conv_diagonal")
+    def conv_diagonal(self, inputs, params):
+        from kfac_ref import factors
+
+        x, g = self._in(inputs, "x", "g")
+        fs, pad, strides, dil, fmt = _conv_args(params)
+        return self.to_numpy(factors.conv_diagonal_factor(
+            x, g, fs, strides, pad, fmt, dil, has_bias=params["has_bias"]))
+
+    @implements("factors.embedding_input")
+    def embedding_input(self, inputs, params):
+        from kfac_ref import factors
+
+        (ids,) = self._in(inputs, "ids")
+        return self.to_numpy(factors.embedding_input_kronecker_factor(
+            ids, params["vocab_size"]))
+
+    @implements("factors.naive_diagonal")
+    def naive_diagonal(self, inputs, params):
+        from kfac_ref import factors
+
+        (grad,) = self._in(inputs, "grad")
+        return self.to_numpy(factors.naive_diagonal_factor(grad, params["batch_size"]))
+
+    @implements("factors.series_cov_dt1")
+    def series_cov_dt1(self, inputs, params):
+        from kfac_ref import factors
+
+        (x,) = self._in(inputs, "x")
+        return self.to_numpy(factors.fully_connected_multi_kf_cov_dt1(
+            x, params["num_uses"], params["has_bias"]))
+
+    # -- losses ---------------------------------------------------------------------------
+    def _loss(self, inputs, params):
+        import kfac_ref.losses as L
+
+        from ..catalogue.losses_cases import build_loss
+
+        return build_loss(L, inputs, params, self.to_backend)
+
+    @implements("losses.fisher")
+    def loss_fisher(self, inputs, params):
+        return self.to_numpy(self._loss(inputs, params).fisher_matrix())
+
+    @implements("losses.gradient")
+    def loss_gradient(self, inputs, params):
+        grads = self._loss(inputs, params).grad_of_evaluate()
+        return np.concatenate([self.to_numpy(g) for g in grads], axis=-1)
+
+    @implements("losses.hessian")
+    def loss_hessian(self, inputs, params):
+        return self.to_numpy(self._loss(inputs, params).hessian_matrix())
+
 
 class KfacRefStrictAdapter(KfacRefAdapter):
     name = "kfac_ref_strict"
@@ -175,7 +274,7 @@ class KfacRefStrictAdapter(KfacRefAdapter):
     def to_backend(self, x):
         import array_api_strict as xs
 
-        return xs.asarray(np.asarray(x, dtype=np.float64))
+        return xs.asarray(np.asarray(x, dtype=_host_dtype(x)))
 
     def to_numpy(self, x):
         if isinstance(x, (float, int, np.ndarray)):
@@ -198,7 +297,7 @@ class KfacRefTorchAdapter(KfacRefAdapter):
     def to_backend(self, x):
         import torch
 
-        return torch.as_tensor(np.asarray(x, dtype=np.float64))
+        return torch.as_tensor(np.asarray(x, dtype=_host_dtype(x)))
 
     def to_numpy(self, x):
         if isinstance(x, (float, int, np.ndarray)):
