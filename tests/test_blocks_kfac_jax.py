@@ -1,0 +1,360 @@
+"""kfac-jax-named curvature blocks: products against dense powers, spectra, cache, statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_allclose_normwise
+
+from kfac_ref import KFACTypeError, KFACValueError
+from kfac_ref.blocks import kfac_jax as kj
+
+POWERS = [-1.0, -0.5, 0.5, 1.0, 2.0]
+N = 24
+
+
+def _conv_in(rng, n, h, w, c):
+    return rng.standard_normal((n, h, w, c))
+
+
+def build(name, xp, rng):
+    """(block, estimation_data (host), batch size, full_rank)."""
+    a3 = rng.standard_normal((N, 3))
+    g2 = rng.standard_normal((N, 2))
+    dense = {"inputs": a3, "outputs_grad": g2}
+    conv_kw = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
+                   padding="VALID")
+    conv = {"inputs": _conv_in(rng, N, 3, 3, 1), "outputs_grad": rng.standard_normal((N, 2, 2, 2))}
+    sas = {"inputs": rng.standard_normal((N, 3, 2)), "outputs_grad": rng.standard_normal((N, 3, 2))}
+    naive = {"params_grads": (rng.standard_normal((3, 3, 2)), rng.standard_normal((3, 2)))}
+    table = {
+        "ScaledIdentity": (lambda: kj.ScaledIdentity([(3, 2), (2,)], scale=1.7), None, True),
+        "NaiveDiagonal": (lambda: kj.NaiveDiagonal([(3, 2), (2,)]), naive, True),
+        "NaiveFull": (lambda: kj.NaiveFull([(3, 2), (2,)]), naive, False),
+        "DenseDiagonal": (lambda: kj.DenseDiagonal(3, 2), dense, True),
+        "DenseFull": (lambda: kj.DenseFull(3, 2), dense, True),
+        "DenseTwoKroneckerFactored": (lambda: kj.DenseTwoKroneckerFactored(3, 2), dense, True),
+        "Conv2DDiagonal": (lambda: kj.Conv2DDiagonal(**conv_kw), conv, True),
+        "Conv2DFull": (lambda: kj.Conv2DFull(**conv_kw), conv, True),
+        "Conv2DTwoKroneckerFactored": (lambda: kj.Conv2DTwoKroneckerFactored(**conv_kw), conv,
+                                       True),
+        "ScaleAndShiftDiagonal": (lambda: kj.ScaleAndShiftDiagonal((3, 2), (2,), (1, 2)), sas,
+                                  True),
+        "ScaleAndShiftFull": (lambda: kj.ScaleAndShiftFull((3, 2), (2,), (2,)), sas, True),
+    }
+    ctor, data, full_rank = table[name]
+    return ctor(), data, full_rank
+
+
+BLOCKS = ["ScaledIdentity", "NaiveDiagonal", "NaiveFull", "DenseDiagonal", "DenseFull",
+          "DenseTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull",
+          "Conv2DTwoKroneckerFactored", "ScaleAndShiftDiagonal", "ScaleAndShiftFull"]
+KRON = {"DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored"}
+
+
+def to_xp(xp, data):
+    if data is None:
+        return {}
+    out = {}
+    for k, v in data.items():
+        out[k] = tuple(xp.asarray(a) for a in v) if isinstance(v, tuple) else xp.asarray(v)
+    return out
+
+
+def make_state(xp, rng, name, **init_kw):
+    block, data, full_rank = build(name, xp, rng)
+    state = block.init(xp.asarray(np.zeros(1)), **init_kw)
+    state = block.update_curvature_matrix_estimate(state, to_xp(xp, data), 0.0, 1.0, N)
+    return block, state, data, full_rank
+
+
+def random_vector(xp, rng, block):
+    host = [rng.standard_normal(s) for s in block.parameters_shapes]
+    return tuple(xp.asarray(h) for h in host), np.concatenate(
+        [xp.round_host(h).reshape(-1) for h in host])
+
+
+def dense_power(m, p):
+    s, q = np.linalg.eigh((m + m.T) / 2)
+    return (q * np.clip(s, 0, None) ** p) @ q.T
+
+
+def flat(xp, vec):
+    return np.concatenate([xp.to_numpy(v).reshape(-1) for v in vec])
+
+
+def approx_dense(xp, block, state, lam):
+    """Oracle for the π-damped Kronecker block, from the state's factors (trace-norm π)."""
+    a, g = (xp.to_numpy(f.value) for f in state.statistics)
+    s = block.scale(state)
+    ta, tg = np.trace(a) / a.shape[0], np.trace(g) / g.shape[0]
+    pi = np.sqrt(ta / tg)
+    r = np.sqrt(lam / s)
+    return s * np.kron(a + pi * r * np.eye(a.shape[0]), g + r / pi * np.eye(g.shape[0]))
+
+
+# Tolerance: statistics from N = 24 Gaussian rows have condition numbers below ~1e2 (checked
+# by the eigenvalue assertion below); dense size <= 10; the fixture's 4096·eps bound covers
+# n·κ up to 4096, and the float32 cell squares κ at most for |p| <= 2 with damping 0.3.
+@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("damping", [0.0, 0.3])
+def test_multiply_matpower_vs_dense(xp, rng, name, exact, damping):
+    block, state, _, full_rank = make_state(xp, rng, name)
+    dense = xp.to_numpy(block.to_dense_matrix(state))
+    assert dense.shape == (block.dim, block.dim)
+    evals = np.linalg.eigvalsh(dense)
+    if full_rank and "Diagonal" not in name:  # diagonal products are elementwise
+        assert evals.min() > 1e-2 * evals.max(), "test data must be well conditioned"
+    for power in POWERS:
+        vec, vh = random_vector(xp, rng, block)
+
+        def call(vec=vec, power=power):
+            return block.multiply_matpower(state, vec, damping, power, exact, False)
+
+        if name in KRON and not exact and power == 2.0:
+            with pytest.raises(KFACValueError, match="approximate"):
+                call()
+            continue
+        if power < 0 and damping == 0.0 and not full_rank:
+            with pytest.raises(KFACValueError, match="positive definite"):
+                call()
+            continue
+        out = call()
+        assert len(out) == block.number_of_parameters
+        for o, shape in zip(out, block.parameters_shapes, strict=True):
+            xp.check(o)
+            assert tuple(o.shape) == shape
+        if name in KRON and not exact:
+            m = approx_dense(xp, block, state, damping)
+        else:
+            m = dense + damping * np.eye(block.dim)
+        rtol = xp.rtol if (xp.float64 or damping or power > 0) else 16 * xp.rtol
+        atol = 0.0
+        if not full_rank and damping == 0.0 and power == 0.5:
+            # Square root at zero eigenvalues: ‖(M+E)^½ − M^½‖ ≤ ‖E‖^½ with rounding
+            # ‖E‖ ≲ n·eps·‖M‖, so allow 4·√(n·eps·‖M‖)·‖v‖.
+            atol = 4 * np.sqrt(block.dim * xp.eps * np.abs(evals).max()) * np.linalg.norm(vh)
+        assert_allclose_normwise(flat(xp, out), dense_power(m, power) @ vh, rtol, atol)
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+def test_eigenvalues_and_norm(xp, rng, name):
+    block, state, _, _ = make_state(xp, rng, name)
+    dense = xp.to_numpy(block.to_dense_matrix(state))
+    ev = block.eigenvalues(state, use_cached=False)
+    xp.check(ev)
+    assert_allclose_normwise(np.sort(xp.to_numpy(ev)), np.linalg.eigvalsh(dense), xp.rtol)
+    assert block.norm(state, "avg_diag") == pytest.approx(np.trace(dense) / block.dim,
+                                                          rel=xp.rtol)
+    assert block.norm(state, "2_norm") == pytest.approx(np.linalg.eigvalsh(dense).max(),
+                                                        rel=xp.rtol)
+    with pytest.raises(KFACValueError, match="norm_type must be one of"):
+        block.norm(state, "trace")
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("norm", [None, "avg_diag"])
+def test_cached_equals_uncached(xp, rng, name, norm):
+    approx = [-1.0, -0.5, 0.5] if name in KRON else [-1.0, 0.5]
+    block, state, _, _ = make_state(xp, rng, name, exact_powers_to_cache=POWERS,
+                                    approx_powers_to_cache=approx, cache_eigenvalues=True)
+    w = 0.3
+    state = block.update_cache(state, w, POWERS, approx, True,
+                               norm_to_scale_identity_weight=norm)
+    for exact, powers in ((True, POWERS), (False, approx + [1.0])):
+        for power in powers:
+            vec, _ = random_vector(xp, rng, block)
+            fresh = block.multiply_matpower(state, vec, w, power, exact, False,
+                                            norm_to_scale_identity_weight=norm)
+            cached = block.multiply_matpower(state, vec, w, power, exact, True,
+                                             norm_to_scale_identity_weight=norm)
+            # Same arithmetic on the same snapshot: equal to rounding.
+            assert_allclose_normwise(flat(xp, cached), flat(xp, fresh), 16 * xp.eps)
+    xp.assert_close(block.eigenvalues(state, True), xp.to_numpy(block.eigenvalues(state, False)),
+                    rtol=16 * xp.eps)
+
+
+def test_norm_scaled_identity_weight_reaches_the_cache(xp, rng):
+    """The kfac-jax fault (PEERS.md): update_cache ignores the per-block norm scaling.  Here the
+    cached inverse equals the uncached one built with λ = w·‖B‖ and differs from λ = w."""
+    block, state, _, _ = make_state(xp, rng, "DenseTwoKroneckerFactored",
+                                    approx_powers_to_cache=[-1.0])
+    w = 0.5
+    state = block.update_cache(state, w, None, [-1.0], False,
+                               norm_to_scale_identity_weight="avg_diag")
+    vec, _ = random_vector(xp, rng, block)
+    nrm = block.norm(state, "avg_diag")
+    cached = flat(xp, block.multiply_inverse(state, vec, w, False, True,
+                                             norm_to_scale_identity_weight="avg_diag"))
+    manual = flat(xp, block.multiply_inverse(state, vec, w * nrm, False, False))
+    unscaled = flat(xp, block.multiply_inverse(state, vec, w, False, False))
+    assert_allclose_normwise(cached, manual, 16 * xp.eps)
+    assert np.max(np.abs(cached - unscaled)) > 1e-3 * np.max(np.abs(unscaled))
+    # A different weight for the baked-in cached inverse is an error (strict) ...
+    with pytest.raises(KFACValueError, match="identity_weight"):
+        block.multiply_inverse(state, vec, w, False, True)
+    # ... unless kfac-jax's behaviour is asked for.
+    lax = kj.DenseTwoKroneckerFactored(3, 2, strict_cache=False)
+    got = flat(xp, lax.multiply_inverse(state, vec, 123.0, False, True,
+                                        norm_to_scale_identity_weight="avg_diag"))
+    assert_allclose_normwise(got, cached, 16 * xp.eps)
+
+
+def test_conv_kronecker_scale_bookkeeping(xp, rng):
+    """Conv2DTwoKroneckerFactored: fixed_scale = |T|, dense = |T|·kron(Ω, Γ) with Ω, Γ from
+    explicit loops over examples and locations, damping λ/|T| in the approximate inverse."""
+    block = kj.Conv2DTwoKroneckerFactored((N, 4, 4, 2), (2, 2, 2, 3), strides=2, padding="SAME")
+    assert block.num_locations == 4 and block.fixed_scale() == 4.0
+    x = rng.standard_normal((N, 4, 4, 2))
+    g = rng.standard_normal((N, 2, 2, 3))
+    state = block.init(xp.asarray(np.zeros(1)))
+    state = block.update_curvature_matrix_estimate(
+        state, {"inputs": xp.asarray(x), "outputs_grad": xp.asarray(g)}, 0.0, 1.0, N)
+    xh, gh = xp.round_host(x), xp.round_host(g)
+    # SAME, stride 2, kernel 2 on 4: no padding needed (total 0); locations (0,0),(0,2),(2,0),(2,2)
+    om = np.zeros((9, 9))
+    ga = np.zeros((3, 3))
+    for n in range(N):
+        for i in range(2):
+            for j in range(2):
+                p = np.append(xh[n, 2 * i:2 * i + 2, 2 * j:2 * j + 2, :].reshape(-1), 1.0)
+                om += np.outer(p, p)
+                ga += np.outer(gh[n, i, j], gh[n, i, j])
+    om /= 4 * N
+    ga /= 4 * N
+    xp.assert_close(block.to_dense_matrix(state), 4 * np.kron(om, ga))
+    lam = 0.7
+    vec, vh = random_vector(xp, rng, block)
+    pi = np.sqrt((np.trace(om) / 9) / (np.trace(ga) / 3))
+    r = np.sqrt(lam / 4)
+    m = 4 * np.kron(om + pi * r * np.eye(9), ga + r / pi * np.eye(3))
+    got = block.multiply_inverse(state, vec, lam, False, False)
+    assert_allclose_normwise(flat(xp, got), np.linalg.solve(m, vh), xp.rtol)
+
+
+def _per_example_conv_grads(x, g):
+    """Loop oracle: DW_n = Σ_t p_{n,t} g_{n,t}ᵀ (VALID, stride 1, kernel 2×2), bias Σ_t g."""
+    n_, h, w, c = x.shape
+    out = []
+    for n in range(n_):
+        dw = np.zeros((2 * 2 * c + 1, g.shape[-1]))
+        for i in range(h - 1):
+            for j in range(w - 1):
+                p = np.append(x[n, i:i + 2, j:j + 2, :].reshape(-1), 1.0)
+                dw += np.outer(p, g[n, i, j])
+        out.append(dw.reshape(-1))
+    return np.array(out)
+
+
+def test_full_statistics_vs_loops_and_diagonals(xp, rng):
+    """Full blocks against per-example loops; diagonal blocks are their diagonals."""
+    for full, diag in (("DenseFull", "DenseDiagonal"), ("Conv2DFull", "Conv2DDiagonal"),
+                       ("ScaleAndShiftFull", "ScaleAndShiftDiagonal"),
+                       ("NaiveFull", "NaiveDiagonal")):
+        seed = rng.integers(1 << 30)
+        bf, sf, data, _ = make_state(xp, np.random.default_rng(seed), full)
+        bd, sd, _, _ = make_state(xp, np.random.default_rng(seed), diag)
+        dense_f = xp.to_numpy(bf.to_dense_matrix(sf))
+        # (the diagonal scale-and-shift block has a (1, 2) shift, the full one (2,): the
+        # shift is summed over the size-3 axis either way, so the numbers agree)
+        assert_allclose_normwise(np.diag(xp.to_numpy(bd.to_dense_matrix(sd))), np.diag(dense_f),
+                                 xp.rtol)
+        if full == "DenseFull":
+            a = np.hstack([xp.round_host(data["inputs"]), np.ones((N, 1))])
+            g = xp.round_host(data["outputs_grad"])
+            t = np.array([np.outer(a[n], g[n]).reshape(-1) for n in range(N)])
+            assert_allclose_normwise(dense_f, t.T @ t / N, xp.rtol)
+        if full == "Conv2DFull":
+            t = _per_example_conv_grads(xp.round_host(data["inputs"]),
+                                        xp.round_host(data["outputs_grad"]))
+            assert_allclose_normwise(dense_f, t.T @ t / N, xp.rtol)
+        if full == "ScaleAndShiftFull":
+            x, g = xp.round_host(data["inputs"]), xp.round_host(data["outputs_grad"])
+            t = np.hstack([(x * g).sum(axis=1), g.sum(axis=1)])
+            assert_allclose_normwise(dense_f, t.T @ t / N, xp.rtol)
+        if full == "NaiveFull":
+            # per-source square of the (batch-summed) gradient, summed over the 3 sources
+            gs = np.hstack([xp.round_host(data["params_grads"][0]).reshape(3, -1),
+                            xp.round_host(data["params_grads"][1])])
+            assert_allclose_normwise(dense_f, gs.T @ gs / N, xp.rtol)
+
+
+def test_naive_source_reduction_and_ema(xp, rng):
+    g = (rng.standard_normal((2, 3)), rng.standard_normal((2, 2)))
+    block = kj.NaiveDiagonal([(3,), (2,)], source_reduction="summed")
+    st = block.init(xp.asarray(np.zeros(1)))
+    st = block.update_curvature_matrix_estimate(
+        st, {"params_grads": tuple(xp.asarray(v) for v in g)}, 0.0, 1.0, 5)
+    summed = np.concatenate([xp.round_host(v).sum(0) for v in g])
+    assert_allclose_normwise(np.diag(xp.to_numpy(block.to_dense_matrix(st))), summed**2 / 5,
+                             xp.rtol)
+    # kfac-jax's weighted EMA: (d·c1 + c2)/(d + 1) after two updates with ema_new = 1
+    block = kj.DenseTwoKroneckerFactored(2, 2, has_bias=False)
+    st = block.init(xp.asarray(np.zeros(1)))
+    a1, a2 = rng.standard_normal((4, 2)), rng.standard_normal((4, 2))
+    gg = rng.standard_normal((4, 2))
+    for a in (a1, a2):
+        st = block.update_curvature_matrix_estimate(
+            st, {"inputs": xp.asarray(a), "outputs_grad": xp.asarray(gg)}, 0.5, 1.0, 4)
+    c1, c2 = (xp.round_host(a).T @ xp.round_host(a) / 4 for a in (a1, a2))
+    xp.assert_close(st.statistics[0].value, (0.5 * c1 + c2) / 1.5)
+
+
+def test_bad_inputs(xp, rng):
+    block, state, _, _ = make_state(xp, rng, "DenseTwoKroneckerFactored",
+                                    approx_powers_to_cache=[-1.0])
+    vec, _ = random_vector(xp, rng, block)
+    with pytest.raises(KFACValueError, match="vector must have 2 arrays"):
+        block.multiply(state, vec[:1], 0.1, True, False)
+    with pytest.raises(KFACValueError, match=r"vector\[1\] must be an array of shape \(2\)"):
+        block.multiply(state, (vec[0], xp.asarray(np.ones(3))), 0.1, True, False)
+    with pytest.raises(KFACTypeError, match="vector must be a tuple"):
+        block.multiply(state, vec[0], 0.1, True, False)
+    with pytest.raises(KFACValueError, match="power must be one of"):
+        block.multiply_matpower(state, vec, 0.1, 3.0, False, False)
+    with pytest.raises(KFACValueError, match="norm_to_scale_identity_weight must be one of"):
+        block.multiply(state, vec, 0.1, True, False, norm_to_scale_identity_weight="fro")
+    with pytest.raises(KFACValueError, match="declared in init"):
+        block.update_cache(state, 0.1, [-1.0], None, False)
+    with pytest.raises(KFACValueError, match="power must be one of"):
+        kj.DenseTwoKroneckerFactored(3, 2).init(xp.asarray(np.zeros(1)),
+                                                approx_powers_to_cache=[2.0])
+    with pytest.raises(KFACValueError, match="cache must hold"):
+        block.multiply_inverse(state, vec, 0.1, True, True)
+    with pytest.raises(KFACValueError, match="identity_weight must be non-negative"):
+        block.multiply(state, vec, -0.1, True, False)
+    with pytest.raises(KFACValueError, match="estimation_data must have the keys"):
+        block.update_curvature_matrix_estimate(state, {"inputs": xp.asarray(np.ones((N, 3)))},
+                                               0.0, 1.0, N)
+    with pytest.raises(KFACValueError, match="batch_size = 5"):
+        block.update_curvature_matrix_estimate(
+            state, {"inputs": xp.asarray(np.ones((N, 3))),
+                    "outputs_grad": xp.asarray(np.ones((N, 2)))}, 0.0, 1.0, 5)
+    with pytest.raises(KFACValueError, match=r"inputs must be an array of shape"):
+        block.update_curvature_matrix_estimate(
+            state, {"inputs": xp.asarray(np.ones((N, 4))),
+                    "outputs_grad": xp.asarray(np.ones((N, 2)))}, 0.0, 1.0, N)
+    with pytest.raises(KFACTypeError, match="state must be a BlockState"):
+        block.multiply(None, vec, 0.1, True, False)
+    with pytest.raises(KFACValueError, match="approx_power_one must be one of"):
+        kj.DenseTwoKroneckerFactored(3, 2, approx_power_one="pi")
+    with pytest.raises(KFACValueError, match="shift_shape must broadcast"):
+        kj.ScaleAndShiftFull((3, 2), (2,), (3,))
+
+
+def test_approx_power_one_options(xp, rng):
+    """kfac-jax (default): the approximate power 1 is π-damped; 'exact' gives sB + λI."""
+    _, state, _, _ = make_state(xp, rng, "DenseTwoKroneckerFactored")
+    vec, vh = random_vector(xp, rng, kj.DenseTwoKroneckerFactored(3, 2))
+    fac = kj.DenseTwoKroneckerFactored(3, 2)
+    ex = kj.DenseTwoKroneckerFactored(3, 2, approx_power_one="exact")
+    dense = xp.to_numpy(fac.to_dense_matrix(state))
+    got = flat(xp, ex.multiply(state, vec, 0.4, False, False))
+    assert_allclose_normwise(got, (dense + 0.4 * np.eye(dense.shape[0])) @ vh, xp.rtol)
+    got = flat(xp, fac.multiply(state, vec, 0.4, False, False))
+    assert_allclose_normwise(got, approx_dense(xp, fac, state, 0.4) @ vh, xp.rtol)
+    any_power = kj.DenseTwoKroneckerFactored(3, 2, restrict_approx_powers=False)
+    got = flat(xp, any_power.multiply_matpower(state, vec, 0.4, 3.0, False, False))
+    assert_allclose_normwise(got, dense_power(approx_dense(xp, fac, state, 0.4), 3.0) @ vh,
+                             xp.rtol)
