@@ -14,7 +14,8 @@ object.
 
 Modules: :mod:`~kfac_ref.factors.base` (state machinery), :mod:`~kfac_ref.factors.dense`,
 :mod:`~kfac_ref.factors.conv`, :mod:`~kfac_ref.factors.diagonal`,
-:mod:`~kfac_ref.factors.embedding`, :mod:`~kfac_ref.factors.series`.
+:mod:`~kfac_ref.factors.embedding`, :mod:`~kfac_ref.factors.series`,
+:mod:`~kfac_ref.factors.scale_shift`.
 """
 
 from ..patches import num_conv_locations
@@ -58,6 +59,12 @@ from .embedding import (
     diagonal_kronecker_factor,
     embedding_input_kronecker_factor,
 )
+from .scale_shift import (
+    SCALE_AND_SHIFT_APPROX,
+    ScaleAndShiftDiagonalFactor,
+    ScaleAndShiftFullFactor,
+    scale_and_shift_factor,
+)
 from .series import (
     OPTION1_EIG_METHODS,
     FullyConnectedMultiKF,
@@ -99,6 +106,10 @@ __all__ = [
     "EmbeddingInputKroneckerFactor",
     "DiagonalKroneckerFactor",
     "DiagonalMultiKF",
+    "SCALE_AND_SHIFT_APPROX",
+    "scale_and_shift_factor",
+    "ScaleAndShiftFullFactor",
+    "ScaleAndShiftDiagonalFactor",
     "fully_connected_multi_kf_cov_dt1",
     "series_option1_quantities",
     "series_option2_quantities",
