@@ -1,0 +1,88 @@
+"""PyTorch versions of the fixed problems in :mod:`conformance.peers.common` (float64).
+
+PyTorch layout: ``Linear.weight`` is ``Wᵀ`` ([out, in]); conv weights are OIHW, inputs NCHW,
+and the dense layer after the conv reads the NCHW flatten, so its weight rows are permuted
+from the canonical NHWC flatten with :func:`common.torch_flatten_perm`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import common as C
+
+torch.set_default_dtype(torch.float64)
+
+
+def t(x):
+    return torch.as_tensor(np.asarray(x), dtype=torch.float64)
+
+
+def mlp_model(p, bias=True):
+    d0, d1 = p["W1"].shape
+    d2 = p["W2"].shape[1]
+    m = nn.Sequential(nn.Linear(d0, d1, bias=bias), nn.Tanh(), nn.Linear(d1, d2, bias=bias))
+    with torch.no_grad():
+        m[0].weight.copy_(t(p["W1"].T))
+        m[2].weight.copy_(t(p["W2"].T))
+        if bias:
+            m[0].bias.copy_(t(p["b1"]))
+            m[2].bias.copy_(t(p["b2"]))
+    return m.double()
+
+
+def conv_model(p, bias=True):
+    kh, kw, c_in, c_out = p["K"].shape
+    oh, ow = p["out_hw"]
+    classes = p["W"].shape[1]
+    m = nn.Sequential(nn.Conv2d(c_in, c_out, (kh, kw), bias=bias), nn.Tanh(), nn.Flatten(),
+                      nn.Linear(oh * ow * c_out, classes, bias=bias))
+    perm = C.torch_flatten_perm(oh, ow, c_out)
+    with torch.no_grad():
+        m[0].weight.copy_(t(np.transpose(p["K"], (3, 2, 0, 1))))
+        m[3].weight.copy_(t(p["W"][perm].T))
+        if bias:
+            m[0].bias.copy_(t(p["bc"]))
+            m[3].bias.copy_(t(p["b"]))
+    return m.double()
+
+
+def inputs(p, conv=False):
+    x = p["x"]
+    if conv:
+        x = np.transpose(x, (0, 3, 1, 2))
+    return t(x)
+
+
+def targets(p, loss):
+    return t(p["y_reg"]) if loss == "mse" else torch.as_tensor(p["y_cls"], dtype=torch.long)
+
+
+def loss_fn(loss, reduction="mean"):
+    return nn.MSELoss(reduction=reduction) if loss == "mse" else nn.CrossEntropyLoss(
+        reduction=reduction)
+
+
+def check_forward(model, p, conv=False, bias=True):
+    """The torch model reproduces the NumPy forward pass (guards the layout maps)."""
+    f_np = (C.conv_forward(p, bias) if conv else C.mlp_forward(p, bias))[-1]
+    with torch.no_grad():
+        f_t = model(inputs(p, conv)).numpy()
+    err = C.rel_err(f_t, f_np)
+    assert err < 1e-13, f"torch model does not reproduce the NumPy forward pass: {err}"
+    return err
+
+
+def to_torch_a(a_canon, bias_in_a):
+    """Canonical A (homogeneous coordinate last) is already PyTorch's [W b] column order."""
+    return a_canon
+
+
+def conv_a_torch(a_canon, kh, kw, c_in, bias):
+    """Canonical conv A (patch order (i, j, c) + bias last) → unfold order (c, i, j) + bias last."""
+    perm = C.torch_conv_perm(kh, kw, c_in)
+    if bias:
+        perm = np.concatenate([perm, [kh * kw * c_in]])
+    return a_canon[np.ix_(perm, perm)]
