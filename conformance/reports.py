@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from .diagnosis import PITFALLS
-from .runner import STATUSES, RunReport
+from .runner import RunReport
 
 __all__ = ["Progress", "terminal_summary", "write_reports", "write_matrix", "matrix_cell"]
 

@@ -1,0 +1,396 @@
+"""Tests of the conformance suite's machinery: CLI, reports, golden files, comparison rules,
+the adapter protocol, conventions and diagnosis."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from conformance.__main__ import main
+from conformance.adapter import Adapter, AdapterUnavailable, implements, load_adapter
+from conformance.adapters.kfac_ref_adapter import KfacRefAdapter
+from conformance.catalogue import build_catalogue, capabilities
+from conformance.compare import compare
+from conformance.conventions import Conventions
+from conformance.diagnosis import PITFALLS, diagnose
+from conformance.golden import GOLDEN_DIR, GoldenError, check_golden, load_golden, write_golden
+from conformance.runner import run_adapter
+
+
+@pytest.fixture(scope="module")
+def live():
+    cases, absent = build_catalogue()
+    return cases, capabilities()
+
+
+def _by_id(cases, cid):
+    (c,) = [c for c in cases if c.id == cid]
+    return c
+
+
+# -- command line and reports ----------------------------------------------------------------
+def test_default_run_passes_and_writes_reports(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "capability" in out
+    d = tmp_path / "kfac_ref"
+    rep = json.loads((d / "report.json").read_text())
+    assert rep["ok"] and rep["counts"]["pass"] > 50 and rep["counts"]["fail"] == 0
+    assert rep["adapter"]["name"] == "kfac_ref"
+    suites = ET.parse(d / "junit.xml").getroot()
+    assert sum(int(s.get("tests")) for s in suites) == len(rep["results"])
+    assert "**PASSED**" in (d / "report.md").read_text()
+
+
+def test_failure_exits_nonzero_with_diagnosis(tmp_path, capsys):
+    code = main(["--adapter", "mutant_kron_swapped", "--out", str(tmp_path), "-q",
+                 "--family", "linalg"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "kron_order_swapped" in out and "FAILED" in out
+    rep = json.loads((tmp_path / "mutant_kron_swapped" / "report.json").read_text())
+    assert not rep["ok"]
+    junit = (tmp_path / "mutant_kron_swapped" / "junit.xml").read_text()
+    assert 'type="kron_order_swapped"' in junit
+
+
+def test_unknown_adapter_is_a_usage_error(tmp_path, capsys):
+    assert main(["--adapter", "no_such_module_xyz", "--out", str(tmp_path)]) == 2
+
+
+def test_empty_selection_never_passes(tmp_path, capsys):
+    assert main(["-k", "no-case-has-this-id", "--out", str(tmp_path), "-q"]) == 1
+    assert "nothing was compared" in capsys.readouterr().out
+
+
+def test_list_command(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "linalg.kron" in out and "mutant_kron_swapped" in out
+
+
+def test_all_adapters_writes_matrix(tmp_path, capsys):
+    code = main(["--all-adapters", "--out", str(tmp_path), "-q", "--family", "averaging"])
+    matrix = json.loads((tmp_path / "matrix.json").read_text())
+    assert "kfac_ref" in matrix["implementations"]
+    assert matrix["cells"]["kfac_ref"]["averaging.ema"] == "pass"
+    md = (tmp_path / "matrix.md").read_text()
+    assert "| `averaging.ema` |" in md
+    # peers that are not installed here are reported unavailable, never passed
+    for name, info in matrix["implementations"].items():
+        if info["unavailable"]:
+            assert all(v.startswith("skip") for v in matrix["cells"][name].values())
+    assert code in (0, 1)
+    # merging saved reports gives the same matrix
+    reports = sorted(str(p) for p in tmp_path.glob("*/report.json"))
+    out2 = tmp_path / "merged"
+    assert main(["matrix", *reports, "--out", str(out2)]) == 0
+    assert json.loads((out2 / "matrix.json").read_text())["cells"] == matrix["cells"]
+
+
+# -- adapter selection -------------------------------------------------------------------------
+def test_env_var_selects_adapter(monkeypatch):
+    monkeypatch.setenv("KFAC_CONFORMANCE_ADAPTER", "mutant_bias_first")
+    assert load_adapter().name == "mutant_bias_first"
+    monkeypatch.delenv("KFAC_CONFORMANCE_ADAPTER")
+    assert load_adapter().name == "kfac_ref"
+
+
+def test_adapter_from_a_file(tmp_path, live):
+    path = tmp_path / "my_adapter.py"
+    path.write_text(
+        "import numpy as np\n"
+        "from conformance.adapter import Adapter, implements\n"
+        "class Mine(Adapter):\n"
+        "    name = 'mine'\n"
+        "    @implements('linalg.kron')\n"
+        "    def kron(self, inputs, params):\n"
+        "        return np.kron(inputs['a'], inputs['g'])\n"
+        "ADAPTER = Mine()\n")
+    ad = load_adapter(str(path))
+    assert ad.name == "mine"
+    cases, caps = live
+    rep = run_adapter(ad, [c for c in cases if c.family == "linalg"], caps)
+    kron = [r for r in rep.results if r.capability == "linalg.kron"]
+    assert kron and all(r.status == "pass" for r in kron)
+    others = [r for r in rep.results if r.capability != "linalg.kron"]
+    assert all(r.status == "skip" and "does not implement" in r.message for r in others)
+    assert rep.ok
+
+
+def test_unsupported_and_unavailable(live):
+    cases, caps = live
+
+    class Partial(KfacRefAdapter):
+        name = "partial"
+        unsupported = {"linalg.kron": "no dense Kronecker product in this library"}
+
+    rep = run_adapter(Partial(), cases, caps)
+    skipped = [r for r in rep.results if r.capability == "linalg.kron"]
+    assert all(r.status == "skip" and "no dense Kronecker" in r.message for r in skipped)
+    assert rep.ok
+
+    class Nothing(Adapter):
+        name = "nothing"
+
+    assert not run_adapter(Nothing(), cases, caps).ok  # all skipped: nothing compared
+
+    class Missing(Adapter):
+        name = "missing"
+
+        def setup(self):
+            raise AdapterUnavailable("libfoo is not installed")
+
+    rep = run_adapter(Missing(), cases, caps)
+    assert not rep.ok and rep.unavailable == "libfoo is not installed"
+    assert all(r.status == "skip" for r in rep.results)
+
+
+def test_adapter_exception_is_an_error(live):
+    cases, caps = live
+
+    class Broken(KfacRefAdapter):
+        name = "broken"
+
+        @implements("linalg.kron")
+        def kron(self, inputs, params):
+            raise RuntimeError("boom")
+
+    rep = run_adapter(Broken(), cases, caps)
+    errs = [r for r in rep.results if r.status == "error"]
+    assert errs and all("boom" in r.message for r in errs) and not rep.ok
+
+
+def test_skips_and_xfails_files(tmp_path, live):
+    cases, caps = live
+    skips = tmp_path / "skips.txt"
+    skips.write_text("# comment\nlinalg.kron/*  # not provided\n")
+    xfails = tmp_path / "xfails.txt"
+    xfails.write_text("linalg.kron_matvec  # known bug, upstream issue 1\n")
+    from conformance.runner import read_pattern_file
+
+    ad = load_adapter("mutant_kron_swapped")
+    rep = run_adapter(ad, cases, caps, skips=read_pattern_file(skips),
+                      xfails=read_pattern_file(xfails))
+    st = {r.case_id: r for r in rep.results}
+    assert all(st[c.id].status == "skip" and "not provided" in st[c.id].message
+               for c in cases if c.capability == "linalg.kron")
+    xf = [r for r in rep.results if r.capability == "linalg.kron_matvec"]
+    assert xf and all(r.status == "xfail" and "kron_order_swapped" in r.message for r in xf)
+    assert rep.ok  # the only failures are expected ones
+
+
+# -- comparison rules ---------------------------------------------------------------------------
+def test_compare_rules():
+    e = np.array([[1.0, 2.0], [3.0, 4.0]])
+    assert compare(e, e, 1e-14).ok
+    assert compare(e * (1 + 1e-13), e, 1e-12).ok
+    assert not compare(e * (1 + 1e-10), e, 1e-12).ok
+    assert compare(np.full((2, 2), np.nan), e, 1e300).reason == "non-finite"
+    assert compare(np.array([[np.inf, 0], [0, 0]]), e, 1e300).reason == "non-finite"
+    assert compare(np.zeros((0,)), np.zeros((0,)), 1.0).reason == "empty"
+    assert compare(np.zeros((2,)), e, 1.0).reason == "shape"
+    assert compare("text", e, 1.0).reason == "not-an-array"
+    assert compare(None, e, 1.0).reason == "not-an-array"
+
+
+# -- golden files -----------------------------------------------------------------------------
+def test_golden_files_are_intact_and_up_to_date(live):
+    cases, _ = live
+    problems = check_golden(cases)
+    assert not problems, "\n".join(problems[:20])
+    total = sum(p.stat().st_size for p in GOLDEN_DIR.iterdir())
+    assert total < 2 * 1024 * 1024
+
+
+def test_golden_write_is_deterministic_and_checked(tmp_path, live):
+    cases, caps = live
+    sub = [c for c in cases if c.family in ("linalg", "factors")]
+    m1 = write_golden(sub, caps, tmp_path / "a")
+    m2 = write_golden(sub, caps, tmp_path / "b")
+    assert m1["files"] == m2["files"]
+    loaded = load_golden(tmp_path / "a")
+    assert [c.id for c in loaded] == [c.id for c in sub]
+    for g, c in zip(loaded, sub, strict=True):
+        assert g.source == "golden" and np.array_equal(g.expected, c.expected)
+        assert all(np.array_equal(g.inputs[k], c.inputs[k]) for k in c.inputs)
+        assert g.inputs.keys() == c.inputs.keys()
+    ids = [c for c in loaded if c.capability == "factors.embedding_input"]
+    assert ids and ids[0].inputs["ids"].dtype == np.int64
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tmp_path / "a", bad)
+    f = bad / "linalg.npz"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with pytest.raises(GoldenError, match="corrupt"):
+        load_golden(bad)
+    f.unlink()
+    with pytest.raises(GoldenError, match="missing"):
+        load_golden(bad)
+    man = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    man["schema_version"] = 999
+    (bad / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(GoldenError, match="version"):
+        load_golden(bad)
+
+
+def test_golden_source_runs(tmp_path):
+    assert main(["--source", "golden", "--out", str(tmp_path), "-q"]) == 0
+
+
+# -- conventions: an adapter in PyTorch conventions passes, and says so ------------------------
+class TorchStyle(Adapter):
+    """An independent NumPy implementation in other declared conventions."""
+
+    name = "torch_style"
+    conventions = Conventions(kron_order="GA", bias_position="first", curvature_of="sum",
+                              ema_style="raw", conv_style="expand", patch_order="chw",
+                              mse_variance=0.5)
+
+    @implements("linalg.kron")
+    def kron(self, inputs, params):
+        return np.kron(inputs["g"], inputs["a"])
+
+    @implements("linalg.kron_matvec")
+    def kron_matvec(self, inputs, params):
+        return np.kron(inputs["g"], inputs["a"]) @ inputs["v"]
+
+    @implements("linalg.homog_cov", "factors.dense_input")
+    def homog(self, inputs, params):
+        a = inputs.get("a")
+        a = a.reshape(-1, a.shape[-1])
+        if params.get("has_bias", True):
+            a = np.concatenate([np.ones((a.shape[0], 1)), a], axis=1)
+        return a.T @ a / a.shape[0]
+
+    @implements("factors.dense_output")
+    def dense_output(self, inputs, params):
+        g = inputs["g"]
+        uses = g.shape[0] if g.ndim == 3 else 1
+        g = g.reshape(-1, g.shape[-1])
+        return g.T @ g / uses  # curvature of the SUM loss: no 1/N
+
+    @implements("factors.dense_diagonal")
+    def dense_diagonal(self, inputs, params):
+        a, g = inputs["a"], inputs["g"]
+        if params["has_bias"]:
+            a = np.concatenate([np.ones((a.shape[0], 1)), a], axis=1)
+        return ((a * a).T @ (g * g)).T  # [out, in]: PyTorch weight layout
+
+    @implements("factors.conv_input")
+    def conv_input(self, inputs, params):
+        from kfac_ref import factors
+
+        fs = params["filter_shape"]
+        p = np.asarray(factors.conv_patch_matrix(
+            inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
+            params["data_format"]))
+        kk, c = fs[0] * fs[1], fs[2]
+        p = p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)  # unfold order
+        if params["has_bias"]:
+            p = np.concatenate([np.ones((p.shape[0], 1)), p], axis=1)
+        return p.T @ p / p.shape[0]  # expand: averaged over N·|T|
+
+    @implements("factors.conv_output")
+    def conv_output(self, inputs, params):
+        g = inputs["g"]
+        if params["data_format"] == "NCHW":
+            g = np.moveaxis(g, 1, -1)
+        g2 = g.reshape(-1, g.shape[-1])
+        return g2.T @ g2  # expand + sum loss: Σ_{n,t} g gᵀ
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        s, out = 0.0, []
+        for x in inputs["xs"]:
+            s = params["decay"] * s + params["weight"] * x
+            out.append(s)
+        return np.stack(out)
+
+    @implements("losses.fisher")
+    def loss_fisher(self, inputs, params):
+        if params["loss"] != "normal_mean":
+            return KfacRefAdapter().loss_fisher(inputs, params)
+        n, d = inputs["mean"].shape
+        return np.broadcast_to(np.eye(d) * params["weight"] / 0.5, (n, d, d))
+
+
+def test_declared_conventions_pass_and_are_reported(live):
+    cases, caps = live
+    ad = TorchStyle()
+    names = set(ad.implementations())
+    rep = run_adapter(ad, [c for c in cases if c.capability in names], caps)
+    bad = [f"{r.case_id}: {r.message}" for r in rep.results if r.status not in
+           ("pass", "convention")]
+    assert not bad, "\n".join(bad)
+    conv = {r.capability for r in rep.results if r.status == "convention"}
+    assert {"linalg.kron", "linalg.kron_matvec", "factors.dense_input",
+            "factors.dense_output", "factors.conv_input", "factors.conv_output",
+            "averaging.ema", "losses.fisher"} <= conv
+    r = next(r for r in rep.results if r.capability == "factors.conv_output")
+    assert r.conventions == {"conv_style": "expand", "curvature_of": "sum"}
+    assert "conv_style='expand'" in r.message
+
+
+def test_conversions_against_independent_oracles(live):
+    cases, caps = live
+    c = _by_id(cases, "linalg.kron/p3_q2")
+    a, g = c.inputs["a"], c.inputs["g"]
+    assert np.allclose(c.expected, np.kron(a, g), rtol=1e-14, atol=0)
+    ga = Conventions(kron_order="GA")
+    assert np.allclose(caps["linalg.kron"].expected_for(c, ga), np.kron(g, a), rtol=1e-14,
+                       atol=0)
+    c = _by_id(cases, "averaging.ema/k4_decay0.9_weight1")
+    s, raw = 0.0, []
+    for x in c.inputs["xs"]:
+        s = 0.9 * s + x
+        raw.append(s)
+    got = caps["averaging.ema"].expected_for(c, Conventions(ema_style="raw"))
+    assert np.allclose(got, np.stack(raw), rtol=1e-13, atol=0)
+
+
+# -- diagnosis -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cid,factor,pitfall", [
+    ("factors.dense_output/3x4", 3.0, "sum_vs_mean"),
+    ("factors.dense_output/3x4", 1 / 9, "scale:1/N^2"),
+    ("factors.dense_output/3x4", 2.0, "scale:2"),
+    ("factors.conv_output/same_s2", 12.0, "conv_style"),
+    ("factors.conv_input/same_s2_bias1", 1 / 12, "scale:1/T"),
+    ("linalg.kron/p3_q2", -1.0, "negated"),
+    ("linalg.kron/p3_q2", 1.2345, "scale"),
+])
+def test_scalar_diagnoses(live, cid, factor, pitfall):
+    cases, caps = live
+    c = _by_id(cases, cid)
+    cap = caps[c.capability]
+    d = diagnose(c.expected * factor, c, cap, Conventions(), c.tolerance.rtol())
+    assert d.pitfall == pitfall, d
+    assert pitfall.split("+")[0] in PITFALLS
+
+
+def test_unexplained_and_shape_diagnoses(live):
+    cases, caps = live
+    c = _by_id(cases, "linalg.cross_cov/n6_d4")
+    cap = caps[c.capability]
+    rtol = c.tolerance.rtol()
+    noise = np.random.default_rng(0).standard_normal(c.expected.shape)
+    assert diagnose(c.expected + noise, c, cap, Conventions(), rtol).pitfall == "unexplained"
+    assert diagnose(c.expected.T, c, cap, Conventions(), rtol).pitfall == "transposed"
+    v = _by_id(cases, "linalg.kron_matvec/p4_q3")
+    flat_f = v.expected.reshape(4, 3).reshape(-1, order="F").reshape(3, 4)
+    d = diagnose(flat_f, v, caps[v.capability], Conventions(), v.tolerance.rtol())
+    assert d.pitfall in ("shape", "vec_order", "kron_order_swapped")
+
+
+def test_absent_family_is_reported(monkeypatch):
+    import conformance.catalogue as cat
+
+    monkeypatch.setitem(cat.FAMILY_MODULES, "bogus", ".does_not_exist")
+    cases, absent = cat.build_catalogue()
+    assert "bogus" in absent and cases

@@ -1,0 +1,51 @@
+"""The suite's teeth: every deliberately wrong adapter must fail exactly the capabilities it
+breaks, each with the expected diagnosis, and pass everything else."""
+
+from __future__ import annotations
+
+import pytest
+
+from conformance.adapter import load_adapter
+from conformance.adapters import mutants
+from conformance.catalogue import build_catalogue, capabilities
+from conformance.runner import run_adapter
+
+MUTANTS = sorted(mutants())
+
+
+@pytest.fixture(scope="module")
+def live():
+    cases, _ = build_catalogue()
+    return cases, capabilities()
+
+
+def test_there_are_mutants():
+    assert len(MUTANTS) >= 10
+
+
+@pytest.mark.parametrize("name", MUTANTS)
+def test_mutant_is_caught_with_the_right_diagnosis(live, name):
+    cases, caps = live
+    adapter = load_adapter(name)
+    assert adapter.EXPECTED, f"{name} declares no expected diagnosis"
+    report = run_adapter(adapter, cases, caps)
+    assert not report.ok, f"{name} passed the suite"
+    broken = {cap: 0 for cap in adapter.EXPECTED}
+    by_id = {c.id: c for c in cases}
+    for r in report.results:
+        if r.capability in adapter.EXPECTED:
+            if adapter.EXPECTED[r.capability] in by_id[r.case_id].meta.get("insensitive_to", ()):
+                # e.g. debiasing with decay 0 changes nothing: the mutant must pass there
+                assert r.status == "pass", f"{r.case_id}: {r.status} {r.message}"
+                continue
+            assert r.status == "fail", f"{r.case_id}: {r.status} {r.message}"
+            assert r.diagnosis["pitfall"] == adapter.EXPECTED[r.capability], (
+                f"{r.case_id}: diagnosed {r.diagnosis}, expected "
+                f"{adapter.EXPECTED[r.capability]}")
+            broken[r.capability] += 1
+        else:
+            assert r.status == "pass", f"{name} broke {r.case_id}: {r.message}"
+    present = {c.capability for c in cases}
+    for cap, n in broken.items():
+        if cap in present:
+            assert n > 0, f"{name}: no case of {cap} was run"
