@@ -1,0 +1,748 @@
+r"""Exact curvature of a network's mean loss: dense matrices and matrix-free products.
+
+Objective and conventions
+-------------------------
+For a batch :math:`(x_n, y_n)_{n=1}^N`, a :class:`kfac_ref.nn.Sequential` network :math:`f`
+and a loss object from :mod:`kfac_ref.losses` with weight :math:`w`, the objective is the
+**mean** loss (kfac-jax's ``weight * sum(loss) / batch_size``)
+
+.. math::
+
+    \mathcal L(\theta) = \frac1N \sum_{n=1}^N w\,\ell_n\big(f(\theta, x_n)\big).
+
+With :math:`J_n = \partial f(\theta, x_n)/\partial\theta` (``[D, P]``, the output of one example
+flattened row-major) and the per-example matrices of the loss (which include :math:`w`):
+
+.. math::
+
+    G &= \frac1N \sum_n J_n^\top\, G_n\, J_n \quad\text{(GGN)}, &
+    F &= \frac1N \sum_n J_n^\top\, F_n\, J_n \quad\text{(Fisher)},\\
+    \mathrm{EF} &= \frac1N \sum_n \nabla\ell_n \nabla\ell_n^\top \quad\text{(empirical Fisher)}, &
+    H &= \nabla^2_\theta \mathcal L \quad\text{(Hessian)}.
+
+Parameters are flat vectors of length :math:`P` in the canonical order of
+:meth:`kfac_ref.nn.Sequential.flatten` (layers in forward order, ``[W; b]`` row-major, bias last).
+
+The loss
+--------
+``loss_fn`` builds the loss object from the network output and the targets: either a loss
+class (called as ``cls(outputs, targets=targets)``) or a callable
+``loss_fn(outputs, targets) -> LossFunction``.  The loss's parameter dependants, each
+flattened per example and concatenated in order, must be the network output flattened per
+example (so a mean-variance normal takes ``(outputs[:, :d], outputs[:, d:])``).
+
+Every computation is batched over examples (Jacobians by one backward pass per output
+coordinate, not per example).
+
+References
+----------
+Martens (2014), "New insights and perspectives on the natural gradient method",
+arXiv:1412.1193; Schraudolph (2002); Pearlmutter (1994); kfac-jax ``ImplicitExactCurvature``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np  # host-side random draws only (Rademacher signs via host_draw)
+
+from .._backend import (
+    KFACTypeError,
+    KFACValueError,
+    check_array,
+    check_int,
+    check_option,
+    check_rng,
+    host_draw,
+    namespace_of,
+)
+from ..losses import LossFunction, NegativeLogProbLoss
+from ..nn.network import Sequential
+
+__all__ = [
+    "ESTIMATION_MODES",
+    "EMPIRICAL_FISHER_NORMALIZATIONS",
+    "jacobian",
+    "jacobian_vector_product",
+    "jacobian_transpose_vector_product",
+    "loss_value_and_grad",
+    "ggn_matrix",
+    "fisher_matrix",
+    "empirical_fisher_matrix",
+    "monte_carlo_fisher_matrix",
+    "hessian_matrix",
+    "estimated_matrix",
+    "ggn_vector_product",
+    "fisher_vector_product",
+    "empirical_fisher_vector_product",
+    "hessian_vector_product",
+    "fisher_factor_product",
+    "fisher_factor_transpose_product",
+    "ggn_factor_product",
+    "ggn_factor_transpose_product",
+    "estimation_output_vectors",
+]
+
+ESTIMATION_MODES = ("fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
+                    "fisher_exact", "ggn_curvature_prop", "ggn_exact")
+"""kfac-jax's estimation modes (see :func:`estimation_output_vectors`)."""
+
+EMPIRICAL_FISHER_NORMALIZATIONS = ("mean", "kfac_jax")
+r"""``"mean"``: :math:`\frac1N\sum_n g_n g_n^\top` (TF K-FAC, curvlinops, the default);
+``"kfac_jax"``: kfac-jax's ``fisher_empirical``, an extra :math:`1/N`."""
+
+
+# ------------------------------------------------------------------------------------------
+# evaluation of one batch (internal)
+# ------------------------------------------------------------------------------------------
+class _Batch:
+    """Forward pass of one batch with the loss object built on its output."""
+
+    def __init__(self, func, net, loss_fn, params, batch):
+        if not isinstance(net, Sequential):
+            raise KFACTypeError(f"{func}: net must be a kfac_ref.nn.Sequential; got "
+                                f"{type(net).__name__}.")
+        x, y = _unpack_batch(func, batch)
+        arrays = {f"p{i}_{j}": a for i, p in enumerate(params or ()) for j, a in enumerate(p)}
+        self.xp = namespace_of(func, **arrays, x=x, targets=y)
+        params = net.check_params(func, params)
+        net.check_input(func, x)
+        self.net, self.params, self.x, self.targets = net, params, x, y
+        self.out, self.inputs = net._forward(params, x)
+        self.n = int(self.out.shape[0])
+        self.d = math.prod(self.out.shape[1:])
+        self.loss = None if loss_fn is None else _make_loss(func, loss_fn, self.out, y)
+        deps = (self.out,) if self.loss is None else self.loss.parameter_dependants
+        self.dep_shapes = tuple(tuple(a.shape) for a in deps)
+        sizes = [math.prod(s[1:]) for s in self.dep_shapes]
+        if any(s[0] != self.n for s in self.dep_shapes) or sum(sizes) != self.d:
+            raise KFACValueError(
+                f"{func}: loss_fn must return a loss whose inputs, flattened per example and "
+                f"concatenated, have the network's {self.d} outputs per example for "
+                f"{self.n} examples; got input shapes {self.dep_shapes}."
+            )
+        self.dep_sizes = sizes
+        self.func = func
+        if self.loss is not None and not bool(self.xp.all(
+                self.flat(deps) == self.xp.reshape(self.out, (self.n, self.d)))):
+            raise KFACValueError(
+                f"{func}: loss_fn must pass the network outputs to the loss unchanged (split "
+                f"into its inputs in order, each flattened per example); got loss inputs that "
+                f"differ from the outputs (put any transformation into the network)."
+            )
+
+    # conversions between the loss's tuple of inputs and flat per-example vectors [N, D]
+    def flat(self, vectors):
+        xp = self.xp
+        return xp.concat([xp.reshape(v, (self.n, -1)) for v in vectors], axis=1)
+
+    def as_tuple(self, flat):
+        xp, out, start = self.xp, [], 0
+        for shape, size in zip(self.dep_shapes, self.dep_sizes, strict=True):
+            out.append(xp.reshape(flat[:, start:start + size], shape))
+            start += size
+        return tuple(out)
+
+    def as_output(self, flat):
+        return self.xp.reshape(flat, tuple(self.out.shape))
+
+    # network maps
+    def jvp_flat(self, v):
+        """J v per example, [N, D]."""
+        vs = self.net._as_structured(self.func, "vector", v)
+        dout, _ = self.net._jvp(self.params, self.inputs, vs)
+        return self.xp.reshape(dout, (self.n, self.d))
+
+    def vjp(self, u_flat, per_example=False):
+        """Σ_n J_nᵀ u_n ([P]) or [J_nᵀ u_n]_n ([N, P])."""
+        grads, _ = self.net._backward(self.params, self.inputs, self.as_output(u_flat),
+                                      per_example)
+        return self.net.flatten(grads, per_example=per_example)
+
+    def jacobian(self):
+        """[N, D, P], one batched backward pass per output coordinate."""
+        xp = self.xp
+        eye = xp.eye(self.d, dtype=self.out.dtype, device=_device(self.out))
+        cols = []
+        for k in range(self.d):  # loop over output coordinates, batched over examples
+            u = xp.broadcast_to(eye[k:k + 1, :], (self.n, self.d))
+            cols.append(self.vjp(u, per_example=True))
+        return xp.stack(cols, axis=1)
+
+
+def _device(x):
+    import array_api_compat
+
+    return array_api_compat.device(x)
+
+
+def _unpack_batch(func, batch):
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise KFACValueError(f"{func}: batch must be a pair (inputs, targets) (targets may be "
+                             f"None); got {type(batch).__name__}.")
+    return batch[0], batch[1]
+
+
+def _make_loss(func, loss_fn, outputs, targets):
+    if isinstance(loss_fn, type) and issubclass(loss_fn, LossFunction):
+        loss = loss_fn(outputs, targets=targets)
+    elif callable(loss_fn):
+        loss = loss_fn(outputs, targets)
+    else:
+        raise KFACTypeError(f"{func}: loss_fn must be a kfac_ref.losses class or a callable "
+                            f"(outputs, targets) -> LossFunction; got {type(loss_fn).__name__}.")
+    if not isinstance(loss, LossFunction):
+        raise KFACTypeError(f"{func}: loss_fn must return a kfac_ref.losses.LossFunction; got "
+                            f"{type(loss).__name__}.")
+    return loss
+
+
+def _need_nll(func, b, what):
+    if not isinstance(b.loss, NegativeLogProbLoss):
+        raise KFACTypeError(f"{func}: {what} needs a NegativeLogProbLoss (a predictive "
+                            f"distribution); got {type(b.loss).__name__}.")
+
+
+def _need_targets(func, b):
+    if b.loss.targets is None:
+        raise KFACValueError(f"{func}: batch targets must be given for this quantity; got None.")
+
+
+def _check_vec(func, b, v, name="vector"):
+    namespace_of(func, x=b.out, **{name: v})
+    check_array(func, name, v, shape=(b.net.num_params,), layout="[P]")
+    return v
+
+
+def _factor_columns(b, kind):
+    """Per-example factor columns as flat vectors: [N, D, K] (weight included, sqrt w)."""
+    mat = b.loss.fisher_factor_matrix() if kind == "fisher" else b.loss.ggn_factor_matrix()
+    return mat
+
+
+# ------------------------------------------------------------------------------------------
+# Jacobian products
+# ------------------------------------------------------------------------------------------
+def jacobian(net, params, x):
+    r"""Per-example Jacobian of the network output with respect to the parameters.
+
+    .. math::
+
+        J_{n, d, p} = \frac{\partial\, \mathrm{vec}_r f(\theta, x_n)_d}{\partial \theta_p},
+        \qquad J \in \mathbb R^{N \times D \times P}.
+
+    Built from :math:`D` batched backward passes (one per output coordinate), each giving
+    :math:`J_n^\top e_d` for every example at once.
+
+    Returns
+    -------
+    array [N, D, P]
+    """
+    b = _Batch("jacobian", net, None, params, (x, None))
+    return b.jacobian()
+
+
+def jacobian_vector_product(net, params, x, vector):
+    r"""Jacobian-vector product :math:`J_n v` for every example.
+
+    .. math::
+
+        (J v)_n = \frac{d}{d\epsilon} f(\theta + \epsilon v, x_n)\Big|_{\epsilon=0}.
+
+    Parameters
+    ----------
+    vector : array [P]
+
+    Returns
+    -------
+    array, the output's shape [N, ...]
+    """
+    func = "jacobian_vector_product"
+    b = _Batch(func, net, None, params, (x, None))
+    _check_vec(func, b, vector)
+    return b.as_output(b.jvp_flat(vector))
+
+
+def jacobian_transpose_vector_product(net, params, x, output_vectors):
+    r"""Transposed-Jacobian product summed over examples (backpropagation).
+
+    .. math::
+
+        J^\top u = \sum_{n=1}^{N} J_n^\top u_n \qquad (\text{no } 1/N).
+
+    Parameters
+    ----------
+    output_vectors : array of the output's shape [N, ...]
+
+    Returns
+    -------
+    array [P]
+    """
+    func = "jacobian_transpose_vector_product"
+    b = _Batch(func, net, None, params, (x, None))
+    namespace_of(func, x=b.out, output_vectors=output_vectors)
+    check_array(func, "output_vectors", output_vectors, shape=tuple(b.out.shape))
+    return b.vjp(b.xp.reshape(output_vectors, (b.n, b.d)))
+
+
+# ------------------------------------------------------------------------------------------
+# loss, dense curvature matrices
+# ------------------------------------------------------------------------------------------
+def loss_value_and_grad(net, loss_fn, params, batch):
+    r"""Mean loss and its gradient.
+
+    .. math::
+
+        \mathcal L = \frac1N\sum_n w\,\ell_n, \qquad
+        \nabla_\theta\mathcal L = \frac1N \sum_n J_n^\top \nabla_f (w\,\ell_n).
+
+    Returns
+    -------
+    (array [], array [P])
+    """
+    func = "loss_value_and_grad"
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_targets(func, b)
+    xp = b.xp
+    value = xp.sum(b.loss.evaluate()) / b.n
+    g = b.flat(b.loss.grad_of_evaluate()) / b.n
+    return value, b.vjp(g)
+
+
+def _outer_sum(xp, v, n):
+    """(1/n) Σ_rows vᵀ v for v [R, P] (a GEMM)."""
+    return (v.T @ v) / n
+
+
+def _factor_based(func, net, loss_fn, params, batch, kind):
+    b = _Batch(func, net, loss_fn, params, batch)
+    if kind == "fisher":
+        _need_nll(func, b, "the Fisher")
+    xp = b.xp
+    jac = b.jacobian()  # [N, D, P]
+    fac = _factor_columns(b, kind)  # [N, D, K]
+    c = xp.permute_dims(fac, (0, 2, 1)) @ jac  # [N, K, P]  (B_nᵀ J_n)
+    c = xp.reshape(c, (-1, net.num_params))
+    return _outer_sum(xp, c, b.n)
+
+
+def ggn_matrix(net, loss_fn, params, batch):
+    r"""Dense generalised Gauss-Newton matrix of the mean loss.
+
+    .. math::
+
+        G = \frac1N\sum_{n=1}^N J_n^\top G_n J_n
+          = \frac1N\sum_{n=1}^N (B_n^\top J_n)^\top (B_n^\top J_n),\qquad B_n B_n^\top = G_n,
+
+    computed as one GEMM of the stacked :math:`B_n^\top J_n` (``loss.ggn_factor_matrix()``).
+
+    Parameters
+    ----------
+    net : kfac_ref.nn.Sequential
+    loss_fn : loss class or callable (outputs, targets) -> LossFunction
+    params : parameter structure of ``net``
+    batch : (inputs, targets)
+        Targets may be None (the GGN of these losses does not use them).
+
+    Returns
+    -------
+    array [P, P], symmetric PSD
+    """
+    return _factor_based("ggn_matrix", net, loss_fn, params, batch, "ggn")
+
+
+def fisher_matrix(net, loss_fn, params, batch):
+    r"""Dense (true, exact) Fisher of the mean loss, targets from the model's distribution.
+
+    .. math::
+
+        F = \frac1N\sum_n J_n^\top F_n J_n, \qquad
+        w F_n = \mathbb E_{y\sim p(\cdot\mid f_n)}
+        \big[\nabla_f (\sqrt w\ell_n)\,\nabla_f(\sqrt w\ell_n)^\top\big] .
+
+    (With weight :math:`w` the per-example Fisher of :math:`w\ell_n` is :math:`w F_n`, as in
+    kfac-jax.)  For natural-parameter losses it equals :func:`ggn_matrix`.
+
+    Returns
+    -------
+    array [P, P]
+    """
+    return _factor_based("fisher_matrix", net, loss_fn, params, batch, "fisher")
+
+
+def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
+    r"""Dense empirical Fisher from the data targets.
+
+    .. math::
+
+        \mathrm{EF} = \frac{1}{N}\sum_n \nabla_\theta (w\ell_n) \nabla_\theta (w\ell_n)^\top
+        \quad(\texttt{"mean"}), \qquad
+        \frac{1}{N^2}\sum_n \dots \quad(\texttt{"kfac\_jax"}).
+
+    ``"mean"`` (default) is TF K-FAC's and curvlinops' scale; ``"kfac_jax"`` reproduces
+    kfac-jax's ``fisher_empirical``, whose back-propagated vectors are divided by
+    :math:`\sqrt N` (FORMULAS.md §5).
+
+    Raises
+    ------
+    KFACValueError
+        Missing targets, unknown normalization.
+    """
+    func = "empirical_fisher_matrix"
+    check_option(func, "normalization", normalization, EMPIRICAL_FISHER_NORMALIZATIONS)
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_targets(func, b)
+    g = b.vjp(b.flat(b.loss.grad_of_evaluate()), per_example=True)  # [N, P]
+    scale = b.n if normalization == "mean" else b.n * b.n
+    return _outer_sum(b.xp, g, scale)
+
+
+def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
+    r"""Monte-Carlo Fisher from targets sampled from the model (unbiased, rank :math:`\le NM`).
+
+    .. math::
+
+        \hat F = \frac{1}{NM}\sum_{n=1}^N\sum_{m=1}^M \hat g_{nm}\hat g_{nm}^\top,\qquad
+        \hat g_{nm} = J_n^\top \sqrt{w}\,\nabla_f \ell_n(\tilde y_{nm}),\quad
+        \tilde y_{nm} \sim p(\cdot\mid f_n),
+
+    so :math:`\mathbb E\hat F = F` (:func:`fisher_matrix`) and each entry's standard deviation
+    falls like :math:`1/\sqrt{NM}`.
+
+    Parameters
+    ----------
+    rng : numpy.random.Generator
+    num_samples : int
+        :math:`M \ge 1`.
+    """
+    func = "monte_carlo_fisher_matrix"
+    check_rng(func, "rng", rng)
+    m = check_int(func, "num_samples", num_samples, minimum=1)
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_nll(func, b, "the Monte-Carlo Fisher")
+    total = None
+    for _ in range(m):
+        g = b.vjp(b.flat(b.loss.grad_of_evaluate_on_sample(rng, "sqrt")), per_example=True)
+        term = g.T @ g
+        total = term if total is None else total + term
+    return total / (b.n * m)
+
+
+def hessian_matrix(net, loss_fn, params, batch):
+    r"""Dense Hessian of the mean loss, column by column from exact Hessian-vector products.
+
+    .. math::
+
+        H e_p = \nabla^2_\theta \mathcal L\, e_p \quad (p = 1..P), \qquad
+        H = G + \frac1N\sum_n \sum_d \frac{\partial (w\ell_n)}{\partial f_{n,d}}\,
+        \nabla^2_\theta f_{n,d},
+
+    each column by the R-operator pass of :func:`hessian_vector_product`.  The result is
+    symmetrised, :math:`(H + H^\top)/2`, which only removes rounding.
+
+    Returns
+    -------
+    array [P, P]
+    """
+    func = "hessian_matrix"
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_targets(func, b)
+    xp = b.xp
+    eye = xp.eye(net.num_params, dtype=b.out.dtype, device=_device(b.out))
+    cols = [_hvp(b, eye[p, :]) for p in range(net.num_params)]
+    h = xp.stack(cols, axis=1)
+    return (h + h.T) / 2.0
+
+
+# ------------------------------------------------------------------------------------------
+# matrix-free products
+# ------------------------------------------------------------------------------------------
+def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
+    b = _Batch(func, net, loss_fn, params, batch)
+    _check_vec(func, b, vector)
+    if kind == "fisher":
+        _need_nll(func, b, "the Fisher")
+    jv = b.as_tuple(b.jvp_flat(vector))
+    prod = b.loss.multiply_fisher(jv) if kind == "fisher" else b.loss.multiply_ggn(jv)
+    return b.vjp(b.flat(prod)) / b.n
+
+
+def ggn_vector_product(net, loss_fn, params, batch, vector):
+    r"""Matrix-free GGN product.
+
+    .. math::
+
+        G v = \frac1N\sum_n J_n^\top \big(G_n (J_n v)\big)
+
+    (one Jacobian-vector pass, the loss's ``multiply_ggn``, one backward pass).
+
+    Returns
+    -------
+    array [P]
+    """
+    return _curvature_vp("ggn_vector_product", net, loss_fn, params, batch, vector, "ggn")
+
+
+def fisher_vector_product(net, loss_fn, params, batch, vector):
+    r"""Matrix-free exact Fisher product.
+
+    .. math::
+
+        F v = \frac1N\sum_n J_n^\top \big(F_n (J_n v)\big).
+
+    Returns
+    -------
+    array [P]
+    """
+    return _curvature_vp("fisher_vector_product", net, loss_fn, params, batch, vector,
+                         "fisher")
+
+
+def empirical_fisher_vector_product(net, loss_fn, params, batch, vector, normalization="mean"):
+    r"""Matrix-free empirical-Fisher product from per-example gradients.
+
+    .. math::
+
+        \mathrm{EF}\, v = \frac1N \sum_n \nabla(w\ell_n)\,\big(\nabla(w\ell_n)^\top v\big)
+        \quad (\texttt{"mean"};\ \texttt{"kfac\_jax"} \text{ divides by } N^2).
+
+    Returns
+    -------
+    array [P]
+    """
+    func = "empirical_fisher_vector_product"
+    check_option(func, "normalization", normalization, EMPIRICAL_FISHER_NORMALIZATIONS)
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_targets(func, b)
+    _check_vec(func, b, vector)
+    g = b.vjp(b.flat(b.loss.grad_of_evaluate()), per_example=True)
+    scale = b.n if normalization == "mean" else b.n * b.n
+    return (g.T @ (g @ vector)) / scale
+
+
+def _hvp(b, vector):
+    xp = b.xp
+    grad = b.flat(b.loss.grad_of_evaluate()) / b.n  # [N, D]
+    hess = b.loss.hessian_matrix() / b.n  # [N, D, D]
+
+    def cot(out, f_dot):
+        fd = xp.reshape(f_dot, (b.n, b.d, 1))
+        return b.as_output(grad), b.as_output(xp.reshape(hess @ fd, (b.n, b.d)))
+
+    vs = b.net._as_structured(b.func, "vector", vector)
+    f_dot, dins = b.net._jvp(b.params, b.inputs, vs)
+    g, rg = cot(b.out, f_dot)
+    return b.net.flatten(b.net._r_backward(b.params, b.inputs, vs, dins, g, rg))
+
+
+def hessian_vector_product(net, loss_fn, params, batch, vector):
+    r"""Exact Hessian-vector product of the mean loss (Pearlmutter's R-operator).
+
+    .. math::
+
+        H v = R_v\{\nabla_\theta\mathcal L\}
+            = \frac1N\sum_n \Big(J_n^\top \nabla_f^2(w\ell_n)\,J_n v
+              + \big(R_v\{J_n\}\big)^\top \nabla_f (w\ell_n)\Big),
+
+    from one forward, one tangent and one R-backward pass
+    (:meth:`kfac_ref.nn.Sequential.second_order_backward`); the loss Hessian comes from
+    ``loss.hessian_matrix(targets)``.
+
+    Returns
+    -------
+    array [P]
+    """
+    func = "hessian_vector_product"
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_targets(func, b)
+    _check_vec(func, b, vector)
+    return _hvp(b, vector)
+
+
+def _factor_t(func, net, loss_fn, params, batch, vector, kind):
+    b = _Batch(func, net, loss_fn, params, batch)
+    _check_vec(func, b, vector)
+    if kind == "fisher":
+        _need_nll(func, b, "the Fisher factor")
+    jv = b.as_tuple(b.jvp_flat(vector))
+    out = (b.loss.multiply_fisher_factor_transpose(jv) if kind == "fisher"
+           else b.loss.multiply_ggn_factor_transpose(jv))
+    return out / math.sqrt(b.n)
+
+
+def _factor(func, net, loss_fn, params, batch, inner, kind):
+    b = _Batch(func, net, loss_fn, params, batch)
+    if kind == "fisher":
+        _need_nll(func, b, "the Fisher factor")
+    namespace_of(func, x=b.out, loss_inner_vectors=inner)
+    out = (b.loss.multiply_fisher_factor(inner) if kind == "fisher"
+           else b.loss.multiply_ggn_factor(inner))
+    return b.vjp(b.flat(out)) / math.sqrt(b.n)
+
+
+def fisher_factor_transpose_product(net, loss_fn, params, batch, vector):
+    r"""Transposed Fisher factor times a parameter vector.
+
+    .. math::
+
+        \mathcal B^\top v = \Big[\tfrac{1}{\sqrt N} B_n^\top J_n v\Big]_{n=1}^N,\qquad
+        \mathcal B\mathcal B^\top = F = \frac1N\sum_n J_n^\top B_n B_n^\top J_n .
+
+    Returns
+    -------
+    array of the loss's ``fisher_factor_inner_shape`` [N, K...]
+    """
+    return _factor_t("fisher_factor_transpose_product", net, loss_fn, params, batch, vector,
+                     "fisher")
+
+
+def fisher_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
+    r"""Fisher factor times loss-inner vectors.
+
+    .. math::
+
+        \mathcal B u = \frac{1}{\sqrt N}\sum_n J_n^\top B_n u_n .
+
+    Parameters
+    ----------
+    loss_inner_vectors : array of ``fisher_factor_inner_shape`` [N, K...]
+
+    Returns
+    -------
+    array [P]
+    """
+    return _factor("fisher_factor_product", net, loss_fn, params, batch, loss_inner_vectors,
+                   "fisher")
+
+
+def ggn_factor_transpose_product(net, loss_fn, params, batch, vector):
+    r"""Transposed GGN factor: :math:`[\tfrac{1}{\sqrt N} B_n^\top J_n v]_n` with
+    :math:`B_nB_n^\top = G_n`.
+
+    .. math::
+
+        \mathcal B^\top v, \qquad \mathcal B\mathcal B^\top = G.
+    """
+    return _factor_t("ggn_factor_transpose_product", net, loss_fn, params, batch, vector, "ggn")
+
+
+def ggn_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
+    r"""GGN factor times loss-inner vectors.
+
+    .. math::
+
+        \mathcal B u = \frac{1}{\sqrt N}\sum_n J_n^\top B_n u_n,\qquad B_nB_n^\top = G_n.
+    """
+    return _factor("ggn_factor_product", net, loss_fn, params, batch, loss_inner_vectors,
+                   "ggn")
+
+
+# ------------------------------------------------------------------------------------------
+# estimation modes
+# ------------------------------------------------------------------------------------------
+def _rademacher(rng, like, shape):
+    return host_draw(rng, like, lambda r: r.choice(np.array([-1.0, 1.0]), size=shape))
+
+
+def _estimation_vectors(func, b, mode, rng, num_samples, empirical_normalization):
+    """List of per-example output cotangents U_c [N, D] with estimate (1/N) Σ_c Σ_n ĝ ĝᵀ."""
+    loss = b.loss
+    if mode in ("fisher_gradients", "fisher_curvature_prop", "fisher_exact"):
+        _need_nll(func, b, f"estimation mode {mode!r}")
+    if mode in ("fisher_gradients", "fisher_curvature_prop", "ggn_curvature_prop"):
+        check_rng(func, "rng", rng)
+    if mode == "fisher_empirical":
+        _need_targets(func, b)
+        g = b.flat(loss.grad_of_evaluate(None, "regular"))
+        if empirical_normalization == "kfac_jax":
+            g = g / math.sqrt(b.n)
+        return [g]
+    if mode in ("fisher_exact", "ggn_exact"):
+        inner = (loss.fisher_factor_inner_shape if mode == "fisher_exact"
+                 else loss.ggn_factor_inner_shape)[1:]
+        one_hot = (loss.multiply_fisher_factor_replicated_one_hot if mode == "fisher_exact"
+                   else loss.multiply_ggn_factor_replicated_one_hot)
+        return [b.flat(one_hot(tuple(int(i) for i in idx))) for idx in np.ndindex(*inner)]
+    scale = 1.0 / math.sqrt(num_samples)
+    out = []
+    for _ in range(num_samples):
+        if mode == "fisher_gradients":
+            u = b.flat(loss.grad_of_evaluate_on_sample(rng, "sqrt"))
+        elif mode == "fisher_curvature_prop":
+            sign = _rademacher(rng, b.out, loss.fisher_factor_inner_shape)
+            u = b.flat(loss.multiply_fisher_factor(sign))
+        else:
+            sign = _rademacher(rng, b.out, loss.ggn_factor_inner_shape)
+            u = b.flat(loss.multiply_ggn_factor(sign))
+        out.append(u * scale if num_samples > 1 else u)
+    return out
+
+
+def estimation_output_vectors(net, loss_fn, params, batch, estimation_mode, rng=None,
+                              num_samples=1, empirical_fisher_normalization="mean"):
+    r"""The per-example output cotangents each estimation mode back-propagates.
+
+    Every mode yields vectors :math:`u_{c,n}` at the network output (no :math:`1/N`) such
+    that the curvature it estimates is
+
+    .. math::
+
+        C = \frac1N \sum_c \sum_n J_n^\top u_{c,n} u_{c,n}^\top J_n ,
+
+    and a block's statistics are built from their back-propagated images:
+
+    ============================  ==========================================================
+    ``fisher_gradients``          :math:`u_{m,n} = \sqrt{w}\nabla_f\ell_n(\tilde y_{mn})/\sqrt M`,
+                                  :math:`\tilde y\sim p(\cdot|f_n)`: :math:`\mathbb E C = F`
+    ``fisher_empirical``          :math:`u_n = w\nabla_f\ell_n(y_n)`, :math:`C=\mathrm{EF}`
+                                  (``"kfac_jax"``: :math:`u_n/\sqrt N`, :math:`C=\mathrm{EF}/N`)
+    ``fisher_curvature_prop``     :math:`u_{m,n} = \sqrt w B_n r_{mn}/\sqrt M`, Rademacher
+                                  :math:`r`: :math:`\mathbb E C = F`
+    ``ggn_curvature_prop``        the same with the GGN factor: :math:`\mathbb E C = G`
+    ``fisher_exact``              :math:`u_{k,n} = \sqrt w B_n e_k` for every inner index
+                                  :math:`k`: :math:`C = F`
+    ``ggn_exact``                 the same with the GGN factor: :math:`C = G`
+    ============================  ==========================================================
+
+    Returns
+    -------
+    list of arrays [N, D]
+    """
+    func = "estimation_output_vectors"
+    check_option(func, "estimation_mode", estimation_mode, ESTIMATION_MODES)
+    check_option(func, "empirical_fisher_normalization", empirical_fisher_normalization,
+                 EMPIRICAL_FISHER_NORMALIZATIONS)
+    m = check_int(func, "num_samples", num_samples, minimum=1)
+    b = _Batch(func, net, loss_fn, params, batch)
+    return _estimation_vectors(func, b, estimation_mode, rng, m, empirical_fisher_normalization)
+
+
+def estimated_matrix(net, loss_fn, params, batch, estimation_mode, rng=None, num_samples=1,
+                     empirical_fisher_normalization="mean"):
+    r"""Dense full curvature that an estimation mode estimates, from its output vectors.
+
+    .. math::
+
+        C = \frac1N \sum_c \sum_n (J_n^\top u_{c,n})(J_n^\top u_{c,n})^\top
+
+    with :math:`u_{c,n}` from :func:`estimation_output_vectors`.  ``fisher_exact`` /
+    ``ggn_exact`` give :func:`fisher_matrix` / :func:`ggn_matrix` exactly.
+
+    Returns
+    -------
+    array [P, P]
+    """
+    func = "estimated_matrix"
+    check_option(func, "estimation_mode", estimation_mode, ESTIMATION_MODES)
+    check_option(func, "empirical_fisher_normalization", empirical_fisher_normalization,
+                 EMPIRICAL_FISHER_NORMALIZATIONS)
+    m = check_int(func, "num_samples", num_samples, minimum=1)
+    b = _Batch(func, net, loss_fn, params, batch)
+    total = None
+    for u in _estimation_vectors(func, b, estimation_mode, rng, m,
+                                 empirical_fisher_normalization):
+        g = b.vjp(u, per_example=True)
+        term = g.T @ g
+        total = term if total is None else total + term
+    return total / b.n
+
