@@ -124,6 +124,21 @@ PITFALLS = {
         "Fisher where the Hessian is asked",
         "the expected (label-free) curvature instead of the Hessian at the data targets", "§5",
     ),
+    "missing_block_scale": (
+        "block scale |T| (or T) missing",
+        "the block is A⊗G where s·(A⊗G) is meant (s = |T| conv locations or T uses)",
+        "tensorflow/kfac#41, nngeometry PR #75, P6",
+    ),
+    "damping_not_normalised": (
+        "damping not normalised by the block scale",
+        "λ is split between the factors instead of λ/s (TF normalize_damping)",
+        "FORMULAS §1.4, P6",
+    ),
+    "signed_eigenvalues": (
+        "signed instead of absolute option-1 eigenvalues",
+        "TF's posdef_eig ('self_adjoint') takes |ψ|; the signed eigenvalues give other numbers",
+        "FORMULAS §3.3",
+    ),
     "transposed": ("transposed", "the output is the transpose of the expected matrix", ""),
     "negated": ("sign flipped", "the output is −expected", ""),
     "no_eigenvalue_clipping": (

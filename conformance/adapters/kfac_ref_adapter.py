@@ -257,6 +257,44 @@ class KfacRefAdapter(Adapter):
     def loss_hessian(self, inputs, params):
         return self.to_numpy(self._loss(inputs, params).hessian_matrix())
 
+    # -- blocks ---------------------------------------------------------------------------
+    @implements("blocks.kron_matpower")
+    def kron_matpower(self, inputs, params):
+        from kfac_ref import blocks
+
+        a, g, x = self._in(inputs, "a", "g", "x")
+        return self.to_numpy(blocks.kronecker_block_matpower(
+            a, g, x, params["power"], params["damping"], scale=params["scale"],
+            exact=params["exact"], norm_type=params["norm_type"]))
+
+    @implements("blocks.kron_eigenvalues")
+    def kron_eigenvalues(self, inputs, params):
+        from kfac_ref import blocks
+
+        a, g = self._in(inputs, "a", "g")
+        return np.sort(self.to_numpy(blocks.kronecker_block_eigenvalues(
+            a, g, scale=params["scale"])))
+
+    @implements("blocks.diagonal_matpower")
+    def diagonal_matpower(self, inputs, params):
+        from kfac_ref import blocks
+
+        d, x = self._in(inputs, "diagonal", "x")
+        return self.to_numpy(blocks.diagonal_block_matpower(
+            d, x, params["power"], params["damping"], scale=params["scale"]))
+
+    @implements("blocks.series_inverse")
+    def series_inverse(self, inputs, params):
+        from kfac_ref.blocks.tf import FullyConnectedSeriesFB
+
+        from ..catalogue.blocks_cases import series_apply
+
+        a0, a1, g0, g1 = self._in(inputs, "a_cov", "a_cov_dt1", "g_cov", "g_cov_dt1")
+        fb = FullyConnectedSeriesFB(a0, g0, params["damping"], params["num_timesteps"],
+                                    has_bias=params["has_bias"], option=params["option"],
+                                    input_cov_dt1=a1, output_cov_dt1=g1)
+        return series_apply(fb, inputs["x"], self.to_backend, self.to_numpy)
+
 
 class KfacRefStrictAdapter(KfacRefAdapter):
     name = "kfac_ref_strict"

@@ -191,3 +191,58 @@ class EmptyOutput(_Mutant):
 MUTANTS = [KronSwapped, BiasFirst, MeanLossGradients, PiWithoutDimensions, UnsplitDamping,
            ExactForFactored, NoZeroDebias, SymmetrisedCross, NaNOutput, EmptyOutput]
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
+
+
+# -- blocks ------------------------------------------------------------------------------------
+class MissingBlockScale(_Mutant):
+    name = "mutant_missing_block_scale"
+    pitfall = "conv/multi-use block without its |T| (T) multiplier"
+    EXPECTED = {"blocks.kron_matpower": "missing_block_scale",
+                "blocks.kron_eigenvalues": "missing_block_scale",
+                "blocks.diagonal_matpower": "missing_block_scale"}
+
+    @implements("blocks.kron_matpower")
+    def kron_matpower(self, inputs, params):
+        return super().kron_matpower(inputs, dict(params, scale=1.0))
+
+    @implements("blocks.kron_eigenvalues")
+    def kron_eigenvalues(self, inputs, params):
+        return super().kron_eigenvalues(inputs, dict(params, scale=1.0))
+
+    @implements("blocks.diagonal_matpower")
+    def diagonal_matpower(self, inputs, params):
+        return super().diagonal_matpower(inputs, dict(params, scale=1.0))
+
+
+class DampingNotNormalised(_Mutant):
+    name = "mutant_damping_not_normalised"
+    pitfall = "λ split between the factors of s·(A⊗G) without dividing it by s"
+    EXPECTED = {"blocks.kron_matpower": "damping_not_normalised"}
+
+    @implements("blocks.kron_matpower")
+    def kron_matpower(self, inputs, params):
+        return super().kron_matpower(inputs, dict(params,
+                                                  damping=params["damping"] * params["scale"]))
+
+
+class SeriesSignedEigenvalues(_Mutant):
+    name = "mutant_series_signed_eigenvalues"
+    pitfall = "option-1 series inverse with signed ψ where TF's posdef_eig takes |ψ|"
+    EXPECTED = {"blocks.series_inverse": "signed_eigenvalues"}
+
+    @implements("blocks.series_inverse")
+    def series_inverse(self, inputs, params):
+        from kfac_ref.blocks.tf import FullyConnectedSeriesFB
+
+        from ..catalogue.blocks_cases import series_apply
+
+        fb = FullyConnectedSeriesFB(
+            inputs["a_cov"], inputs["g_cov"], params["damping"], params["num_timesteps"],
+            has_bias=params["has_bias"], option=params["option"],
+            input_cov_dt1=inputs["a_cov_dt1"], output_cov_dt1=inputs["g_cov_dt1"],
+            option1_eig_method="eigh")
+        return series_apply(fb, inputs["x"])
+
+
+MUTANTS += [MissingBlockScale, DampingNotNormalised, SeriesSignedEigenvalues]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
