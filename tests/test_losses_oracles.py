@@ -330,10 +330,12 @@ def test_grad_of_evaluate_on_sample_is_grad_at_the_sample(xp, case):
 
 # -- numerical stability ----------------------------------------------------------------------
 def test_categorical_stable_at_large_logits(xp):
-    z = np.array([[100.0, -100.0, 0.0, 90.0], [-100.0, -100.0, -100.0, 100.0]])
-    y = np.array([1, 0])  # the improbable classes: loss ≈ 200
+    # |z| ≈ 100 as asked, plus a row at ±800 where exp(z) overflows even in float64
+    z = np.array([[100.0, -100.0, 0.0, 90.0], [-100.0, -100.0, -100.0, 100.0],
+                  [800.0, -800.0, 0.0, 0.0]])
+    y = np.array([1, 0, 1])  # the improbable classes: loss ≈ 200, 200, 1600
     loss = L.CategoricalLogitsNegativeLogProbLoss(xp.asarray(z), xp.asarray(y))
-    expected = logsumexp(z, axis=-1) - z[np.arange(2), y]
+    expected = logsumexp(z, axis=-1) - z[np.arange(3), y]
     xp.assert_close(loss.evaluate(), expected)
     p = softmax(z, axis=-1)
     g = xp.to_numpy(loss.grad_of_evaluate()[0])
@@ -350,28 +352,34 @@ def test_categorical_stable_at_large_logits(xp):
                 loss.multiply_fisher_factor_replicated_one_hot((1,))[0]):
         assert np.all(np.isfinite(xp.to_numpy(out)))
     s = xp.to_numpy(loss.sample(np.random.default_rng(0)))
-    np.testing.assert_array_equal(s, [0, 3])  # overwhelmingly likely classes
+    np.testing.assert_array_equal(s, [0, 3, 0])  # overwhelmingly likely classes
 
 
 def test_bernoulli_stable_at_large_logits(xp):
-    z = np.array([[100.0, -100.0, 30.0, -30.0]])
-    y = np.array([[0.0, 1.0, 1.0, 1.0]])
+    # |z| ≈ 100 as asked, plus ±800 where exp(-z) overflows even in float64
+    z = np.array([[100.0, -100.0, 30.0, -30.0, 800.0, -800.0]])
+    y = np.array([[0.0, 1.0, 1.0, 1.0, 0.0, 1.0]])
     loss = L.MultiBernoulliNegativeLogProbLoss(xp.asarray(z), xp.asarray(y))
-    expected = -(y * log_expit(z) + (1 - y) * log_expit(-z)).sum(-1)  # ≈ 230
+    expected = -(y * log_expit(z) + (1 - y) * log_expit(-z)).sum(-1)  # ≈ 1830
     xp.assert_close(loss.evaluate(), expected)
     g = xp.to_numpy(loss.grad_of_evaluate()[0])
-    assert_allclose_normwise(g, 1 / (1 + np.exp(-z)) - y, xp.rtol)
+    assert_allclose_normwise(g, np.exp(log_expit(z)) - y, xp.rtol)
     # p(1-p) = exp(log σ(z) + log σ(-z)): float64 keeps e^-100 to full relative accuracy;
     # float32 reaches it only as a subnormal (2^-149 granularity), so compare absolutely there.
-    var = np.exp(log_expit(z) + log_expit(-z))[0]
+    log_var = (log_expit(z) + log_expit(-z))[0]
+    var = np.exp(log_var)
     F = np.diagonal(xp.to_numpy(loss.fisher_matrix())[0])
     assert np.all(np.isfinite(F)) and np.all(F >= 0)
     if xp.float64:
         np.testing.assert_allclose(F, var, rtol=1e-13)
     else:
         np.testing.assert_allclose(F, var, rtol=1e-6, atol=1e-44)
-    b = xp.to_numpy(loss.multiply_fisher_factor(xp.asarray(np.ones((1, 4))))[0])[0]
-    np.testing.assert_allclose(b, np.sqrt(var), rtol=xp.rtol)
+    b = xp.to_numpy(loss.multiply_fisher_factor(xp.asarray(np.ones((1, 6))))[0])[0]
+    sqrt_var = np.exp(0.5 * log_var)  # e^-400 is a float64 normal number; in float32 it is 0
+    if xp.float64:
+        np.testing.assert_allclose(b, sqrt_var, rtol=xp.rtol)
+    else:
+        np.testing.assert_allclose(b, sqrt_var, rtol=xp.rtol, atol=1e-44)
 
 
 class _NumpyBackendCls:
