@@ -358,3 +358,21 @@ def test_approx_power_one_options(xp, rng):
     got = flat(xp, any_power.multiply_matpower(state, vec, 0.4, 3.0, False, False))
     assert_allclose_normwise(got, dense_power(approx_dense(xp, fac, state, 0.4), 3.0) @ vh,
                              xp.rtol)
+
+
+def test_scale_and_shift_variants(xp, rng):
+    """Shift-only and scale-only layers; a (1, C) scale broadcast over a middle axis."""
+    x = rng.standard_normal((N, 3, 2))
+    g = rng.standard_normal((N, 3, 2))
+    data = {"inputs": xp.asarray(x), "outputs_grad": xp.asarray(g)}
+    xh, gh = xp.round_host(x), xp.round_host(g)
+    cases = [
+        (kj.ScaleAndShiftFull((3, 2), None, (2,)), gh.sum(axis=1)),
+        (kj.ScaleAndShiftFull((3, 2), (3, 1), None), (xh * gh).sum(axis=2)),
+        (kj.ScaleAndShiftFull((3, 2), (3, 2), (1, 2)),
+         np.hstack([(xh * gh).reshape(N, -1), gh.sum(axis=1)])),
+    ]
+    for block, t in cases:
+        st = block.init(xp.asarray(np.zeros(1)))
+        st = block.update_curvature_matrix_estimate(st, data, 0.0, 1.0, N)
+        xp.assert_close(block.to_dense_matrix(st), t.T @ t / N)

@@ -647,24 +647,22 @@ class NaiveDiagonal(Diagonal):
         .. math:: d \leftarrow \text{EMA}\big(d,\ \tfrac1N \textstyle\sum_s \hat g_s^{\odot 2}\big)
         """
         func = f"{type(self).__name__}.update_curvature_matrix_estimate"
-        grads = self._check_params_grads(func, state, estimation_data, batch_size)
+        grads = _params_grads_sources(self, func, state, estimation_data, batch_size)
         xp = namespace_of(func, like=state.like)
         flat = _naive_statistic(xp, grads, batch_size, self.source_reduction,
                                 _factors().naive_diagonal_factor)
         return self._update_stats(func, state, self._unflatten(xp, flat), ema_old, ema_new)
 
-    _check_params_grads = None  # set below (shared with NaiveFull)
 
-
-def _check_params_grads(self, func, state, estimation_data, batch_size):
+def _params_grads_sources(block, func, state, estimation_data, batch_size):
     """``estimation_data["params_grads"]`` as a tuple over sources of per-parameter tuples."""
-    self._check_state(func, state)
+    block._check_state(func, state)
     if not isinstance(estimation_data, Mapping) or "params_grads" not in estimation_data:
         raise KFACValueError(f"{func}: estimation_data must be a mapping with the key "
                              f"'params_grads'; got {describe(estimation_data)}.")
     check_int(func, "batch_size", batch_size, minimum=1)
     grads = estimation_data["params_grads"]
-    shapes = self.parameters_shapes
+    shapes = block.parameters_shapes
     if not isinstance(grads, (list, tuple)) or len(grads) != len(shapes):
         raise KFACValueError(f"{func}: params_grads must be a sequence of {len(shapes)} "
                              f"gradient arrays of shapes {shapes} (optionally with a leading "
@@ -688,9 +686,6 @@ def _check_params_grads(self, func, state, estimation_data, batch_size):
         raise KFACValueError(f"{func}: params_grads must have one number of sources; got "
                              f"shapes {[tuple(x.shape) for x in grads]}.")
     return tuple(tuple(g[k, ...] for g in grads) for k in range(n_src))
-
-
-NaiveDiagonal._check_params_grads = _check_params_grads
 
 
 def _naive_statistic(xp, sources, batch_size, source_reduction, factor_fn):
@@ -827,8 +822,6 @@ class NaiveFull(Full):
         self.source_reduction = check_option(type(self).__name__, "source_reduction",
                                              source_reduction, ("per_source", "summed"))
 
-    _check_params_grads = _check_params_grads
-
     def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new,
                                          batch_size):
         r"""Average one batch's naive full matrix into the state.
@@ -838,7 +831,7 @@ class NaiveFull(Full):
             F \leftarrow \text{EMA}\big(F,\ \tfrac1N\textstyle\sum_s \hat g_s\hat g_s^\top\big)
         """
         func = f"{type(self).__name__}.update_curvature_matrix_estimate"
-        grads = self._check_params_grads(func, state, estimation_data, batch_size)
+        grads = _params_grads_sources(self, func, state, estimation_data, batch_size)
         xp = namespace_of(func, like=state.like)
         new = _naive_statistic(xp, grads, batch_size, self.source_reduction,
                                _factors().full_factor)
@@ -1292,7 +1285,7 @@ class Conv2DTwoKroneckerFactored(_ConvGeometry, TwoKroneckerFactored):
 # Scale and shift
 # --------------------------------------------------------------------------------------
 class _ScaleAndShift:
-    """Per-example tangents of ``y = scale * x + shift`` (broadcast, batch axis first)."""
+    """Shapes and statistics of ``y = scale * x + shift`` (broadcast, batch axis first)."""
 
     def _init_sas(self, func, inputs_shape, scale_shape, shift_shape):
         if scale_shape is None and shift_shape is None:
@@ -1315,28 +1308,27 @@ class _ScaleAndShift:
         self.has_shift = shift_shape is not None
         return shapes
 
-    def _reduce(self, xp, t, shape):
-        r""":math:`\sum` of ``t`` [N, *inputs_shape] over the axes ``shape`` broadcasts along."""
+    def _broadcast_axes(self, shape):
+        """Axes of ``[N, *inputs_shape]`` a parameter of ``shape`` is broadcast along."""
         lead = len(self.inputs_shape) - len(shape)
-        if lead:
-            t = xp.sum(t, axis=tuple(range(1, 1 + lead)))
         pairs = zip(shape, self.inputs_shape[lead:], strict=True)
-        axes = tuple(1 + i for i, (d, f) in enumerate(pairs) if d == 1 and f != 1)
-        if axes:
-            t = xp.sum(t, axis=axes, keepdims=True)
-        return t
+        return tuple(range(1, 1 + lead)) + tuple(
+            1 + lead + i for i, (d, f) in enumerate(pairs) if d == 1 and f != 1)
 
-    def _tangents(self, func, xp, data):
+    def _statistic(self, func, xp, data, approx):
+        """:func:`kfac_ref.factors.scale_and_shift_factor` of one batch (flat order: scale,
+        then shift).  A shift-only layer is the factor's scale part with :math:`x = 1`."""
         x, dy = data["inputs"], data["outputs_grad"]
         check_array(func, "inputs", x, shape=(None, *self.inputs_shape))
         check_array(func, "outputs_grad", dy, shape=(None, *self.inputs_shape))
-        out = []
         shapes = list(self.parameters_shapes)
-        if self.has_scale:
-            out.append(self._reduce(xp, x * dy, shapes.pop(0)))
-        if self.has_shift:
-            out.append(self._reduce(xp, dy, shapes.pop(0)))
-        return out
+        f = _factors().scale_and_shift_factor
+        if not self.has_scale:  # ∑ 1·g over the shift's axes is the shift gradient
+            return f(xp.ones_like(dy), dy, self._broadcast_axes(shapes[0]), has_shift=False,
+                     approx=approx)
+        shift_axes = self._broadcast_axes(shapes[1]) if self.has_shift else None
+        return f(x, dy, self._broadcast_axes(shapes[0]), shift_axes, has_shift=self.has_shift,
+                 approx=approx)
 
 
 class ScaleAndShiftDiagonal(_ScaleAndShift, Diagonal):
@@ -1348,8 +1340,8 @@ class ScaleAndShiftDiagonal(_ScaleAndShift, Diagonal):
         d_\gamma = \frac1N\sum_n \Big(\sum_{\text{bcast}} x_n \odot g_n\Big)^{\odot 2},\quad
         d_\beta = \frac1N\sum_n \Big(\sum_{\text{bcast}} g_n\Big)^{\odot 2}
 
-    (sum of squares of per-example tangents; the sums run over the axes the parameter is
-    broadcast along).
+    (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="diagonal"``; the sums run over
+    the axes the parameter is broadcast along).
 
     Parameters
     ----------
@@ -1373,11 +1365,8 @@ class ScaleAndShiftDiagonal(_ScaleAndShift, Diagonal):
         data = self._check_estimation_data(func, state, estimation_data, batch_size,
                                            ("inputs", "outputs_grad"))
         xp = namespace_of(func, like=state.like)
-        new = []
-        for t, shape in zip(self._tangents(func, xp, data), self.parameters_shapes, strict=True):
-            flat = xp.reshape(t, (t.shape[0], -1))
-            new.append(xp.reshape(xp.sum(flat * flat, axis=0) / flat.shape[0], shape))
-        return self._update_stats(func, state, tuple(new), ema_old, ema_new)
+        diag = self._statistic(func, xp, data, "diagonal")
+        return self._update_stats(func, state, self._unflatten(xp, diag), ema_old, ema_new)
 
 
 class ScaleAndShiftFull(_ScaleAndShift, Full):
@@ -1389,7 +1378,7 @@ class ScaleAndShiftFull(_ScaleAndShift, Full):
         t_n = \Big[\mathrm{vec}_r\big(\textstyle\sum_{\text{bcast}} x_n\odot g_n\big);\
         \mathrm{vec}_r\big(\textstyle\sum_{\text{bcast}} g_n\big)\Big]
 
-    (:func:`kfac_ref.linalg.compute_cov` of the per-example tangents).  Parameters as
+    (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="full"``).  Parameters as
     :class:`ScaleAndShiftDiagonal`.
     """
 
@@ -1407,6 +1396,5 @@ class ScaleAndShiftFull(_ScaleAndShift, Full):
         data = self._check_estimation_data(func, state, estimation_data, batch_size,
                                            ("inputs", "outputs_grad"))
         xp = namespace_of(func, like=state.like)
-        ts = self._tangents(func, xp, data)
-        tangents = xp.concat([xp.reshape(t, (t.shape[0], -1)) for t in ts], axis=1)
-        return self._update_with_tangents(func, state, tangents, ema_old, ema_new)
+        return self._update_stats(func, state, (self._statistic(func, xp, data, "full"),),
+                                  ema_old, ema_new)

@@ -771,7 +771,11 @@ class EmbeddingKFACFB(KroneckerProductFB):
 # Series (RNN) block
 # --------------------------------------------------------------------------------------
 class SeriesFBApproximation:
-    """TF's option names: ``option1`` (finite T, symmetric V1), ``option2`` (T → ∞)."""
+    r"""TF's option names for :class:`FullyConnectedSeriesFB`.
+
+    ``option1``: finite :math:`T`, symmetric :math:`V_1` (:math:`F_T`); ``option2``:
+    :math:`T \to \infty` (:math:`F_\infty`).
+    """
 
     option1 = 1
     option2 = 2
