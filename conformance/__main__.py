@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_OUT = Path(__file__).parent / "_out"
-COMMANDS = ("run", "golden", "list", "matrix")
+COMMANDS = ("run", "golden", "list", "matrix", "docs")
 
 
 def _parser():
@@ -48,6 +48,10 @@ def _parser():
 
     ls = sub.add_parser("list", help="list capabilities, cases and adapters")
     ls.add_argument("--cases", action="store_true", help="list every case")
+    ls.add_argument("--markdown", action="store_true",
+                    help="print the capability table as Markdown (for the README)")
+
+    sub.add_parser("docs", help="regenerate the generated tables in conformance/README.md")
 
     m = sub.add_parser("matrix", help="merge report.json files into the ecosystem matrix")
     m.add_argument("reports", nargs="+", help="report.json files")
@@ -143,6 +147,13 @@ def _cmd_list(args) -> int:
     from .catalogue import FAMILY_MODULES, build_catalogue, capabilities, family_status
 
     caps = capabilities()
+    if args.markdown:
+        print("| capability | what the adapter returns | inputs / params | conventions |")
+        print("|---|---|---|---|")
+        for name, cap in caps.items():
+            conv = ", ".join(c for c in cap.conventions if c != "symmetrised") or "—"
+            print(f"| `{name}` | {cap.summary} | {cap.signature} | {conv} |")
+        return 0
     cases, absent = build_catalogue() if args.cases else ([], {})
     for fam in FAMILY_MODULES:
         ok, why = family_status(fam)
@@ -156,6 +167,52 @@ def _cmd_list(args) -> int:
                         print(f"      {c.id}  rtol64={c.tolerance.rtol():.1e}")
     print("adapters: " + ", ".join(shipped()))
     print("mutants:  " + ", ".join(mutants()))
+    return 0
+
+
+def readme_tables() -> dict:
+    """The generated sections of README.md: name -> Markdown."""
+    from .adapter import load_adapter
+    from .adapters import mutants
+    from .catalogue import capabilities
+    from .conventions import CANONICAL, FIELDS
+    from .diagnosis import PITFALLS
+
+    caps = ["| capability | what the adapter returns | inputs / params | conventions |",
+            "|---|---|---|---|"]
+    for name, cap in capabilities().items():
+        conv = ", ".join(c for c in cap.conventions if c != "symmetrised") or "—"
+        caps.append(f"| `{name}` | {cap.summary} | {cap.signature} | {conv} |")
+    conv = ["| field | values | reference | meaning |", "|---|---|---|---|"]
+    for k, (allowed, meaning) in FIELDS.items():
+        vals = ", ".join(repr(a) for a in allowed) if allowed else "None or a number"
+        conv.append(f"| `{k}` | {vals} | `{getattr(CANONICAL, k)!r}` | {meaning} |")
+    pits = ["| id | pitfall | evidence |", "|---|---|---|"]
+    for k, (title, text, ref) in PITFALLS.items():
+        pits.append(f"| `{k}` | {title}: {text} | {ref} |")
+    muts = ["| mutant | pitfall built in | capability → expected diagnosis |", "|---|---|---|"]
+    for n in sorted(mutants()):
+        a = load_adapter(n)
+        exp = ", ".join(f"`{c}` → `{p}`" for c, p in a.EXPECTED.items())
+        muts.append(f"| `{n}` | {a.pitfall} | {exp} |")
+    return {"capabilities": "\n".join(caps), "conventions": "\n".join(conv),
+            "pitfalls": "\n".join(pits), "mutants": "\n".join(muts)}
+
+
+def _cmd_docs(args) -> int:
+    import re
+
+    path = Path(__file__).parent / "README.md"
+    text = path.read_text(encoding="utf-8")
+    for name, body in readme_tables().items():
+        pattern = re.compile(rf"(<!-- BEGIN {name} -->\n).*?(<!-- END {name} -->)", re.S)
+        text, n = pattern.subn(lambda m, body=body: m.group(1) + body + "\n" + m.group(2),
+                               text)
+        if n != 1:
+            print(f"README.md has no generated section {name!r}", file=sys.stderr)
+            return 1
+    path.write_text(text, encoding="utf-8")
+    print(f"updated {path}")
     return 0
 
 
@@ -175,7 +232,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     return {"run": _cmd_run, "golden": _cmd_golden, "list": _cmd_list,
-            "matrix": _cmd_matrix}[args.command](args)
+            "matrix": _cmd_matrix, "docs": _cmd_docs}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -81,10 +81,14 @@ FIELDS = {
         "matrices expected from it are permuted accordingly (a perfect shuffle).",
     ),
     "bias_position": (
-        ("last", "first"),
+        ("last", "first", "separate"),
         "Where the homogeneous coordinate (the bias) sits in the input factor A and in the "
-        "parameter vector of a layer: 'last' (kfac_ref, TF, kfac-jax with a list pytree) or "
-        "'first' (e.g. a {'b','w'} dict pytree).",
+        "parameter vector of a layer: 'last' (kfac_ref, TF, kfac-jax with a list pytree), "
+        "'first' (e.g. a {'b','w'} dict pytree), or 'separate': the bias is its own block "
+        "after the weight (PyTorch's [W.flatten(), b]; curvlinops' default "
+        "separate_weight_and_bias=True, BackPACK, ASDL), so input factors come without the "
+        "homogeneous coordinate, parameter vectors are [weight (in kron_order); bias], and a "
+        "K-FAC block loses its weight–bias cross terms (block-diagonal over W and b).",
     ),
     "curvature_of": (
         ("mean", "sum"),
@@ -161,6 +165,8 @@ def a_index(p: int, bias_position: str, has_bias: bool = True, patch=None,
     if has_bias:
         if bias_position == "first":
             return np.concatenate([[core], idx])
+        if bias_position == "separate":
+            return idx  # the factor comes without the homogeneous coordinate
         return np.concatenate([idx, [core]])
     return idx
 
@@ -173,7 +179,10 @@ def vec_index(p: int, q: int, conv: Conventions, has_bias: bool = False,
     grid = ai[:, None] * q + np.arange(q)[None, :]  # [p, q], rows permuted
     if conv.kron_order == "GA":
         grid = grid.T  # the declared vector is the row-major vec of the [q, p] transpose
-    return grid.reshape(-1)
+    flat = grid.reshape(-1)
+    if has_bias and conv.bias_position == "separate":
+        flat = np.concatenate([flat, (p - 1) * q + np.arange(q)])  # [weight; bias]
+    return flat
 
 
 def kron_index(p: int, q: int, conv: Conventions, has_bias: bool = False,

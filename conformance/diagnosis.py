@@ -124,6 +124,11 @@ PITFALLS = {
         "Fisher where the Hessian is asked",
         "the expected (label-free) curvature instead of the Hessian at the data targets", "§5",
     ),
+    "bias_separate": (
+        "bias treated as a separate block",
+        "the weight–bias cross terms of the input factor are dropped (separate bias block) "
+        "where a joint [W; b] block is declared", "P4",
+    ),
     "missing_block_scale": (
         "block scale |T| (or T) missing",
         "the block is A⊗G where s·(A⊗G) is meant (s = |T| conv locations or T uses)",

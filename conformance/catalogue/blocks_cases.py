@@ -26,10 +26,22 @@ from ._data import cond, spd, to_np
 REQUIRES = ("kfac_ref.blocks", "kfac_ref.factors")
 
 
+def _rows(case, conv):
+    # parameter-shaped [p, q] arrays keep a *separate* bias as their last row
+    pos = "last" if conv.bias_position == "separate" else conv.bias_position
+    return a_index(case.meta["p"], pos, case.meta.get("bias", False))
+
+
 def _param_matrix(arr, case, conv):
-    idx = a_index(case.meta["p"], conv.bias_position, case.meta.get("bias", False))
-    out = arr[idx, :]
+    out = arr[_rows(case, conv), :]
     return out.T if conv.kron_order == "GA" else out
+
+
+def _block_output(arr, case, conv):
+    if conv.bias_position == "separate" and "bias_separate" in case.alternatives:
+        # a separate bias block drops the weight-bias cross terms of A (another approximation)
+        arr = case.alternatives["bias_separate"]
+    return _param_matrix(arr, case, conv)
 
 
 def _x_input(inputs, case, conv):
@@ -40,7 +52,7 @@ def _x_input(inputs, case, conv):
 
 def _a_input(inputs, case, conv, names=("a",)):
     out = _x_input(inputs, case, conv)
-    idx = a_index(case.meta["p"], conv.bias_position, case.meta.get("bias", False))
+    idx = _rows(case, conv)
     for n in names:
         if n in out and out[n].ndim == 2:
             out[n] = out[n][np.ix_(idx, idx)]
@@ -66,7 +78,7 @@ CAPABILITIES = [
         "exact=False with factored π damping of λ/s (norm_type 'avg_diag' = trace norm, 'off' "
         "= π 1); returns [p, q].", _SIG,
         ("kron_order", "bias_position"), convert_inputs=_a_input,
-        convert_output=_param_matrix),
+        convert_output=_block_output),
     Capability(
         "blocks.kron_eigenvalues",
         "Eigenvalues of the undamped block s·(A⊗G), sorted ascending, [p·q].",
@@ -124,6 +136,9 @@ def build_cases() -> list[Case]:
         expected = run()
         alts = {"exact_damping" if not exact else "factored_damping":
                 run(exact=not exact)} if lam > 0 else {}
+        a_sep = a.copy()
+        a_sep[:-1, -1] = a_sep[-1, :-1] = 0.0
+        alts["bias_separate"] = run(a=a_sep)
         alts["missing_block_scale"] = run(s=1.0)  # equal to expected when s = 1
         alts["damping_not_normalised"] = run(lam=lam * s)
         if not exact and lam > 0:

@@ -23,10 +23,13 @@ REQUIRES = ("kfac_ref.factors", "kfac_ref.patches")
 
 
 # -- conversions ----------------------------------------------------------------------------
-def _a_idx(case, conv):
+def _a_idx(case, conv, rows=False):
+    """A-side index map; ``rows=True`` for parameter-shaped [p, q] arrays, where a separate
+    bias is still the last row."""
     m = case.meta
     patch = (tuple(m["kernel"]), m["c_in"]) if "kernel" in m else None
-    return a_index(m["p"], conv.bias_position, m.get("bias", False), patch, conv.patch_order)
+    pos = "last" if rows and conv.bias_position == "separate" else conv.bias_position
+    return a_index(m["p"], pos, m.get("bias", False), patch, conv.patch_order)
 
 
 def _sum_scale(case, conv):
@@ -43,7 +46,7 @@ def _output_factor(arr, case, conv):
 
 
 def _diag_factor(arr, case, conv):
-    out = arr[_a_idx(case, conv), :] * _sum_scale(case, conv)
+    out = arr[_a_idx(case, conv, rows=True), :] * _sum_scale(case, conv)
     return out.T if conv.kron_order == "GA" else out
 
 
