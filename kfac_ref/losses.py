@@ -40,7 +40,7 @@ Conventions (shared by every class)
   the size of one example's slice of the factor's inner shape.  They are for oracles and
   teaching; the matrix-free products are what an optimiser uses.
 * **Randomness.**  ``sample(rng)`` takes an explicit :class:`numpy.random.Generator`; the
-  noise is drawn on the host in float64 (:func:`kfac_ref._backend.host_draw`) and moved to
+  noise is drawn on the host in float64 (``kfac_ref._backend.host_draw``) and moved to
   the inputs' device, so one seed gives the same samples on every backend.
 
 References
@@ -675,8 +675,8 @@ class NegativeLogProbLoss(LossFunction):
         r"""Dense per-example Hessian :math:`w\,\nabla^2_{f}\ell_n(y_n)`, shape ``[N, D, D]``.
 
         For natural parameters this is the Fisher and does not depend on the targets; for
-        :class:`NormalMeanVarianceNegativeLogProbLoss` it does, and it is indefinite in
-        general (only its expectation over :math:`y` is the Fisher).
+        :class:`~kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss` it does, and it is
+        indefinite in general (only its expectation over :math:`y` is the Fisher).
         """
         func = self._fname("hessian_matrix")
         return self._hessian_dense(func, targets) * self.weight
@@ -772,7 +772,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     ``log p`` is computed as :math:`(z - m) - \log\sum_j e^{z_j - m}` with
     :math:`m = \max_j z_j`, and :math:`\sqrt p = \exp(\tfrac12 \log p)`, so logits of any
-    finite size (|z| ≈ 100 and beyond) give finite values.
+    finite size (:math:`|z| \approx 100` and beyond) give finite values.
 
     Registered with kfac-jax's ``register_softmax_cross_entropy_loss``, the objective is
     :math:`\frac{w}{N}\sum_n m_n\ell_n` (:math:`m_n` the mask); the products here are the
@@ -958,9 +958,9 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
         \ell(y) = -\sum_c y_c \log p_c,\qquad y\in\{e_1,\dots,e_k\},\qquad
         F = G = \mathrm{diag}(p) - p p^\top,\quad B = \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
 
-    Identical to :class:`CategoricalLogitsNegativeLogProbLoss` (same Fisher, factors and
-    mask semantics) except that targets and samples are one-hot rows ``[N, k]`` in the
-    logits' dtype rather than class indices.
+    Identical to :class:`~kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss` (same
+    Fisher, factors and mask semantics) except that targets and samples are one-hot rows
+    ``[N, k]`` in the logits' dtype rather than class indices.
 
     Parameters
     ----------
@@ -1225,6 +1225,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     @property
     def normalize_log_prob(self) -> bool:
+        r"""Whether ``evaluate`` includes the constant :math:`\tfrac D2\log(2\pi v)`."""
         return self._normalize
 
     @property
