@@ -1,0 +1,298 @@
+"""BlockDiagonalCurvature: exact modes with Full blocks reproduce the dense block-diagonal GGN /
+Fisher / empirical Fisher; the exactness facts of PEERS.md / FORMULAS.md §1.3, §2.3 with the
+default Kronecker blocks at tight tolerances; negative controls (the settings where K-FAC is
+not exact must show an error); stochastic modes agree draw-for-draw with the dense estimate
+(whose convergence rate is tested in test_curvature_exact.py); products, cache, eigenvalues.
+
+Tolerances: the block statistics and the dense oracle are both backward-stable sums of
+products of the same O(1) numbers, so the float64 comparisons use ``xp.rtol`` (4096·eps);
+float32 cells use ``16·xp.rtol`` because a three-layer backward pass plus the covariance GEMMs
+chain more roundings than the conftest's single-matrix derivation assumes.  A non-exact
+setting must differ by more than ``1e-3`` relative, far above both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_allclose_normwise
+
+import kfac_ref.curvature as C
+import kfac_ref.nn as nn
+from kfac_ref import KFACTypeError, KFACValueError
+from kfac_ref.blocks import kfac_jax as B
+from kfac_ref.curvature.estimators import BlockDiagonalCurvature, block_diag
+from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
+
+
+def ce(f, y):
+    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
+
+
+def sq(f, y):
+    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
+
+
+def tol(xp):
+    return xp.rtol if xp.float64 else 16 * xp.rtol
+
+
+FULL = {"dense": B.NaiveFull, "conv2d": B.Conv2DFull, "scale_and_shift": B.ScaleAndShiftFull,
+        "embedding": B.NaiveFull}
+
+
+def make_data(xp, rng, net, loss, n, in_shape, int_inputs=None):
+    if int_inputs is not None:
+        host_x = rng.integers(0, int_inputs, size=(n, *in_shape))
+    else:
+        host_x = rng.standard_normal((n, *in_shape))
+    host_p = net.init_params(rng, np.zeros(1))
+    out_shape = net.output_shape(host_x.shape)
+    host_y = (rng.integers(0, out_shape[-1], size=n) if loss is ce
+              else rng.standard_normal(out_shape))
+    bp = tuple(tuple(xp.asarray(a) for a in p) for p in host_p)
+    return bp, (xp.asarray(host_x), xp.asarray(host_y))
+
+
+def run(net, loss, bp, batch, mode, rng=None, **kw):
+    est = BlockDiagonalCurvature(net, loss, **kw)
+    st = est.init(None, (bp, batch))
+    n = int(batch[0].shape[0])
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, n, rng, (bp, batch), mode)
+    return est, st
+
+
+def exact_blocks(xp, net, dense):
+    """Diagonal blocks of a dense [P, P] matrix, by parametric layer (host float64)."""
+    d = xp.to_numpy(dense)
+    return [d[net.layer_slices()[i], net.layer_slices()[i]] for i in net.parametric_layers]
+
+
+def rel_err(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def mlp(act="tanh"):
+    return nn.Sequential([("d1", nn.Dense(3, 4)), ("a1", nn.Activation(act)),
+                          ("d2", nn.Dense(4, 3)), ("a2", nn.Activation(act)),
+                          ("d3", nn.Dense(3, 2))])
+
+
+def convnet():
+    return nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2), padding="SAME", data_format="NCHW")),
+                          ("a", nn.Activation("tanh")), ("f", nn.Flatten()),
+                          ("s", nn.ScaleAndShift(18)), ("d", nn.Dense(18, 3))])
+
+
+def embnet():
+    return nn.Sequential([("e", nn.Embedding(5, 3)), ("f", nn.Flatten()), ("d", nn.Dense(6, 2))])
+
+
+# ---------------------------------------------------------------------------------------------
+# exact modes with full blocks reproduce the dense block-diagonal matrices
+# ---------------------------------------------------------------------------------------------
+NETS = [("mlp", mlp, ce, (3,), None), ("conv", convnet, ce, (2, 3, 3), None),
+        ("shared", lambda: nn.Sequential([("d1", nn.Dense(3, 4)), ("a", nn.Activation("tanh")),
+                                          ("d2", nn.Dense(4, 2))]), sq, (3, 3), None),
+        ("embedding", embnet, ce, (2,), 5)]
+
+
+@pytest.mark.parametrize("case", NETS, ids=[c[0] for c in NETS])
+def test_exact_modes_with_full_blocks(xp, rng, case):
+    _, make, loss, shape, ints = case
+    net = make()
+    bp, batch = make_data(xp, rng, net, loss, 3, shape, ints)
+    g = C.ggn_matrix(net, loss, bp, batch)
+    for mode, dense in (("ggn_exact", g), ("fisher_exact", g),
+                        ("fisher_empirical", C.empirical_fisher_matrix(net, loss, bp, batch))):
+        est, st = run(net, loss, bp, batch, mode, layer_to_block=FULL)
+        blocks = est.to_diagonal_block_dense_matrix(st)
+        for got, exp in zip(blocks, exact_blocks(xp, net, dense), strict=True):
+            xp.assert_close(got, exp, rtol=tol(xp))
+        full = est.to_dense_matrix(st)
+        xp.check(full)
+        mask = block_diag([xp.xp.ones_like(b) for b in blocks])
+        xp.assert_close(full, xp.to_numpy(dense) * xp.to_numpy(mask), rtol=tol(xp))
+    # kfac-jax's empirical-Fisher scale: an extra 1/N
+    est, st = run(net, loss, bp, batch, "fisher_empirical", layer_to_block=FULL,
+                  empirical_fisher_normalization="kfac_jax")
+    ef = exact_blocks(xp, net, C.empirical_fisher_matrix(net, loss, bp, batch))
+    for got, exp in zip(est.to_diagonal_block_dense_matrix(st), ef, strict=True):
+        xp.assert_close(got, exp / 3, rtol=tol(xp))
+
+
+# ---------------------------------------------------------------------------------------------
+# exactness facts with the default Kronecker blocks
+# ---------------------------------------------------------------------------------------------
+def kfac_vs_exact(xp, rng, net, loss, n, shape, mode="ggn_exact", dense_fn=C.ggn_matrix, **kw):
+    bp, batch = make_data(xp, rng, net, loss, n, shape)
+    est, st = run(net, loss, bp, batch, mode, **kw)
+    exact = exact_blocks(xp, net, dense_fn(net, loss, bp, batch))
+    return est.to_diagonal_block_dense_matrix(st), exact
+
+
+def test_single_example_every_layer_exact(xp, rng):
+    # N = 1, nonlinear MLP, cross-entropy: type-2 K-FAC = GGN block, K-FAC-empirical = EF block
+    net = mlp()
+    got, exp = kfac_vs_exact(xp, rng, net, ce, 1, (3,))
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+    got, exp = kfac_vs_exact(xp, rng, net, ce, 1, (3,), "fisher_empirical",
+                             C.empirical_fisher_matrix)
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+
+
+def test_deep_linear_squared_error_every_layer_exact(xp, rng):
+    net = mlp("identity")
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 5, (3,))
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+    # negative controls: cross-entropy, or a nonlinearity in the first layers, is not exact
+    got, exp = kfac_vs_exact(xp, rng, net, ce, 5, (3,))
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+    got, exp = kfac_vs_exact(xp, rng, mlp("tanh"), sq, 5, (3,))
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+    # ... but the last layer of a tanh MLP with squared error is
+    xp.assert_close(got[-1], exp[-1], rtol=tol(xp))
+
+
+def shared_net(pool):
+    layers = [("d1", nn.Dense(3, 4)), ("d2", nn.Dense(4, 3))]
+    if pool:
+        layers.insert(1, ("pool", nn.MeanPool()))
+    return nn.Sequential(layers)
+
+
+def test_expand_setting(xp, rng):
+    # per-position squared error on [N, T, k] outputs of a deep linear weight-sharing net:
+    # KFAC-expand exact for every layer, KFAC-reduce not
+    net = shared_net(pool=False)
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing="expand")
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing="reduce")
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+
+
+def test_reduce_setting(xp, rng):
+    # mean over positions before the loss: KFAC-reduce exact for the weight-shared layer,
+    # KFAC-expand not; the layer after the pool is an ordinary deep-linear layer (exact)
+    net = shared_net(pool=True)
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing="reduce")
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing={"d1": "expand"})
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+    xp.assert_close(got[1], exp[1], rtol=tol(xp))
+
+
+@pytest.mark.parametrize("padding", ["VALID", "SAME"])
+def test_single_conv_channels_last_squared_error_exact(xp, rng, padding):
+    # KFC (= expand) is exact for one conv layer with a per-location squared error (NHWC)
+    net = nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2), stride=1, padding=padding))])
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 2, (3, 3, 2))
+    xp.assert_close(got[0], exp[0], rtol=tol(xp))
+    # negative control: cross-entropy on the flattened conv output is not exact
+    net = nn.Sequential([("c", nn.Conv2D(2, 1, (2, 2), padding=padding)), ("f", nn.Flatten())])
+    got, exp = kfac_vs_exact(xp, rng, net, ce, 2, (3, 3, 2))
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# stochastic modes, EMA, products
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["fisher_gradients", "fisher_curvature_prop",
+                                  "ggn_curvature_prop"])
+def test_stochastic_modes_match_dense_estimate_draw_for_draw(xp, rng, mode):
+    # the same generator state gives the same vectors, so the full blocks equal the diagonal
+    # blocks of the dense estimate (whose convergence is tested in test_curvature_exact.py)
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est, st = run(net, ce, bp, batch, mode, rng=np.random.default_rng(3), layer_to_block=FULL,
+                  num_samples=3)
+    dense = C.estimated_matrix(net, ce, bp, batch, mode, rng=np.random.default_rng(3),
+                               num_samples=3)
+    for got, exp in zip(est.to_diagonal_block_dense_matrix(st), exact_blocks(xp, net, dense),
+                        strict=True):
+        xp.assert_close(got, exp, rtol=tol(xp))
+
+
+def test_moving_average_and_products(xp, rng):
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    fa = (bp, batch)
+    est = BlockDiagonalCurvature(net, ce)
+    st = est.init(None, fa)
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, fa, "ggn_exact")
+    st2 = est.update_curvature_matrix_estimate(st, 1.0, 1.0, 3, None, fa, "fisher_empirical")
+    _, st_ef = run(net, ce, bp, batch, "fisher_empirical")
+    # factors average separately: A is unchanged, G is the mean of the two G's
+    a1, g1 = (s.value for s in st.blocks_states[0].factors)
+    a2, g2 = (s.value for s in st2.blocks_states[0].factors)
+    _, g_ef = (s.value for s in st_ef.blocks_states[0].factors)
+    xp.assert_close(a2, xp.to_numpy(a1), rtol=tol(xp))
+    xp.assert_close(g2, (xp.to_numpy(g1) + xp.to_numpy(g_ef)) / 2, rtol=tol(xp))
+
+    dense = [xp.to_numpy(b) for b in est.to_diagonal_block_dense_matrix(st)]
+    v = rng.standard_normal(net.num_params)
+    rv = xp.round_host(v)
+    lam = (0.2, 0.5, 1.0)
+    got = est.multiply_matpower(st, xp.asarray(v), lam, -1.0, True, False)
+    sl = [net.layer_slices()[i] for i in net.parametric_layers]
+    exp = np.concatenate([np.linalg.solve(d + w * np.eye(len(d)), rv[s])
+                          for d, w, s in zip(dense, lam, sl, strict=True)])
+    xp.assert_close(got, exp, rtol=64 * tol(xp))
+    # norm-scaled identity weights: λ_l = w · ‖C_l‖ (avg_diag = tr/dim)
+    got = est.multiply_matpower(st, xp.asarray(v), 0.3, 1.0, True, False,
+                                norm_to_scale_identity_weight_per_block="avg_diag")
+    exp = np.concatenate([d @ rv[s] + 0.3 * np.trace(d) / len(d) * rv[s]
+                          for d, s in zip(dense, sl, strict=True)])
+    xp.assert_close(got, exp, rtol=tol(xp))
+    # cached products equal uncached ones, including with a norm-scaled weight
+    st_c = est.init(None, fa, exact_powers_to_cache=-1.0, approx_powers_to_cache=-1.0,
+                    cache_eigenvalues=True)
+    st_c = est.update_curvature_matrix_estimate(st_c, 0.0, 1.0, 3, None, fa, "ggn_exact")
+    st_c = est.update_cache(st_c, 0.3, -1.0, -1.0, True,
+                            norm_to_scale_identity_weight_per_block="avg_diag")
+    for exact_power in (True, False):
+        fresh = est.multiply_matpower(st_c, xp.asarray(v), 0.3, -1.0, exact_power, False,
+                                      norm_to_scale_identity_weight_per_block="avg_diag")
+        cached = est.multiply_matpower(st_c, xp.asarray(v), 0.3, -1.0, exact_power, True,
+                                       norm_to_scale_identity_weight_per_block="avg_diag")
+        xp.assert_close(cached, xp.to_numpy(fresh), rtol=tol(xp))
+    # structured vectors round-trip
+    out = est.multiply_matpower(st, net.unflatten(xp.asarray(v)), 0.1, 1.0, True, False)
+    xp.assert_close(net.flatten(out),
+                    xp.to_numpy(est.multiply_matpower(st, xp.asarray(v), 0.1, 1.0, True, False)))
+    # eigenvalues: per block, concatenated
+    ev = est.eigenvalues(st)
+    exp = np.concatenate([np.sort(np.linalg.eigvalsh(d)) for d in dense])
+    got = np.concatenate([np.sort(xp.to_numpy(e)) for e in est.block_eigenvalues(st)])
+    assert_allclose_normwise(got, exp, 64 * tol(xp))
+    assert ev.shape == (net.num_params,)
+
+
+def test_errors(xp, rng):
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est = BlockDiagonalCurvature(net, ce)
+    with pytest.raises(KFACValueError, match="init"):
+        est.update_curvature_matrix_estimate(None, 0.0, 1.0, 3, None, (bp, batch))
+    st = est.init(None, (bp, batch))
+    with pytest.raises(KFACValueError, match="estimation_mode"):
+        est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "magic")
+    with pytest.raises(KFACValueError, match="batch_size"):
+        est.update_curvature_matrix_estimate(st, 0.0, 1.0, 4, None, (bp, batch), "ggn_exact")
+    with pytest.raises(KFACValueError, match="ema_old"):
+        est.update_curvature_matrix_estimate(st, -1.0, 1.0, 3, None, (bp, batch), "ggn_exact")
+    with pytest.raises(KFACTypeError, match="Generator"):
+        est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch),
+                                             "fisher_gradients")
+    with pytest.raises(KFACValueError, match="weight_sharing"):
+        BlockDiagonalCurvature(net, ce, weight_sharing="mean")
+    with pytest.raises(KFACValueError, match="identity_weight"):
+        est.multiply_matpower(st, xp.asarray(np.zeros(net.num_params)), (0.1, 0.2), -1.0, True,
+                              False)
+    with pytest.raises(KFACTypeError, match="state"):
+        est.to_dense_matrix(None)
