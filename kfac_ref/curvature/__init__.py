@@ -6,9 +6,18 @@ r"""Exact curvature of a network's mean loss and the block-diagonal K-FAC estima
     G = \frac1N\sum_n J_n^\top G_n J_n,\quad F = \frac1N\sum_n J_n^\top F_n J_n .
 
 See :mod:`kfac_ref.curvature.exact` (dense matrices and matrix-free products) and
-:mod:`kfac_ref.curvature.estimators` (kfac-jax-named estimator classes).
+:mod:`kfac_ref.curvature.estimators` (kfac-jax-named estimator classes) and
+:mod:`kfac_ref.curvature.report` (per-layer approximation errors).
 """
 
+from .estimators import (
+    WEIGHT_SHARING_MODES,
+    BlockDiagonalCurvature,
+    ExplicitExactCurvature,
+    ImplicitExactCurvature,
+    block_diag,
+    default_layer_to_block,
+)
 from .exact import (
     EMPIRICAL_FISHER_NORMALIZATIONS,
     ESTIMATION_MODES,
@@ -32,8 +41,18 @@ from .exact import (
     loss_value_and_grad,
     monte_carlo_fisher_matrix,
 )
+from .report import approximation_report, default_approximations, relative_frobenius_error
 
 __all__ = [
+    "WEIGHT_SHARING_MODES",
+    "BlockDiagonalCurvature",
+    "ExplicitExactCurvature",
+    "ImplicitExactCurvature",
+    "approximation_report",
+    "block_diag",
+    "default_approximations",
+    "default_layer_to_block",
+    "relative_frobenius_error",
     "EMPIRICAL_FISHER_NORMALIZATIONS",
     "ESTIMATION_MODES",
     "empirical_fisher_matrix",
