@@ -266,3 +266,28 @@ def test_dense_factor_errors(xp, rng):
         f.register_matpower("half", 0.1)
     with pytest.raises(KFACValueError, match="one array per input tower"):
         F.FullyConnectedDiagonalFactor().update_cov([x, x], [[x]], ema_decay=0.5)
+
+
+def test_identity_initialised_average_without_debiasing(xp, rng):
+    """TF's INIT_COVARIANCES_AT_ZERO = False (needs ZERO_DEBIAS = False): S₁ = δ·I + c₁."""
+    x = xp.round_host(rng.standard_normal((5, 3)))
+    f = F.FullyConnectedKroneckerFactor(zero_debias=False, init_covariances_at_zero=False)
+    xp.assert_close(f.update_cov(xp.asarray(x), ema_decay=0.9).cov,
+                    0.9 * np.eye(3) + outer_mean(x))
+    g = xp.round_host(rng.standard_normal((5, 2)))
+    fd = F.FullyConnectedDiagonalFactor(zero_debias=False, init_covariances_at_zero=False)
+    xp.assert_close(fd.update_cov(xp.asarray(x), xp.asarray(g), ema_decay=0.5).cov,
+                    0.5 + (x**2).T @ g**2 / 5)
+    with pytest.raises(KFACValueError, match="init_covariances_at_zero must be True"):
+        F.FullyConnectedKroneckerFactor(init_covariances_at_zero=False)
+
+
+def test_mixed_namespaces_and_devices_are_rejected(xp, rng):
+    import array_api_compat.numpy as anp
+
+    a = xp.asarray(rng.standard_normal((4, 3)))
+    other = anp.asarray(rng.standard_normal((4, 2)))
+    if xp.xp is anp:
+        pytest.skip("needs a second namespace")
+    with pytest.raises(KFACTypeError, match="one array namespace"):
+        F.fully_connected_diagonal_factor(a, other)

@@ -47,6 +47,7 @@ from .._backend import (
     describe,
     eye_like,
     namespace_of,
+    ones_like_shape,
     zeros_like_shape,
 )
 from ..averaging import MovingAverageVariable
@@ -179,11 +180,16 @@ class FisherFactor:
     ----------
     zero_debias : bool
         TF's ``ZERO_DEBIAS`` (default True).
+    init_covariances_at_zero : bool
+        TF's ``INIT_COVARIANCES_AT_ZERO`` (default True).  ``False`` starts the average at
+        the identity (dense factors) or at ones (diagonal factors), which decays as
+        :math:`\delta^k S_0`; it requires ``zero_debias=False``.
 
     Raises
     ------
     KFACValueError
-        Reading :attr:`cov` before the first :meth:`update_cov`.
+        Reading :attr:`cov` before the first :meth:`update_cov`; an identity start with
+        zero-debiasing.
 
     References
     ----------
@@ -192,8 +198,17 @@ class FisherFactor:
 
     _cov_kind = "dense"
 
-    def __init__(self, *, zero_debias=True):
-        self._set(_cov_avg=None, zero_debias=bool(zero_debias))
+    def __init__(self, *, zero_debias=True, init_covariances_at_zero=True):
+        func = type(self).__name__
+        zero_debias = check_bool(func, "zero_debias", zero_debias)
+        init_at_zero = check_bool(func, "init_covariances_at_zero", init_covariances_at_zero)
+        if zero_debias and not init_at_zero:
+            raise KFACValueError(
+                f"{func}: init_covariances_at_zero must be True when zero_debias=True (the "
+                "debiased value ignores the start only if it is zero); got False."
+            )
+        self._set(_cov_avg=None, zero_debias=zero_debias,
+                  init_covariances_at_zero=init_at_zero)
 
     # -- immutability ------------------------------------------------------------------
     def _set(self, **attrs):
@@ -252,8 +267,17 @@ class FisherFactor:
         new_cov = self.compute_new_cov(*data, **kwargs)
         avg = self._cov_avg
         if avg is None:
-            avg = MovingAverageVariable.zeros_like(new_cov, zero_debias=self.zero_debias)
+            avg = self._fresh_average(new_cov)
         return self._evolve(_cov_avg=avg.update(new_cov, ema_decay, ema_weight))
+
+    def _fresh_average(self, like):
+        if self.init_covariances_at_zero:
+            return MovingAverageVariable.zeros_like(like, zero_debias=self.zero_debias)
+        if self._cov_kind == "dense":
+            start = eye_like(like, like.shape[0])
+        else:
+            start = ones_like_shape(like, like.shape)
+        return MovingAverageVariable.zeros_like(like, zero_debias=False, initial_value=start)
 
     @property
     def cov(self):
@@ -295,7 +319,8 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     Parameters
     ----------
-    zero_debias : bool
+    zero_debias, init_covariances_at_zero : bool
+        See :class:`FisherFactor`.
     eigenvalue_decomposition_threshold : int
     eigenvalue_clipping_threshold : float
 
@@ -309,10 +334,11 @@ class DenseSquareMatrixFactor(FisherFactor):
     TF K-FAC ``fisher_factors.DenseSquareMatrixFactor``.
     """
 
-    def __init__(self, *, zero_debias=True,
+    def __init__(self, *, zero_debias=True, init_covariances_at_zero=True,
                  eigenvalue_decomposition_threshold=EIGENVALUE_DECOMPOSITION_THRESHOLD,
                  eigenvalue_clipping_threshold=EIGENVALUE_CLIPPING_THRESHOLD):
-        super().__init__(zero_debias=zero_debias)
+        super().__init__(zero_debias=zero_debias,
+                         init_covariances_at_zero=init_covariances_at_zero)
         func = type(self).__name__
         self._set(
             eigenvalue_decomposition_threshold=check_int(

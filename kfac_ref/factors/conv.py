@@ -824,6 +824,10 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         return super().register_matpower(exp, damping)
 
     def register_cholesky(self, damping):
+        r"""Not supported: the SUA factor is used through its inverse (TF raises too).
+
+        .. math:: L L^\top = \Omega_{\text{SUA}} + \delta I \ \text{(not maintained)}
+        """
         raise KFACValueError(f"{self.name}.register_cholesky: the SUA factor must be used "
                              "through its inverse; got a Cholesky request (TF raises too).")
 
