@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from kfac_ref import KFACTypeError, KFACValueError, kron_damped_matpower_matvec
 from kfac_ref.blocks import (
+    block_tridiagonal_multiply_inverse,
     diagonal_block_matpower,
     full_block_matpower,
     kronecker_block_eigenvalues,
     kronecker_block_matpower,
+    kronecker_difference_inverse,
     normalize_damping,
     scaled_identity_matpower,
     series_gamma,
@@ -314,3 +316,87 @@ def test_power_composition_property(xp, seed, p, q, exact, lam, scale):
     # both sides are products of at most two well-conditioned (κ <= 4·(2+λ)/λ·…) powers; the
     # fixture's rtol (4096 eps) covers it.
     xp.assert_close(both, xp.to_numpy(direct))
+
+
+# --------------------------------------------------------------------------------------
+# Block-tridiagonal inverse (FORMULAS §1.5) against the dense Ξᵀ Λ Ξ
+# --------------------------------------------------------------------------------------
+def _chain_stats(rng, dims, n=200):
+    """Jointly sampled vectors of neighbouring layers ⇒ consistent A_ii, A_{i,i+1}."""
+    xs = [rng.standard_normal((n, dims[0]))]
+    for d in dims[1:]:
+        mix = rng.standard_normal((xs[-1].shape[1], d)) * 0.6
+        xs.append(xs[-1] @ mix + rng.standard_normal((n, d)))
+    diag = [x.T @ x / n for x in xs]
+    off = [xs[i].T @ xs[i + 1] / n for i in range(len(xs) - 1)]
+    return diag, off
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.2])
+def test_block_tridiagonal_inverse_vs_dense(xp, rng, damping):
+    a_diag, a_off = _chain_stats(rng, [3, 2, 3])
+    g_diag, g_off = _chain_stats(rng, [2, 3, 2])
+    xs = [rng.standard_normal((a.shape[0], g.shape[0])) for a, g in zip(a_diag, g_diag, strict=True)]
+    to = lambda seq: [xp.asarray(v) for v in seq]  # noqa: E731
+    got = block_tridiagonal_multiply_inverse(to(a_diag), to(g_diag), to(a_off), to(g_off),
+                                             to(xs), damping)
+    r = xp.round_host
+    A, G = [], []
+    for a, g in zip(a_diag, g_diag, strict=True):
+        a, g = r(a), r(g)
+        da, dg = pi_split(a, g, damping)
+        A.append(a + da * np.eye(a.shape[0]))
+        G.append(g + dg * np.eye(g.shape[0]))
+    sizes = [a.shape[0] * g.shape[0] for a, g in zip(A, G, strict=True)]
+    offs = np.cumsum([0] + sizes)
+    L = len(A)
+    F = [[None] * L for _ in range(L)]
+    for i in range(L):
+        F[i][i] = np.kron(A[i], G[i])
+    for i in range(L - 1):
+        F[i][i + 1] = np.kron(r(a_off[i]), r(g_off[i]))
+    xi = np.eye(offs[-1])
+    lam = np.zeros((offs[-1], offs[-1]))
+    for i in range(L):
+        s = slice(offs[i], offs[i + 1])
+        if i < L - 1:
+            psi = F[i][i + 1] @ np.linalg.inv(F[i + 1][i + 1])
+            xi[s, offs[i + 1]:offs[i + 2]] = -psi
+            sigma = F[i][i] - psi @ F[i + 1][i + 1] @ psi.T
+        else:
+            sigma = F[i][i]
+        lam[s, s] = np.linalg.inv(sigma)
+    fhat_inv = xi.T @ lam @ xi
+    # the oracle itself: F̂ agrees with F̃ on the tridiagonal blocks (FORMULAS check T3)
+    fhat = np.linalg.inv(fhat_inv)
+    for i in range(L):
+        si = slice(offs[i], offs[i + 1])
+        assert_allclose_normwise(fhat[si, si], F[i][i], 1e-10)
+        if i < L - 1:
+            assert_allclose_normwise(fhat[si, offs[i + 1]:offs[i + 2]], F[i][i + 1], 1e-10)
+    v = np.concatenate([r(x).reshape(-1) for x in xs])
+    expected = fhat_inv @ v
+    assert np.linalg.cond(fhat) < 1e3  # the conditioning the float32 tolerance assumes
+    # Conditioning: factors from 200 Gaussian rows, κ(F̂) ≲ 1e3 here, so float32 needs a
+    # looser bound than the fixture's 4096·eps (n·κ ≈ 18e3 > 4096): 8·n·κ·eps.
+    rtol = xp.rtol if xp.float64 else 8 * 18 * 1e3 * xp.eps
+    assert_allclose_normwise(np.concatenate([xp.to_numpy(y).reshape(-1) for y in got]),
+                             expected, rtol)
+
+
+def test_kronecker_difference_inverse_and_errors(xp, rng):
+    a, b = random_spd(rng, 3, 1.0, 2.0), random_spd(rng, 2, 1.0, 2.0)
+    c, d = random_spd(rng, 3, 0.1, 0.5), random_spd(rng, 2, 0.1, 0.5)
+    x = rng.standard_normal((3, 2))
+    r = xp.round_host
+    got = kronecker_difference_inverse(*(xp.asarray(m) for m in (a, b, c, d, x)))
+    dense = np.kron(r(a), r(b)) - np.kron(r(c), r(d))
+    xp.assert_close(got, np.linalg.solve(dense, r(x).reshape(-1)).reshape(3, 2))
+    with pytest.raises(KFACValueError, match="positive definite"):
+        kronecker_difference_inverse(*(xp.asarray(m) for m in (c, d, a, b, x)))
+    with pytest.raises(KFACValueError, match="one entry per layer"):
+        block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)],
+                                           [xp.asarray(a)], [], [xp.asarray(x)])
+    with pytest.raises(KFACValueError, match=r"xs\[0\] must be an array of shape \(3, 2\)"):
+        block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)], [], [],
+                                           [xp.asarray(x.T)])

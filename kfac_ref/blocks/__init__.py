@@ -8,10 +8,12 @@
 from ._math import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
+    block_tridiagonal_multiply_inverse,
     diagonal_block_matpower,
     full_block_matpower,
     kronecker_block_eigenvalues,
     kronecker_block_matpower,
+    kronecker_difference_inverse,
     normalize_damping,
     scaled_identity_matpower,
     series_gamma,
@@ -106,4 +108,6 @@ __all__ = [
     "series_gamma",
     "series_option1_multiply_inverse",
     "series_option2_multiply_inverse",
+    "kronecker_difference_inverse",
+    "block_tridiagonal_multiply_inverse",
 ]

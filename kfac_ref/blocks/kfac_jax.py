@@ -222,7 +222,7 @@ class CurvatureBlock:
         return sum(math.prod(s) for s in self.parameters_shapes)
 
     def fixed_scale(self):
-        """Constant pre-factor of the block (1; |T| for conv Kronecker blocks)."""
+        """Constant pre-factor of the block (1; :math:`|T|` for conv Kronecker blocks)."""
         return 1.0
 
     def state_dependent_scale(self, state):
@@ -1240,7 +1240,7 @@ class Conv2DTwoKroneckerFactored(_ConvGeometry, TwoKroneckerFactored):
         \Omega = \frac{1}{N|T|}\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top, \quad
         \Gamma = \frac{1}{N|T|}\sum_{n,t} g_{n,t}g_{n,t}^\top,
 
-    ``fixed_scale() = |T|`` (:attr:`num_locations`), so factored damping splits
+    ``fixed_scale() = |T|`` (``num_locations``), so factored damping splits
     :math:`\lambda/|T|` (FORMULAS §2.2).  Statistics:
     :func:`kfac_ref.factors.conv_input_kronecker_factor`,
     :func:`kfac_ref.factors.conv_output_kronecker_factor`.  Layer parameters as
