@@ -336,7 +336,8 @@ def _chain_stats(rng, dims, n=200):
 def test_block_tridiagonal_inverse_vs_dense(xp, rng, damping):
     a_diag, a_off = _chain_stats(rng, [3, 2, 3])
     g_diag, g_off = _chain_stats(rng, [2, 3, 2])
-    xs = [rng.standard_normal((a.shape[0], g.shape[0])) for a, g in zip(a_diag, g_diag, strict=True)]
+    xs = [rng.standard_normal((a.shape[0], g.shape[0]))
+          for a, g in zip(a_diag, g_diag, strict=True)]
     to = lambda seq: [xp.asarray(v) for v in seq]  # noqa: E731
     got = block_tridiagonal_multiply_inverse(to(a_diag), to(g_diag), to(a_off), to(g_off),
                                              to(xs), damping)
