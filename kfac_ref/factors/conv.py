@@ -795,15 +795,23 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         return (tuple(s for s, _ in self._stats(inputs)),)
 
     def update_cov(self, inputs, *, ema_decay, ema_weight=1.0):
-        """Update the averages of :math:`\\Sigma` and (unless zero-mean) :math:`\\mu`."""
+        r"""Update the averages of :math:`\Sigma` and (unless zero-mean) :math:`\mu`, both
+        averaged over towers first.
+
+        .. math::
+
+            \Sigma \leftarrow \mathrm{EMA}\big[\tfrac{1}{n_t}\textstyle\sum_t \Sigma_t\big], \quad
+            \mu \leftarrow \mathrm{EMA}\big[\tfrac{1}{n_t}\textstyle\sum_t \mu_t\big]
+        """
         stats = self._stats(inputs)
-        new = super().update_cov(inputs, ema_decay=ema_decay, ema_weight=ema_weight)
+        sigma, mu = stats[0]
+        for s_t, m_t in stats[1:]:  # towers averaged
+            sigma, mu = sigma + s_t, mu + m_t
+        sigma, mu = sigma / float(len(stats)), mu / float(len(stats))
+        cov_avg = self._cov_avg if self._cov_avg is not None else self._fresh_average(sigma)
+        new = self._evolve(_cov_avg=cov_avg.update(sigma, ema_decay, ema_weight))
         if self.assume_zero_mean_activations:
             return new
-        mu = stats[0][1]
-        for _, m in stats[1:]:  # towers averaged, as for the covariance
-            mu = mu + m
-        mu = mu / float(len(stats))
         avg = self._mu_avg
         if avg is None:
             avg = MovingAverageVariable.zeros_like(mu, zero_debias=self.zero_debias)
