@@ -113,35 +113,53 @@ class ImplicitExactCurvature:
         return back(fn(self.net, self.loss_fn, params, batch, flat, *extra))
 
     def batch_size(self, func_args):
-        """Number of examples :math:`N` of the batch (``inputs.shape[0]``)."""
+        r"""Number of examples of the batch (``inputs.shape[0]``).
+
+        .. math:: N
+        """
         _, batch = _unpack_func_args("ImplicitExactCurvature.batch_size", func_args)
         return int(batch[0].shape[0])
 
     def multiply_hessian(self, func_args, parameter_structured_vector):
-        r"""Exact Hessian product :math:`\nabla^2_\theta\mathcal L\, v` (R-operator)."""
+        r"""Exact Hessian product (R-operator; :func:`.exact.hessian_vector_product`).
+
+        .. math:: \nabla^2_\theta\mathcal L\, v
+        """
         return self._call("multiply_hessian", E.hessian_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_ggn(self, func_args, parameter_structured_vector):
-        r"""GGN product :math:`Gv = \frac1N\sum_n J_n^\top G_n J_n v`."""
+        r"""GGN product.
+
+        .. math:: Gv = \frac1N\sum_n J_n^\top G_n J_n v
+        """
         return self._call("multiply_ggn", E.ggn_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_fisher(self, func_args, parameter_structured_vector):
-        r"""Exact Fisher product :math:`Fv = \frac1N\sum_n J_n^\top F_n J_n v`."""
+        r"""Exact Fisher product.
+
+        .. math:: Fv = \frac1N\sum_n J_n^\top F_n J_n v
+        """
         return self._call("multiply_fisher", E.fisher_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_fisher_factor_transpose(self, func_args, parameter_structured_vector):
-        r""":math:`\mathcal B^\top v = [B_n^\top J_n v/\sqrt N]_n` with :math:`\mathcal B
-        \mathcal B^\top = F` (returns ``(array,)``: one entry per loss, as kfac-jax)."""
+        r"""Transposed Fisher factor (returns ``(array,)``: one entry per loss, as kfac-jax).
+
+        .. math:: \mathcal B^\top v = [B_n^\top J_n v/\sqrt N]_n,\qquad
+            \mathcal B\mathcal B^\top = F
+        """
         params, batch = _unpack_func_args("multiply_fisher_factor_transpose", func_args)
         flat, _ = _flat_or_structured("multiply_fisher_factor_transpose", self.net,
                                       parameter_structured_vector)
         return (E.fisher_factor_transpose_product(self.net, self.loss_fn, params, batch, flat),)
 
     def multiply_ggn_factor_transpose(self, func_args, parameter_structured_vector):
-        r""":math:`\mathcal B^\top v` with :math:`\mathcal B\mathcal B^\top = G` (a 1-tuple)."""
+        r"""Transposed GGN factor (a 1-tuple).
+
+        .. math:: \mathcal B^\top v,\qquad \mathcal B\mathcal B^\top = G
+        """
         params, batch = _unpack_func_args("multiply_ggn_factor_transpose", func_args)
         flat, _ = _flat_or_structured("multiply_ggn_factor_transpose", self.net,
                                       parameter_structured_vector)
@@ -156,14 +174,20 @@ class ImplicitExactCurvature:
         return loss_inner_vectors
 
     def multiply_fisher_factor(self, func_args, loss_inner_vectors):
-        r""":math:`\mathcal B u = \frac{1}{\sqrt N}\sum_n J_n^\top B_n u_n` (flat [P])."""
+        r"""Fisher factor times loss-inner vectors (flat [P]).
+
+        .. math:: \mathcal B u = \frac{1}{\sqrt N}\sum_n J_n^\top B_n u_n
+        """
         func = "ImplicitExactCurvature.multiply_fisher_factor"
         params, batch = _unpack_func_args(func, func_args)
         return E.fisher_factor_product(self.net, self.loss_fn, params, batch,
                                        self._inner(func, loss_inner_vectors))
 
     def multiply_ggn_factor(self, func_args, loss_inner_vectors):
-        r""":math:`\mathcal B u` with :math:`\mathcal B\mathcal B^\top = G` (flat [P])."""
+        r"""GGN factor times loss-inner vectors (flat [P]).
+
+        .. math:: \mathcal B u,\qquad \mathcal B\mathcal B^\top = G
+        """
         func = "ImplicitExactCurvature.multiply_ggn_factor"
         params, batch = _unpack_func_args(func, func_args)
         return E.ggn_factor_product(self.net, self.loss_fn, params, batch,
@@ -206,7 +230,10 @@ class ImplicitExactCurvature:
         return (out, (b.loss,)) if return_loss_objects else out
 
     def get_loss_inner_vector_shapes_and_batch_size(self, func_args, mode):
-        """``((inner_shape,), N)`` for ``mode`` in {"fisher", "ggn"}."""
+        r"""``((inner_shape,), N)`` for ``mode`` in {"fisher", "ggn"}.
+
+        .. math:: u \in \mathbb R^{N \times K\dots},\quad B_n \in \mathbb R^{D\times K}
+        """
         func = "ImplicitExactCurvature.get_loss_inner_vector_shapes_and_batch_size"
         check_option(func, "mode", mode, ("fisher", "ggn"))
         params, batch = _unpack_func_args(func, func_args)
@@ -218,7 +245,10 @@ class ImplicitExactCurvature:
         return (tuple(shape),), b.n
 
     def get_loss_input_shapes_and_batch_size(self, func_args):
-        """``((shapes of the loss inputs,),), N``."""
+        r"""``((shapes of the loss inputs,),), N``.
+
+        .. math:: f_n \in \mathbb R^{D}
+        """
         func = "ImplicitExactCurvature.get_loss_input_shapes_and_batch_size"
         params, batch = _unpack_func_args(func, func_args)
         b = E._Batch(func, self.net, self.loss_fn, params, batch)
@@ -295,7 +325,10 @@ class ExplicitExactCurvature(_EstimatorBase):
 
     @property
     def dim(self):
-        """:math:`P`."""
+        r"""Number of parameters.
+
+        .. math:: P
+        """
         return self.net.num_params
 
     def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None,
@@ -328,11 +361,17 @@ class ExplicitExactCurvature(_EstimatorBase):
         return ExplicitState(state.matrix.update(est, ema_old, ema_new), {})
 
     def to_dense_matrix(self, state):
-        r"""The dense estimate :math:`C` ([P, P], canonical order)."""
+        r"""The dense estimate ([P, P], canonical order).
+
+        .. math:: C
+        """
         return state.matrix.value
 
     def to_diagonal_block_dense_matrix(self, state):
-        """``(C,)``: kfac-jax's explicit estimator has a single block."""
+        r"""``(C,)``: kfac-jax's explicit estimator has a single block.
+
+        .. math:: (C,)
+        """
         return (state.matrix.value,)
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
@@ -376,7 +415,10 @@ class ExplicitExactCurvature(_EstimatorBase):
         return clipped_eigh(state.matrix.value, self.eigenvalue_clipping_threshold)[0]
 
     def block_eigenvalues(self, state, use_cached=False):
-        """``(eigenvalues,)`` (one block)."""
+        r"""``(eigenvalues,)`` (one block).
+
+        .. math:: (\operatorname{spec} C,)
+        """
         return (self.eigenvalues(state, use_cached),)
 
 
@@ -509,12 +551,18 @@ class BlockDiagonalCurvature(_EstimatorBase):
     # -- structure ------------------------------------------------------------------------------
     @property
     def layer_indices(self):
-        """Indices (in ``net.layers``) of the layers that own a block, in forward order."""
+        r"""Indices (in ``net.layers``) of the layers that own a block, in forward order.
+
+        .. math:: \{l : P_l > 0\}
+        """
         return self.net.parametric_layers
 
     @property
     def blocks(self):
-        """The block objects (after :meth:`init`)."""
+        r"""The block objects (after :meth:`init`).
+
+        .. math:: (\text{block}_l)_{l : P_l > 0}
+        """
         if self._blocks is None:
             raise KFACValueError("BlockDiagonalCurvature: blocks must be created by init "
                                  "first; got an estimator that was not initialised.")
@@ -522,12 +570,18 @@ class BlockDiagonalCurvature(_EstimatorBase):
 
     @property
     def block_dims(self):
-        """Number of parameters of each block."""
+        r"""Number of parameters of each block.
+
+        .. math:: (P_l)_{l : P_l > 0}
+        """
         return tuple(self.net.layer_sizes[i] for i in self.layer_indices)
 
     @property
     def dim(self):
-        """:math:`P`."""
+        r"""Number of parameters.
+
+        .. math:: P
+        """
         return self.net.num_params
 
     def _sharing(self, name):

@@ -86,24 +86,43 @@ class Layer:
 
     # -- parameters -------------------------------------------------------------------
     def param_names(self) -> tuple[str, ...]:
-        """Names of the parameter arrays, in the layer's canonical order (bias last)."""
+        r"""Names of the parameter arrays, in the layer's canonical order (bias last).
+
+        .. math:: \theta_l = (\theta_{l,1}, \dots, \theta_{l,k}) \quad (\text{bias} = \theta_{l,k})
+        """
         return ()
 
     def param_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Shapes of the parameter arrays, in :meth:`param_names` order."""
+        r"""Shapes of the parameter arrays, in :meth:`param_names` order.
+
+        .. math:: \theta_{l,i} \in \mathbb R^{\text{shape}_i}
+        """
         return ()
 
     @property
     def num_params(self) -> int:
-        """Number of scalar parameters."""
+        r"""Number of scalar parameters.
+
+        .. math:: P_l = \textstyle\sum_i \prod \text{shape}_i
+        """
         return sum(math.prod(s) for s in self.param_shapes())
 
     def init_params(self, rng, like):
-        """Random parameters (host draws, see ``kfac_ref._backend.host_draw``)."""
+        r"""Random parameters drawn on the host with ``rng`` and placed like ``like``.
+
+        .. math:: W \sim \mathcal N(0, 1/\text{fan\_in}),\quad b \sim \mathcal N(0, 1/4)
+        """
         return ()
 
     def check_params(self, func: str, params) -> tuple:
-        """Validate a parameter tuple against :meth:`param_shapes`."""
+        r"""Validate a parameter tuple against :meth:`param_shapes` (shapes, dtype, finite).
+
+        .. math:: \theta_{l,i}.\text{shape} = \text{shape}_i
+
+        Raises
+        ------
+        KFACValueError, KFACTypeError
+        """
         shapes = self.param_shapes()
         if not isinstance(params, (tuple, list)) or len(params) != len(shapes):
             raise KFACValueError(
@@ -116,28 +135,64 @@ class Layer:
 
     # -- shapes -----------------------------------------------------------------------
     def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """Per-batch output shape for a per-batch input shape (both include ``N``)."""
+        r"""Output shape for an input shape (both include the batch axis ``N``).
+
+        .. math:: y = f(\theta, x) \in \mathbb R^{\text{output\_shape}}
+        """
         return tuple(input_shape)
 
     def check_input(self, func: str, x) -> None:
-        """Validate the input array (rank, trailing sizes, dtype)."""
+        r"""Validate the input array (rank, trailing sizes, dtype, finite values).
+
+        .. math:: x \in \mathbb R^{N \times \dots}
+
+        Raises
+        ------
+        KFACValueError, KFACTypeError
+        """
         check_array(func, "x", x, min_ndim=2)
 
     # -- maps ---------------------------------------------------------------------------
     def forward(self, params, x):  # pragma: no cover - abstract
+        r"""The layer map, batched over examples.
+
+        .. math:: y_n = f(\theta, x_n)
+        """
         raise NotImplementedError
 
     def jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
+        r"""Forward-mode tangent (``None`` tangents are zero; returns ``None`` if both are).
+
+        .. math:: \dot y = \partial_\theta f\,\dot\theta + \partial_x f\,\dot x
+        """
         raise NotImplementedError
 
     def vjp_input(self, params, x, g):  # pragma: no cover - abstract
+        r"""Input cotangent (``None`` for integer inputs).
+
+        .. math:: \bar x = (\partial_x f)^\top g
+        """
         raise NotImplementedError
 
     def param_grads(self, params, x, g, per_example=False):
-        """Parameter cotangents (empty for parameter-free layers)."""
+        r"""Parameter cotangents, summed over the batch or per example (leading ``N``).
+
+        .. math:: \bar\theta = \sum_n (\partial_\theta f_n)^\top g_n
+            \quad\text{or}\quad \big[(\partial_\theta f_n)^\top g_n\big]_n
+
+        Empty for parameter-free layers.
+        """
         return ()
 
     def rvjp(self, params, x, dparams, dx, g, rg):  # pragma: no cover - abstract
+        r"""R-operator of the backward pass: ``(R{param_grads}, R{vjp_input})``.
+
+        .. math::
+
+            R\{\bar\theta\} = \frac{d}{d\epsilon}\sum_n (\partial_\theta f_n)^\top g_n
+            \Big|_{(\theta, x, g) + \epsilon(\dot\theta, \dot x, \dot g)},\quad
+            R\{\bar x\} = \frac{d}{d\epsilon}(\partial_x f)^\top g\Big|_{\dots}
+        """
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -332,19 +387,28 @@ class Conv2D(Layer):
     # -- geometry ------------------------------------------------------------------------
     @property
     def patch_size(self) -> int:
-        """:math:`k_h k_w C_{in}`."""
+        r"""Length of one patch.
+
+        .. math:: k_h k_w C_{in}
+        """
         return self.kernel_size[0] * self.kernel_size[1] * self.c_in
 
     @property
     def filter_shape(self) -> tuple[int, int, int, int]:
-        """HWIO kernel shape ``(kh, kw, C_in, C_out)``."""
+        r"""HWIO kernel shape ``(kh, kw, C_in, C_out)``.
+
+        .. math:: K \in \mathbb R^{k_h \times k_w \times C_{in} \times C_{out}}
+        """
         return (*self.kernel_size, self.c_in, self.c_out)
 
     def _padding_arg(self):
         return self.padding if isinstance(self.padding, str) else list(self.padding)
 
     def spatial_output(self, input_shape):
-        """Output spatial size ``(Ho, Wo)`` (:func:`kfac_ref.patches.conv_output_spatial_shape`)."""
+        r"""Output spatial size ``(Ho, Wo)`` (:func:`kfac_ref.patches.conv_output_spatial_shape`).
+
+        .. math:: o = \lfloor (n + p_{lo} + p_{hi} - (k-1)d - 1)/s \rfloor + 1
+        """
         from ..patches import conv_output_spatial_shape
 
         fmt = "NHWC" if self.data_format == "NHWC" else "NCHW"
@@ -691,7 +755,10 @@ class Embedding(Layer):
             )
 
     def one_hot(self, ids, dtype):
-        """``[..., vocab_size]`` one-hot encoding of ``ids`` in ``dtype``."""
+        r"""``[..., vocab_size]`` one-hot encoding of ``ids`` in ``dtype``.
+
+        .. math:: \mathrm{onehot}(i)_v = [v = i]
+        """
         xp = namespace_of("Embedding.one_hot", ids=ids)
         classes = xp.arange(self.vocab_size, dtype=ids.dtype, device=_device(ids))
         return xp.astype(ids[..., None] == classes, dtype)

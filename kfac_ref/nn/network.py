@@ -88,16 +88,25 @@ class Sequential:
 
     @property
     def layer_sizes(self) -> tuple[int, ...]:
-        """Number of parameters of each layer (0 for parameter-free layers)."""
+        r"""Number of parameters of each layer (0 for parameter-free layers).
+
+        .. math:: (P_1, \dots, P_L)
+        """
         return tuple(layer.num_params for layer in self.layers)
 
     @property
     def num_params(self) -> int:
-        """Total number of parameters :math:`P`."""
+        r"""Total number of parameters.
+
+        .. math:: P = \textstyle\sum_l P_l
+        """
         return sum(self.layer_sizes)
 
     def layer_slices(self) -> tuple[slice, ...]:
-        """Slice of each layer in the flat parameter vector."""
+        r"""Slice of each layer in the flat parameter vector.
+
+        .. math:: \theta_l = \theta[\textstyle\sum_{k<l} P_k : \sum_{k\le l} P_k]
+        """
         out, start = [], 0
         for size in self.layer_sizes:
             out.append(slice(start, start + size))
@@ -106,20 +115,28 @@ class Sequential:
 
     @property
     def parametric_layers(self) -> tuple[int, ...]:
-        """Indices of the layers that have parameters (the blocks of a block-diagonal curvature)."""
+        r"""Indices of the layers that have parameters (the blocks of a block-diagonal curvature).
+
+        .. math:: \{l : P_l > 0\}
+        """
         return tuple(i for i, s in enumerate(self.layer_sizes) if s > 0)
 
     def init_params(self, rng, like):
-        """Random parameters drawn on the host with ``rng`` and placed like ``like``.
+        r"""Random parameters drawn on the host with ``rng`` and placed like ``like``.
 
-        Dense/conv kernels :math:`\\mathcal N(0, 1/\\text{fan\\_in})`, biases
-        :math:`\\mathcal N(0, 0.25)`, scales :math:`1 + \\mathcal N(0, 0.09)`.
+        .. math:: W \sim \mathcal N(0, 1/\text{fan\_in})
+
+        Dense/conv kernels :math:`\mathcal N(0, 1/\text{fan\_in})`, biases
+        :math:`\mathcal N(0, 0.25)`, scales :math:`1 + \mathcal N(0, 0.09)`.
         """
         check_rng("Sequential.init_params", "rng", rng)
         return tuple(layer.init_params(rng, like) for layer in self.layers)
 
     def output_shape(self, input_shape):
-        """Output shape for an input shape (both with the batch axis)."""
+        r"""Output shape for an input shape (both with the batch axis).
+
+        .. math:: f(\theta, x) \in \mathbb R^{\text{output\_shape}}
+        """
         shape = tuple(input_shape)
         for layer in self.layers:
             shape = layer.output_shape(shape)
@@ -127,7 +144,10 @@ class Sequential:
 
     # -- validation ---------------------------------------------------------------------------
     def check_params(self, func, params):
-        """Validate the parameter structure (one tuple per layer, right shapes, finite)."""
+        r"""Validate the parameter structure (one tuple per layer, right shapes, finite).
+
+        .. math:: \theta = (\theta_1, \dots, \theta_L)
+        """
         if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
             raise KFACValueError(
                 f"{func}: params must be a tuple of {len(self.layers)} per-layer tuples; got "
@@ -138,7 +158,10 @@ class Sequential:
         return tuple(layer.check_params(func, p) for layer, p in pairs)
 
     def check_input(self, func, x):
-        """Validate ``x`` against the first layer and propagate shapes through the others."""
+        r"""Validate ``x`` against the first layer (rank, sizes, dtype, finite values).
+
+        .. math:: x_0 = x
+        """
         self.layers[0].check_input(func, x)
         return x
 
@@ -172,7 +195,10 @@ class Sequential:
         return xp.concat(pieces, axis=-1)
 
     def unflatten(self, vec):
-        """Inverse of :meth:`flatten` for a flat vector ``[P]``."""
+        r"""Inverse of :meth:`flatten` for a flat vector ``[P]``.
+
+        .. math:: \theta_l = \mathrm{vec}_r^{-1}(\theta[\text{slice}_l])
+        """
         func = "Sequential.unflatten"
         xp = namespace_of(func, vec=vec)
         check_array(func, "vec", vec, shape=(self.num_params,), layout="[P]")
@@ -251,7 +277,10 @@ class Sequential:
         return self._forward(params, x)[0]
 
     def forward_with_inputs(self, params, x):
-        """Output and the list of every layer's input :math:`x_{l-1}` (``inputs[0]`` is ``x``)."""
+        r"""Output and the list of every layer's input (``inputs[0]`` is ``x``).
+
+        .. math:: (x_L, [x_0, \dots, x_{L-1}])
+        """
         func = "Sequential.forward_with_inputs"
         self._xp(func, params, x)
         params = self.check_params(func, params)
