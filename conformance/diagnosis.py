@@ -86,6 +86,11 @@ PITFALLS = {
         "the loss curvature is 2I where I is declared (‖f−y‖² vs ½‖f−y‖²) or vice versa",
         "curvlinops#82, P10",
     ),
+    "patch_order": (
+        "patch vector in another order",
+        "convolution patches ordered with the channel slowest (PyTorch unfold) where (kh, kw, "
+        "C_in) with C_in fastest is declared, or vice versa", "PEERS.md",
+    ),
     "pi_without_dimensions": (
         "π without the dimension normalisation",
         "π = sqrt(tr A / tr G) instead of sqrt((tr A/dim A)/(tr G/dim G))",
@@ -128,6 +133,20 @@ PITFALLS = {
         "bias treated as a separate block",
         "the weight–bias cross terms of the input factor are dropped (separate bias block) "
         "where a joint [W; b] block is declared", "P4",
+    ),
+    "exact_block_diagonal": (
+        "exact curvature blocks instead of Kronecker-factored ones",
+        "the output is the block diagonal of the exact GGN/empirical Fisher, not K-FAC", "",
+    ),
+    "reduce_instead_of_expand": (
+        "KFAC-reduce where KFAC-expand is asked",
+        "weight-shared layer: location-averaged inputs and summed gradients instead of "
+        "per-location statistics", "Eschenhagen et al. 2023, FORMULAS §2.3",
+    ),
+    "expand_instead_of_reduce": (
+        "KFAC-expand where KFAC-reduce is asked",
+        "weight-shared layer: per-location statistics instead of pooled ones",
+        "Eschenhagen et al. 2023, FORMULAS §2.3",
     ),
     "missing_block_scale": (
         "block scale |T| (or T) missing",
@@ -198,9 +217,7 @@ def _flip_candidates(cap, case, conv):
             continue  # only rounding differs
         declared = getattr(conv, field)
         if field == "mse_variance":
-            base = declared if declared is not None else case.params.get("variance")
-            if base is None:
-                continue
+            base = declared if declared is not None else case.params.get("variance", 1.0)
             values = (base * 2.0, base / 2.0)
         else:
             values = [v for v in FIELDS[field][0] if v != declared]

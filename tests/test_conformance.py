@@ -338,6 +338,50 @@ def test_declared_conventions_pass_and_are_reported(live):
     assert "conv_style='expand'" in r.message
 
 
+def test_exactness_cases_hold_in_the_reference(live):
+    """K-FAC equals the block diagonal of the exact curvature in the exactness settings
+    (N = 1; deep linear + squared error; weight sharing with the matching expand/reduce),
+    and not in the others (FORMULAS §1.3, §2.3; PEERS.md "Exactness facts")."""
+    cases, _ = live
+    kfac = [c for c in cases if c.capability == "networks.kfac"]
+    if not kfac:
+        pytest.skip("kfac_ref.curvature is not importable")
+    exact = [c for c in kfac if c.meta.get("exact")]
+    assert len(exact) >= 5
+    for c in kfac:
+        same = "exact_block_diagonal" in c.meta.get("insensitive_to", ())
+        assert same == bool(c.meta.get("exact")), c.id
+
+
+def _torch_param_index(spec):
+    """PyTorch parameter order [W.flatten() of the [out, in] weight, b] per dense layer,
+    as indices into the canonical order, written out with explicit loops."""
+    idx, off = [], 0
+    for s in spec:
+        if s["kind"] != "dense":
+            continue
+        d_in, d_out = s["d_in"], s["d_out"]
+        idx += [off + i * d_out + o for o in range(d_out) for i in range(d_in)]
+        if s["bias"]:
+            idx += [off + d_in * d_out + o for o in range(d_out)]
+        off += (d_in + s["bias"]) * d_out
+    return np.array(idx)
+
+
+def test_network_matrices_in_pytorch_order(live):
+    cases, caps = live
+    ggn = [c for c in cases if c.capability == "networks.ggn" and
+           all(s["kind"] != "conv2d" for s in c.params["net"])]
+    if not ggn:
+        pytest.skip("kfac_ref.curvature is not importable")
+    conv = Conventions(kron_order="GA", bias_position="separate", curvature_of="sum")
+    for c in ggn:
+        idx = _torch_param_index(c.params["net"])
+        want = c.expected[np.ix_(idx, idx)] * c.meta["N"]
+        got = caps["networks.ggn"].expected_for(c, conv)
+        assert np.array_equal(got, want), c.id
+
+
 def test_conversions_against_independent_oracles(live):
     cases, caps = live
     c = _by_id(cases, "linalg.kron/p3_q2")

@@ -295,6 +295,25 @@ class KfacRefAdapter(Adapter):
                                     input_cov_dt1=a1, output_cov_dt1=g1)
         return series_apply(fb, inputs["x"], self.to_backend, self.to_numpy)
 
+    # -- networks -------------------------------------------------------------------------
+    @implements("networks.ggn")
+    def net_ggn(self, inputs, params):
+        from ..catalogue.networks_cases import exact_matrix
+
+        return exact_matrix(params, inputs, "ggn", self.to_backend, self.to_numpy)
+
+    @implements("networks.empirical_fisher")
+    def net_ef(self, inputs, params):
+        from ..catalogue.networks_cases import exact_matrix
+
+        return exact_matrix(params, inputs, "ef", self.to_backend, self.to_numpy)
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        from ..catalogue.networks_cases import kfac_matrix
+
+        return kfac_matrix(params, inputs, self.to_backend, self.to_numpy)
+
 
 class KfacRefStrictAdapter(KfacRefAdapter):
     name = "kfac_ref_strict"

@@ -69,29 +69,43 @@ def build_catalogue(families=None) -> tuple[list[Case], dict[str, str]]:
             absent[family] = why
             continue
         mod, _ = _family_module(family)
+        caps = {c.name: c for c in mod.CAPABILITIES}
         try:
-            cases.extend(finalize(c) for c in mod.build_cases())
+            cases.extend(finalize(c, caps.get(c.capability)) for c in mod.build_cases())
         except Exception as exc:  # a module that imports but whose API moved under us
             absent[family] = f"building the cases failed ({type(exc).__name__}: {exc})"
     return cases, absent
 
 
-def finalize(case: Case) -> Case:
+def finalize(case: Case, cap: Capability | None = None) -> Case:
     """Move alternatives that the case cannot tell apart from the expected output (within its
-    own float64 tolerance) to ``meta["insensitive_to"]``: a pitfall that changes nothing in a
-    case must not be diagnosed there, and a mutant with that pitfall must pass it."""
+    own float64 tolerance) to ``meta["insensitive_to"]``, and list there too the undeclared
+    conventions that change nothing in this case: a pitfall that changes nothing in a case
+    must not be diagnosed there, and a mutant with that pitfall must pass it."""
     import numpy as np
+
+    from ..conventions import CANONICAL
+    from ..diagnosis import _flip_candidates
 
     rtol = case.tolerance.rtol()
     keep, insensitive = {}, list(case.meta.get("insensitive_to", ()))
     den = max(float(np.linalg.norm(case.expected)), case.tolerance.scale, 1e-300)
+
+    def same(arr):
+        return arr.shape == case.expected.shape and \
+            float(np.linalg.norm(arr - case.expected)) / den <= rtol
+
     for name, alt in case.alternatives.items():
-        if alt.shape == case.expected.shape and \
-                float(np.linalg.norm(alt - case.expected)) / den <= rtol:
+        if same(alt):
             insensitive.append(name)
         else:
             keep[name] = alt
     case.alternatives = keep
+    if cap is not None:
+        verdicts: dict[str, bool] = {}
+        for pid, _, cand in _flip_candidates(cap, case, CANONICAL):
+            verdicts[pid] = verdicts.get(pid, True) and same(cand)
+        insensitive += [pid for pid, all_same in verdicts.items() if all_same]
     if insensitive:
         case.meta["insensitive_to"] = sorted(set(insensitive))
     return case

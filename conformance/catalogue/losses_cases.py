@@ -121,7 +121,7 @@ def build_cases() -> list[Case]:
         grads = [to_np(x) for x in loss.grad_of_evaluate()]
         cases.append(Case(f"losses.gradient/{tag}", "losses.gradient", inputs, params,
                           np.concatenate(grads, axis=-1), tol, meta, description=desc))
-        if kind in ("categorical", "normal_mean_variance"):
+        if kind in ("categorical", "normal_mean", "normal_mean_variance"):
             alts = {}
             if kind == "normal_mean_variance":
                 alts["fisher_for_hessian"] = to_np(loss.fisher_matrix())

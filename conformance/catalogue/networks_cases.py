@@ -1,0 +1,289 @@
+"""End-to-end network capabilities: exact curvature matrices and block-diagonal K-FAC of small
+networks (MLP, deep linear, CNN, weight-shared dense), including the exactness cases.
+
+A network is described portably in ``params["net"]``, a list of layers:
+
+* ``{"kind": "dense", "d_in": 3, "d_out": 4, "bias": true}`` — ``s = x W + b``, W [d_in, d_out]
+  (on [N, d] or weight-shared [N, S, d] inputs);
+* ``{"kind": "conv2d", "c_in", "c_out", "kernel": [kh, kw], "stride", "padding", "dilation",
+  "bias"}`` — NHWC, HWIO kernel;
+* ``{"kind": "activation", "fn": "tanh"}``, ``{"kind": "mean_pool"}`` (mean over the
+  positions/locations), ``{"kind": "flatten"}``;
+
+and the loss in ``params["loss"]`` (``"categorical"`` with integer targets, or
+``"normal_mean"`` with ``params["variance"]``).  Inputs: ``x``, ``targets`` and for every
+parametric layer ``i`` (0-based position in the list) ``w{i}`` and ``b{i}``.  The objective
+is the **mean** loss (1/N)Σℓ_n.  Matrices are [P, P] over all parameters in the canonical
+order: layers in forward order, each layer's ``[W; b]`` flattened row-major (bias last).
+
+Tolerance derivation: Jacobian products and factor GEMMs over N examples and D outputs:
+work = N·D + P (the longest reductions), κ = 1 (no inverses), ×4 for the depth of the chain.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..conventions import vec_index
+from ..model import SAFETY, Capability, Case, Tolerance, rng_for
+from ._data import to_np
+
+REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses")
+
+
+# -- network spec -> kfac_ref objects ---------------------------------------------------------
+def build_net(spec):
+    from kfac_ref import nn
+
+    layers = []
+    for i, s in enumerate(spec):
+        k = s["kind"]
+        if k == "dense":
+            layer = nn.Dense(s["d_in"], s["d_out"], use_bias=s["bias"])
+        elif k == "conv2d":
+            pad = s["padding"]
+            layer = nn.Conv2D(s["c_in"], s["c_out"], tuple(s["kernel"]), stride=s["stride"],
+                              padding=pad if isinstance(pad, str) else tuple(map(tuple, pad)),
+                              dilation=s["dilation"], use_bias=s["bias"])
+        elif k == "activation":
+            layer = nn.Activation(s["fn"])
+        elif k == "mean_pool":
+            layer = nn.MeanPool()
+        elif k == "flatten":
+            layer = nn.Flatten()
+        else:
+            raise ValueError(f"unknown layer kind {k!r}")
+        layers.append((f"{k}{i}", layer))
+    return nn.Sequential(layers)
+
+
+def params_from_inputs(spec, inputs, to_backend=lambda v: v):
+    out = []
+    for i, s in enumerate(spec):
+        if s["kind"] in ("dense", "conv2d"):
+            p = (to_backend(inputs[f"w{i}"]),)
+            if s["bias"]:
+                p = p + (to_backend(inputs[f"b{i}"]),)
+            out.append(p)
+        else:
+            out.append(())
+    return tuple(out)
+
+
+def loss_fn(params):
+    from kfac_ref import losses as L
+
+    if params["loss"] == "categorical":
+        return L.CategoricalLogitsNegativeLogProbLoss
+    v = params["variance"]
+    return lambda out, y: L.NormalMeanNegativeLogProbLoss(out, y, variance=v)
+
+
+def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
+                sharing=None):
+    """Block-diagonal K-FAC of the case's network (dense [P, P]) with kfac_ref."""
+    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+
+    spec = params["net"]
+    net = build_net(spec)
+    theta = params_from_inputs(spec, inputs, to_backend)
+    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
+    est = BlockDiagonalCurvature(net, loss_fn(params), weight_sharing=sharing or
+                                 params.get("weight_sharing", "expand"))
+    rng = np.random.default_rng(0)  # unused by the exact and empirical modes
+    st = est.init(rng, (theta, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
+                                              (theta, batch), mode or params["mode"])
+    return to_numpy(est.to_dense_matrix(st))
+
+
+def exact_matrix(params, inputs, kind, to_backend=lambda v: v, to_numpy=to_np):
+    from kfac_ref import curvature as C
+
+    spec = params["net"]
+    net = build_net(spec)
+    theta = params_from_inputs(spec, inputs, to_backend)
+    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
+    if kind == "ggn":
+        return to_numpy(C.ggn_matrix(net, loss_fn(params), theta, batch))
+    return to_numpy(C.empirical_fisher_matrix(net, loss_fn(params), theta, batch))
+
+
+# -- conversions -----------------------------------------------------------------------------
+def _layer_geometry(spec):
+    """(offset, p, q, has_bias, patch) of every parametric layer."""
+    out, off = [], 0
+    for s in spec:
+        if s["kind"] == "dense":
+            p, q, patch = s["d_in"] + s["bias"], s["d_out"], None
+        elif s["kind"] == "conv2d":
+            k = s["kernel"]
+            p, q = k[0] * k[1] * s["c_in"] + s["bias"], s["c_out"]
+            patch = (tuple(k), s["c_in"])
+        else:
+            continue
+        out.append((off, p, q, bool(s["bias"]), patch))
+        off += p * q
+    return out
+
+
+def _param_index(spec, conv):
+    return np.concatenate([off + vec_index(p, q, conv, b, patch)
+                           for off, p, q, b, patch in _layer_geometry(spec)])
+
+
+def _scale(case, conv):
+    s = float(case.meta["N"]) if conv.curvature_of == "sum" else 1.0
+    if case.params["loss"] == "normal_mean" and conv.mse_variance is not None:
+        s *= case.params["variance"] / conv.mse_variance
+    return s
+
+
+def _matrix(arr, case, conv):
+    idx = _param_index(case.params["net"], conv)
+    return arr[np.ix_(idx, idx)] * _scale(case, conv)
+
+
+def _ef_matrix(arr, case, conv):
+    out = _matrix(arr, case, conv)
+    return out / case.meta["N"] if conv.empirical_fisher_scale == "kfac_jax" else out
+
+
+def _kfac_matrix(arr, case, conv):
+    if conv.bias_position == "separate":
+        # a separate bias block drops the weight-bias cross terms of every layer's block
+        arr = arr.copy()
+        for off, p, q, b, _ in _layer_geometry(case.params["net"]):
+            if b:
+                w = slice(off, off + (p - 1) * q)
+                bb = slice(off + (p - 1) * q, off + p * q)
+                arr[w, bb] = 0.0
+                arr[bb, w] = 0.0
+    out = _matrix(arr, case, conv)
+    if case.params["mode"] == "fisher_empirical" and conv.empirical_fisher_scale == "kfac_jax":
+        out = out / case.meta["N"]
+    return out
+
+
+_SIG = ("inputs: x, targets, w{i}, b{i}; params: net (layer list), loss, variance, "
+        "mode, weight_sharing")
+_CONV = ("kron_order", "bias_position", "patch_order", "curvature_of", "mse_variance")
+
+CAPABILITIES = [
+    Capability("networks.ggn",
+               "Exact generalised Gauss-Newton matrix of the mean loss over all parameters, "
+               "[P, P] (parameter order per declared conventions).", _SIG, _CONV,
+               convert_output=_matrix),
+    Capability("networks.empirical_fisher",
+               "Empirical Fisher (1/N)Σ_n ∇ℓ_n ∇ℓ_nᵀ at the data targets, [P, P].", _SIG,
+               _CONV + ("empirical_fisher_scale",), convert_output=_ef_matrix),
+    Capability("networks.kfac",
+               "Block-diagonal K-FAC matrix (one Kronecker block per layer, dense [P, P]) "
+               "estimated with params['mode'] ('ggn_exact' = type-2/exact, 'fisher_empirical' "
+               "= empirical) in one batch; conv layers KFC (|T|·A⊗G), weight-shared dense "
+               "layers KFAC-expand or -reduce as params['weight_sharing'] says.", _SIG,
+               _CONV + ("empirical_fisher_scale",), convert_output=_kfac_matrix),
+]
+
+
+# -- cases -------------------------------------------------------------------------------------
+def _dense(d_in, d_out, bias=True):
+    return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": bias}
+
+
+def _make_inputs(cid, spec, x_shape, loss, n_out):
+    r = rng_for(cid)
+    inputs = {"x": r.standard_normal(x_shape)}
+    for i, s in enumerate(spec):
+        if s["kind"] == "dense":
+            inputs[f"w{i}"] = r.standard_normal((s["d_in"], s["d_out"])) / np.sqrt(s["d_in"])
+            if s["bias"]:
+                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["d_out"])
+        elif s["kind"] == "conv2d":
+            kh, kw = s["kernel"]
+            inputs[f"w{i}"] = r.standard_normal((kh, kw, s["c_in"], s["c_out"])) / np.sqrt(
+                kh * kw * s["c_in"])
+            if s["bias"]:
+                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["c_out"])
+    n = x_shape[0]
+    if loss == "categorical":
+        inputs["targets"] = r.integers(0, n_out, size=n).astype(np.int64)
+    else:
+        out_shape = (n,) + tuple(n_out) if isinstance(n_out, tuple) else (n, n_out)
+        inputs["targets"] = r.standard_normal(out_shape)
+    return inputs
+
+
+def _block_diagonal(mat, spec):
+    out = np.zeros_like(mat)
+    for off, p, q, _, _ in _layer_geometry(spec):
+        sl = slice(off, off + p * q)
+        out[sl, sl] = mat[sl, sl]
+    return out
+
+
+def build_cases() -> list[Case]:
+    conv = {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
+            "padding": "VALID", "dilation": 1, "bias": True}
+    tanh = {"kind": "activation", "fn": "tanh"}
+    # (name, spec, x shape, loss params, output size, exact?, description)
+    nets = [
+        ("mlp_tanh_n1_ce", [_dense(3, 4), tanh, _dense(4, 3)], (1, 3),
+         {"loss": "categorical"}, 3, True,
+         "N = 1: K-FAC type-2 equals the GGN blocks for any network"),
+        ("mlp_tanh_n4_ce", [_dense(3, 4), tanh, _dense(4, 3)], (4, 3),
+         {"loss": "categorical"}, 3, False, "N = 4 with cross-entropy: K-FAC is approximate"),
+        ("deep_linear_n5_mse", [_dense(3, 3), _dense(3, 2)], (5, 3),
+         {"loss": "normal_mean", "variance": 0.5}, 2, True,
+         "deep linear network + squared error: K-FAC type-2 equals the GGN blocks for any N"),
+        ("cnn_pool_n3_mse", [conv, tanh, {"kind": "mean_pool"}, _dense(2, 2)], (3, 5, 4, 2),
+         {"loss": "normal_mean", "variance": 1.0}, 2, False,
+         "conv → tanh → mean pool → dense: KFC (|T| = 12) for the conv block"),
+        ("shared_linear_expand_n3_mse", [_dense(3, 2)], (3, 4, 3),
+         {"loss": "normal_mean", "variance": 0.5}, (4, 2), True,
+         "weight-shared dense layer, loss per position: KFAC-expand is exact"),
+        ("shared_linear_pool_reduce_n3_mse", [_dense(3, 2), {"kind": "mean_pool"}], (3, 4, 3),
+         {"loss": "normal_mean", "variance": 0.5}, 2, True,
+         "weight-shared dense layer pooled before the loss: KFAC-reduce is exact"),
+    ]
+    cases = []
+    for name, spec, x_shape, lossp, n_out, exact, desc in nets:
+        sharing = "reduce" if "reduce" in name else "expand"
+        base = {"net": spec, **lossp}
+        inputs = _make_inputs(f"networks/{name}", spec, x_shape, lossp["loss"], n_out)
+        n = x_shape[0]
+        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+        d_out = int(np.prod(n_out)) if isinstance(n_out, tuple) else n_out
+        t_conv = 12 if "cnn" in name else (x_shape[1] if len(x_shape) == 3 else None)
+        meta = {"N": n, **({"T": t_conv} if t_conv else {})}
+        work = n * d_out + p_total
+        tol = Tolerance(SAFETY * 4 * work, f"Jacobian products and factor GEMMs: work = N·D + "
+                                           f"P = {work}, κ = 1, ×4 for the chain depth")
+        ggn = exact_matrix(base, inputs, "ggn")
+        ef = exact_matrix(base, inputs, "ef")
+        cases.append(Case(f"networks.ggn/{name}", "networks.ggn", inputs, base, ggn, tol,
+                          dict(meta), description=desc))
+        cases.append(Case(f"networks.empirical_fisher/{name}", "networks.empirical_fisher",
+                          inputs, base, ef, tol, dict(meta),
+                          {"true_fisher": ggn} if lossp["loss"] == "categorical" else {},
+                          description=desc))
+        for mode in ("ggn_exact", "fisher_empirical"):
+            params = dict(base, mode=mode, weight_sharing=sharing)
+            k = kfac_matrix(params, inputs)
+            other = kfac_matrix(params, inputs, mode="fisher_empirical" if mode ==
+                                "ggn_exact" else "ggn_exact")
+            alts = {"empirical_fisher" if mode == "ggn_exact" else "true_fisher": other,
+                    "exact_block_diagonal": _block_diagonal(
+                        ggn if mode == "ggn_exact" else ef, spec)}
+            if len(x_shape) == 3:  # weight sharing: the other approximation
+                other_sharing = "reduce" if sharing == "expand" else "expand"
+                alts[f"{other_sharing}_instead_of_{sharing}"] = kfac_matrix(
+                    params, inputs, sharing=other_sharing)
+            # exactness theorems (FORMULAS §1.3, §2.3): K-FAC equals the block diagonal of the
+            # exact curvature; build_catalogue's finalize() then lists exact_block_diagonal
+            # in insensitive_to, which tests/test_conformance.py checks.
+            m = dict(meta, exact=bool(exact and mode == "ggn_exact") or (
+                n == 1 and mode == "fisher_empirical"))
+            cases.append(Case(f"networks.kfac/{name}_{mode}", "networks.kfac", inputs, params,
+                              k, tol, m, alts, desc))
+    return cases

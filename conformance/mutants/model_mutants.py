@@ -1,0 +1,122 @@
+"""Mutants of the factor, loss and network capabilities (one pitfall each)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import implements
+from .linalg_mutants import _Mutant
+
+_M = "conformance.mutants.model_mutants"
+
+
+class MeanLossFactor(_Mutant):
+    name = "mutant_mean_loss_factor"
+    pitfall = ("output factors from gradients of the MEAN loss (g/N): G carries 1/N² "
+               "(wiseodd/natural-gradients#2, curvlinops#107)")
+    EXPECTED = {"factors.dense_output": "scale:1/N^2", "factors.conv_output": "scale:1/N^2"}
+
+    @implements("factors.dense_output")
+    def dense_output(self, inputs, params):
+        g = inputs["g"] / inputs["g"].shape[-2]
+        return super().dense_output({"g": g}, params)
+
+    @implements("factors.conv_output")
+    def conv_output(self, inputs, params):
+        return super().conv_output({"g": inputs["g"] / inputs["g"].shape[0]}, params)
+
+
+class ConvExpandUndeclared(_Mutant):
+    name = "mutant_conv_expand_undeclared"
+    pitfall = ("conv output factor summed over locations (curvlinops 'expand' G = Σ_t) while "
+               "declaring TF's KFC normalisation")
+    EXPECTED = {"factors.conv_output": "conv_style"}
+
+    @implements("factors.conv_output")
+    def conv_output(self, inputs, params):
+        g = inputs["g"]
+        t = int(np.prod(g.shape[2:] if params["data_format"] == "NCHW" else g.shape[1:-1]))
+        return t * np.asarray(super().conv_output(inputs, params))
+
+
+class PatchOrderCHW(_Mutant):
+    name = "mutant_patch_order_chw"
+    pitfall = "patch vectors in PyTorch unfold order (channel slowest) declared as (kh, kw, C)"
+    EXPECTED = {"factors.conv_input": "patch_order"}
+
+    @implements("factors.conv_input")
+    def conv_input(self, inputs, params):
+        from kfac_ref import factors
+
+        fs = params["filter_shape"]
+        p = np.asarray(factors.conv_patch_matrix(
+            inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
+            params["data_format"]))
+        kk, c = fs[0] * fs[1], fs[2]
+        p = p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)
+        if params["has_bias"]:
+            p = np.concatenate([p, np.ones((p.shape[0], 1))], axis=1)
+        return p.T @ p / p.shape[0]
+
+
+class MSEFactor2(_Mutant):
+    name = "mutant_mse_factor_2"
+    pitfall = "squared error ‖f − y‖² used for a unit-variance Gaussian NLL (curvature 2I)"
+    EXPECTED = {"losses.fisher": "mse_factor_2", "losses.gradient": "mse_factor_2",
+                "losses.hessian": "mse_factor_2"}
+
+    def _twice(self, fn, inputs, params):
+        out = np.asarray(fn(inputs, params))
+        return 2.0 * out if params["loss"] == "normal_mean" else out
+
+    @implements("losses.fisher")
+    def loss_fisher(self, inputs, params):
+        return self._twice(super().loss_fisher, inputs, params)
+
+    @implements("losses.gradient")
+    def loss_gradient(self, inputs, params):
+        return self._twice(super().loss_gradient, inputs, params)
+
+    @implements("losses.hessian")
+    def loss_hessian(self, inputs, params):
+        return self._twice(super().loss_hessian, inputs, params)
+
+
+class EmpiricalForTrue(_Mutant):
+    name = "mutant_empirical_for_true_fisher"
+    pitfall = ("K-FAC statistics from the data labels where the type-2/true Fisher is asked, "
+               "and vice versa (gpauloski/kfac-pytorch#109)")
+    EXPECTED = {"networks.kfac": ("empirical_fisher", "true_fisher")}
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        swapped = "fisher_empirical" if params["mode"] == "ggn_exact" else "ggn_exact"
+        return super().net_kfac(inputs, dict(params, mode=swapped))
+
+
+class KfacJaxEmpiricalScale(_Mutant):
+    name = "mutant_kfac_jax_empirical_scale"
+    pitfall = "empirical Fisher with kfac-jax's extra 1/N, declared as the per-example average"
+    EXPECTED = {"networks.empirical_fisher": "empirical_fisher_scale"}
+
+    @implements("networks.empirical_fisher")
+    def net_ef(self, inputs, params):
+        return np.asarray(super().net_ef(inputs, params)) / inputs["x"].shape[0]
+
+
+class ExactBlocksForKfac(_Mutant):
+    name = "mutant_exact_blocks_for_kfac"
+    pitfall = "returns the exact curvature's diagonal blocks instead of their K-FAC approximation"
+    EXPECTED = {"networks.kfac": "exact_block_diagonal"}
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        from ..catalogue.networks_cases import _block_diagonal, exact_matrix
+
+        kind = "ggn" if params["mode"] == "ggn_exact" else "ef"
+        return _block_diagonal(exact_matrix(params, inputs, kind), params["net"])
+
+
+MUTANTS = [MeanLossFactor, ConvExpandUndeclared, PatchOrderCHW, MSEFactor2, EmpiricalForTrue,
+           KfacJaxEmpiricalScale, ExactBlocksForKfac]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
