@@ -121,6 +121,16 @@ def test_exact_modes_with_full_blocks(xp, rng, case):
         xp.assert_close(got, exp / 3, rtol=tol(xp))
 
 
+def test_default_embedding_block_is_exact_diagonal(xp, rng):
+    # embedding -> NaiveDiagonal fed per-example gradients: the exact diagonal of the block
+    net = embnet()
+    bp, batch = make_data(xp, rng, net, ce, 3, (2,), 5)
+    est, st = run(net, ce, bp, batch, "ggn_exact")
+    emb = est.to_diagonal_block_dense_matrix(st)[0]
+    exp = exact_blocks(xp, net, C.ggn_matrix(net, ce, bp, batch))[0]
+    xp.assert_close(emb, np.diag(np.diag(exp)), rtol=tol(xp))
+
+
 # ---------------------------------------------------------------------------------------------
 # exactness facts with the default Kronecker blocks
 # ---------------------------------------------------------------------------------------------

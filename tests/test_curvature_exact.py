@@ -8,10 +8,10 @@ Finite-difference tolerances
 Central differences ``(F(θ + h v) − F(θ − h v)) / 2h`` of float64 maps have error
 ``h²/6 · max|F'''| + eps64 · max|F| / h``.  With ``h = 1e-4`` and the O(1)-scaled networks here
 (third derivatives of tanh/sigmoid/softmax compositions below ~10·|F| per unit direction),
-this is ``≲ 2e-8 · max|F|``; ``FD_RTOL = 1e-6`` (norm-wise, relative) leaves a factor ≳ 50.  Float32
-cells use ``max(FD_RTOL, 16 · xp.rtol)``: a 3-layer forward/backward/R-pass in float32 accumulates
-rounding of ~(layers · width) · eps32 relative to the largest entry; 16 · 4096 · eps32 ≈ 8e-3 is
-an upper bound for these widths (≤ 6) and depths (≤ 4), checked once against float64.
+this is ``≲ 2e-8 · max|F|``; ``FD_RTOL = 1e-6`` (norm-wise, relative) leaves a factor ≳ 50.  The
+oracles are always float64; a float32 cell's own rounding dominates its error: a forward /
+backward / R-pass of depth ≤ 5 and width ≤ 6 chains ~(depth · width) roundings of O(1) numbers
+per entry, so ``16 · xp.rtol`` (16 · 4096 · eps32 ≈ 8e-3) bounds it with a wide margin.
 """
 
 from __future__ import annotations

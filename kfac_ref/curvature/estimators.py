@@ -497,7 +497,11 @@ class BlockDiagonalCurvature(_EstimatorBase):
 
     with :math:`\bar{\bar x}_n = [\frac1T\sum_t x_{n,t}; 1]` and :math:`\hat g_n=\sum_t g_{n,t}`.
     Expand is fed to the block as :math:`NT` rows with the scale :math:`T` carried by the
-    block (like KFC's :math:`|T|`); reduce as :math:`N` pooled rows.
+    block (like KFC's :math:`|T|`); reduce as :math:`N` pooled rows.  ``DenseFull`` /
+    ``DenseDiagonal`` on ``[N, T, d]`` inputs see the same rows (an approximation, without the
+    :math:`T` scale); ``NaiveFull`` / ``NaiveDiagonal`` receive per-example gradients and are
+    exact in every case.  Convolutions always use KFC (= KFAC-expand); KFAC-reduce for
+    convolutions is not implemented.
 
     Parameters
     ----------
