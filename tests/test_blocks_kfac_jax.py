@@ -376,3 +376,22 @@ def test_scale_and_shift_variants(xp, rng):
         st = block.init(xp.asarray(np.zeros(1)))
         st = block.update_curvature_matrix_estimate(st, data, 0.0, 1.0, N)
         xp.assert_close(block.to_dense_matrix(st), t.T @ t / N)
+
+
+def test_symmetrize_option(xp, rng):
+    """kfac-jax does not symmetrise the statistics, TF does: equal up to rounding."""
+    conv_kw = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 2))
+    x = rng.standard_normal((N, 3, 3, 1))
+    g = rng.standard_normal((N, 2, 2, 2))
+    for make in (lambda **k: kj.DenseTwoKroneckerFactored(3, 2, **k),
+                 lambda **k: kj.Conv2DTwoKroneckerFactored(**conv_kw, **k)):
+        dense_case = make().input_size == 4
+        data = ({"inputs": xp.asarray(x[:, 0, :, 0]), "outputs_grad": xp.asarray(g[:, 0, :, 0])}
+                if dense_case else {"inputs": xp.asarray(x), "outputs_grad": xp.asarray(g)})
+        mats = []
+        for sym in (True, False):
+            b = make(symmetrize=sym)
+            st = b.update_curvature_matrix_estimate(b.init(xp.asarray(np.zeros(1))), data, 0.0,
+                                                    1.0, N)
+            mats.append(xp.to_numpy(b.to_dense_matrix(st)))
+        assert_allclose_normwise(mats[1], mats[0], xp.rtol)  # differ by rounding only
