@@ -278,6 +278,17 @@ class Report:
         sys.stdout.flush()
         return ok
 
+    def diagnose(self, quantity, actual, alternatives, tol):
+        """Name the alternatives (dict name -> expected array) that ``actual`` matches."""
+        errs = {k: rel_err(actual, v) for k, v in alternatives.items()}
+        hits = [k for k, e in errs.items() if np.isfinite(e) and e <= tol]
+        text = ("matches " + ", ".join(hits) if hits else "matches none of the alternatives") + \
+            " (" + "; ".join(f"{k}: {e:.2e}" for k, e in errs.items()) + ")"
+        self.rows.append({"quantity": quantity, "verdict": "diagnosis", "matches": hits,
+                          "errors": errs, "note": text})
+        print(f"{'diagnose':9s} {quantity:58s} {text}")
+        return hits
+
     def note(self, quantity, text):
         self.rows.append({"quantity": quantity, "verdict": "note", "note": text})
         print(f"{'note':9s} {quantity:58s} {text}")

@@ -210,6 +210,17 @@ def run_conv(rep):
                       T.conv_a_torch(a_ref, kh, kw, c_in, True), TOL)
             rep.check(f"conv {loss} {approx} conv G", _factor(op, "0", "G"), sc * g_ref, TOL,
                       f"G×{sc:g}" if sc != 1 else "")
+    for setting, model_e, xe, ye, exact in T.conv_exactness_settings(p):
+        params_e = list(model_e.parameters())
+        ggn = _dense(GGNLinearOperator(model_e, torch.nn.MSELoss(reduction="sum"), params_e,
+                                       [(xe, ye)], check_deterministic=False), exact.shape[0])
+        rep.check(f"conv exactness ({setting}): curvlinops GGN == NumPy exact GGN", ggn, exact,
+                  TOL, "validates the oracle")
+        approx = "expand" if setting == "per-location" else "reduce"
+        op, _ = _op(model_e, torch.nn.MSELoss(reduction="sum"), xe, ye, fisher_type="type-2",
+                    kfac_approx=approx)
+        rep.check(f"conv exactness ({setting}): KFAC-{approx} == exact GGN",
+                  _dense(op, exact.shape[0]), exact, TOL, "exactness")
     # known fault (PEERS.md): MSE on a conv output in NCHW takes the last axis as the event axis
     model1 = torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, (kh, kw))).double()
     with torch.no_grad():

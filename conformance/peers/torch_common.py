@@ -86,3 +86,35 @@ def conv_a_torch(a_canon, kh, kw, c_in, bias):
     if bias:
         perm = np.concatenate([perm, [kh * kw * c_in]])
     return a_canon[np.ix_(perm, perm)]
+
+
+def conv_exactness_settings(p):
+    """Settings where one conv K-FAC flavour is exact (Eschenhagen et al. 2023), with the exact
+    GGN of the conv weight written out in NumPy for the loss MSELoss(reduction='sum'):
+
+    * "per-location": linear conv → flatten → MSE: f_{n,t} = W p_{n,t}, so the GGN of the
+      PyTorch weight [out, (c, i, j)] is 2 Σ_{n,t} I ⊗ p pᵀ (kron(G, A) order) — expand is exact;
+    * "pooled": linear conv → average pool over all locations → MSE: f_n = W p̄_n, so the GGN
+      is 2 Σ_n I ⊗ p̄ p̄ᵀ — reduce is exact.
+
+    Yields (setting, model, x, y, exact_block)."""
+    n = p["x"].shape[0]
+    kh, kw, c_in, c_out = p["K"].shape
+    x = inputs(p, conv=True)
+    perm = C.torch_conv_perm(kh, kw, c_in)
+    pt = C.conv_patches(p)[:, :, perm]  # [N, T, P] in unfold order
+    oh, ow = p["out_hw"]
+    for setting in ("per-location", "pooled"):
+        conv = nn.Conv2d(c_in, c_out, (kh, kw), bias=False).double()
+        with torch.no_grad():
+            conv.weight.copy_(t(np.transpose(p["K"], (3, 2, 0, 1))))
+        if setting == "per-location":
+            model = nn.Sequential(conv, nn.Flatten())
+            y = torch.as_tensor(np.random.default_rng(4).standard_normal((n, c_out * oh * ow)))
+            exact = 2.0 * np.kron(np.eye(c_out), np.einsum("ntp,ntq->pq", pt, pt))
+        else:
+            model = nn.Sequential(conv, nn.AvgPool2d((oh, ow)), nn.Flatten())
+            y = torch.as_tensor(np.random.default_rng(4).standard_normal((n, c_out)))
+            pm = pt.mean(1)
+            exact = 2.0 * np.kron(np.eye(c_out), pm.T @ pm)
+        yield setting, model, x, y, exact

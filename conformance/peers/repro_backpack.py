@@ -1,0 +1,158 @@
+"""Reproduction: BackPACK (backpack-for-pytorch 1.7.1) against kfac_ref, float64.
+
+Run inside the ``torchpeers`` environment, from the repository root::
+
+    python -m conformance.peers.repro_backpack [--json out.json]
+
+BackPACK's ``KFLR`` is K-FAC with the exact (type-2) Fisher, ``KFAC`` the one-sample MC
+version, ``KFRA`` the recursive approximation.  ``weight.kflr == [G, A]`` (block
+``kron(G, A)`` on the PyTorch weight), ``bias.kflr == [G]`` (separate bias block); A has no
+homogeneous coordinate.  G carries the curvature of the loss as PyTorch reduces it (as in
+curvlinops: MSELoss is ‖f−y‖², mean also divides by C).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from backpack import backpack, extend
+from backpack.extensions import KFAC, KFLR, KFRA
+
+from . import common as C
+from . import torch_common as T
+
+TOL = 1e-12  # float64 GEMMs on O(1) data (errors ~1e-15); far below any convention's effect
+
+
+def g_scale(loss, reduction, n, c):
+    s = n if reduction == "sum" else 1.0
+    if loss == "mse":
+        s *= 2.0
+        if reduction == "mean":
+            s /= c
+    return s
+
+
+def _run(model, loss_mod, x, y, ext):
+    model = extend(model)
+    loss_mod = extend(loss_mod)
+    model.zero_grad()
+    loss = loss_mod(model(x), y)
+    with backpack(ext):
+        loss.backward()
+    return model
+
+
+def _kf(param, attr):
+    return [m.detach().numpy() for m in getattr(param, attr)]
+
+
+def run_mlp(rep):
+    p = C.mlp_problem()
+    n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
+    dims = [(d0, d1), (d1, d2)]
+    x = T.inputs(p)
+    for bias in (True, False):
+        for loss in ("mse", "ce"):
+            y = T.targets(p, loss)
+            ref = C.mlp_reference(p, loss, "type2", bias)
+            for reduction in ("mean", "sum"):
+                sc = g_scale(loss, reduction, n, d2)
+                model = T.mlp_model(p, bias)
+                T.check_forward(model, p, bias=bias)
+                model = _run(model, T.loss_fn(loss, reduction), x, y, KFLR())
+                tag = f"mlp {loss} {reduction} bias={bias} KFLR"
+                for i, lin in enumerate((model[0], model[2])):
+                    g, a = _kf(lin.weight, "kflr")
+                    a_ref, g_ref = ref[i]
+                    rep.check(f"{tag} layer{i + 1} A (weight)", a, a_ref[: dims[i][0], : dims[i][0]],
+                              TOL)
+                    rep.check(f"{tag} layer{i + 1} G (weight)", g, sc * g_ref, TOL,
+                              f"G×{sc:g}" if sc != 1 else "")
+                    if bias:
+                        (gb,) = _kf(lin.bias, "kflr")
+                        rep.check(f"{tag} layer{i + 1} G (bias block)", gb, sc * g_ref, TOL)
+            # MC (KFAC extension), statistical: average many independent backward passes
+            if bias:
+                draws = 300
+                acc = None
+                torch.manual_seed(0)
+                for _ in range(draws):
+                    model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y,
+                                 KFAC(mc_samples=1))
+                    gs = [_kf(lin.weight, "kfac")[0] for lin in (model[0], model[2])]
+                    acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
+                sc = g_scale(loss, "mean", n, d2)
+                for i in range(2):
+                    # MC error ~ c/√(draws·N), c ≤ 2: 0.1 > 3σ
+                    rep.check(f"mlp {loss} mean bias=True KFAC(mc, {draws} draws) layer{i + 1} G",
+                              acc[i] / draws, sc * ref[i][1], 0.1, "statistical")
+            # KFRA: the recursive approximation differs from K-FAC except at the last layer
+            model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFRA())
+            g, a = _kf(model[2].weight, "kfra")
+            sc = g_scale(loss, "mean", n, d2)
+            rep.check(f"mlp {loss} mean bias={bias} KFRA last layer G = K-FAC G (batch-averaged "
+                      "output Hessian)", g, sc * ref[1][1], TOL)
+
+
+def run_conv(rep):
+    p = C.conv_problem()
+    n = p["x"].shape[0]
+    kh, kw, c_in, c_out = p["K"].shape
+    x = T.inputs(p, conv=True)
+    for loss in ("mse", "ce"):
+        y = T.targets(p, loss)
+        ref = C.conv_reference(p, loss, "type2", True)
+        sc = g_scale(loss, "mean", n, p["W"].shape[1])
+        model = _run(T.conv_model(p, True), T.loss_fn(loss, "mean"), x, y, KFLR())
+        g, a = _kf(model[0].weight, "kflr")
+        tq = ref["T"]
+        a_kfc = T.conv_a_torch(ref["kfc"][0], kh, kw, c_in, True)[:-1, :-1]
+        a_red = T.conv_a_torch(ref["reduce"][0], kh, kw, c_in, True)[:-1, :-1]
+        a_exp, g_exp = a_kfc, sc * ref["expand"][1]
+        g_red = sc * ref["reduce"][1]
+        rep.check(f"conv {loss} KFLR conv block kron(G, A) vs KFAC-expand (= KFC)",
+                  np.kron(g, a), np.kron(g_exp, a_exp), TOL)
+        rep.check(f"conv {loss} KFLR conv block kron(G, A) vs KFAC-reduce",
+                  np.kron(g, a), np.kron(g_red, a_red), TOL)
+        rep.diagnose(f"conv {loss} KFLR conv A", a,
+                     {"expand A": a_exp, "|T|·expand A": tq * a_exp, "reduce A": a_red}, TOL)
+        rep.diagnose(f"conv {loss} KFLR conv G", g,
+                     {"expand G": g_exp, "reduce G": g_red, "expand G/|T|": g_exp / tq}, TOL)
+        (gb,) = _kf(model[0].bias, "kflr")
+        rep.check(f"conv {loss} KFLR conv bias G", gb, sc * ref["reduce"][1], TOL)
+    _conv_exactness(rep, p)
+
+
+def _conv_exactness(rep, p):
+    """Linear conv with MSE(sum): expand is exact per location, reduce after pooling."""
+    for setting, model, x, y, exact in T.conv_exactness_settings(p):
+        try:
+            model = _run(model, torch.nn.MSELoss(reduction="sum"), x, y, KFLR())
+        except Exception as exc:  # noqa: BLE001
+            rep.note(f"conv exactness ({setting})", f"BackPACK raised {type(exc).__name__}: {exc}")
+            continue
+        g, a = _kf(model[0].weight, "kflr")
+        rep.check(f"conv exactness ({setting}, linear conv, MSE sum): kron(G, A) == exact GGN",
+                  np.kron(g, a), exact, TOL,
+                  note="expand is exact here" if setting == "per-location"
+                  else "reduce is exact here")
+
+
+def main(argv=None):
+    import backpack as bp
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rep = C.Report("backpack", f"backpack-for-pytorch {getattr(bp, '__version__', '1.7.1')}, "
+                   f"torch {torch.__version__}")
+    run_mlp(rep)
+    run_conv(rep)
+    rep.dump(args.json)
+
+
+if __name__ == "__main__":
+    main()
