@@ -772,7 +772,11 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     ``log p`` is computed as :math:`(z - m) - \log\sum_j e^{z_j - m}` with
     :math:`m = \max_j z_j`, and :math:`\sqrt p = \exp(\tfrac12 \log p)`, so logits of any
-    finite size (:math:`|z| \approx 100` and beyond) give finite values.
+    finite size (:math:`|z| \approx 100` and beyond) give finite values.  The gradient's
+    target entry :math:`p_y - 1` is computed as :math:`-\sum_{c\ne y} p_c`, so it stays
+    accurate relative to its size when :math:`p_y \approx 1`; the Fisher entries
+    :math:`p_c(1 - p_c)` of a near-certain class are accurate to eps in absolute terms only
+    (as in kfac-jax).
 
     Registered with kfac-jax's ``register_softmax_cross_entropy_loss``, the objective is
     :math:`\frac{w}{N}\sum_n m_n\ell_n` (:math:`m_n` the mask); the products here are the
@@ -906,7 +910,14 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return self._masked(-xp.sum(y * self._log_probs(), axis=-1))
 
     def _grad(self, targets):
-        return (self._masked(self._probs() - self._targets_as_one_hot(targets)),)
+        # p - y written as p(1 - y) - y Σ_c p_c (1 - y_c): equal for one-hot y, and the
+        # target-class entry p_y - 1 = -Σ_{c≠y} p_c is then a sum of small accurate terms
+        # instead of a cancelling difference (relative accuracy when p_y ≈ 1).
+        xp = self._xp
+        p = self._probs()
+        y = self._targets_as_one_hot(targets)
+        rest = xp.sum(p * (1.0 - y), axis=-1, keepdims=True)
+        return (self._masked(p * (1.0 - y) - y * rest),)
 
     def _sample(self, rng):
         # Gumbel-max: argmax_c (z_c + g_c), g_c iid Gumbel(0, 1), is distributed as softmax(z)
@@ -1023,7 +1034,9 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     :math:`\log\sigma(z) = \min(z,0) - \log(1+e^{-|z|})` and
     :math:`p(1-p) = \exp(\log\sigma(z) + \log\sigma(-z))`, so large logits give finite,
-    correctly tiny curvature instead of :math:`1\cdot(1-1) = 0` with NaN gradients.
+    correctly tiny curvature instead of :math:`1\cdot(1-1) = 0`, and the gradient is formed
+    as :math:`(1-y)\sigma(z) - y\,\sigma(-z)`, without cancellation when :math:`\sigma(z)
+    \approx y`.
 
     ``evaluate`` sums over all non-batch axes and returns ``[N]``; kfac-jax returns the
     unsummed element-wise values (``distrax.Bernoulli``) — their sum over the non-batch axes
@@ -1100,9 +1113,6 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _xp(self):
         return namespace_of(self._fname("formula"), logits=self._logits)
 
-    def _probs(self):
-        return self._xp.exp(_log_sigmoid(self._xp, self._logits))
-
     def _log_variance(self):
         xp = self._xp
         return _log_sigmoid(xp, self._logits) + _log_sigmoid(xp, -self._logits)
@@ -1120,7 +1130,11 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return xp.sum(_flat(xp, per_element), axis=-1)
 
     def _grad(self, targets):
-        return (self._probs() - targets,)
+        # σ(z) - y = (1 - y) σ(z) - y σ(-z): no cancellation when σ(z) ≈ y.
+        xp = self._xp
+        z = self._logits
+        return ((1.0 - targets) * xp.exp(_log_sigmoid(xp, z))
+                - targets * xp.exp(_log_sigmoid(xp, -z)),)
 
     def _sample(self, rng):
         # y = [z + L > 0] with L ~ Logistic(0, 1): P(y = 1) = P(L > -z) = σ(z).

@@ -382,6 +382,24 @@ def test_bernoulli_stable_at_large_logits(xp):
         np.testing.assert_allclose(b, sqrt_var, rtol=xp.rtol, atol=1e-44)
 
 
+def test_gradients_relatively_accurate_for_confident_predictions(xp):
+    """When the target is the likely outcome the gradient is tiny; kfac_ref computes it
+    without cancellation (σ(z) - 1 = -σ(-z); p_y - 1 = -Σ_{c≠y} p_c), so it is accurate
+    to a few eps *relative to its own size*, not just absolutely."""
+    z = np.array([[30.0, -30.0, 12.0]])
+    y = np.array([[1.0, 0.0, 1.0]])
+    g = xp.to_numpy(L.MultiBernoulliNegativeLogProbLoss(xp.asarray(z), xp.asarray(y))
+                    .grad_of_evaluate()[0])
+    expected = np.where(y == 1.0, -np.exp(log_expit(-z)), np.exp(log_expit(z)))
+    np.testing.assert_allclose(g, expected, rtol=16 * xp.eps)
+    zc = np.array([[25.0, 0.0, -1.0, 2.0]])
+    gc = xp.to_numpy(L.CategoricalLogitsNegativeLogProbLoss(xp.asarray(zc), xp.asarray(
+        np.array([0]))).grad_of_evaluate()[0])
+    p = softmax(zc, axis=-1)
+    expected_c = np.concatenate([[-p[0, 1:].sum()], p[0, 1:]])[None, :]
+    np.testing.assert_allclose(gc, expected_c, rtol=16 * xp.eps)
+
+
 class _NumpyBackendCls:
     """Minimal stand-in for the numpy cell of the ``xp`` fixture (the cross-backend
     reference); float64, CPU."""
