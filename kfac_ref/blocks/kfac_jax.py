@@ -64,6 +64,7 @@ from .._backend import (
     check_option,
     check_scalar,
     describe,
+    eye_like,
     namespace_of,
     ones_like_shape,
     zeros_like_shape,
@@ -553,16 +554,10 @@ class ScaledIdentity(CurvatureBlock):
         return self.scale(state, False) * ones_like_shape(state.like, (self.dim,))
 
     def _dense_unscaled(self, xp, state):
-        return xp.eye(self.dim, dtype=state.like.dtype, device=_device(state.like))
+        return eye_like(state.like, self.dim)
 
     def _norm_unscaled(self, xp, state, norm_type):
         return 1.0
-
-
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
 
 
 # --------------------------------------------------------------------------------------
@@ -614,7 +609,7 @@ class Diagonal(CurvatureBlock):
 
     def _dense_unscaled(self, xp, state):
         d = self._flat_diagonal(xp, state)
-        return xp.eye(self.dim, dtype=d.dtype, device=_device(d)) * d[None, :]
+        return eye_like(d, self.dim) * d[None, :]
 
     def _norm_unscaled(self, xp, state, norm_type):
         return factor_norm(self._flat_diagonal(xp, state), norm_type)

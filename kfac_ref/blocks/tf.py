@@ -40,6 +40,7 @@ from .._backend import (
     check_option,
     check_scalar,
     describe,
+    eye_like,
     namespace_of,
 )
 from ..linalg import FACTOR_NORMS, kron, pi_tracenorm
@@ -323,15 +324,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
 
         .. math:: \mathrm{diag}(d)
         """
-        xp = namespace_of("full_fisher_block", d=self._diag)
-        n = self._diag.shape[0]
-        return xp.eye(n, dtype=self._diag.dtype, device=_device(self._diag)) * self._diag
-
-
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
+        return eye_like(self._diag, self._diag.shape[0]) * self._diag
 
 
 class NaiveDiagonalFB(DiagonalFB):
@@ -449,7 +442,7 @@ class FullyConnectedDiagonalFB(_Mat2d, FisherBlock):
         """
         xp = namespace_of("full_fisher_block", d=self._diag)
         d = xp.reshape(self._diag, (-1,))
-        return xp.eye(d.shape[0], dtype=d.dtype, device=_device(d)) * d
+        return eye_like(d, d.shape[0]) * d
 
 
 class ConvDiagonalFB(FullyConnectedDiagonalFB):
@@ -609,8 +602,7 @@ class KroneckerProductFB(_Mat2d, FisherBlock):
 
         .. math:: c\,(A \otimes G)
         """
-        xp = namespace_of("full_fisher_block", a=self._a)
-        a, g = (xp.eye(f.shape[0], dtype=f.dtype, device=_device(f)) * f if f.ndim == 1 else f
+        a, g = (eye_like(f, f.shape[0]) * f if f.ndim == 1 else f
                 for f in (self._a, self._g))
         return self.renorm_coeff * kron(a, g)
 
