@@ -104,6 +104,9 @@ def _cmd_run(args) -> int:
         report.source = label
         print(terminal_summary(report))
         paths = write_reports(report, args.out)
+        if report.unavailable and not args.all_adapters:
+            print(f"error: adapter unavailable: {report.unavailable}", file=sys.stderr)
+            return 2
         print("reports: " + ", ".join(str(p) for p in paths.values()))
         reports.append(report.to_dict())
         if not report.unavailable:

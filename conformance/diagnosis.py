@@ -148,6 +148,15 @@ PITFALLS = {
         "weight-shared layer: per-location statistics instead of pooled ones",
         "Eschenhagen et al. 2023, FORMULAS §2.3",
     ),
+    "average_of_products": (
+        "average of per-batch K-FAC matrices instead of K-FAC of averaged factors",
+        "the moving average was taken over Kronecker products, not over the factors",
+        "FORMULAS P15 (Laplace rescaling)",
+    ),
+    "last_batch_only": (
+        "moving average ignored",
+        "the estimate holds only the latest batch (ema_old treated as 0)", "P7",
+    ),
     "missing_block_scale": (
         "block scale |T| (or T) missing",
         "the block is A⊗G where s·(A⊗G) is meant (s = |T| conv locations or T uses)",

@@ -21,6 +21,7 @@ ADAPTERS = {
     "kfac_ref": "conformance.adapters.kfac_ref_adapter:KfacRefAdapter",
     "kfac_ref_strict": "conformance.adapters.kfac_ref_adapter:KfacRefStrictAdapter",
     "kfac_ref_torch": "conformance.adapters.kfac_ref_adapter:KfacRefTorchAdapter",
+    "kfac_ref_cupy": "conformance.adapters.kfac_ref_adapter:KfacRefCupyAdapter",
 }
 
 
@@ -314,6 +315,12 @@ class KfacRefAdapter(Adapter):
 
         return kfac_matrix(params, inputs, self.to_backend, self.to_numpy)
 
+    @implements("estimator.kfac_ema")
+    def est_kfac_ema(self, inputs, params):
+        from ..catalogue.estimator_cases import kfac_two_batches
+
+        return kfac_two_batches(params, inputs, self.to_backend, self.to_numpy)
+
 
 class KfacRefStrictAdapter(KfacRefAdapter):
     name = "kfac_ref_strict"
@@ -360,3 +367,30 @@ class KfacRefTorchAdapter(KfacRefAdapter):
         if isinstance(x, (float, int, np.ndarray)):
             return np.asarray(x, dtype=np.float64)
         return x.detach().cpu().numpy().astype(np.float64)
+
+
+class KfacRefCupyAdapter(KfacRefAdapter):
+    name = "kfac_ref_cupy"
+    description = "kfac_ref on CuPy arrays (GPU 0, float64; canonical conventions)"
+    backend = "cupy"
+
+    def setup(self):
+        super().setup()
+        try:
+            import cupy
+
+            if cupy.cuda.runtime.getDeviceCount() < 1:
+                raise RuntimeError("no CUDA device")
+        except Exception as exc:  # ImportError or CUDA runtime errors without a GPU
+            raise AdapterUnavailable(f"CuPy needs a CUDA GPU ({type(exc).__name__}: "
+                                     f"{exc})") from exc
+
+    def to_backend(self, x):
+        import cupy
+
+        return cupy.asarray(np.asarray(x, dtype=_host_dtype(x)))
+
+    def to_numpy(self, x):
+        if isinstance(x, (float, int, np.ndarray)):
+            return np.asarray(x, dtype=np.float64)
+        return x.get().astype(np.float64)

@@ -179,8 +179,9 @@ CAPABILITIES = [
                _CONV + ("empirical_fisher_scale",), convert_output=_ef_matrix),
     Capability("networks.kfac",
                "Block-diagonal K-FAC matrix (one Kronecker block per layer, dense [P, P]) "
-               "estimated with params['mode'] ('ggn_exact' = type-2/exact, 'fisher_empirical' "
-               "= empirical) in one batch; conv layers KFC (|T|·A⊗G), weight-shared dense "
+               "estimated with params['mode'] ('ggn_exact' = type-2/exact GGN, "
+               "'fisher_exact' = exact Fisher (equal for these natural-parameter losses), "
+               "'fisher_empirical' = empirical) in one batch; conv layers KFC (|T|·A⊗G), weight-shared dense "
                "layers KFAC-expand or -reduce as params['weight_sharing'] says.", _SIG,
                _CONV + ("empirical_fisher_scale",), convert_output=_kfac_matrix),
 ]
@@ -267,14 +268,16 @@ def build_cases() -> list[Case]:
                           inputs, base, ef, tol, dict(meta),
                           {"true_fisher": ggn} if lossp["loss"] == "categorical" else {},
                           description=desc))
-        for mode in ("ggn_exact", "fisher_empirical"):
+        modes = ("ggn_exact", "fisher_empirical") + (
+            ("fisher_exact",) if name in ("mlp_tanh_n4_ce", "deep_linear_n5_mse") else ())
+        for mode in modes:
             params = dict(base, mode=mode, weight_sharing=sharing)
             k = kfac_matrix(params, inputs)
-            other = kfac_matrix(params, inputs, mode="fisher_empirical" if mode ==
-                                "ggn_exact" else "ggn_exact")
-            alts = {"empirical_fisher" if mode == "ggn_exact" else "true_fisher": other,
-                    "exact_block_diagonal": _block_diagonal(
-                        ggn if mode == "ggn_exact" else ef, spec)}
+            true_mode = mode != "fisher_empirical"
+            other = kfac_matrix(params, inputs, mode="fisher_empirical" if true_mode
+                                else "ggn_exact")
+            alts = {"empirical_fisher" if true_mode else "true_fisher": other,
+                    "exact_block_diagonal": _block_diagonal(ggn if true_mode else ef, spec)}
             if len(x_shape) == 3:  # weight sharing: the other approximation
                 other_sharing = "reduce" if sharing == "expand" else "expand"
                 alts[f"{other_sharing}_instead_of_{sharing}"] = kfac_matrix(

@@ -90,7 +90,7 @@ class EmpiricalForTrue(_Mutant):
 
     @implements("networks.kfac")
     def net_kfac(self, inputs, params):
-        swapped = "fisher_empirical" if params["mode"] == "ggn_exact" else "ggn_exact"
+        swapped = "ggn_exact" if params["mode"] == "fisher_empirical" else "fisher_empirical"
         return super().net_kfac(inputs, dict(params, mode=swapped))
 
 
@@ -119,4 +119,24 @@ class ExactBlocksForKfac(_Mutant):
 
 MUTANTS = [MeanLossFactor, ConvExpandUndeclared, PatchOrderCHW, MSEFactor2, EmpiricalForTrue,
            KfacJaxEmpiricalScale, ExactBlocksForKfac]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
+
+
+class AverageOfProducts(_Mutant):
+    name = "mutant_average_of_products"
+    pitfall = ("moving average over per-batch K-FAC matrices instead of over the factors "
+               "(Kronecker products do not commute with averaging)")
+    EXPECTED = {"estimator.kfac_ema": "average_of_products"}
+
+    @implements("estimator.kfac_ema")
+    def est_kfac_ema(self, inputs, params):
+        from ..catalogue.networks_cases import kfac_matrix
+
+        d = params["decay"]
+        k = [kfac_matrix(params, {**inputs, "x": inputs[f"x{i}"],
+                                  "targets": inputs[f"targets{i}"]}) for i in range(2)]
+        return (d * k[0] + k[1]) / (d + 1.0)
+
+
+MUTANTS.append(AverageOfProducts)
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
