@@ -118,3 +118,35 @@ def conv_exactness_settings(p):
             pm = pt.mean(1)
             exact = 2.0 * np.kron(np.eye(c_out), pm.T @ pm)
         yield setting, model, x, y, exact
+
+
+def torch_param_perm(d_in, d_out, bias):
+    """Entry j of PyTorch's [W.flatten() (o, i), b (o)] is entry perm[j] of canonical
+    vec_r([W; b]) with [W; b] of shape [d_in (+1), d_out]."""
+    perm = [i * d_out + o for o in range(d_out) for i in range(d_in)]
+    if bias:
+        perm += [d_in * d_out + o for o in range(d_out)]
+    return np.array(perm)
+
+
+def expected_dense(ref, dims, bias, separate):
+    """Block-diagonal reference in PyTorch parameter order."""
+    blocks = []
+    for (a, g), (d_in, d_out) in zip(ref, dims):
+        if bias and separate:
+            aw = a[:d_in, :d_in]
+            blk = np.zeros((d_in * d_out + d_out,) * 2)
+            blk[: d_in * d_out, : d_in * d_out] = np.kron(g, aw)  # kron(G, A) on vec_r(W_torch)
+            blk[d_in * d_out:, d_in * d_out:] = g
+            blocks.append(blk)
+        else:
+            k = np.kron(a, g)
+            perm = torch_param_perm(d_in, d_out, bias)
+            blocks.append(k[np.ix_(perm, perm)])
+    n = sum(b.shape[0] for b in blocks)
+    out = np.zeros((n, n))
+    o = 0
+    for b in blocks:
+        out[o:o + b.shape[0], o:o + b.shape[0]] = b
+        o += b.shape[0]
+    return out
