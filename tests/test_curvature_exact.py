@@ -401,3 +401,44 @@ def test_errors(xp, rng):
     with pytest.raises(KFACTypeError, match="Generator"):
         C.estimated_matrix(net, ce, bp, (bx, by), "fisher_gradients", rng=None)
     assert v.shape == (net.num_params,)
+
+
+# ---------------------------------------------------------------------------------------------
+# hypothesis: identities on random small networks
+# ---------------------------------------------------------------------------------------------
+def test_property_identities(xp):
+    """For random widths, batch sizes, activations and weight sharing: the Hessian is
+    symmetric through the R-operator (wᵀ H v = vᵀ H w), the GGN is PSD (vᵀ G v ≥ 0) and equals
+    its factor product (𝓑 𝓑ᵀ v = G v).  Full 25 examples on numpy; 6 on the other backends
+    (their arithmetic is covered by the oracle tests above; this checks the identities on
+    shapes the fixed tests do not reach).  Tolerance: every quantity is a sum of O(P·D) products
+    of O(1) numbers, so the bound is rtol_for(xp) times the sum of absolute terms."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=25 if xp.name == "numpy" else 6)
+    @given(d_in=st.integers(1, 3), hidden=st.integers(1, 3), n=st.integers(1, 3),
+           t=st.integers(0, 2), act=st.sampled_from(nn.ACTIVATIONS[:3] + ("softplus",)),
+           seed=st.integers(0, 2**16))
+    def check(d_in, hidden, n, t, act, seed):
+        r = np.random.default_rng(seed)
+        net = nn.Sequential([("d1", nn.Dense(d_in, hidden)), ("a", nn.Activation(act)),
+                             ("d2", nn.Dense(hidden, 2))])
+        shape = (n, t, d_in) if t else (n, d_in)
+        x = xp.asarray(r.standard_normal(shape))
+        y = xp.asarray(r.standard_normal((*shape[:-1], 2)))
+        params = net.init_params(r, x)
+        v = xp.asarray(r.standard_normal(net.num_params))
+        w = xp.asarray(r.standard_normal(net.num_params))
+        hv = xp.to_numpy(C.hessian_vector_product(net, sq, params, (x, y), v))
+        hw = xp.to_numpy(C.hessian_vector_product(net, sq, params, (x, y), w))
+        vn, wn = xp.to_numpy(v), xp.to_numpy(w)
+        scale = np.abs(wn) @ np.abs(hv) + np.abs(vn) @ np.abs(hw) + 1e-300
+        assert abs(wn @ hv - vn @ hw) <= rtol_for(xp) * scale
+        gv = xp.to_numpy(C.ggn_vector_product(net, sq, params, (x, y), v))
+        assert vn @ gv >= -rtol_for(xp) * (np.abs(vn) @ np.abs(gv))
+        bt = C.ggn_factor_transpose_product(net, sq, params, (x, y), v)
+        bbt = xp.to_numpy(C.ggn_factor_product(net, sq, params, (x, y), bt))
+        assert_allclose_normwise(bbt, gv, rtol_for(xp), atol=rtol_for(xp) * 1e-8)
+
+    check()

@@ -344,6 +344,10 @@ def test_errors(xp, rng):
         net.forward(((xp.asarray(np.zeros((2, 2))), params[0][1]),), xp.asarray(np.zeros((2, 3))))
     with pytest.raises(KFACValueError, match=r"\[P\]"):
         net.jvp(params, xp.asarray(np.zeros((2, 3))), xp.asarray(np.zeros(5)))
+    mism = nn.Sequential([("d", nn.Dense(3, 2)), ("a", nn.Activation("tanh")),
+                          ("bad", nn.Dense(3, 1))])
+    with pytest.raises(KFACValueError, match="layer 'bad'"):
+        mism.forward(mism.init_params(rng, xp.asarray(np.zeros(1))), xp.asarray(np.zeros((2, 3))))
     with pytest.raises(KFACValueError, match="ids"):
         nn.Embedding(3, 2).check_input("f", xp.asarray(np.array([0, 3])))
     with pytest.raises(KFACValueError, match="channels"):

@@ -482,8 +482,11 @@ class BlockDiagonalCurvature(_EstimatorBase):
     (:func:`kfac_ref.curvature.exact.estimation_output_vectors`).  When a mode has several
     vectors (``*_exact``: one per output coordinate; ``num_samples > 1``) every block is
     updated once per vector with the vectors scaled by :math:`\sqrt C` and the weight
-    ``ema_new / C`` (``ema_old`` only on the first), as kfac-jax does: input statistics are
-    averaged over the vectors, output statistics summed.
+    ``ema_new / C`` (``ema_old`` only on the first), as kfac-jax does for its exact modes:
+    input statistics are averaged over the vectors, output statistics summed.  For
+    ``num_samples = M > 1`` the same weighting averages the M samples; kfac-jax's sample loop
+    instead adds every sample with the full ``ema_new``, which agrees when ``ema_old = 0`` and
+    otherwise gives the new batch M times the weight.
 
     Dense layers on ``[N, T, d]`` inputs (weight sharing) use KFAC-expand or KFAC-reduce
     (Eschenhagen et al. 2023, FORMULAS.md §2.3), chosen by ``weight_sharing``:
@@ -642,7 +645,7 @@ class BlockDiagonalCurvature(_EstimatorBase):
         params, batch = _unpack_func_args(func, func_args)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         params = self.net.check_params(func, params)
-        self.net.check_input(func, x)
+        self.net.check_input(func, x, self.net._like(params))
         shapes, shape = [], tuple(x.shape)
         for layer in self.net.layers:
             shapes.append(shape)

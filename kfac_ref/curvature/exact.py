@@ -106,7 +106,7 @@ class _Batch:
         arrays = {f"p{i}_{j}": a for i, p in enumerate(params or ()) for j, a in enumerate(p)}
         self.xp = namespace_of(func, **arrays, x=x, targets=y)
         params = net.check_params(func, params)
-        net.check_input(func, x)
+        net.check_input(func, x, net._like(params))
         self.net, self.params, self.x, self.targets = net, params, x, y
         self.out, self.inputs = net._forward(params, x)
         self.n = int(self.out.shape[0])

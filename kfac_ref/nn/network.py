@@ -26,6 +26,7 @@ from .._backend import (
     check_array,
     check_rng,
     namespace_of,
+    zeros_like_shape,
 )
 from .layers import Layer
 
@@ -157,13 +158,40 @@ class Sequential:
         pairs = zip(self.layers, params, strict=True)
         return tuple(layer.check_params(func, p) for layer, p in pairs)
 
-    def check_input(self, func, x):
-        r"""Validate ``x`` against the first layer (rank, sizes, dtype, finite values).
+    def check_input(self, func, x, like=None):
+        r"""Validate ``x`` against the first layer (rank, sizes, dtype, finite values) and the
+        shape every later layer receives (a one-example zero probe in ``like``'s dtype).
 
-        .. math:: x_0 = x
+        .. math:: x_0 = x,\qquad x_l \in \mathbb R^{\text{output\_shape}_l}
+
+        Raises
+        ------
+        KFACValueError, KFACTypeError
+            Naming the first layer whose input shape does not fit.
         """
         self.layers[0].check_input(func, x)
+        if like is None or len(self.layers) == 1:
+            return x
+        from .._backend import KFACInputError
+
+        shape = self.layers[0].output_shape(tuple(x.shape))
+        for name, layer in zip(self.names[1:], self.layers[1:], strict=True):
+            probe = zeros_like_shape(like, (1, *shape[1:]))
+            try:
+                layer.check_input(func, probe)
+            except KFACInputError as exc:
+                raise type(exc)(
+                    f"{func}: layer {name!r} must receive the shape its predecessor produces "
+                    f"(per example {tuple(shape[1:])}); {exc}"
+                ) from None
+            shape = layer.output_shape(shape)
         return x
+
+    def _like(self, params):
+        for p in params:
+            if p:
+                return p[0]
+        return None
 
     def _arrays(self, params):
         return {f"p{i}_{j}": a for i, p in enumerate(params) for j, a in enumerate(p)}
@@ -273,7 +301,7 @@ class Sequential:
         func = "Sequential.forward"
         self._xp(func, params, x)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         return self._forward(params, x)[0]
 
     def forward_with_inputs(self, params, x):
@@ -284,7 +312,7 @@ class Sequential:
         func = "Sequential.forward_with_inputs"
         self._xp(func, params, x)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         return self._forward(params, x)
 
     def jvp(self, params, x, dparams):
@@ -306,7 +334,7 @@ class Sequential:
         self._xp(func, params, x, dparams=dparams if not isinstance(dparams, (tuple, list))
                  else None)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         dparams = self._as_structured(func, "dparams", dparams)
         _, inputs = self._forward(params, x)
         return self._jvp(params, inputs, dparams)[0]
@@ -326,7 +354,7 @@ class Sequential:
         func = "Sequential.vjp"
         self._xp(func, params, x, g_out=g_out)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         out, inputs = self._forward(params, x)
         check_array(func, "g_out", g_out, shape=tuple(out.shape))
         grads, _ = self._backward(params, inputs, g_out, per_example)
@@ -351,7 +379,7 @@ class Sequential:
         func = "Sequential.backward_with_cotangents"
         self._xp(func, params, x, g_out=g_out)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         out, inputs = self._forward(params, x)
         check_array(func, "g_out", g_out, shape=tuple(out.shape))
         _, cots = self._backward(params, inputs, g_out)
@@ -386,7 +414,7 @@ class Sequential:
         self._xp(func, params, x, dparams=dparams if not isinstance(dparams, (tuple, list))
                  else None)
         params = self.check_params(func, params)
-        self.check_input(func, x)
+        self.check_input(func, x, self._like(params))
         dparams = self._as_structured(func, "dparams", dparams)
         out, inputs = self._forward(params, x)
         f_dot, dins = self._jvp(params, inputs, dparams)
