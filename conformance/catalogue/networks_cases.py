@@ -181,8 +181,9 @@ CAPABILITIES = [
                "Block-diagonal K-FAC matrix (one Kronecker block per layer, dense [P, P]) "
                "estimated with params['mode'] ('ggn_exact' = type-2/exact GGN, "
                "'fisher_exact' = exact Fisher (equal for these natural-parameter losses), "
-               "'fisher_empirical' = empirical) in one batch; conv layers KFC (|T|·A⊗G), weight-shared dense "
-               "layers KFAC-expand or -reduce as params['weight_sharing'] says.", _SIG,
+               "'fisher_empirical' = empirical) in one batch; conv layers KFC (|T|·A⊗G), "
+               "weight-shared dense layers KFAC-expand or -reduce as "
+               "params['weight_sharing'] says.", _SIG,
                _CONV + ("empirical_fisher_scale",), convert_output=_kfac_matrix),
 ]
 
@@ -285,7 +286,7 @@ def build_cases() -> list[Case]:
             # exactness theorems (FORMULAS §1.3, §2.3): K-FAC equals the block diagonal of the
             # exact curvature; build_catalogue's finalize() then lists exact_block_diagonal
             # in insensitive_to, which tests/test_conformance.py checks.
-            m = dict(meta, exact=bool(exact and mode == "ggn_exact") or (
+            m = dict(meta, exact=bool(exact and true_mode) or (
                 n == 1 and mode == "fisher_empirical"))
             cases.append(Case(f"networks.kfac/{name}_{mode}", "networks.kfac", inputs, params,
                               k, tol, m, alts, desc))

@@ -113,7 +113,7 @@ class ExactBlocksForKfac(_Mutant):
     def net_kfac(self, inputs, params):
         from ..catalogue.networks_cases import _block_diagonal, exact_matrix
 
-        kind = "ggn" if params["mode"] == "ggn_exact" else "ef"
+        kind = "ef" if params["mode"] == "fisher_empirical" else "ggn"
         return _block_diagonal(exact_matrix(params, inputs, kind), params["net"])
 
 
