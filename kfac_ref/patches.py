@@ -410,7 +410,7 @@ def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dil
 
     Parameters
     ----------
-    inputs : array [N, *spatial, C_in] (channels last) or [N, C_in, *spatial]
+    inputs : array ``[N, *spatial, C_in]`` (channels last) or ``[N, C_in, *spatial]``
     filter_shape : sequence of int
         ``[k_1, ..., k_r, C_in, C_out]``.
     padding : {"SAME", "VALID"} or sequence of (int, int)

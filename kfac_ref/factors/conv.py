@@ -4,7 +4,7 @@ Conventions: inputs ``[N, *spatial, C_in]`` (``data_format`` channels last, defa
 ``"NHWC"``) or ``[N, C_in, *spatial]`` (``"NCHW"`` etc.); kernels ``[k_1, ..., k_r, C_in,
 C_out]``; patch vectors ordered ``(k_1, ..., k_r, C_in)`` with ``C_in`` fastest, bias
 coordinate appended last (:mod:`kfac_ref.patches`).  Both Kronecker factors are normalised
-by :math:`N|T|` (|T| = number of output locations), so the KFC block is
+by :math:`N|T|` (:math:`|T|` = number of output locations), so the KFC block is
 :math:`|T|\,(\Omega \otimes \Gamma)` and a damping :math:`\lambda` reaches the factors as
 :math:`\lambda/|T|` (TF ``ConvKFCBasicFB``, kfac-jax ``Conv2DTwoKroneckerFactored``).
 """
@@ -106,7 +106,7 @@ def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate
 
     Returns
     -------
-    array [N·|T|, |Δ|·C_in (+1)]
+    array ``[N·|T|, |Δ|·C_in (+1)]``
         Peak memory: :math:`N\,|T|\,|\Delta|\,C_{in}` entries.
 
     References
@@ -183,7 +183,7 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
 
     Parameters
     ----------
-    inputs : array [N, *spatial, C_in] or channels first
+    inputs : array ``[N, *spatial, C_in]`` or channels first
     filter_shape : sequence of int
         ``[k_1, ..., k_r, C_in, C_out]``.
     padding : {"SAME", "VALID"} or sequence of (int, int)
@@ -203,7 +203,7 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
 
     Returns
     -------
-    array [|Δ| C_in (+1), |Δ| C_in (+1)]
+    array ``[|Δ|·C_in (+1), |Δ|·C_in (+1)]``
 
     Raises
     ------
@@ -263,7 +263,7 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
 
     Parameters
     ----------
-    outputs_grad : array [N, *spatial, C_out] or [N, C_out, *spatial]
+    outputs_grad : array ``[N, *spatial, C_out]`` or ``[N, C_out, *spatial]``
         Per-example gradients of the summed loss w.r.t. the pre-activations.
     data_format : str or None
         ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
@@ -309,8 +309,8 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
 
     Parameters
     ----------
-    inputs : array [N, *spatial, C_in] (or channels first)
-    outputs_grad : array [N, *out_spatial, C_out] (same data format)
+    inputs : array ``[N, *spatial, C_in]`` (or channels first)
+    outputs_grad : array ``[N, *out_spatial, C_out]`` (same data format)
     filter_shape : sequence of int
         ``[k_1, ..., k_r, C_in, C_out]``.
     strides : int, sequence or None
@@ -323,7 +323,7 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
 
     Returns
     -------
-    array [|Δ| C_in (+1), C_out]
+    array ``[|Δ|·C_in (+1), C_out]``
         In the shape of the kernel reshaped to 2-D with the bias row last; peak memory is
         the patch tensor, :math:`N\,|T|\,|\Delta|\,C_{in}` entries, plus
         :math:`N (|\Delta| C_{in} + 1) C_{out}` for the per-example gradients.
@@ -553,7 +553,7 @@ def conv_input_sua_statistics(inputs, data_format="NHWC", subtract_mean=True):
 
     Parameters
     ----------
-    inputs : array [N, *spatial, C] (or channels first)
+    inputs : array ``[N, *spatial, C]`` (or channels first)
     data_format : str or None
     subtract_mean : bool
 
@@ -649,7 +649,7 @@ def conv_input_sua_factor(sigma, mu, num_offsets, has_bias=False, damping=0.0,
 
     Returns
     -------
-    array [|Δ|C (+1), |Δ|C (+1)]
+    array ``[|Δ|·C (+1), |Δ|·C (+1)]``
 
     References
     ----------
@@ -693,7 +693,7 @@ def conv_input_sua_inverse(sigma, mu, num_offsets, has_bias=False, damping=0.0,
 
     Returns
     -------
-    array [|Δ|C (+1), |Δ|C (+1)]
+    array ``[|Δ|·C (+1), |Δ|·C (+1)]``
 
     Raises
     ------
