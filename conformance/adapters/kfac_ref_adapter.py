@@ -315,6 +315,18 @@ class KfacRefAdapter(Adapter):
 
         return kfac_matrix(params, inputs, self.to_backend, self.to_numpy)
 
+    @implements("networks.kfac_input_factors")
+    def net_kfac_a(self, inputs, params):
+        from ..catalogue.networks_cases import kfac_factors
+
+        return kfac_factors(params, inputs, "input", self.to_backend, self.to_numpy)
+
+    @implements("networks.kfac_output_factors")
+    def net_kfac_g(self, inputs, params):
+        from ..catalogue.networks_cases import kfac_factors
+
+        return kfac_factors(params, inputs, "output", self.to_backend, self.to_numpy)
+
     @implements("estimator.kfac_ema")
     def est_kfac_ema(self, inputs, params):
         from ..catalogue.estimator_cases import kfac_two_batches

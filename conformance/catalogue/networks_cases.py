@@ -97,6 +97,34 @@ def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=Non
     return to_numpy(est.to_dense_matrix(st))
 
 
+def _block_diag_np(mats):
+    n = sum(m.shape[0] for m in mats)
+    out, o = np.zeros((n, n)), 0
+    for m in mats:
+        out[o:o + m.shape[0], o:o + m.shape[0]] = m
+        o += m.shape[0]
+    return out
+
+
+def kfac_factors(params, inputs, which, to_backend=lambda v: v, to_numpy=to_np, mode=None):
+    """Block-diagonal matrix of every layer's input factors A (``which="input"``) or output
+    factors G (``"output"``) after one update of kfac_ref's estimator."""
+    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+
+    spec = params["net"]
+    net = build_net(spec)
+    theta = params_from_inputs(spec, inputs, to_backend)
+    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
+    est = BlockDiagonalCurvature(net, loss_fn(params),
+                                 weight_sharing=params.get("weight_sharing", "expand"))
+    rng = np.random.default_rng(0)
+    st = est.init(rng, (theta, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
+                                              (theta, batch), mode or params["mode"])
+    k = 0 if which == "input" else 1
+    return _block_diag_np([to_numpy(bs.factors[k].value) for bs in st.blocks_states])
+
+
 def exact_matrix(params, inputs, kind, to_backend=lambda v: v, to_numpy=to_np):
     from kfac_ref import curvature as C
 
@@ -165,6 +193,48 @@ def _kfac_matrix(arr, case, conv):
     return out
 
 
+def _factor_layers(spec):
+    """(offset, size, spec) of every parametric layer's factor in the block-diagonal
+    factor matrix (the caller picks A or G sizes)."""
+    return [s for s in spec if s["kind"] in ("dense", "conv2d")]
+
+
+def _input_factors(arr, case, conv):
+    if conv.conv_style in ("reduce", "hybrid") and any(
+            s["kind"] == "conv2d" for s in case.params["net"]):
+        raise NotImplementedError("conv_style reduce/hybrid conversions of network factors "
+                                  "are not available; compare networks.kfac instead")
+    idx, off = [], 0
+    for s, (_, p, _, b, patch) in zip(_factor_layers(case.params["net"]),
+                                      _layer_geometry(case.params["net"]), strict=True):
+        from ..conventions import a_index
+
+        idx.append(off + a_index(p, conv.bias_position, b, patch, conv.patch_order))
+        off += p
+    idx = np.concatenate(idx)
+    return arr[np.ix_(idx, idx)]
+
+
+def _output_factors(arr, case, conv):
+    if conv.conv_style in ("reduce", "hybrid") and any(
+            s["kind"] == "conv2d" for s in case.params["net"]):
+        raise NotImplementedError("conv_style reduce/hybrid conversions of network factors "
+                                  "are not available; compare networks.kfac instead")
+    out = arr * _scale(case, conv)
+    if case.params["mode"] == "fisher_empirical" and conv.empirical_fisher_scale == "kfac_jax":
+        out = out / case.meta["N"]
+    if conv.conv_style == "expand":
+        # curvlinops 'expand': G summed (not averaged) over the |T| locations / S positions of
+        # each weight-sharing layer (meta layer_T; 1 for layers without sharing)
+        scales = []
+        for t, (_, _, q, _, _) in zip(case.meta["layer_T"],
+                                      _layer_geometry(case.params["net"]), strict=True):
+            scales += [t] * q
+        sc = np.asarray(scales, dtype=np.float64)
+        out = out * np.sqrt(sc)[:, None] * np.sqrt(sc)[None, :]
+    return out
+
+
 _SIG = ("inputs: x, targets, w{i}, b{i}; params: net (layer list), loss, variance, "
         "mode, weight_sharing")
 _CONV = ("kron_order", "bias_position", "patch_order", "curvature_of", "mse_variance")
@@ -177,6 +247,17 @@ CAPABILITIES = [
     Capability("networks.empirical_fisher",
                "Empirical Fisher (1/N)Σ_n ∇ℓ_n ∇ℓ_nᵀ at the data targets, [P, P].", _SIG,
                _CONV + ("empirical_fisher_scale",), convert_output=_ef_matrix),
+    Capability("networks.kfac_input_factors",
+               "Every layer's K-FAC input factor A (dense: (1/N)Σ āāᵀ; conv: KFC Ω over N·|T| "
+               "patch rows) after one estimator update, as one block-diagonal matrix in layer "
+               "order.", _SIG, ("bias_position", "patch_order", "conv_style"),
+               convert_output=_input_factors),
+    Capability("networks.kfac_output_factors",
+               "Every layer's K-FAC output factor G ((1/N)Σ g gᵀ of the mode's back-propagated "
+               "vectors; conv: over N·|T| rows) after one estimator update, block-diagonal in "
+               "layer order.", _SIG,
+               ("curvature_of", "mse_variance", "empirical_fisher_scale", "conv_style"),
+               convert_output=_output_factors),
     Capability("networks.kfac",
                "Block-diagonal K-FAC matrix (one Kronecker block per layer, dense [P, P]) "
                "estimated with params['mode'] ('ggn_exact' = type-2/exact GGN, "
@@ -290,4 +371,25 @@ def build_cases() -> list[Case]:
                 n == 1 and mode == "fisher_empirical"))
             cases.append(Case(f"networks.kfac/{name}_{mode}", "networks.kfac", inputs, params,
                               k, tol, m, alts, desc))
+            if mode == "fisher_exact" or (mode == "ggn_exact" and "reduce" in name):
+                continue
+            other_mode = "ggn_exact" if mode == "fisher_empirical" else "fisher_empirical"
+            layer_t = []  # weight-sharing multiplicity of each parametric layer
+            for s_ in _factor_layers(spec):
+                if s_["kind"] == "conv2d":
+                    layer_t.append(t_conv)
+                else:
+                    layer_t.append(x_shape[1] if len(x_shape) == 3 and sharing == "expand"
+                                   and s_ is spec[0] else 1)
+            fmeta = dict(meta, layer_T=layer_t)
+            cases.append(Case(f"networks.kfac_input_factors/{name}_{mode}",
+                              "networks.kfac_input_factors", inputs, params,
+                              kfac_factors(params, inputs, "input"), tol, dict(fmeta),
+                              description=desc))
+            cases.append(Case(f"networks.kfac_output_factors/{name}_{mode}",
+                              "networks.kfac_output_factors", inputs, params,
+                              kfac_factors(params, inputs, "output"), tol, dict(fmeta),
+                              {"empirical_fisher" if true_mode else "true_fisher":
+                               kfac_factors(params, inputs, "output", mode=other_mode)},
+                              description=desc))
     return cases
