@@ -59,7 +59,7 @@ def _float_dtype(func, xp, like, dtype):
 def _id_counts(xp, flat_ids, vocab_size, dtype):
     """Occurrences of each id in ``flat_ids`` (sort + searchsorted; O(M log M + V log M))."""
     ids_sorted = xp.sort(flat_ids)
-    vocab = asarray_like(list(range(vocab_size)), flat_ids, dtype=flat_ids.dtype)
+    vocab = xp.arange(vocab_size, dtype=flat_ids.dtype, device=flat_ids.device)
     hi = xp.searchsorted(ids_sorted, vocab, side="right")
     lo = xp.searchsorted(ids_sorted, vocab, side="left")
     return xp.astype(hi - lo, dtype)
