@@ -67,11 +67,22 @@ extensions = [
     "numpydoc",
     "sphinxcontrib.bibtex",
     "sphinx_gallery.gen_gallery",
+    "myst_parser",
     "kfac_apidoc",
+    "kfac_markdown_pages",
 ]
 
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "tutorials_src"]
-source_suffix = {".rst": "restructuredtext"}
+exclude_patterns = ["_build", "_static", "**.ipynb_checkpoints", "tutorials_src"]
+source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
+
+# The conformance suite documents itself in Markdown next to its code; these files are
+# copied into docs/ at build time (git-ignored) and rendered by MyST, so they exist once.
+kfac_markdown_pages = {
+    "conformance/generated/README.md": "conformance/README.md",
+    "conformance/generated/GOLDEN_SPEC.md": "conformance/GOLDEN_SPEC.md",
+}
+myst_heading_anchors = 3
+myst_enable_extensions = ["dollarmath"]
 root_doc = "index"
 nitpicky = True
 # No intersphinx (the build is offline): names of other libraries stay unlinked.
@@ -156,3 +167,10 @@ html_show_sourcelink = False
 html_copy_source = False
 
 os.environ.setdefault("MPLBACKEND", "Agg")
+
+
+def setup(app):
+    # JSON with comments (used by conformance/GOLDEN_SPEC.md): the JavaScript lexer reads it.
+    from pygments.lexers import JavascriptLexer
+
+    app.add_lexer("jsonc", JavascriptLexer)
