@@ -6,6 +6,8 @@ FullyConnectedMultiKF."""
 import numpy as np
 import pytest
 from conftest import random_spd
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kfac_ref.factors as F
 from kfac_ref import KFACTypeError, KFACValueError
@@ -169,3 +171,23 @@ def test_series_errors(xp, rng):
         _ = F.FullyConnectedMultiKF(7).update_cov(x, ema_decay=0.5).cov_dt1
     with pytest.raises(KFACTypeError, match="sources"):
         F.FullyConnectedMultiKF(7).update_cov([x, x], ema_decay=0.5)
+
+
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(1, 5),
+       delta=st.sampled_from([0.0, 0.1, 1.0]))
+def test_series_identities_property(xp, seed, n, delta):
+    """For random SPD C0 (eigenvalues in [0.5, 4]) and random C1: Lᵀ C0_δ L = I,
+    Lᵀ sym(C1) L = diag(ψ) (signed ψ), Kᵀ C0_δ K = I, P C0_δ = C1ᵀ, 0 ≤ μ ≤ 1."""
+    r = np.random.default_rng(seed)
+    c0, c1 = (xp.round_host(m) for m in c0_c1(r, n))
+    c0d = c0 + delta * np.eye(n)
+    lm, psi = (xp.to_numpy(m) for m in F.series_option1_quantities(
+        xp.asarray(c0), xp.asarray(c1), delta, "eigh"))
+    p, k, mu = (xp.to_numpy(m) for m in F.series_option2_quantities(
+        xp.asarray(c0), xp.asarray(c1), delta))
+    tol = xp.rtol * 10  # κ(C0_δ) ≤ 8 and three chained products, as in the fixed cases
+    np.testing.assert_allclose(lm.T @ c0d @ lm, np.eye(n), atol=tol)
+    np.testing.assert_allclose(lm.T @ ((c1 + c1.T) / 2) @ lm, np.diag(psi), atol=tol)
+    np.testing.assert_allclose(k.T @ c0d @ k, np.eye(n), atol=tol)
+    np.testing.assert_allclose(p @ c0d, c1.T, atol=tol * np.abs(c0d).max())
+    assert mu.min() >= 0 and mu.max() <= 1
