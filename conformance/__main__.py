@@ -68,6 +68,12 @@ def _cmd_run(args) -> int:
 
     skips = read_pattern_file(args.skips) if args.skips else None
     xfails = read_pattern_file(args.xfails) if args.xfails else None
+    if not args.all_adapters:
+        try:
+            load_adapter(args.adapter)
+        except Exception as exc:  # noqa: BLE001 - AdapterUnavailable or a broken spec
+            print(f"error: cannot load adapter: {exc}", file=sys.stderr)
+            return 2
     try:
         cases, absent, label = select_cases(args.source, args.family, args.capability,
                                             args.keyword)

@@ -204,11 +204,10 @@ def _input_factors(arr, case, conv):
             s["kind"] == "conv2d" for s in case.params["net"]):
         raise NotImplementedError("conv_style reduce/hybrid conversions of network factors "
                                   "are not available; compare networks.kfac instead")
-    idx, off = [], 0
-    for s, (_, p, _, b, patch) in zip(_factor_layers(case.params["net"]),
-                                      _layer_geometry(case.params["net"]), strict=True):
-        from ..conventions import a_index
+    from ..conventions import a_index
 
+    idx, off = [], 0
+    for _, p, _, b, patch in _layer_geometry(case.params["net"]):
         idx.append(off + a_index(p, conv.bias_position, b, patch, conv.patch_order))
         off += p
     idx = np.concatenate(idx)
