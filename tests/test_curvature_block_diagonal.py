@@ -209,6 +209,19 @@ def test_single_conv_channels_last_squared_error_exact(xp, rng, padding):
     assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
 
 
+def test_conv_pool_dense_reduce_exact(xp, rng):
+    # conv -> global average pool -> dense, squared error, no nonlinearity: KFAC-reduce is
+    # exact for the conv layer, KFC (expand) is not
+    net = nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2), padding="SAME")), ("p", nn.MeanPool()),
+                         ("d", nn.Dense(2, 2))])
+    shape = (3, 3, 2)
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, shape, weight_sharing="reduce")
+    for g, e in zip(got, exp, strict=True):
+        xp.assert_close(g, e, rtol=tol(xp))
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, shape, weight_sharing="expand")
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+
+
 # ---------------------------------------------------------------------------------------------
 # stochastic modes, EMA, products
 # ---------------------------------------------------------------------------------------------

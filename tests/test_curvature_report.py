@@ -48,10 +48,11 @@ def test_report_nonlinear_cross_entropy(xp, rng):
         name = net.names[i]
         blk = g[net.layer_slices()[i], net.layer_slices()[i]]
         off = np.linalg.norm(blk - np.diag(np.diag(blk))) / np.linalg.norm(blk)
-        assert set(rep[name]) == {"kfac", "diagonal", "full"}
+        assert set(rep[name]) == {"kfac", "diagonal", "full", "kfac_reduce"}
         assert rep[name]["full"] <= tol(xp)
         assert abs(rep[name]["diagonal"] - off) <= tol(xp) * max(off, 1.0)
     assert rep["c"]["kfac"] > 1e-3  # conv + tanh + CE with N = 3: not exact
+    assert rep["d"]["kfac_reduce"] == rep["d"]["kfac"]  # an unshared layer: same block
 
 
 def test_report_exactness_zeros_and_weight_sharing(xp, rng):

@@ -503,8 +503,10 @@ class BlockDiagonalCurvature(_EstimatorBase):
     block (like KFC's :math:`|T|`); reduce as :math:`N` pooled rows.  ``DenseFull`` /
     ``DenseDiagonal`` on ``[N, T, d]`` inputs see the same rows (an approximation, without the
     :math:`T` scale); ``NaiveFull`` / ``NaiveDiagonal`` receive per-example gradients and are
-    exact in every case.  Convolutions always use KFC (= KFAC-expand); KFAC-reduce for
-    convolutions is not implemented.
+    exact in every case.  Convolutions use KFC (= KFAC-expand) by default; with
+    ``weight_sharing="reduce"`` (for that layer) a ``Conv2DTwoKroneckerFactored`` entry becomes
+    a dense Kronecker block on the location-averaged patches :math:`\frac1{|T|}\sum_t \bar p_{n,t}`
+    and the location-summed gradients :math:`\sum_t g_{n,t}` (KFAC-reduce).
 
     Parameters
     ----------
@@ -519,7 +521,7 @@ class BlockDiagonalCurvature(_EstimatorBase):
         receive per-example parameter gradients as their sources, which makes ``NaiveFull``
         the exact block.
     weight_sharing : {"expand", "reduce"} or mapping name -> mode
-        For dense layers on ``[N, T, d]`` inputs (default ``"expand"``).
+        For dense layers on ``[N, T, d]`` inputs and convolutions (default ``"expand"``).
     num_samples : int
         Samples per example for the stochastic modes.
     empirical_fisher_normalization : {"mean", "kfac_jax"}
@@ -617,6 +619,13 @@ class BlockDiagonalCurvature(_EstimatorBase):
                 return _repeated(ctor, input_shape[1])(layer.d_in, layer.d_out,
                                                        has_bias=layer.use_bias, **kw)
             return ctor(layer.d_in, layer.d_out, has_bias=layer.use_bias, **kw)
+        if (layer.kind == "conv2d" and _is_sub(ctor, "Conv2DTwoKroneckerFactored")
+                and self._sharing(name) == "reduce"):
+            # KFAC-reduce for a convolution: a dense Kronecker block on location-averaged
+            # patches and location-summed output gradients (same flat order: HWIO kernel
+            # row-major = [kh·kw·C_in, C_out], bias last)
+            return B.DenseTwoKroneckerFactored(layer.patch_size, layer.c_out,
+                                               has_bias=layer.use_bias, **kw)
         if layer.kind == "conv2d" and any(_is_sub(ctor, c) for c in (
                 "Conv2DTwoKroneckerFactored", "Conv2DFull", "Conv2DDiagonal")):
             return ctor(tuple(input_shape), layer.filter_shape, layer.stride,
@@ -671,6 +680,12 @@ class BlockDiagonalCurvature(_EstimatorBase):
                 return {"inputs": xp.reshape(x, (n * t, -1)),
                         "outputs_grad": xp.reshape(g, (n * t, -1))}, n * t
             return {"inputs": xp.mean(x, axis=1), "outputs_grad": xp.sum(g, axis=1)}, n
+        if layer.kind == "conv2d" and _is_sub(type(block), "DenseTwoKroneckerFactored"):
+            # KFAC-reduce: mean patch over locations, output gradient summed over locations
+            patches = layer.patches(x)  # [N, Ho, Wo, K]
+            gl = g if layer.data_format == "NHWC" else xp.permute_dims(g, (0, 2, 3, 1))
+            return {"inputs": xp.mean(xp.reshape(patches, (n, -1, layer.patch_size)), axis=1),
+                    "outputs_grad": xp.sum(xp.reshape(gl, (n, -1, layer.c_out)), axis=1)}, n
         return {"inputs": x, "outputs_grad": g}, n
 
     def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,

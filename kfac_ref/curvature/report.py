@@ -51,8 +51,8 @@ def default_approximations(net, input_shape):
         \text{full}: C_{ll}\ (\text{error } 0,\ \text{a sanity check})
 
     ``"kfac"`` uses the default block map (KFAC-expand for weight-shared dense layers) and
-    ``"kfac_reduce"`` is added when a dense layer sees ``[N, T, d]`` inputs for a batch of
-    ``input_shape``.
+    ``"kfac_reduce"`` is added when the network has a convolution or a dense layer that sees
+    ``[N, T, d]`` inputs for a batch of ``input_shape``.
     ``"diagonal"`` and ``"full"`` feed per-example parameter gradients to ``NaiveDiagonal`` /
     ``NaiveFull``, which makes them the exact diagonal and the exact block.
     """
@@ -66,7 +66,7 @@ def default_approximations(net, input_shape):
     shape = tuple(input_shape)
     shared = False
     for layer in net.layers:
-        shared = shared or (layer.kind == "dense" and len(shape) == 3)
+        shared = shared or (layer.kind == "dense" and len(shape) == 3) or layer.kind == "conv2d"
         shape = layer.output_shape(shape)
     if shared:
         out["kfac_reduce"] = {"weight_sharing": "reduce"}
