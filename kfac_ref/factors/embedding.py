@@ -251,6 +251,8 @@ class DiagonalKroneckerFactor(DiagonalFactor):
     def _contributions(self, tensors):
         func = f"{self.name}.update_cov"
         st = as_sources_towers(func, "tensors", tensors)
+        for src in st:
+            check_equal_batches(func, "tensors", [self._fold(func, t) for t in src])
         return tuple(tuple(self._one(func, self._fold(func, t)) for t in src) for src in st)
 
 
