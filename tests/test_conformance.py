@@ -438,3 +438,18 @@ def test_absent_family_is_reported(monkeypatch):
     monkeypatch.setitem(cat.FAMILY_MODULES, "bogus", ".does_not_exist")
     cases, absent = cat.build_catalogue()
     assert "bogus" in absent and cases
+
+
+@pytest.mark.parametrize("name", ["kfac_ref_strict", "kfac_ref_float32"])
+def test_reference_passes_on_other_backends_and_float32(live, name):
+    """kfac_ref through array-api-strict (standard-only code path) and in float32 (the
+    derived budgets, scaled by eps(float32), must hold)."""
+    cases, caps = live
+    try:
+        ad = load_adapter(name)
+        ad.setup()
+    except AdapterUnavailable as exc:
+        pytest.skip(str(exc))
+    rep = run_adapter(ad, cases, caps)
+    bad = [f"{r.case_id}: {r.message}" for r in rep.results if r.status != "pass"]
+    assert not bad, "\n".join(bad[:10])

@@ -22,6 +22,7 @@ ADAPTERS = {
     "kfac_ref_strict": "conformance.adapters.kfac_ref_adapter:KfacRefStrictAdapter",
     "kfac_ref_torch": "conformance.adapters.kfac_ref_adapter:KfacRefTorchAdapter",
     "kfac_ref_cupy": "conformance.adapters.kfac_ref_adapter:KfacRefCupyAdapter",
+    "kfac_ref_float32": "conformance.adapters.kfac_ref_adapter:KfacRefFloat32Adapter",
 }
 
 
@@ -406,3 +407,17 @@ class KfacRefCupyAdapter(KfacRefAdapter):
         if isinstance(x, (float, int, np.ndarray)):
             return np.asarray(x, dtype=np.float64)
         return x.get().astype(np.float64)
+
+
+class KfacRefFloat32Adapter(KfacRefAdapter):
+    """kfac_ref computing in float32 (NumPy): checks that the derived error budgets hold for a
+    float32 implementation, rtol = budget · eps(float32)."""
+
+    name = "kfac_ref_float32"
+    description = "kfac_ref on float32 NumPy arrays (canonical conventions)"
+    backend = "numpy-float32"
+    dtype = "float32"
+
+    def to_backend(self, x):
+        x = np.asarray(x)
+        return x.astype(np.int64) if x.dtype.kind in "iub" else x.astype(np.float32)
