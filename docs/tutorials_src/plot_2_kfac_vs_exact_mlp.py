@@ -13,7 +13,8 @@ compares every block with the exact generalised Gauss–Newton (GGN) matrix.  It
 
 It uses :mod:`kfac_ref.nn` for the network, :mod:`kfac_ref.curvature` for the exact matrix
 and the output vectors of the exact estimation mode, and :mod:`kfac_ref.linalg` for the
-factors.  See :doc:`/theory/kfac_dense` for the derivation.
+factors.  See :doc:`/theory/kfac_dense` for the derivation and
+:doc:`plot_1_kronecker_damping` for the Kronecker conventions used here.
 """
 
 # %%
