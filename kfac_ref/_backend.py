@@ -35,6 +35,7 @@ __all__ = [
     "KFACTypeError",
     "namespace_of",
     "describe",
+    "size_of",
     "check_array",
     "check_square",
     "check_symmetric",
@@ -80,6 +81,11 @@ def describe(x: Any) -> str:
     if isinstance(x, (list, tuple)):
         return f"a {type(x).__name__} of length {len(x)}"
     return f"{x!r} ({type(x).__name__})"
+
+
+def size_of(x: Any) -> int:
+    """Number of elements of an array (``x.size`` is a method on PyTorch tensors)."""
+    return math.prod(x.shape)
 
 
 def _is_array(x: Any) -> bool:
@@ -192,7 +198,7 @@ def check_array(
             _fail(func, name, f"an array of shape {exp}{what}", describe(x))
     if dtype is not None and not xp.isdtype(x.dtype, dtype):
         _fail(func, name, f"an array of {dtype} dtype", describe(x), KFACTypeError)
-    if finite and xp.isdtype(x.dtype, "real floating") and x.size != 0:
+    if finite and xp.isdtype(x.dtype, "real floating") and size_of(x) != 0:
         if not bool(xp.all(xp.isfinite(x))):
             n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
             _fail(func, name, "finite (no NaN or Inf)",
@@ -220,7 +226,7 @@ def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
     xp = array_api_compat.array_namespace(x)
     if rtol is None:
         rtol = math.sqrt(float(xp.finfo(x.dtype).eps))
-    if x.size == 0:
+    if size_of(x) == 0:
         return x
     asym = float(xp.max(xp.abs(x - x.T)))
     scale = max(float(xp.max(xp.abs(x))), float(xp.finfo(x.dtype).smallest_normal))

@@ -72,6 +72,7 @@ from ._backend import (
     eye_like,
     host_draw,
     namespace_of,
+    size_of,
 )
 
 __all__ = [
@@ -1080,7 +1081,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
             raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
                                 f"array; got {describe(targets)}.")
         y = xp.astype(targets, self._logits.dtype)
-        if y.size and bool(xp.any((y < 0.0) | (y > 1.0))):
+        if size_of(y) and bool(xp.any((y < 0.0) | (y > 1.0))):
             raise KFACValueError(f"{func}: targets must lie in [0, 1]; got values in "
                                  f"[{float(xp.min(y))}, {float(xp.max(y))}].")
         return y
@@ -1385,7 +1386,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
                                 f"got {describe(variance)}.")
         xp = namespace_of(func, mean=mean)
         self._mean = mean
-        if variance.size and not bool(xp.all(variance > 0.0)):
+        if size_of(variance) and not bool(xp.all(variance > 0.0)):
             raise KFACValueError(
                 f"{func}: variance must be strictly positive; got minimum "
                 f"{float(xp.min(variance))!r}.")

@@ -38,6 +38,7 @@ from .._backend import (
     describe,
     eye_like,
     namespace_of,
+    size_of,
 )
 from ..linalg import FACTOR_NORMS, clipped_eigh, damped_matpower, pi_adjusted_damping
 
@@ -89,7 +90,7 @@ def _check_common(func, power, damping, scale, threshold=0.0):
 def _elementwise_power(func, xp, s, power):
     """``s**power`` with clear errors for a negative power of a zero or a fractional power of a
     negative number."""
-    if s.size == 0:
+    if size_of(s) == 0:
         return s
     if power < 0 and not bool(xp.min(s) > 0):
         raise KFACValueError(
@@ -602,7 +603,7 @@ def _kron_difference_inverse(func, xp, a, b, c, d, x):
         ks.append(r @ e)
         ss.append(s)
     denom = 1.0 - ss[0][:, None] * ss[1][None, :]
-    if denom.size and not bool(xp.min(denom) > 0):
+    if size_of(denom) and not bool(xp.min(denom) > 0):
         raise KFACValueError(f"{func}: A⊗B - C⊗D must be positive definite; got "
                              f"min(1 - s1 s2ᵀ) = {float(xp.min(denom)):.3g}.")
     k1, k2 = ks
