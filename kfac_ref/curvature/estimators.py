@@ -761,10 +761,16 @@ class BlockDiagonalCurvature(_EstimatorBase):
             for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
 
     def _split(self, xp, flat):
+        """Flat [P] -> per block, a tuple of arrays of the block's ``parameters_shapes``."""
         out = []
         for i, bl in zip(self.layer_indices, self.blocks, strict=True):
-            sl = self.net.layer_slices()[i]
-            out.append(bl._unflatten(xp, flat[sl]))
+            start = self.net.layer_slices()[i].start
+            arrays = []
+            for shape in bl.parameters_shapes:
+                size = math.prod(shape)
+                arrays.append(xp.reshape(flat[start:start + size], shape))
+                start += size
+            out.append(tuple(arrays))
         return out
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
