@@ -1,15 +1,22 @@
 """kfac_ref: the reference implementation of K-FAC mathematics on the Python array API.
 
-The public API is curated here.  Submodules:
+The public API is curated here: the foundation (linear algebra, moving averages, errors) at
+the top level, every K-FAC family in its submodule.
 
 * :mod:`kfac_ref.linalg` — covariances, damped matrix functions, π, Kronecker products;
-* :mod:`kfac_ref.averaging` — TF K-FAC and kfac-jax moving averages.
+* :mod:`kfac_ref.averaging` — TF K-FAC and kfac-jax moving averages;
+* :mod:`kfac_ref.patches` — convolution patch extraction;
+* :mod:`kfac_ref.factors` — TF K-FAC's Fisher factors;
+* :mod:`kfac_ref.losses` — loss functions with their Fisher/GGN factor products;
+* :mod:`kfac_ref.blocks` — TF K-FAC Fisher blocks and kfac-jax curvature blocks;
+* :mod:`kfac_ref.nn` — reference layers and networks with explicit derivatives;
+* :mod:`kfac_ref.curvature` — exact curvature and the block-diagonal estimator.
 
 All functions accept arrays of any array-API library (NumPy, CuPy, PyTorch, JAX,
 array-api-strict) and return arrays of the same library, device and floating dtype.
 """
 
-from . import averaging, linalg
+from . import averaging, blocks, curvature, factors, linalg, losses, nn, patches
 from ._backend import KFACInputError, KFACTypeError, KFACValueError
 from .averaging import MovingAverageVariable, WeightedMovingAverage, weighted_accumulate
 from .linalg import (
@@ -35,7 +42,13 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "averaging",
+    "blocks",
+    "curvature",
+    "factors",
     "linalg",
+    "losses",
+    "nn",
+    "patches",
     "KFACInputError",
     "KFACTypeError",
     "KFACValueError",
