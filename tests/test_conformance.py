@@ -453,3 +453,16 @@ def test_reference_passes_on_other_backends_and_float32(live, name):
     rep = run_adapter(ad, cases, caps)
     bad = [f"{r.case_id}: {r.message}" for r in rep.results if r.status != "pass"]
     assert not bad, "\n".join(bad[:10])
+
+
+def test_readme_tables_are_current():
+    """conformance/README.md's generated tables match the code (refresh with
+    ``python -m conformance docs``)."""
+    from pathlib import Path
+
+    from conformance.__main__ import readme_tables
+
+    text = (Path(__file__).parents[1] / "conformance" / "README.md").read_text()
+    for name, body in readme_tables().items():
+        assert f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->" in text, (
+            f"README section {name!r} is stale: run python -m conformance docs")

@@ -1,0 +1,134 @@
+"""curvlinops (``curvlinops-for-pytorch``) as an implementation under test.
+
+Environment: ``conformance/peers/torchpeers.txt`` (its own venv; not installed in CI).
+Findings and reproductions: ``conformance/peers/FINDINGS.md``, ``repro_curvlinops.py``.
+
+Mapping: the suite's portable network spec becomes an ``nn.Sequential`` in float64
+(:func:`conformance.peers.nets.torch_build`; HWIO → OIHW kernels, NCHW activations, explicit
+zero padding, an NHWC flatten); the loss is PyTorch's with ``reduction="sum"``
+(``CrossEntropyLoss`` / ``MSELoss`` = ‖f − y‖²).  ``KFACLinearOperator`` with
+``fisher_type`` "type-2" (for ``ggn_exact`` and ``fisher_exact``; the two coincide for these
+natural-parameter losses) or "empirical", ``kfac_approx`` from ``params["weight_sharing"]``
+(conv layers always "expand", which gives the KFC block), ``separate_weight_and_bias=True``
+(the default).  Dense matrices are ``op @ I``.
+
+Declared conventions: kron(G, A) on PyTorch's [out, in] weights, bias a separate block after
+the weight, unfold patch order (channel slowest), curvature of the summed loss, ‖f − y‖²
+(variance 0.5), conv/shared factors in the "expand" normalisation (A over N·|T| rows, G
+summed over locations).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import Adapter, AdapterUnavailable, implements
+from ..conventions import Conventions
+
+ADAPTERS = {"curvlinops": "conformance.adapters.peer_curvlinops:CurvlinopsAdapter"}
+
+_FISHER = {"ggn_exact": "type-2", "fisher_exact": "type-2", "fisher_empirical": "empirical"}
+
+
+class CurvlinopsAdapter(Adapter):
+    name = "curvlinops"
+    description = "curvlinops KFACLinearOperator / GGNLinearOperator / EFLinearOperator (PyTorch)"
+    dtype = "float64"
+    conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
+                              curvature_of="sum", mse_variance=0.5, conv_style="expand",
+                              symmetrised=False)
+    unsupported = {}
+
+    def setup(self):
+        try:
+            import curvlinops  # noqa: F401
+            import torch  # noqa: F401
+        except ImportError as exc:
+            raise AdapterUnavailable(f"curvlinops is not installed ({exc}); see "
+                                     "conformance/peers/torchpeers.txt") from exc
+
+    def version(self):
+        import importlib.metadata as md
+
+        return (f"curvlinops-for-pytorch {md.version('curvlinops-for-pytorch')}, "
+                f"torch {md.version('torch')}")
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _problem(self, inputs, params):
+        from ..peers import nets
+
+        model, x, pmods = nets.torch_build(params["net"], inputs)
+        nets.check_forward_torch(model, x, params["net"], inputs)
+        y = nets.torch_targets(params, inputs)
+        loss = nets.torch_loss(params, "sum")
+        plist = [p for m in pmods for p in ([m.weight] + ([m.bias] if m.bias is not None
+                                                            else []))]
+        return model, x, y, loss, plist, pmods
+
+    @staticmethod
+    def _dense(op, n):
+        import torch
+
+        return (op @ torch.eye(n, dtype=torch.float64)).detach().numpy()
+
+    def _kfac(self, inputs, params):
+        from curvlinops import KFACLinearOperator
+
+        model, x, y, loss, plist, pmods = self._problem(inputs, params)
+        op = KFACLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False,
+                                fisher_type=_FISHER[params["mode"]],
+                                kfac_approx=params.get("weight_sharing", "expand"),
+                                separate_weight_and_bias=True)
+        op.compute_kronecker_factors()
+        return op, model, plist, pmods
+
+    # -- capabilities -------------------------------------------------------------------------
+    @implements("networks.kfac")
+    def kfac(self, inputs, params):
+        op, _, plist, _ = self._kfac(inputs, params)
+        return self._dense(op, sum(p.numel() for p in plist))
+
+    @implements("networks.kfac_input_factors", "networks.kfac_output_factors")
+    def factors(self, inputs, params, which=None):
+        from ..peers import nets
+
+        op, model, _, pmods = self._kfac(inputs, params)
+        names = {id(m): n for n, m in model.named_modules()}
+        out = []
+        for m in pmods:
+            name = names[id(m)]
+            d = op._input_covariances if which == "input" else op._gradient_covariances
+            out.append(d[name].detach().numpy())
+        return nets.block_diag(out)
+
+    @implements("networks.ggn")
+    def ggn(self, inputs, params):
+        from curvlinops import GGNLinearOperator
+
+        model, x, y, loss, plist, _ = self._problem(inputs, params)
+        op = GGNLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False)
+        return self._dense(op, sum(p.numel() for p in plist))
+
+    @implements("networks.empirical_fisher")
+    def empirical_fisher(self, inputs, params):
+        from curvlinops import EFLinearOperator
+
+        model, x, y, loss, plist, _ = self._problem(inputs, params)
+        op = EFLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False)
+        return self._dense(op, sum(p.numel() for p in plist))
+
+
+def _factor_method(which):
+    def fn(self, inputs, params):
+        return CurvlinopsAdapter.factors(self, inputs, params, which=which)
+    return fn
+
+
+# one method per capability (the protocol passes only inputs and params)
+CurvlinopsAdapter.input_factors = implements("networks.kfac_input_factors")(
+    _factor_method("input"))
+CurvlinopsAdapter.output_factors = implements("networks.kfac_output_factors")(
+    _factor_method("output"))
+CurvlinopsAdapter.factors = CurvlinopsAdapter.factors.__wrapped__ if hasattr(
+    CurvlinopsAdapter.factors, "__wrapped__") else CurvlinopsAdapter.factors
+CurvlinopsAdapter.factors._conformance_capabilities = ()
