@@ -47,12 +47,19 @@ kfac_api_modules = [
     "kfac_ref.factors.diagonal",
     "kfac_ref.factors.embedding",
     "kfac_ref.factors.series",
+    "kfac_ref.factors.scale_shift",
     "kfac_ref.losses",
     "kfac_ref.nn",
     "kfac_ref.nn.layers",
     "kfac_ref.nn.network",
     "kfac_ref.nn.convert",
     "kfac_ref.blocks",
+    "kfac_ref.blocks.tf",
+    "kfac_ref.blocks.kfac_jax",
+    "kfac_ref.curvature",
+    "kfac_ref.curvature.exact",
+    "kfac_ref.curvature.estimators",
+    "kfac_ref.curvature.report",
 ]
 kfac_api_autodiscover = True
 # True also requires docstrings on public constants, methods and properties.
