@@ -313,6 +313,26 @@ class TorchStyle(Adapter):
             out.append(s)
         return np.stack(out)
 
+    @implements("blocks.kron_matpower")
+    def kron_matpower(self, inputs, params):
+        # X arrives as [q, p] (PyTorch weight layout) with the bias column FIRST; the block is
+        # s·kron(G, A) on the row-major vec of that matrix.  Dense NumPy oracle.
+        a, g, xt = inputs["a"], inputs["g"], inputs["x"]
+        p_, s, lam = params["power"], params["scale"], params["damping"]
+
+        def mpow(m, e):
+            w, v = np.linalg.eigh((m + m.T) / 2)
+            return (v * np.maximum(w, 0) ** e) @ v.T
+
+        if params["exact"]:
+            m = s * np.kron(g, a) + lam * np.eye(a.shape[0] * g.shape[0])
+            return (mpow(m, p_) @ xt.reshape(-1)).reshape(xt.shape)
+        pi = np.sqrt((np.trace(a) / a.shape[0]) / (np.trace(g) / g.shape[0]))
+        r = np.sqrt(lam / s)
+        da, dg = pi * r, r / pi
+        return s ** p_ * mpow(g + dg * np.eye(g.shape[0]), p_) @ xt @ mpow(
+            a + da * np.eye(a.shape[0]), p_)
+
     @implements("losses.fisher")
     def loss_fisher(self, inputs, params):
         if params["loss"] != "normal_mean":
@@ -330,7 +350,7 @@ def test_declared_conventions_pass_and_are_reported(live):
            ("pass", "convention")]
     assert not bad, "\n".join(bad)
     conv = {r.capability for r in rep.results if r.status == "convention"}
-    assert {"linalg.kron", "linalg.kron_matvec", "factors.dense_input",
+    assert {"linalg.kron", "linalg.kron_matvec", "factors.dense_input", "blocks.kron_matpower",
             "factors.dense_output", "factors.conv_input", "factors.conv_output",
             "averaging.ema", "losses.fisher"} <= conv
     r = next(r for r in rep.results if r.capability == "factors.conv_output")
@@ -466,3 +486,49 @@ def test_readme_tables_are_current():
     for name, body in readme_tables().items():
         assert f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->" in text, (
             f"README section {name!r} is stale: run python -m conformance docs")
+
+
+def test_network_factors_in_curvlinops_like_conventions(live):
+    """Per-layer factors under bias 'separate', patch order 'chw', conv style 'expand' and
+    the sum loss, against conversions written out by hand."""
+    cases, caps = live
+    conv = Conventions(bias_position="separate", patch_order="chw", conv_style="expand",
+                       curvature_of="sum")
+    a_cases = [c for c in cases if c.capability == "networks.kfac_input_factors"]
+    if not a_cases:
+        pytest.skip("kfac_ref.curvature is not importable")
+    for c in a_cases:
+        blocks, off = [], 0
+        for s in c.params["net"]:
+            if s["kind"] not in ("dense", "conv2d"):
+                continue
+            if s["kind"] == "dense":
+                p = s["d_in"] + s["bias"]
+                order = list(range(s["d_in"]))
+            else:
+                kh, kw = s["kernel"]
+                ci = s["c_in"]
+                p = kh * kw * ci + s["bias"]
+                order = [(i * kw + j) * ci + ch for ch in range(ci) for i in range(kh)
+                         for j in range(kw)]
+            blk = c.expected[off:off + p, off:off + p]
+            blocks.append(blk[np.ix_(order, order)])
+            off += p
+        n = sum(b.shape[0] for b in blocks)
+        want, o = np.zeros((n, n)), 0
+        for b in blocks:
+            want[o:o + b.shape[0], o:o + b.shape[0]] = b
+            o += b.shape[0]
+        assert np.array_equal(caps[c.capability].expected_for(c, conv), want), c.id
+    for c in (c for c in cases if c.capability == "networks.kfac_output_factors"):
+        scale, off = np.ones(c.expected.shape[0]), 0
+        for s, t in zip((s for s in c.params["net"] if s["kind"] in ("dense", "conv2d")),
+                        c.meta["layer_T"], strict=True):
+            q = s["d_out"] if s["kind"] == "dense" else s["c_out"]
+            scale[off:off + q] = np.sqrt(t)
+            off += q
+        want = c.expected * np.outer(scale, scale) * c.meta["N"]
+        got = caps[c.capability].expected_for(c, conv)
+        assert np.allclose(got, want, rtol=1e-15, atol=0), c.id
+    cnn = [c for c in cases if c.id == "networks.kfac_output_factors/cnn_pool_n3_mse_ggn_exact"]
+    assert cnn and cnn[0].meta["layer_T"] == [12, 1]

@@ -88,18 +88,21 @@ class CurvlinopsAdapter(Adapter):
         op, _, plist, _ = self._kfac(inputs, params)
         return self._dense(op, sum(p.numel() for p in plist))
 
-    @implements("networks.kfac_input_factors", "networks.kfac_output_factors")
-    def factors(self, inputs, params, which=None):
+    def _factors(self, inputs, params, which):
         from ..peers import nets
 
         op, model, _, pmods = self._kfac(inputs, params)
         names = {id(m): n for n, m in model.named_modules()}
-        out = []
-        for m in pmods:
-            name = names[id(m)]
-            d = op._input_covariances if which == "input" else op._gradient_covariances
-            out.append(d[name].detach().numpy())
-        return nets.block_diag(out)
+        d = op._input_covariances if which == "input" else op._gradient_covariances
+        return nets.block_diag([d[names[id(m)]].detach().numpy() for m in pmods])
+
+    @implements("networks.kfac_input_factors")
+    def input_factors(self, inputs, params):
+        return self._factors(inputs, params, "input")
+
+    @implements("networks.kfac_output_factors")
+    def output_factors(self, inputs, params):
+        return self._factors(inputs, params, "output")
 
     @implements("networks.ggn")
     def ggn(self, inputs, params):
@@ -117,18 +120,3 @@ class CurvlinopsAdapter(Adapter):
         op = EFLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False)
         return self._dense(op, sum(p.numel() for p in plist))
 
-
-def _factor_method(which):
-    def fn(self, inputs, params):
-        return CurvlinopsAdapter.factors(self, inputs, params, which=which)
-    return fn
-
-
-# one method per capability (the protocol passes only inputs and params)
-CurvlinopsAdapter.input_factors = implements("networks.kfac_input_factors")(
-    _factor_method("input"))
-CurvlinopsAdapter.output_factors = implements("networks.kfac_output_factors")(
-    _factor_method("output"))
-CurvlinopsAdapter.factors = CurvlinopsAdapter.factors.__wrapped__ if hasattr(
-    CurvlinopsAdapter.factors, "__wrapped__") else CurvlinopsAdapter.factors
-CurvlinopsAdapter.factors._conformance_capabilities = ()

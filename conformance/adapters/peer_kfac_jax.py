@@ -1,0 +1,123 @@
+"""kfac-jax as an implementation under test.
+
+Environment: ``conformance/peers/jax.txt`` (its own venv; jax/jaxlib pinned to 0.9.1).
+Findings and reproductions: ``conformance/peers/FINDINGS.md``, ``repro_kfac_jax.py``.
+
+Mapping: the portable network spec becomes a JAX loss function with every layer registered
+by hand (``register_dense`` / ``register_conv2d`` with explicit padding pairs, NHWC/HWIO) and
+the loss registered with ``register_softmax_cross_entropy_loss`` or
+``register_normal_predictive_distribution(variance=v)`` (so the case's variance is used);
+parameters are a list of ``[w, b]`` lists (bias after weight).  ``BlockDiagonalCurvature``
+with ``auto_register_tags=False``, one ``update_curvature_matrix_estimate(ema_old=0,
+ema_new=1)`` in the case's estimation mode; dense blocks from
+``to_diagonal_block_dense_matrix``, factors from ``blocks_states[i].factors``.  Also the
+``WeightedMovingAverage`` for ``averaging.ema``.
+
+Declared conventions: canonical layouts (kron(A, G), bias last, (kh, kw, C_in) patches, KFC
+normalisation), no symmetrisation, and the extra 1/N of ``fisher_empirical``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import Adapter, AdapterUnavailable, implements
+from ..conventions import Conventions
+
+ADAPTERS = {"kfac_jax": "conformance.adapters.peer_kfac_jax:KfacJaxAdapter"}
+
+_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
+                "averaging.ema")
+_REASONS = {
+    "networks": "kfac-jax has no exact GGN / empirical-Fisher matrix function (only its "
+                "K-FAC blocks)",
+    "linalg": "kfac-jax's linear algebra helpers are private (kfac_jax._src.utils); the "
+              "blocks are checked through networks.kfac and repro_kfac_jax.py instead",
+    "factors": "kfac-jax computes factors only inside a curvature block driven by a traced "
+               "network; checked through networks.kfac_*_factors",
+    "losses": "not mapped yet (kfac_jax loss_functions could be; see PROTOCOL_REQUESTS.md)",
+    "blocks": "block matrix powers are checked through repro_kfac_jax.py (multiply_matpower), "
+              "which needs a registered network, not bare factors",
+    "estimator": "not mapped yet",
+}
+
+
+class KfacJaxAdapter(Adapter):
+    name = "kfac_jax"
+    description = "kfac-jax BlockDiagonalCurvature with hand-registered layers (JAX, x64)"
+    dtype = "float64"
+    conventions = Conventions(symmetrised=False, empirical_fisher_scale="kfac_jax")
+
+    @property
+    def unsupported(self):
+        from ..peers.nets import unsupported_reasons
+
+        return unsupported_reasons(_IMPLEMENTED, _REASONS)
+
+    def setup(self):
+        try:
+            import jax
+
+            jax.config.update("jax_enable_x64", True)
+            import kfac_jax  # noqa: F401
+        except ImportError as exc:
+            raise AdapterUnavailable(f"kfac-jax is not installed ({exc}); see "
+                                     "conformance/peers/jax.txt") from exc
+
+    def version(self):
+        import importlib.metadata as md
+
+        return f"kfac-jax {md.version('kfac-jax')}, jax {md.version('jax')}"
+
+    def _state(self, inputs, params):
+        import jax
+        import kfac_jax
+
+        from ..peers import nets
+
+        if params.get("weight_sharing", "expand") == "reduce":
+            raise NotImplementedError("kfac-jax 0.0.8 has no KFAC-reduce for dense layers")
+        fn, theta, batch = nets.jax_build(params["net"], inputs, params)
+        est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
+        rng = jax.random.PRNGKey(0)
+        st = est.init(rng, (theta, batch), exact_powers_to_cache=None,
+                      approx_powers_to_cache=None)
+        st = est.update_curvature_matrix_estimate(
+            st, ema_old=0.0, ema_new=1.0, identity_weight=0.0,
+            batch_size=int(inputs["x"].shape[0]), rng=rng, func_args=(theta, batch),
+            estimation_mode=params["mode"])
+        return est, st
+
+    @implements("networks.kfac")
+    def kfac(self, inputs, params):
+        from ..peers import nets
+
+        est, st = self._state(inputs, params)
+        return nets.block_diag([np.asarray(b) for b in est.to_diagonal_block_dense_matrix(st)])
+
+    def _factors(self, inputs, params, k):
+        from ..peers import nets
+
+        _, st = self._state(inputs, params)
+        return nets.block_diag([np.asarray(bs.factors[k].value) for bs in st.blocks_states])
+
+    @implements("networks.kfac_input_factors")
+    def input_factors(self, inputs, params):
+        return self._factors(inputs, params, 0)
+
+    @implements("networks.kfac_output_factors")
+    def output_factors(self, inputs, params):
+        return self._factors(inputs, params, 1)
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        import jax.numpy as jnp
+        from kfac_jax._src.utils import WeightedMovingAverage
+
+        xs = np.asarray(inputs["xs"])
+        avg = WeightedMovingAverage.zeros_array(xs.shape[1:], jnp.float64)
+        out = []
+        for x in xs:
+            avg.update(jnp.asarray(x), float(params["decay"]), float(params["weight"]))
+            out.append(np.asarray(avg.value))
+        return np.stack(out)
