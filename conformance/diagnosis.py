@@ -12,7 +12,8 @@ case's own tolerance).  Candidates, in this order:
    true Fisher, no zero-debias, expand instead of reduce, ...), stored with the case;
 3. **scalar factors** — N, N², 1/N, 1/N², |T|, 1/|T|, 2, 1/2 (from the case's N and |T|);
 4. **structure** — transposed, symmetrised, negated;
-5. **pairs** of a scalar factor with a candidate of 1–2;
+5. **pairs**: two undeclared conventions together (e.g. Kronecker order *and* sum loss),
+   then a scalar factor on top of a candidate of 1–2;
 6. otherwise, the least-squares constant ``c`` if ``c·expected`` fits ("off by a constant
    factor c"), else "unexplained" with the relative error.
 
@@ -220,6 +221,43 @@ _FLIP_PITFALL = {
 }
 
 
+def _flip_values(cap, case, conv):
+    """(field, value, pitfall id) for every undeclared value of each relevant field."""
+    out = []
+    for field in cap.conventions:
+        if field == "symmetrised":
+            continue
+        declared = getattr(conv, field)
+        if field == "mse_variance":
+            base = declared if declared is not None else case.params.get("variance", 1.0)
+            values = (base * 2.0, base / 2.0)
+        else:
+            values = [v for v in FIELDS[field][0] if v != declared]
+        for value in values:
+            if field == "ema_style":
+                pid = "no_zero_debias" if value == "raw" else "spurious_zero_debias"
+            else:
+                pid = _FLIP_PITFALL.get(field, field)
+            out.append((field, value, pid))
+    return out
+
+
+def _pair_flip_candidates(cap, case, conv):
+    flips = _flip_values(cap, case, conv)
+    for i, (f1, v1, p1) in enumerate(flips):
+        for f2, v2, p2 in flips[i + 1:]:
+            if f1 == f2:
+                continue
+            try:
+                cand = cap.convert_output(case.expected, case, conv.with_(**{f1: v1, f2: v2}))
+            except Exception:  # noqa: BLE001
+                continue
+            yield (f"{p1}+{p2}", f"matches the reference under {f1}={v1!r} and {f2}={v2!r} "
+                                 f"(declared {f1}={getattr(conv, f1)!r}, "
+                                 f"{f2}={getattr(conv, f2)!r})",
+                   np.asarray(cand, dtype=np.float64))
+
+
 def _flip_candidates(cap, case, conv):
     for field in cap.conventions:
         if field == "symmetrised":
@@ -295,6 +333,20 @@ def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
     if act is None:
         return Diagnosis("shape", f"the output is not a real array ({type(actual).__name__})")
     if act.shape != expected.shape:
+        # an undeclared convention can change the layout (e.g. a transposed parameter
+        # matrix): try the convention candidates that have the output's shape first
+        if np.all(np.isfinite(act)):
+            shaped = [x for x in list(_flip_candidates(cap, case, conv)) +
+                      list(_pair_flip_candidates(cap, case, conv)) if x[2].shape == act.shape]
+            factors = [("", "", 1.0)] + _scalar_factors(case)
+            for spid, label, f in factors:  # exact conventions first, then with a factor
+                for pid, text, cand in shaped:
+                    c = compare(act, f * cand, rtol, scale)
+                    if c.ok:
+                        if spid:
+                            return Diagnosis(f"{pid}+{spid}", f"{text}, times {label}",
+                                             c.rel_err)
+                        return Diagnosis(pid, text, c.rel_err)
         if act.size == expected.size and expected.ndim >= 1:
             if act.shape == expected.T.shape and compare(act.T, expected, rtol, scale).ok:
                 return Diagnosis("transposed", f"shape {act.shape} is the transpose of "
@@ -325,6 +377,10 @@ def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
         if c.ok:
             return Diagnosis(spid, f"output = {label} × expected", c.rel_err)
     for pid, text, cand in _structure_candidates(expected):
+        c = compare(act, cand, rtol, scale)
+        if c.ok:
+            return Diagnosis(pid, text, c.rel_err)
+    for pid, text, cand in _pair_flip_candidates(cap, case, conv):
         c = compare(act, cand, rtol, scale)
         if c.ok:
             return Diagnosis(pid, text, c.rel_err)

@@ -140,8 +140,9 @@ def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="l
         unavailable = ""
     except AdapterUnavailable as exc:
         impl, unavailable = {}, str(exc)
-        info = {"name": adapter.name, "version": "", "conventions":
-                adapter.conventions.to_dict(), "dtype": adapter.dtype}
+        info = {"name": adapter.name, "description": adapter.description, "version": "",
+                "dtype": adapter.dtype, "conventions": adapter.conventions.to_dict(),
+                "non_canonical_conventions": adapter.conventions.differences()}
     eps = EPS32 if adapter.dtype == "float32" else EPS64
     conv = adapter.conventions
     results = []

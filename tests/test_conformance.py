@@ -438,6 +438,15 @@ def test_scalar_diagnoses(live, cid, factor, pitfall):
     assert pitfall.split("+")[0] in PITFALLS
 
 
+def test_two_undeclared_conventions_are_diagnosed_together(live):
+    cases, caps = live
+    c = _by_id(cases, "factors.dense_diagonal/n3_in4_out2_bias1")
+    cap = caps[c.capability]
+    actual = cap.expected_for(c, Conventions(kron_order="GA", curvature_of="sum"))
+    d = diagnose(actual, c, cap, Conventions(), c.tolerance.rtol())
+    assert d.pitfall == "kron_order_swapped+sum_vs_mean", d
+
+
 def test_unexplained_and_shape_diagnoses(live):
     cases, caps = live
     c = _by_id(cases, "linalg.cross_cov/n6_d4")
