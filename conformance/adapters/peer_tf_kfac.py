@@ -1,0 +1,223 @@
+"""TensorFlow K-FAC (PyPI ``kfac`` 0.2.4) as an implementation under test.
+
+Environment: ``conformance/peers/tf.txt`` (its own venv).  Findings and reproductions:
+``conformance/peers/FINDINGS.md``, ``repro_tf_kfac.py``.
+
+Mapping (graph mode, ``tf.compat.v1``): the portable network spec becomes a TF graph with
+``LayerCollection.register_fully_connected`` / ``register_conv2d`` (NHWC, HWIO, explicit
+padding via ``tf.pad`` + "VALID", so any padding maps) and the loss
+``register_softmax_cross_entropy_loss`` or ``register_normal_predictive_distribution(var=v)``;
+one covariance update of ``FisherEstimatorRoundRobin`` (zero-debiased EMA: the factors equal
+the batch statistics) with ``estimation_mode`` "exact" (``ggn_exact``/``fisher_exact``: the
+Fisher equals the GGN for these losses) or "empirical".  Blocks from
+``full_fisher_block()``, factors from ``_input_factor.cov`` / ``_output_factor.cov``.
+Linear algebra: ``fisher_factors.compute_cov``, ``utils.append_homog``,
+``fisher_blocks.compute_pi_tracenorm`` / ``compute_pi_adjusted_damping``.
+
+Declared conventions: the canonical ones (TF is the seed of the reference's layouts).
+Damping is not an input of the mapped capabilities, so no float32 hyper-parameter error
+applies (``repro_tf_kfac.py`` measures it: 1.2e-8 with a Python-float damping).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import Adapter, AdapterUnavailable, implements
+from ..conventions import Conventions
+
+ADAPTERS = {"tf_kfac": "conformance.adapters.peer_tf_kfac:TfKfacAdapter"}
+
+_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
+                "linalg.compute_cov", "linalg.cross_cov", "linalg.homog_cov",
+                "linalg.pi_tracenorm", "linalg.pi_adjusted_damping")
+_REASONS = {
+    "networks": "TF K-FAC has no exact GGN / empirical-Fisher matrix function",
+    "linalg": "not mapped (TF's factor-level damped powers need a registered FisherFactor; "
+              "checked end to end in repro_tf_kfac.py)",
+    "factors": "not mapped yet: TF factors are checked through networks.kfac_*_factors",
+    "losses": "not mapped yet (kfac.loss_functions could be)",
+    "blocks": "not mapped yet (blocks are checked through repro_tf_kfac.py multiply_inverse)",
+    "averaging": "not mapped yet",
+    "estimator": "not mapped yet",
+}
+
+
+def _sess_run(build):
+    import tensorflow as tf
+
+    g = tf.Graph()
+    with g.as_default():
+        fetch = build()
+        with tf.compat.v1.Session(graph=g) as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            return fetch(sess)
+
+
+class TfKfacAdapter(Adapter):
+    name = "tf_kfac"
+    description = "TensorFlow K-FAC LayerCollection + FisherEstimator (graph mode)"
+    dtype = "float64"
+    conventions = Conventions()
+
+    @property
+    def unsupported(self):
+        from ..peers.nets import unsupported_reasons
+
+        return unsupported_reasons(_IMPLEMENTED, _REASONS)
+
+    def setup(self):
+        try:
+            import os
+
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            import kfac  # noqa: F401
+            import tensorflow as tf
+
+            tf.compat.v1.disable_eager_execution()
+        except ImportError as exc:
+            raise AdapterUnavailable(f"TF K-FAC is not installed ({exc}); see "
+                                     "conformance/peers/tf.txt") from exc
+
+    def version(self):
+        import importlib.metadata as md
+
+        return f"kfac {md.version('kfac')}, tensorflow-cpu {md.version('tensorflow-cpu')}"
+
+    # -- networks -----------------------------------------------------------------------------
+    def _network(self, inputs, params, fetch_kind):
+        import kfac
+        import tensorflow as tf
+
+        from ..peers import nets
+
+        spec = params["net"]
+        if np.ndim(inputs["x"]) == 3:
+            raise NotImplementedError("weight-shared dense layers need "
+                                      "register_fully_connected_multi; not mapped")
+        tf1 = tf.compat.v1
+
+        def build():
+            cur = tf.constant(np.asarray(inputs["x"], dtype=np.float64))
+            lc = kfac.LayerCollection()
+            variables, keys = [], []
+            for i, s in enumerate(spec):
+                k = s["kind"]
+                if k in ("dense", "conv2d"):
+                    w = tf1.get_variable(f"w{i}", initializer=tf.constant(inputs[f"w{i}"]))
+                    b = (tf1.get_variable(f"b{i}", initializer=tf.constant(inputs[f"b{i}"]))
+                         if s["bias"] else None)
+                    key = (w, b) if b is not None else w
+                    if k == "dense":
+                        out = tf.matmul(cur, w) + (b if b is not None else 0.0)
+                        lc.register_fully_connected(key, cur, out)
+                    else:
+                        (pt, pb), (pl, pr) = nets.conv_pads(s, tuple(cur.shape[1:3]))
+                        xin = tf.pad(cur, [[0, 0], [pt, pb], [pl, pr], [0, 0]])
+                        st = [1, *nets._pair(s["stride"]), 1]
+                        dl = [1, *nets._pair(s["dilation"]), 1]
+                        out = tf.nn.conv2d(xin, w, strides=st, padding="VALID", dilations=dl)
+                        out = out + (b if b is not None else 0.0)
+                        lc.register_conv2d(key, st, "VALID", xin, out, dilations=dl)
+                    variables += [w] + ([b] if b is not None else [])
+                    keys.append(key)
+                    cur = out
+                elif k == "activation":
+                    cur = tf.tanh(cur)
+                elif k == "mean_pool":
+                    cur = tf.reduce_mean(cur, axis=[1, 2] if cur.shape.ndims == 4 else [1])
+                elif k == "flatten":
+                    cur = tf.reshape(cur, [cur.shape[0], -1])
+            t = np.asarray(inputs["targets"])
+            if params["loss"] == "categorical":
+                lc.register_softmax_cross_entropy_loss(cur, targets=tf.constant(t.astype(np.int64)))
+            else:
+                lc.register_normal_predictive_distribution(
+                    cur, var=float(params["variance"]), targets=tf.constant(t))
+            mode = "empirical" if params["mode"] == "fisher_empirical" else "exact"
+            est = kfac.estimator.FisherEstimatorRoundRobin(
+                variables=variables, cov_ema_decay=0.95,
+                damping=tf.constant(1e-3, tf.float64), layer_collection=lc,
+                estimation_mode=mode)
+            cov_thunks, _ = est.make_vars_and_create_op_thunks()
+            cov_ops = [th() for th in cov_thunks]
+            blocks = [lc.fisher_blocks[k] for k in keys]
+            if fetch_kind == "kfac":
+                fetches = [b.full_fisher_block() for b in blocks]
+            elif fetch_kind == "input":
+                fetches = [b._input_factor.cov for b in blocks]
+            else:
+                fetches = [b._output_factor.cov for b in blocks]
+
+            def run(sess):
+                sess.run(cov_ops)
+                return [np.asarray(m) for m in sess.run(fetches)]
+            return run
+
+        return nets.block_diag(_sess_run(build))
+
+    @implements("networks.kfac")
+    def kfac(self, inputs, params):
+        return self._network(inputs, params, "kfac")
+
+    @implements("networks.kfac_input_factors")
+    def input_factors(self, inputs, params):
+        return self._network(inputs, params, "input")
+
+    @implements("networks.kfac_output_factors")
+    def output_factors(self, inputs, params):
+        return self._network(inputs, params, "output")
+
+    # -- linalg -------------------------------------------------------------------------------
+    def _run(self, make):
+        return _sess_run(lambda: (lambda sess: sess.run(make())))
+
+    @implements("linalg.compute_cov")
+    def compute_cov(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops.fisher_factors import compute_cov
+
+        return self._run(lambda: compute_cov(tf.constant(inputs["x"])))
+
+    @implements("linalg.cross_cov")
+    def cross_cov(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops.fisher_factors import compute_cov
+
+        return self._run(lambda: compute_cov(tf.constant(inputs["x"]),
+                                             tensor_right=tf.constant(inputs["y"])))
+
+    @implements("linalg.homog_cov")
+    def homog_cov(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops.fisher_factors import append_homog, compute_cov
+
+        return self._run(lambda: compute_cov(append_homog(tf.constant(inputs["a"]))))
+
+    @implements("linalg.pi_tracenorm")
+    def pi_tracenorm(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops.fisher_blocks import compute_pi_tracenorm
+
+        from kfac.python.ops import linear_operator as lo
+
+        def make():
+            a = lo.LinearOperatorFullMatrix(tf.constant(inputs["a"]))
+            g = lo.LinearOperatorFullMatrix(tf.constant(inputs["g"]))
+            return compute_pi_tracenorm(a, g)
+        return np.asarray(self._run(make))
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import linear_operator as lo
+        from kfac.python.ops.fisher_blocks import compute_pi_adjusted_damping
+
+        def make():
+            a = lo.LinearOperatorFullMatrix(tf.constant(inputs["a"]))
+            g = lo.LinearOperatorFullMatrix(tf.constant(inputs["g"]))
+            # TF's callers pass √λ (fisher_blocks._setup_damping: damping**0.5) and get
+            # (π√λ, √λ/π); this maps the API, it is not a convention
+            return compute_pi_adjusted_damping(
+                a, g, tf.constant(float(params["damping"]) ** 0.5, tf.float64))
+        return np.asarray(self._run(make), dtype=np.float64)
