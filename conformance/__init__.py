@@ -10,9 +10,16 @@ Write an adapter by subclassing :class:`Adapter` and marking methods with
 :func:`implements`; declare conventions with :class:`Conventions`.
 """
 
-from .adapter import ENV_VAR, Adapter, AdapterUnavailable, implements, load_adapter
+from .adapter import (
+    ENV_VAR,
+    Adapter,
+    AdapterUnavailable,
+    CaseUnsupported,
+    implements,
+    load_adapter,
+)
 from .conventions import CANONICAL, Conventions
 from .suite import run, select_cases
 
-__all__ = ["Adapter", "AdapterUnavailable", "CANONICAL", "Conventions", "ENV_VAR",
+__all__ = ["Adapter", "AdapterUnavailable", "CaseUnsupported", "CANONICAL", "Conventions", "ENV_VAR",
            "implements", "load_adapter", "run", "select_cases"]

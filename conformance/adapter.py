@@ -11,7 +11,8 @@ An adapter is a Python object (usually a subclass of :class:`Adapter`) that
   conventions and ``params`` a dict of Python scalars/strings; the function returns anything
   ``numpy.asarray`` can read (NumPy, CPU torch tensors, JAX arrays, ...),
 * lists capabilities it cannot provide in ``unsupported`` (capability -> reason); a
-  capability that is neither implemented nor listed is skipped with a generic reason.
+  capability that is neither implemented nor listed is skipped with a generic reason; a
+  capability function may raise :class:`CaseUnsupported` for a single case it cannot express.
 
 Heavy imports (torch, jax, tensorflow) belong in :meth:`Adapter.setup`, which raises
 :class:`AdapterUnavailable` when the implementation is not installed; the suite then skips the
@@ -27,13 +28,20 @@ import sys
 
 from .conventions import CANONICAL, Conventions
 
-__all__ = ["Adapter", "AdapterUnavailable", "implements", "load_adapter", "ENV_VAR"]
+__all__ = ["Adapter", "AdapterUnavailable", "CaseUnsupported", "implements", "load_adapter",
+           "ENV_VAR"]
 
 ENV_VAR = "KFAC_CONFORMANCE_ADAPTER"
 
 
 class AdapterUnavailable(RuntimeError):
     """The implementation behind an adapter cannot be imported or set up here."""
+
+
+class CaseUnsupported(Exception):
+    """Raised by a capability function for a case the implementation cannot express (a loss
+    it lacks, a padding mode it does not have): the case is skipped with this reason.  Use it
+    only for genuinely missing features, never for a wrong number."""
 
 
 def implements(*capabilities):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter import Adapter, AdapterUnavailable
+from .adapter import Adapter, AdapterUnavailable, CaseUnsupported
 from .compare import compare
 from .diagnosis import diagnose
 from .model import EPS32, EPS64, Case
@@ -189,6 +189,10 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
         t = time.perf_counter()
         actual = fn(inputs, dict(case.params))
         r.duration_s = time.perf_counter() - t
+    except CaseUnsupported as exc:
+        r.status = "skip"
+        r.message = f"unsupported: {exc}"
+        return r
     except Exception as exc:  # noqa: BLE001 - an adapter error is a reported result
         r.status = "xfail" if xfail_reason else "error"
         r.message = f"{type(exc).__name__}: {exc}"

@@ -150,6 +150,28 @@ def test_unsupported_and_unavailable(live):
     assert all(r.status == "skip" for r in rep.results)
 
 
+def test_case_unsupported_is_a_skip(live):
+    from conformance.adapter import CaseUnsupported
+
+    cases, caps = live
+
+    class NoMask(KfacRefAdapter):
+        name = "no_mask"
+
+        @implements("losses.fisher")
+        def loss_fisher(self, inputs, params):
+            if "mask" in inputs:
+                raise CaseUnsupported("no masks in this library")
+            return super().loss_fisher(inputs, params)
+
+    rep = run_adapter(NoMask(), [c for c in cases if c.capability == "losses.fisher"], caps)
+    st = {r.case_id: r for r in rep.results}
+    masked = [c.id for c in cases if c.capability == "losses.fisher" and "mask" in c.inputs]
+    assert masked and all(st[m].status == "skip" and "no masks" in st[m].message
+                          for m in masked)
+    assert rep.ok
+
+
 def test_adapter_exception_is_an_error(live):
     cases, caps = live
 
