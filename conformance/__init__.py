@@ -21,5 +21,5 @@ from .adapter import (
 from .conventions import CANONICAL, Conventions
 from .suite import run, select_cases
 
-__all__ = ["Adapter", "AdapterUnavailable", "CaseUnsupported", "CANONICAL", "Conventions", "ENV_VAR",
-           "implements", "load_adapter", "run", "select_cases"]
+__all__ = ["Adapter", "AdapterUnavailable", "CaseUnsupported", "CANONICAL", "Conventions",
+           "ENV_VAR", "implements", "load_adapter", "run", "select_cases"]
