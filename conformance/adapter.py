@@ -64,6 +64,9 @@ class Adapter:
     hyperparameter_rtol: float = 0.0
     hyperparameter_rtol_reason: str = ""
     unsupported: dict = {}
+    #: fnmatch pattern of case ids (or capability names) -> reason: cases the implementation
+    #: cannot express; skipped with the reason in every run, including --all-adapters
+    skip_cases: dict = {}
 
     def setup(self) -> None:
         """Import the implementation; raise :class:`AdapterUnavailable` if it is missing."""

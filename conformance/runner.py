@@ -168,6 +168,8 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
         r.message = "capability unknown to this version of the suite"
         return r
     reason = _match(skips, case)
+    if reason is None:
+        reason = _match(list(getattr(adapter, "skip_cases", {}).items()), case)
     if reason is not None:
         r.message = f"skipped: {reason}"
         return r

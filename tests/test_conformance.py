@@ -164,7 +164,11 @@ def test_case_unsupported_is_a_skip(live):
                 raise CaseUnsupported("no masks in this library")
             return super().loss_fisher(inputs, params)
 
+        skip_cases = {"losses.fisher/normal_mean_variance*": "no mean-variance loss"}
+
     rep = run_adapter(NoMask(), [c for c in cases if c.capability == "losses.fisher"], caps)
+    mv = [r for r in rep.results if "normal_mean_variance" in r.case_id]
+    assert mv and all(r.status == "skip" and "mean-variance" in r.message for r in mv)
     st = {r.case_id: r for r in rep.results}
     masked = [c.id for c in cases if c.capability == "losses.fisher" and "mask" in c.inputs]
     assert masked and all(st[m].status == "skip" and "no masks" in st[m].message
