@@ -96,7 +96,10 @@ def torch_build(spec, inputs):
                 raise NotImplementedError(f"activation {s['fn']!r}")
             new = [nn.Tanh()]
         elif k == "mean_pool":
-            new = [MeanPool()]
+            # after a conv: a full-window AvgPool2d + Flatten (modules BackPACK and nngeometry
+            # know); after a weight-shared dense layer: a mean over the positions
+            new = ([nn.AvgPool2d(tuple(cur.shape[2:])), nn.Flatten()] if cur.ndim == 4
+                   else [MeanPool()])
         elif k == "flatten":
             new = [NHWCFlatten()]
         else:

@@ -1,0 +1,107 @@
+"""BackPACK (``backpack-for-pytorch``) as an implementation under test.
+
+Environment: ``conformance/peers/torchpeers.txt``.  Findings: ``conformance/peers/FINDINGS.md``,
+``repro_backpack.py``.
+
+Mapping: the network spec as an ``nn.Sequential`` (:func:`conformance.peers.nets.torch_build`),
+``extend``-ed together with the loss (``reduction="sum"``), one backward pass under
+``backpack(KFLR())`` (K-FAC with the exact loss Hessian: ``ggn_exact`` / ``fisher_exact``);
+``weight.kflr == [G, A]``, ``bias.kflr == [G]``.  BackPACK has no empirical-Fisher K-FAC.
+
+Declared conventions: kron(G, A), separate bias block, unfold patch order, curvature of the
+summed loss, ‖f − y‖² (variance 0.5), conv factors "hybrid" (A = Σ āāᵀ/N, G of KFAC-reduce),
+which BackPACK documents as its KFLR/KFAC for convolutions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..adapter import Adapter, implements
+from ..conventions import Conventions
+
+ADAPTERS = {"backpack": "conformance.adapters.peer_backpack:BackpackAdapter"}
+
+_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
+_REASONS = {
+    "networks": "BackPACK returns no dense GGN/EF matrix (only per-sample or diagonal "
+                "quantities)",
+    "linalg": "BackPACK exposes only curvature quantities of a model, no linear algebra",
+    "factors": "factors come only from a model's backward pass; see networks.kfac_*_factors",
+    "losses": "BackPACK's loss-Hessian square roots are internal",
+    "blocks": "BackPACK does not invert or damp its factors",
+    "averaging": "BackPACK has no moving averages",
+    "estimator": "BackPACK has no estimator state",
+}
+
+
+class BackpackAdapter(Adapter):
+    name = "backpack"
+    description = "BackPACK KFLR extension (PyTorch)"
+    dtype = "float64"
+    conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
+                              curvature_of="sum", mse_variance=0.5, conv_style="hybrid",
+                              symmetrised=False)
+
+    @property
+    def unsupported(self):
+        from ..peers.nets import unsupported_reasons
+
+        return unsupported_reasons(_IMPLEMENTED, _REASONS)
+
+    def setup(self):
+        from ..peers.torch_adapter import require
+
+        require("torch", "backpack")
+        import torch
+
+        # BackPACK's AvgPool2d second-order backprop builds float32 tensors from the default
+        # dtype ("expected scalar type Double but found Float" on a float64 model otherwise);
+        # recorded in FINDINGS.md.
+        torch.set_default_dtype(torch.float64)
+
+    def version(self):
+        import importlib.metadata as md
+
+        return f"backpack-for-pytorch {md.version('backpack-for-pytorch')}, torch {md.version('torch')}"
+
+    def _run(self, inputs, params):
+        from backpack import backpack, extend
+        from backpack.extensions import KFLR
+
+        from ..peers import nets
+        from ..peers.torch_adapter import problem
+
+        if params["mode"] == "fisher_empirical":
+            raise NotImplementedError("BackPACK has no empirical-Fisher K-FAC (KFLR/KFAC/KFRA "
+                                      "use the model's loss Hessian or samples)")
+        if params.get("weight_sharing", "expand") == "reduce" or np.ndim(inputs["x"]) == 3:
+            raise NotImplementedError("BackPACK's Linear KFLR needs 2-D inputs")
+        model, x, y, pmods = problem(inputs, params)
+        model = extend(model)
+        loss = extend(nets.torch_loss(params, "sum"))
+        with backpack(KFLR()):
+            loss(model(x), y).backward()
+        out = []
+        for m in pmods:
+            g, a = (t.detach().numpy() for t in m.weight.kflr)
+            out.append((g, a, m.bias is not None))
+        return out
+
+    @implements("networks.kfac")
+    def kfac(self, inputs, params):
+        from ..peers.torch_adapter import kron_blocks
+
+        return kron_blocks(self._run(inputs, params), separate_bias=True)
+
+    @implements("networks.kfac_input_factors")
+    def input_factors(self, inputs, params):
+        from ..peers import nets
+
+        return nets.block_diag([a for _, a, _ in self._run(inputs, params)])
+
+    @implements("networks.kfac_output_factors")
+    def output_factors(self, inputs, params):
+        from ..peers import nets
+
+        return nets.block_diag([g for g, _, _ in self._run(inputs, params)])
