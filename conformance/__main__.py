@@ -173,7 +173,8 @@ def _cmd_list(args) -> int:
                 print(f"  {name}: {cap.summary}{conv}")
                 for c in cases:
                     if c.capability == name:
-                        print(f"      {c.id}  rtol64={c.tolerance.rtol():.1e}")
+                        print(f"      {c.id}  rtol64={c.tolerance.rtol():.1e} "
+                              f"({c.tolerance.derivation})")
     print("adapters: " + ", ".join(shipped()))
     print("mutants:  " + ", ".join(mutants()))
     return 0
