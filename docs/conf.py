@@ -94,10 +94,16 @@ root_doc = "index"
 nitpicky = True
 # No intersphinx (the build is offline): names of other libraries stay unlinked.
 nitpick_ignore_regex = [
-    (r"py:.*", r"(numpy|abc|typing|collections|dataclasses|array_api_strict|array_api_compat"
-               r"|torch|cupy|jax|builtins)(\..*)?"),
-    (r"py:.*", r"(ValueError|TypeError|Exception|BaseException|float|int|str|bool|tuple"
-               r"|list|dict|object|None|callable)"),
+    (
+        r"py:.*",
+        r"(numpy|abc|typing|collections|dataclasses|array_api_strict|array_api_compat"
+        r"|torch|cupy|jax|builtins)(\..*)?",
+    ),
+    (
+        r"py:.*",
+        r"(ValueError|TypeError|Exception|BaseException|float|int|str|bool|tuple"
+        r"|list|dict|object|None|callable)",
+    ),
 ]
 
 # autodoc / autosummary: pages are written by kfac_apidoc, autosummary only draws tables.
@@ -122,13 +128,17 @@ bibtex_reference_style = "author_year"
 # mathjax_path is resolved against _static/.
 mathjax_path = "mathjax/tex-svg.js"
 mathjax3_config = {
+    # textmacros (shipped next to tex-svg.js) makes \_ and friends work inside \text{} and
+    # \texttt{}, which the docstrings use for argument names such as has\_bias.
+    "loader": {"load": ["[tex]/textmacros"]},
     "tex": {
+        "packages": {"[+]": ["textmacros"]},
         "macros": {
             "vecr": [r"\operatorname{vec}_r", 0],
             "vecc": [r"\operatorname{vec}_c", 0],
             "tr": [r"\operatorname{tr}", 0],
             "diag": [r"\operatorname{diag}", 0],
-        }
+        },
     },
     "svg": {"fontCache": "global"},
 }

@@ -185,8 +185,10 @@ def collect(module_names, package_names, autodiscover=True) -> ApiModel:
             kind = _kind(obj)
             if kind == "module":
                 if obj.__name__ not in listed:
-                    problems.append(f"{mod_name}.__all__ exports module {obj.__name__}, which "
-                                    "is not in kfac_api_modules")
+                    problems.append(
+                        f"{mod_name}.__all__ exports module {obj.__name__}, which "
+                        "is not in kfac_api_modules"
+                    )
                 exports[mod_name].append((name, Entry(obj.__name__, "", obj, "module")))
                 continue
             owners = exporters[(name, id(obj))]
@@ -245,16 +247,19 @@ def check_docstrings(model: ApiModel) -> tuple[list[str], list[str]]:
         if entry.kind == "data":
             # The constant may be defined in a private module and re-exported.
             if not _doc_of(entry).strip():
-                strict.append(f"{full}: public constant without a docstring (put a string "
-                                "literal right after the assignment)")
+                strict.append(
+                    f"{full}: public constant without a docstring (put a string "
+                    "literal right after the assignment)"
+                )
             continue
         doc = inspect.getdoc(entry.obj) or ""
         if not doc.strip():
             problems.append(f"{full}: public {entry.kind} without a docstring")
             continue
         if entry.kind in ("function", "class") and not _has_formula(doc):
-            problems.append(f"{full}: docstring has no formula (no '.. math::' block and no "
-                            "':math:' role)")
+            problems.append(
+                f"{full}: docstring has no formula (no '.. math::' block and no ':math:' role)"
+            )
         if entry.kind in ("class", "exception"):
             for attr, value in vars(entry.obj).items():
                 if attr.startswith("_"):
@@ -268,8 +273,7 @@ def check_docstrings(model: ApiModel) -> tuple[list[str], list[str]]:
                 else:
                     continue
                 if not (doc or "").strip():
-                    strict.append(f"{full}.{attr}: public method or property without a "
-                                  "docstring")
+                    strict.append(f"{full}.{attr}: public method or property without a docstring")
     return problems, strict
 
 
@@ -280,14 +284,21 @@ def _title(text: str, char: str = "=") -> str:
     return f"{text}\n{char * len(text)}\n"
 
 
-_DIRECTIVE = {"function": "autofunction", "class": "autoclass", "exception": "autoexception",
-              "data": "autodata"}
+_DIRECTIVE = {
+    "function": "autofunction",
+    "class": "autoclass",
+    "exception": "autoexception",
+    "data": "autodata",
+}
 
 
 def _object_page(entry: Entry) -> str:
     lines = [
-        (":html_theme.sidebar_secondary.remove: true\n"
-         if entry.kind in ("function", "data") else ""),
+        (
+            ":html_theme.sidebar_secondary.remove: true\n"
+            if entry.kind in ("function", "data")
+            else ""
+        ),
         _title(entry.name),
         f".. currentmodule:: {entry.module}\n",
         f".. {_DIRECTIVE[entry.kind]}:: {entry.name}",
@@ -335,7 +346,7 @@ def _module_page(mod_name, model: ApiModel) -> str:
     own = []
     reexported = []
     submodules = []
-    for name, entry in model.exports[mod_name]:
+    for _name, entry in model.exports[mod_name]:
         if entry.kind == "module":
             submodules.append(entry.module)
         elif entry.module == mod_name:
@@ -362,17 +373,24 @@ def _module_page(mod_name, model: ApiModel) -> str:
         out.append("")
     if reexported:
         out.append(_title("Re-exported names", "-"))
-        out.append(f"These names are importable from ``{mod_name}`` and documented in the "
-                   "module that defines them.\n")
+        out.append(
+            f"These names are importable from ``{mod_name}`` and documented in the "
+            "module that defines them.\n"
+        )
         prefix = mod_name + "."
-        out.append(_link_table([
-            (f":obj:`{e.fullname.removeprefix(prefix)} <{e.fullname}>`", _doc_of(e))
-            for e in reexported
-        ]))
+        out.append(
+            _link_table(
+                [
+                    (f":obj:`{e.fullname.removeprefix(prefix)} <{e.fullname}>`", _doc_of(e))
+                    for e in reexported
+                ]
+            )
+        )
     if submodules:
         out.append(_title("Submodules", "-"))
-        out.append(_link_table([(f":mod:`{m}`", importlib.import_module(m).__doc__)
-                                for m in submodules]))
+        out.append(
+            _link_table([(f":mod:`{m}`", importlib.import_module(m).__doc__) for m in submodules])
+        )
     if own:
         out.append(".. toctree::\n   :hidden:\n")
         out.extend(f"   {e.fullname}" for e in own)
@@ -419,8 +437,9 @@ def _warn(msg: str) -> None:
 
 
 def _builder_inited(app):
-    model = collect(app.config.kfac_api_modules, app.config.kfac_api_packages,
-                    app.config.kfac_api_autodiscover)
+    model = collect(
+        app.config.kfac_api_modules, app.config.kfac_api_packages, app.config.kfac_api_autodiscover
+    )
     problems, strict = check_docstrings(model)
     for problem in model.problems + problems:
         _warn(problem)
@@ -467,10 +486,10 @@ def _missing_reference(app, env, node, contnode):
         if len(matches) == 1:
             canonical = matches[0]
     if canonical is not None:
-        return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"],
-                                   canonical, node, contnode)
-    if any(part.startswith("_") and not part.startswith("__")
-           for part in target.split(".")):
+        return domain.resolve_xref(
+            env, node["refdoc"], app.builder, node["reftype"], canonical, node, contnode
+        )
+    if any(part.startswith("_") and not part.startswith("__") for part in target.split(".")):
         return contnode
     return None
 
@@ -513,8 +532,11 @@ def _standalone(argv) -> int:
         exec(compile((docs / "conf.py").read_text(), str(docs / "conf.py"), "exec"), namespace)
     finally:
         os.chdir(cwd)
-    model = collect(namespace["kfac_api_modules"], namespace["kfac_api_packages"],
-                    namespace.get("kfac_api_autodiscover", True))
+    model = collect(
+        namespace["kfac_api_modules"],
+        namespace["kfac_api_packages"],
+        namespace.get("kfac_api_autodiscover", True),
+    )
     problems, strict = check_docstrings(model)
     problems = model.problems + problems
     enforce_strict = namespace.get("kfac_api_strict", False) or "--strict" in argv
@@ -524,9 +546,11 @@ def _standalone(argv) -> int:
         tag = "" if enforce_strict else " (not enforced)"
         print(f"kfac_apidoc{tag}: {problem}")
     failing = len(problems) + (len(strict) if enforce_strict else 0)
-    print(f"kfac_apidoc: {len(model.entries)} public objects in {len(model.modules)} modules, "
-          f"{len(problems)} problem(s), {len(strict)} strict-mode problem(s)"
-          + ("" if enforce_strict else " (not enforced)"))
+    print(
+        f"kfac_apidoc: {len(model.entries)} public objects in {len(model.modules)} modules, "
+        f"{len(problems)} problem(s), {len(strict)} strict-mode problem(s)"
+        + ("" if enforce_strict else " (not enforced)")
+    )
     return 1 if failing else 0
 
 

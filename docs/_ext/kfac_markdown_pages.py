@@ -23,8 +23,9 @@ def _copy_pages(app):
     for dest, source in app.config.kfac_markdown_pages.items():
         src = root / source
         if not src.is_file():
-            logger.warning(f"kfac_markdown_pages: {source} does not exist",
-                           type="kfac_markdown_pages")
+            logger.warning(
+                f"kfac_markdown_pages: {source} does not exist", type="kfac_markdown_pages"
+            )
             continue
         target = srcdir / dest
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -66,14 +66,20 @@ print("kron_matvec vs kron, row-major:", np.max(np.abs(fast.reshape(-1) - dense)
 # and multiplying by ``kron(A, G)`` is the classic mistake: in that order the block is
 # ``kron(G, A)``.
 U = V.T  # PyTorch layout [d_out, d_in + 1]
-print("order='F' on the PyTorch layout:",
-      np.max(np.abs(kfac_ref.kron_matvec(A, G, U, order="F") - dense.reshape(V.shape).T)))
+print(
+    "order='F' on the PyTorch layout:",
+    np.max(np.abs(kfac_ref.kron_matvec(A, G, U, order="F") - dense.reshape(V.shape).T)),
+)
 wrong = kfac_ref.kron(A, G) @ U.reshape(-1)
 right = kfac_ref.kron(G, A) @ U.reshape(-1)
-print("kron(A, G) @ U.flatten() vs the true product, relative error:",
-      np.linalg.norm(wrong - dense.reshape(V.shape).T.reshape(-1)) / np.linalg.norm(dense))
-print("kron(G, A) @ U.flatten() vs the true product, relative error:",
-      np.linalg.norm(right - dense.reshape(V.shape).T.reshape(-1)) / np.linalg.norm(dense))
+print(
+    "kron(A, G) @ U.flatten() vs the true product, relative error:",
+    np.linalg.norm(wrong - dense.reshape(V.shape).T.reshape(-1)) / np.linalg.norm(dense),
+)
+print(
+    "kron(G, A) @ U.flatten() vs the true product, relative error:",
+    np.linalg.norm(right - dense.reshape(V.shape).T.reshape(-1)) / np.linalg.norm(dense),
+)
 
 # %%
 # The π split of the damping
@@ -113,8 +119,10 @@ fro_res = np.array([np.linalg.norm(residual(p)) for p in pis])
 pi_tr = kfac_ref.pi_tracenorm(A, G)
 pi_fro = np.sqrt(kfac_ref.factor_norm(A, "avg_fro") / kfac_ref.factor_norm(G, "avg_fro"))
 print(f"trace-norm pi = {pi_tr:.4g}; grid minimiser of tr R = {pis[np.argmin(trace_res)]:.4g}")
-print(f"pi from avg_fro norms = {pi_fro:.4g}; "
-      f"grid minimiser of ||R||_F = {pis[np.argmin(fro_res)]:.4g}")
+print(
+    f"pi from avg_fro norms = {pi_fro:.4g}; "
+    f"grid minimiser of ||R||_F = {pis[np.argmin(fro_res)]:.4g}"
+)
 
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.loglog(pis, trace_res, label=r"$\mathrm{tr}\,R(\pi)$")
@@ -153,8 +161,10 @@ unsplit = np.sort(np.outer(s_a + lam, s_g + lam).ravel())[::-1]
 
 # The closed forms agree with the dense matrices.
 dense_factored = kfac_ref.kron(A + left * I_a, G + right * I_g)
-print("factored spectrum, closed form vs dense:",
-      np.max(np.abs(np.sort(np.linalg.eigvalsh(dense_factored))[::-1] - factored)))
+print(
+    "factored spectrum, closed form vs dense:",
+    np.max(np.abs(np.sort(np.linalg.eigvalsh(dense_factored))[::-1] - factored)),
+)
 
 fig, ax = plt.subplots(figsize=(7, 4))
 k = np.arange(1, undamped.size + 1)

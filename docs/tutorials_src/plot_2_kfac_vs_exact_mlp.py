@@ -36,11 +36,15 @@ like = np.zeros(1)  # parameters are created as NumPy float64 arrays
 
 
 def mlp(activation):
-    return nn.Sequential([
-        ("dense1", nn.Dense(4, 5)), ("act1", nn.Activation(activation)),
-        ("dense2", nn.Dense(5, 5)), ("act2", nn.Activation(activation)),
-        ("dense3", nn.Dense(5, 3)),
-    ])
+    return nn.Sequential(
+        [
+            ("dense1", nn.Dense(4, 5)),
+            ("act1", nn.Activation(activation)),
+            ("dense2", nn.Dense(5, 5)),
+            ("act2", nn.Activation(activation)),
+            ("dense3", nn.Dense(5, 3)),
+        ]
+    )
 
 
 def loss_fn(outputs, targets):

@@ -43,7 +43,7 @@ oracle = np.zeros_like(A)
 for n in range(N):
     for i in range(H):
         for j in range(W):
-            p = np.append(xp[n, i:i + k, j:j + k, :].reshape(-1), 1.0)
+            p = np.append(xp[n, i : i + k, j : j + k, :].reshape(-1), 1.0)
             oracle += np.outer(p, p)
 oracle /= N * H * W
 print("factor shape:", A.shape)
@@ -69,8 +69,10 @@ layers = [  # name, N, |T| (H*W), kh, kw, C_in, C_out
     ("3x3, 256 ch, 8x8, N=128", 128, 8 * 8, 3, 3, 256, 256),
     ("7x7, 3->64 ch, 112x112, N=32", 32, 112 * 112, 7, 7, 3, 64),
 ]
-print(f"{'layer':32s} {'A, G [MB]':>10s} {'exact block [GB]':>17s} {'patches [GB]':>13s} "
-      f"{'GEMM [GFLOP]':>13s}")
+print(
+    f"{'layer':32s} {'A, G [MB]':>10s} {'exact block [GB]':>17s} {'patches [GB]':>13s} "
+    f"{'GEMM [GFLOP]':>13s}"
+)
 for name, n, t, kh, kw, cin, cout in layers:
     d_a = kh * kw * cin + 1
     factors_mb = 8 * (d_a**2 + cout**2) / 1e6
@@ -135,8 +137,14 @@ for rho in rhos:
     e = []
     for seed in range(5):
         est = conv_input_kronecker_factor(
-            xs, [3, 3, 4, 8], "SAME", has_bias=True, sub_sample_patches=True,
-            rng=np.random.default_rng(seed), max_num_patches_per_dimension=float(rho))
+            xs,
+            [3, 3, 4, 8],
+            "SAME",
+            has_bias=True,
+            sub_sample_patches=True,
+            rng=np.random.default_rng(seed),
+            max_num_patches_per_dimension=float(rho),
+        )
         e.append(np.linalg.norm(est - full) / np.linalg.norm(full))
     kept.append(min(int(np.ceil(rho * d_patch)), 16 * 16 * 16))
     errs.append(np.mean(e))
