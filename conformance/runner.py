@@ -138,8 +138,10 @@ def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="l
         impl = adapter.implementations()
         info = adapter.info()
         unavailable = ""
-    except AdapterUnavailable as exc:
-        impl, unavailable = {}, str(exc)
+    except Exception as exc:  # noqa: BLE001 - AdapterUnavailable, or a broken setup/version
+        impl = {}
+        unavailable = str(exc) if isinstance(exc, AdapterUnavailable) else \
+            f"setup failed ({type(exc).__name__}: {exc})"
         info = {"name": adapter.name, "description": adapter.description, "version": "",
                 "dtype": adapter.dtype, "conventions": adapter.conventions.to_dict(),
                 "non_canonical_conventions": adapter.conventions.differences()}
