@@ -328,6 +328,12 @@ class KfacRefAdapter(Adapter):
 
         return kfac_factors(params, inputs, "output", self.to_backend, self.to_numpy)
 
+    @implements("networks.kfac_inverse_matvec")
+    def net_kfac_inverse(self, inputs, params):
+        from ..catalogue.networks_cases import kfac_inverse_matvec
+
+        return kfac_inverse_matvec(params, inputs, self.to_backend, self.to_numpy)
+
     @implements("estimator.kfac_ema")
     def est_kfac_ema(self, inputs, params):
         from ..catalogue.estimator_cases import kfac_two_batches

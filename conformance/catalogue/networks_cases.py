@@ -97,6 +97,28 @@ def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=Non
     return to_numpy(est.to_dense_matrix(st))
 
 
+def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
+                        exact=None, damping=None):
+    """(K + λI)⁻¹ v with the block-diagonal K-FAC K of one estimator update (kfac_ref):
+    per block factored π damping of λ/s (``exact=False``) or exact damping."""
+    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+
+    spec = params["net"]
+    net = build_net(spec)
+    theta = params_from_inputs(spec, inputs, to_backend)
+    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
+    est = BlockDiagonalCurvature(net, loss_fn(params),
+                                 weight_sharing=params.get("weight_sharing", "expand"))
+    rng = np.random.default_rng(0)
+    st = est.init(rng, (theta, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
+                                              (theta, batch), params["mode"])
+    out = est.multiply_matpower(st, to_backend(inputs["v"]),
+                                params["damping"] if damping is None else damping, -1.0,
+                                params["exact"] if exact is None else exact, False)
+    return to_numpy(out)
+
+
 def _block_diag_np(mats):
     n = sum(m.shape[0] for m in mats)
     out, o = np.zeros((n, n)), 0
@@ -234,6 +256,24 @@ def _output_factors(arr, case, conv):
     return out
 
 
+def _inverse_inputs(inputs, case, conv):
+    out = dict(inputs)
+    out["v"] = inputs["v"][_param_index(case.params["net"], conv)]
+    return out
+
+
+def _inverse_output(arr, case, conv):
+    scale = _scale(case, conv)
+    if scale != 1.0 or conv.bias_position == "separate":
+        # (cK + λI)⁻¹ is not a rescaling of (K + λI)⁻¹, and a separate bias block is another
+        # approximation: the suite has no conversion for these declarations
+        raise NotImplementedError(
+            "networks.kfac_inverse_matvec is only converted for permutation conventions "
+            "(kron_order, bias_position first/last, patch_order); declare curvature_of='mean', "
+            "the case's variance and a joint bias, or compare networks.kfac")
+    return arr[_param_index(case.params["net"], conv)]
+
+
 _SIG = ("inputs: x, targets, w{i}, b{i}; params: net (layer list), loss, variance, "
         "mode, weight_sharing")
 _CONV = ("kron_order", "bias_position", "patch_order", "curvature_of", "mse_variance")
@@ -257,6 +297,14 @@ CAPABILITIES = [
                "layer order.", _SIG,
                ("curvature_of", "mse_variance", "empirical_fisher_scale", "conv_style"),
                convert_output=_output_factors),
+    Capability("networks.kfac_inverse_matvec",
+               "(K + λI)⁻¹ v for the block-diagonal K-FAC K of params['mode'] (one update): "
+               "per layer factored Tikhonov damping with the trace-norm π split of λ/s "
+               "(s = |T| for conv blocks; params['exact'] = False) or exact damping "
+               "(A⊗G + λI)⁻¹ through both eigenbases (exact = True); [P].",
+               _SIG + ", damping, exact; inputs: v [P]",
+               ("kron_order", "bias_position", "patch_order", "curvature_of", "mse_variance"),
+               convert_inputs=_inverse_inputs, convert_output=_inverse_output),
     Capability("networks.kfac",
                "Block-diagonal K-FAC matrix (one Kronecker block per layer, dense [P, P]) "
                "estimated with params['mode'] ('ggn_exact' = type-2/exact GGN, "
@@ -370,6 +418,21 @@ def build_cases() -> list[Case]:
                 n == 1 and mode == "fisher_empirical"))
             cases.append(Case(f"networks.kfac/{name}_{mode}", "networks.kfac", inputs, params,
                               k, tol, m, alts, desc))
+            if mode == "ggn_exact" and name in ("mlp_tanh_n4_ce", "cnn_pool_n3_mse"):
+                v = rng_for(f"networks/{name}/v").standard_normal(p_total)
+                for exact_d in (False, True):
+                    pinv = dict(params, damping=0.1, exact=exact_d)
+                    inv_in = dict(inputs, v=v)
+                    ref = kfac_inverse_matvec(pinv, inv_in)
+                    alts = {("factored_damping" if exact_d else "exact_damping"):
+                            kfac_inverse_matvec(pinv, inv_in, exact=not exact_d)}
+                    kinv = np.linalg.cond(k + 0.1 * np.eye(p_total))
+                    cases.append(Case(
+                        f"networks.kfac_inverse_matvec/{name}_{'exact' if exact_d else 'factored'}",
+                        "networks.kfac_inverse_matvec", inv_in, pinv, ref,
+                        Tolerance(SAFETY * 4 * work * kinv,
+                                  f"{tol.derivation}, × κ(K + λI) = {kinv:.3g}"),
+                        dict(meta), alts, desc))
             if mode == "fisher_exact" or (mode == "ggn_exact" and "reduce" in name):
                 continue
             other_mode = "ggn_exact" if mode == "fisher_empirical" else "fisher_empirical"

@@ -134,7 +134,12 @@ class UnsplitDamping(_Mutant):
 class ExactForFactored(_Mutant):
     name = "mutant_exact_for_factored"
     pitfall = "exact damping (A⊗G + λI)⁻¹ where factored Tikhonov damping is asked for"
-    EXPECTED = {"linalg.factored_damped_inverse_matvec": "exact_damping"}
+    EXPECTED = {"linalg.factored_damped_inverse_matvec": "exact_damping",
+                "networks.kfac_inverse_matvec": ("exact_damping", "factored_damping")}
+
+    @implements("networks.kfac_inverse_matvec")
+    def net_kfac_inverse(self, inputs, params):
+        return super().net_kfac_inverse(inputs, dict(params, exact=not params["exact"]))
 
     @implements("linalg.factored_damped_inverse_matvec")
     def factored_inverse(self, inputs, params):
