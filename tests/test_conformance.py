@@ -176,6 +176,20 @@ def test_case_unsupported_is_a_skip(live):
     assert rep.ok
 
 
+def test_unconvertible_declaration_is_a_skip(live):
+    cases, caps = live
+
+    class SumLoss(KfacRefAdapter):
+        name = "sum_loss"
+        conventions = Conventions(curvature_of="sum")
+
+    sel = [c for c in cases if c.capability == "networks.kfac_inverse_matvec"]
+    if not sel:
+        pytest.skip("kfac_ref.curvature is not importable")
+    rep = run_adapter(SumLoss(), sel, caps)
+    assert all(r.status == "skip" and "cannot convert" in r.message for r in rep.results)
+
+
 def test_adapter_exception_is_an_error(live):
     cases, caps = live
 
