@@ -27,6 +27,19 @@ from ..conventions import Conventions
 
 ADAPTERS = {"curvlinops": "conformance.adapters.peer_curvlinops:CurvlinopsAdapter"}
 
+_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
+                "networks.ggn", "networks.empirical_fisher")
+_REASONS = {
+    "linalg": "curvlinops works on models, not bare matrices; its damped inverses "
+              "(KFACInverseLinearOperator) are checked in repro_curvlinops.py",
+    "factors": "factors come only from a model pass; see networks.kfac_*_factors",
+    "losses": "loss-Hessian square roots are internal (curvlinops.kfac_utils)",
+    "blocks": "KFACInverseLinearOperator needs a KFACLinearOperator of a model; checked in "
+              "repro_curvlinops.py",
+    "averaging": "curvlinops has no moving averages",
+    "estimator": "curvlinops has no estimator state",
+}
+
 _FISHER = {"ggn_exact": "type-2", "fisher_exact": "type-2", "fisher_empirical": "empirical"}
 
 
@@ -37,7 +50,12 @@ class CurvlinopsAdapter(Adapter):
     conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
                               curvature_of="sum", mse_variance=0.5, conv_style="expand",
                               symmetrised=False)
-    unsupported = {}
+
+    @property
+    def unsupported(self):
+        from ..peers.nets import unsupported_reasons
+
+        return unsupported_reasons(_IMPLEMENTED, _REASONS)
 
     def setup(self):
         try:
