@@ -55,3 +55,13 @@ def lint(session: nox.Session) -> None:
     """ruff over the library, the tests and the tooling."""
     session.install("ruff>=0.5")
     session.run("ruff", "check", "kfac_ref", "tests", "benchmarks", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def conformance(session: nox.Session) -> None:
+    """The main job: golden vectors up to date, then the suite on every reference adapter
+    installed here (kfac_ref on NumPy, array-api-strict, PyTorch, float32), with the ecosystem
+    matrix written to conformance/_out/."""
+    session.install("-e", ".[test,torch]")
+    session.run("python", "-m", "conformance", "golden", "--check")
+    session.run("python", "-m", "conformance", "--all-adapters", *session.posargs)
