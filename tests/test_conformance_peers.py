@@ -36,8 +36,16 @@ def test_peer_adapter_is_registered_and_lazy(name):
     src = importlib.util.find_spec(PEERS[name][0]).origin
     text = open(src, encoding="utf-8").read()
     top = [ln for ln in text.splitlines() if ln.startswith(("import ", "from "))]
-    for heavy in ("torch", "jax", "tensorflow", "kfac", "curvlinops", "backpack", "asdl",
-                  "nngeometry"):
+    for heavy in (
+        "torch",
+        "jax",
+        "tensorflow",
+        "kfac",
+        "curvlinops",
+        "backpack",
+        "asdl",
+        "nngeometry",
+    ):
         assert not any(ln.split()[1].split(".")[0] == heavy for ln in top), (name, heavy)
     assert hasattr(mod, "ADAPTERS")
 

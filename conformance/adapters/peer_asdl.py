@@ -27,9 +27,9 @@ ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 _IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
 _REASONS = {
     "networks": "not mapped (ASDL's 'full' Fisher shape could give the exact Fisher; "
-                "see FINDINGS.md for why the exact Fisher path is unreliable for >2-D outputs)",
+    "see FINDINGS.md for why the exact Fisher path is unreliable for >2-D outputs)",
     "linalg": "ASDL's linear algebra (cholesky_inv, KronMatrix.update_inv) needs a fitted "
-              "model; the π-split inverse is checked in repro_asdl.py",
+    "model; the π-split inverse is checked in repro_asdl.py",
     "factors": "factors come only from a model pass; see networks.kfac_*_factors",
     "losses": "not exposed",
     "blocks": "checked in repro_asdl.py (KronMatrix.mvp with use_inv)",
@@ -42,8 +42,14 @@ class AsdlAdapter(Adapter):
     name = "asdl"
     description = "ASDL FisherMaker, fisher_shapes=['kron'] (PyTorch)"
     dtype = "float64"
-    conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
-                              mse_variance=1.0, conv_style="expand", symmetrised=False)
+    conventions = Conventions(
+        kron_order="GA",
+        bias_position="separate",
+        patch_order="chw",
+        mse_variance=1.0,
+        conv_style="expand",
+        symmetrised=False,
+    )
 
     @property
     def unsupported(self):
@@ -69,8 +75,10 @@ class AsdlAdapter(Adapter):
         from ..peers.torch_adapter import problem
 
         if np.ndim(inputs["x"]) == 3:
-            raise NotImplementedError("ASDL's exact Fisher indexes output axis 1 as the class "
-                                      "axis; >2-D outputs are wrong or crash (FINDINGS.md)")
+            raise NotImplementedError(
+                "ASDL's exact Fisher indexes output axis 1 as the class "
+                "axis; >2-D outputs are wrong or crash (FINDINGS.md)"
+            )
 
         class HalfMSE(torch.nn.MSELoss):
             def forward(self, f, t):
@@ -79,16 +87,23 @@ class AsdlAdapter(Adapter):
         model, x, y, pmods = problem(inputs, params)
         loss_type = "cross_entropy" if params["loss"] == "categorical" else "mse"
         ftype = "fisher_emp" if params["mode"] == "fisher_empirical" else "fisher_exact"
-        cfg = FisherConfig(fisher_type=ftype, fisher_shapes=["kron"], loss_type=loss_type,
-                           data_size=int(x.shape[0]))
+        cfg = FisherConfig(
+            fisher_type=ftype,
+            fisher_shapes=["kron"],
+            loss_type=loss_type,
+            data_size=int(x.shape[0]),
+        )
         fm = get_fisher_maker(model, cfg)
         dummy = fm.setup_model_call(model, x)
         if ftype == "fisher_emp":
-            fm.setup_loss_call(F.cross_entropy if loss_type == "cross_entropy" else HalfMSE(),
-                               dummy, y)
+            fm.setup_loss_call(
+                F.cross_entropy if loss_type == "cross_entropy" else HalfMSE(), dummy, y
+            )
         fm.forward_and_backward()
-        return [(m.fisher.kron.B.detach().numpy(), m.fisher.kron.A.detach().numpy(),
-                 m.bias is not None) for m in pmods]
+        return [
+            (m.fisher.kron.B.detach().numpy(), m.fisher.kron.A.detach().numpy(), m.bias is not None)
+            for m in pmods
+        ]
 
     @implements("networks.kfac")
     def kfac(self, inputs, params):

@@ -24,8 +24,7 @@ ADAPTERS = {"backpack": "conformance.adapters.peer_backpack:BackpackAdapter"}
 
 _IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
 _REASONS = {
-    "networks": "BackPACK returns no dense GGN/EF matrix (only per-sample or diagonal "
-                "quantities)",
+    "networks": "BackPACK returns no dense GGN/EF matrix (only per-sample or diagonal quantities)",
     "linalg": "BackPACK exposes only curvature quantities of a model, no linear algebra",
     "factors": "factors come only from a model's backward pass; see networks.kfac_*_factors",
     "losses": "BackPACK's loss-Hessian square roots are internal",
@@ -39,9 +38,15 @@ class BackpackAdapter(Adapter):
     name = "backpack"
     description = "BackPACK KFLR extension (PyTorch)"
     dtype = "float64"
-    conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
-                              curvature_of="sum", mse_variance=0.5, conv_style="hybrid",
-                              symmetrised=False)
+    conventions = Conventions(
+        kron_order="GA",
+        bias_position="separate",
+        patch_order="chw",
+        curvature_of="sum",
+        mse_variance=0.5,
+        conv_style="hybrid",
+        symmetrised=False,
+    )
 
     @property
     def unsupported(self):
@@ -63,7 +68,8 @@ class BackpackAdapter(Adapter):
     def version(self):
         import importlib.metadata as md
 
-        return f"backpack-for-pytorch {md.version('backpack-for-pytorch')}, torch {md.version('torch')}"
+        bp = md.version("backpack-for-pytorch")
+        return f"backpack-for-pytorch {bp}, torch {md.version('torch')}"
 
     def _run(self, inputs, params):
         from backpack import backpack, extend
@@ -73,8 +79,10 @@ class BackpackAdapter(Adapter):
         from ..peers.torch_adapter import problem
 
         if params["mode"] == "fisher_empirical":
-            raise NotImplementedError("BackPACK has no empirical-Fisher K-FAC (KFLR/KFAC/KFRA "
-                                      "use the model's loss Hessian or samples)")
+            raise NotImplementedError(
+                "BackPACK has no empirical-Fisher K-FAC (KFLR/KFAC/KFRA "
+                "use the model's loss Hessian or samples)"
+            )
         if params.get("weight_sharing", "expand") == "reduce" or np.ndim(inputs["x"]) == 3:
             raise NotImplementedError("BackPACK's Linear KFLR needs 2-D inputs")
         model, x, y, pmods = problem(inputs, params)

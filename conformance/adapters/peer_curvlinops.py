@@ -20,22 +20,25 @@ summed over locations).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..adapter import Adapter, AdapterUnavailable, implements
 from ..conventions import Conventions
 
 ADAPTERS = {"curvlinops": "conformance.adapters.peer_curvlinops:CurvlinopsAdapter"}
 
-_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
-                "networks.ggn", "networks.empirical_fisher")
+_IMPLEMENTED = (
+    "networks.kfac",
+    "networks.kfac_input_factors",
+    "networks.kfac_output_factors",
+    "networks.ggn",
+    "networks.empirical_fisher",
+)
 _REASONS = {
     "linalg": "curvlinops works on models, not bare matrices; its damped inverses "
-              "(KFACInverseLinearOperator) are checked in repro_curvlinops.py",
+    "(KFACInverseLinearOperator) are checked in repro_curvlinops.py",
     "factors": "factors come only from a model pass; see networks.kfac_*_factors",
     "losses": "loss-Hessian square roots are internal (curvlinops.kfac_utils)",
     "blocks": "KFACInverseLinearOperator needs a KFACLinearOperator of a model; checked in "
-              "repro_curvlinops.py",
+    "repro_curvlinops.py",
     "averaging": "curvlinops has no moving averages",
     "estimator": "curvlinops has no estimator state",
 }
@@ -47,9 +50,15 @@ class CurvlinopsAdapter(Adapter):
     name = "curvlinops"
     description = "curvlinops KFACLinearOperator / GGNLinearOperator / EFLinearOperator (PyTorch)"
     dtype = "float64"
-    conventions = Conventions(kron_order="GA", bias_position="separate", patch_order="chw",
-                              curvature_of="sum", mse_variance=0.5, conv_style="expand",
-                              symmetrised=False)
+    conventions = Conventions(
+        kron_order="GA",
+        bias_position="separate",
+        patch_order="chw",
+        curvature_of="sum",
+        mse_variance=0.5,
+        conv_style="expand",
+        symmetrised=False,
+    )
 
     @property
     def unsupported(self):
@@ -62,14 +71,17 @@ class CurvlinopsAdapter(Adapter):
             import curvlinops  # noqa: F401
             import torch  # noqa: F401
         except ImportError as exc:
-            raise AdapterUnavailable(f"curvlinops is not installed ({exc}); see "
-                                     "conformance/peers/torchpeers.txt") from exc
+            raise AdapterUnavailable(
+                f"curvlinops is not installed ({exc}); see conformance/peers/torchpeers.txt"
+            ) from exc
 
     def version(self):
         import importlib.metadata as md
 
-        return (f"curvlinops-for-pytorch {md.version('curvlinops-for-pytorch')}, "
-                f"torch {md.version('torch')}")
+        return (
+            f"curvlinops-for-pytorch {md.version('curvlinops-for-pytorch')}, "
+            f"torch {md.version('torch')}"
+        )
 
     # -- helpers ------------------------------------------------------------------------------
     def _problem(self, inputs, params):
@@ -79,8 +91,7 @@ class CurvlinopsAdapter(Adapter):
         nets.check_forward_torch(model, x, params["net"], inputs)
         y = nets.torch_targets(params, inputs)
         loss = nets.torch_loss(params, "sum")
-        plist = [p for m in pmods for p in ([m.weight] + ([m.bias] if m.bias is not None
-                                                            else []))]
+        plist = [p for m in pmods for p in ([m.weight] + ([m.bias] if m.bias is not None else []))]
         return model, x, y, loss, plist, pmods
 
     @staticmethod
@@ -93,10 +104,16 @@ class CurvlinopsAdapter(Adapter):
         from curvlinops import KFACLinearOperator
 
         model, x, y, loss, plist, pmods = self._problem(inputs, params)
-        op = KFACLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False,
-                                fisher_type=_FISHER[params["mode"]],
-                                kfac_approx=params.get("weight_sharing", "expand"),
-                                separate_weight_and_bias=True)
+        op = KFACLinearOperator(
+            model,
+            loss,
+            plist,
+            [(x, y)],
+            check_deterministic=False,
+            fisher_type=_FISHER[params["mode"]],
+            kfac_approx=params.get("weight_sharing", "expand"),
+            separate_weight_and_bias=True,
+        )
         op.compute_kronecker_factors()
         return op, model, plist, pmods
 
@@ -137,4 +154,3 @@ class CurvlinopsAdapter(Adapter):
         model, x, y, loss, plist, _ = self._problem(inputs, params)
         op = EFLinearOperator(model, loss, plist, [(x, y)], check_deterministic=False)
         return self._dense(op, sum(p.numel() for p in plist))
-

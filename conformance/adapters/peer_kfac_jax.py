@@ -26,18 +26,23 @@ from ..conventions import Conventions
 
 ADAPTERS = {"kfac_jax": "conformance.adapters.peer_kfac_jax:KfacJaxAdapter"}
 
-_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
-                "averaging.ema")
+_IMPLEMENTED = (
+    "networks.kfac",
+    "networks.kfac_input_factors",
+    "networks.kfac_output_factors",
+    "networks.kfac_inverse_matvec",
+    "averaging.ema",
+)
 _REASONS = {
     "networks": "kfac-jax has no exact GGN / empirical-Fisher matrix function (only its "
-                "K-FAC blocks)",
+    "K-FAC blocks)",
     "linalg": "kfac-jax's linear algebra helpers are private (kfac_jax._src.utils); the "
-              "blocks are checked through networks.kfac and repro_kfac_jax.py instead",
+    "blocks are checked through networks.kfac and repro_kfac_jax.py instead",
     "factors": "kfac-jax computes factors only inside a curvature block driven by a traced "
-               "network; checked through networks.kfac_*_factors",
+    "network; checked through networks.kfac_*_factors",
     "losses": "not mapped yet (kfac_jax loss_functions could be; see PROTOCOL_REQUESTS.md)",
     "blocks": "block matrix powers are checked through repro_kfac_jax.py (multiply_matpower), "
-              "which needs a registered network, not bare factors",
+    "which needs a registered network, not bare factors",
     "estimator": "not mapped yet",
 }
 
@@ -61,8 +66,9 @@ class KfacJaxAdapter(Adapter):
             jax.config.update("jax_enable_x64", True)
             import kfac_jax  # noqa: F401
         except ImportError as exc:
-            raise AdapterUnavailable(f"kfac-jax is not installed ({exc}); see "
-                                     "conformance/peers/jax.txt") from exc
+            raise AdapterUnavailable(
+                f"kfac-jax is not installed ({exc}); see conformance/peers/jax.txt"
+            ) from exc
 
     def version(self):
         import importlib.metadata as md
@@ -80,12 +86,17 @@ class KfacJaxAdapter(Adapter):
         fn, theta, batch = nets.jax_build(params["net"], inputs, params)
         est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
         rng = jax.random.PRNGKey(0)
-        st = est.init(rng, (theta, batch), exact_powers_to_cache=None,
-                      approx_powers_to_cache=None)
+        st = est.init(rng, (theta, batch), exact_powers_to_cache=None, approx_powers_to_cache=None)
         st = est.update_curvature_matrix_estimate(
-            st, ema_old=0.0, ema_new=1.0, identity_weight=0.0,
-            batch_size=int(inputs["x"].shape[0]), rng=rng, func_args=(theta, batch),
-            estimation_mode=params["mode"])
+            st,
+            ema_old=0.0,
+            ema_new=1.0,
+            identity_weight=0.0,
+            batch_size=int(inputs["x"].shape[0]),
+            rng=rng,
+            func_args=(theta, batch),
+            estimation_mode=params["mode"],
+        )
         return est, st
 
     @implements("networks.kfac")
@@ -94,6 +105,29 @@ class KfacJaxAdapter(Adapter):
 
         est, st = self._state(inputs, params)
         return nets.block_diag([np.asarray(b) for b in est.to_diagonal_block_dense_matrix(st)])
+
+    @implements("networks.kfac_inverse_matvec")
+    def inverse_matvec(self, inputs, params):
+        import jax.numpy as jnp
+
+        est, st = self._state(inputs, params)
+        # the canonical [P] vector -> the parameter pytree (per layer w row-major, then b)
+        v = np.asarray(inputs["v"])
+        tree, off = [], 0
+        for i, s in enumerate(params["net"]):
+            if s["kind"] not in ("dense", "conv2d"):
+                continue
+            leaves = []
+            for key in (f"w{i}",) + ((f"b{i}",) if s["bias"] else ()):
+                shape = np.shape(inputs[key])
+                size = int(np.prod(shape))
+                leaves.append(jnp.asarray(v[off:off + size].reshape(shape)))
+                off += size
+            tree.append(leaves)
+        out = est.multiply_matpower(st, tree, identity_weight=float(params["damping"]),
+                                    power=-1, exact_power=bool(params["exact"]),
+                                    use_cached=False, pmap_axis_name=None)
+        return np.concatenate([np.asarray(leaf).ravel() for layer in out for leaf in layer])
 
     def _factors(self, inputs, params, k):
         from ..peers import nets

@@ -30,7 +30,7 @@ _IMPLEMENTED = ("networks.kfac", "networks.ggn")
 _REASONS = {
     "networks.empirical_fisher": "nngeometry computes the Fisher with model targets only",
     "networks.kfac_input_factors": "PMatKFAC splits a scale √n between A and G (A·√n, G/√n); "
-                                   "only the product is comparable (networks.kfac)",
+    "only the product is comparable (networks.kfac)",
     "networks.kfac_output_factors": "as for the input factors",
     "linalg": "not exposed as functions of bare matrices",
     "factors": "factors come only from a model pass",
@@ -45,8 +45,9 @@ class NngeometryAdapter(Adapter):
     name = "nngeometry"
     description = "nngeometry FIM with PMatKFAC / PMatDense (PyTorch)"
     dtype = "float64"
-    conventions = Conventions(kron_order="GA", patch_order="chw", mse_variance=1.0,
-                              symmetrised=False)
+    conventions = Conventions(
+        kron_order="GA", patch_order="chw", mse_variance=1.0, symmetrised=False
+    )
 
     @property
     def unsupported(self):
@@ -76,8 +77,10 @@ class NngeometryAdapter(Adapter):
         if params["mode"] == "fisher_empirical" if "mode" in params else False:
             raise NotImplementedError("nngeometry has no empirical Fisher")
         if np.ndim(inputs["x"]) == 3:
-            raise NotImplementedError("nngeometry's FIM takes the last output axis as the "
-                                      "class/regression axis of 2-D outputs only")
+            raise NotImplementedError(
+                "nngeometry's FIM takes the last output axis as the "
+                "class/regression axis of 2-D outputs only"
+            )
         model, x, y, pmods = problem(inputs, params)
         variant = "classif_logits" if params["loss"] == "categorical" else "regression"
         loader = DataLoader(TensorDataset(x, y), batch_size=int(x.shape[0]))

@@ -28,13 +28,21 @@ from ..conventions import Conventions
 
 ADAPTERS = {"tf_kfac": "conformance.adapters.peer_tf_kfac:TfKfacAdapter"}
 
-_IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors",
-                "linalg.compute_cov", "linalg.cross_cov", "linalg.homog_cov",
-                "linalg.pi_tracenorm", "linalg.pi_adjusted_damping")
+_IMPLEMENTED = (
+    "networks.kfac_inverse_matvec",
+    "networks.kfac",
+    "networks.kfac_input_factors",
+    "networks.kfac_output_factors",
+    "linalg.compute_cov",
+    "linalg.cross_cov",
+    "linalg.homog_cov",
+    "linalg.pi_tracenorm",
+    "linalg.pi_adjusted_damping",
+)
 _REASONS = {
     "networks": "TF K-FAC has no exact GGN / empirical-Fisher matrix function",
     "linalg": "not mapped (TF's factor-level damped powers need a registered FisherFactor; "
-              "checked end to end in repro_tf_kfac.py)",
+    "checked end to end in repro_tf_kfac.py)",
     "factors": "not mapped yet: TF factors are checked through networks.kfac_*_factors",
     "losses": "not mapped yet (kfac.loss_functions could be)",
     "blocks": "not mapped yet (blocks are checked through repro_tf_kfac.py multiply_inverse)",
@@ -76,8 +84,9 @@ class TfKfacAdapter(Adapter):
 
             tf.compat.v1.disable_eager_execution()
         except ImportError as exc:
-            raise AdapterUnavailable(f"TF K-FAC is not installed ({exc}); see "
-                                     "conformance/peers/tf.txt") from exc
+            raise AdapterUnavailable(
+                f"TF K-FAC is not installed ({exc}); see conformance/peers/tf.txt"
+            ) from exc
 
     def version(self):
         import importlib.metadata as md
@@ -85,7 +94,7 @@ class TfKfacAdapter(Adapter):
         return f"kfac {md.version('kfac')}, tensorflow-cpu {md.version('tensorflow-cpu')}"
 
     # -- networks -----------------------------------------------------------------------------
-    def _network(self, inputs, params, fetch_kind):
+    def _network(self, inputs, params, fetch_kind, damping=1e-3):
         import kfac
         import tensorflow as tf
 
@@ -93,8 +102,9 @@ class TfKfacAdapter(Adapter):
 
         spec = params["net"]
         if np.ndim(inputs["x"]) == 3:
-            raise NotImplementedError("weight-shared dense layers need "
-                                      "register_fully_connected_multi; not mapped")
+            raise NotImplementedError(
+                "weight-shared dense layers need register_fully_connected_multi; not mapped"
+            )
         tf1 = tf.compat.v1
 
         def build():
@@ -105,8 +115,11 @@ class TfKfacAdapter(Adapter):
                 k = s["kind"]
                 if k in ("dense", "conv2d"):
                     w = tf1.get_variable(f"w{i}", initializer=tf.constant(inputs[f"w{i}"]))
-                    b = (tf1.get_variable(f"b{i}", initializer=tf.constant(inputs[f"b{i}"]))
-                         if s["bias"] else None)
+                    b = (
+                        tf1.get_variable(f"b{i}", initializer=tf.constant(inputs[f"b{i}"]))
+                        if s["bias"]
+                        else None
+                    )
                     key = (w, b) if b is not None else w
                     if k == "dense":
                         out = tf.matmul(cur, w) + (b if b is not None else 0.0)
@@ -133,16 +146,30 @@ class TfKfacAdapter(Adapter):
                 lc.register_softmax_cross_entropy_loss(cur, targets=tf.constant(t.astype(np.int64)))
             else:
                 lc.register_normal_predictive_distribution(
-                    cur, var=float(params["variance"]), targets=tf.constant(t))
+                    cur, var=float(params["variance"]), targets=tf.constant(t)
+                )
             mode = "empirical" if params["mode"] == "fisher_empirical" else "exact"
             est = kfac.estimator.FisherEstimatorRoundRobin(
-                variables=variables, cov_ema_decay=0.95,
-                damping=tf.constant(1e-3, tf.float64), layer_collection=lc,
-                estimation_mode=mode)
-            cov_thunks, _ = est.make_vars_and_create_op_thunks()
+                variables=variables,
+                cov_ema_decay=0.95,
+                damping=tf.constant(float(damping), tf.float64),
+                layer_collection=lc,
+                estimation_mode=mode,
+            )
+            cov_thunks, inv_thunks = est.make_vars_and_create_op_thunks()
             cov_ops = [th() for th in cov_thunks]
+            inv_ops = [th() for th in inv_thunks]
             blocks = [lc.fisher_blocks[k] for k in keys]
-            if fetch_kind == "kfac":
+            if fetch_kind == "inverse":
+                v = np.asarray(inputs["v"])
+                vecs, off = [], 0
+                for var in variables:
+                    shape = tuple(var.shape)
+                    size = int(np.prod(shape))
+                    vecs.append(tf.constant(v[off:off + size].reshape(shape)))
+                    off += size
+                fetches = [u for u, _ in est.multiply_inverse(list(zip(vecs, variables)))]
+            elif fetch_kind == "kfac":
                 fetches = [b.full_fisher_block() for b in blocks]
             elif fetch_kind == "input":
                 fetches = [b._input_factor.cov for b in blocks]
@@ -151,10 +178,23 @@ class TfKfacAdapter(Adapter):
 
             def run(sess):
                 sess.run(cov_ops)
+                sess.run(inv_ops)
                 return [np.asarray(m) for m in sess.run(fetches)]
+
             return run
 
-        return nets.block_diag(_sess_run(build))
+        out = _sess_run(build)
+        if fetch_kind == "inverse":
+            return np.concatenate([m.ravel() for m in out])
+        return nets.block_diag(out)
+
+    @implements("networks.kfac_inverse_matvec")
+    def inverse_matvec(self, inputs, params):
+        if params["exact"]:
+            raise NotImplementedError(
+                "TF K-FAC damps each factor (π split); it has no exact damping (A⊗G + λI)⁻¹"
+            )
+        return self._network(inputs, params, "inverse", damping=params["damping"])
 
     @implements("networks.kfac")
     def kfac(self, inputs, params):
@@ -170,7 +210,7 @@ class TfKfacAdapter(Adapter):
 
     # -- linalg -------------------------------------------------------------------------------
     def _run(self, make):
-        return _sess_run(lambda: (lambda sess: sess.run(make())))
+        return _sess_run(lambda: lambda sess: sess.run(make()))
 
     @implements("linalg.compute_cov")
     def compute_cov(self, inputs, params):
@@ -184,8 +224,9 @@ class TfKfacAdapter(Adapter):
         import tensorflow as tf
         from kfac.python.ops.fisher_factors import compute_cov
 
-        return self._run(lambda: compute_cov(tf.constant(inputs["x"]),
-                                             tensor_right=tf.constant(inputs["y"])))
+        return self._run(
+            lambda: compute_cov(tf.constant(inputs["x"]), tensor_right=tf.constant(inputs["y"]))
+        )
 
     @implements("linalg.homog_cov")
     def homog_cov(self, inputs, params):
@@ -197,14 +238,14 @@ class TfKfacAdapter(Adapter):
     @implements("linalg.pi_tracenorm")
     def pi_tracenorm(self, inputs, params):
         import tensorflow as tf
-        from kfac.python.ops.fisher_blocks import compute_pi_tracenorm
-
         from kfac.python.ops import linear_operator as lo
+        from kfac.python.ops.fisher_blocks import compute_pi_tracenorm
 
         def make():
             a = lo.LinearOperatorFullMatrix(tf.constant(inputs["a"]))
             g = lo.LinearOperatorFullMatrix(tf.constant(inputs["g"]))
             return compute_pi_tracenorm(a, g)
+
         return np.asarray(self._run(make))
 
     @implements("linalg.pi_adjusted_damping")
@@ -219,5 +260,7 @@ class TfKfacAdapter(Adapter):
             # TF's callers pass √λ (fisher_blocks._setup_damping: damping**0.5) and get
             # (π√λ, √λ/π); this maps the API, it is not a convention
             return compute_pi_adjusted_damping(
-                a, g, tf.constant(float(params["damping"]) ** 0.5, tf.float64))
+                a, g, tf.constant(float(params["damping"]) ** 0.5, tf.float64)
+            )
+
         return np.asarray(self._run(make), dtype=np.float64)

@@ -85,14 +85,22 @@ def output_gradient(loss, f, p):
 def mlp_backprop(p, h, v):
     """Back-propagate output-space vectors v [N, ..., C] to (g1, g2) at s1 and s2."""
     g2 = v
-    g1 = (v @ p["W2"].T) * (1.0 - h**2)[:, None, :] if v.ndim == 3 else (v @ p["W2"].T) * (1.0 - h**2)
+    g1 = (
+        (v @ p["W2"].T) * (1.0 - h**2)[:, None, :]
+        if v.ndim == 3
+        else (v @ p["W2"].T) * (1.0 - h**2)
+    )
     return g1, g2
 
 
 def _cov_sum_columns(g):
     """(1/N) Σ_n Σ_k g[n, k] g[n, k]ᵀ for g [N, K, d] (columns summed, batch averaged)."""
     n = g.shape[0]
-    return sum(L.compute_cov(np.ascontiguousarray(g[:, k, :])) for k in range(g.shape[1])) if n else None
+    return (
+        sum(L.compute_cov(np.ascontiguousarray(g[:, k, :])) for k in range(g.shape[1]))
+        if n
+        else None
+    )
 
 
 def mlp_reference(p, loss, fisher, bias=True):
@@ -114,7 +122,7 @@ def mlp_reference(p, loss, fisher, bias=True):
     else:
         raise ValueError(fisher)
     out = []
-    for a, g in zip(inputs, gs):
+    for a, g in zip(inputs, gs, strict=False):
         a_cov = L.compute_cov(L.append_homog(a)) if bias else L.compute_cov(a)
         out.append((np.asarray(a_cov), np.asarray(g)))
     return out
@@ -164,7 +172,7 @@ def conv_patches(p):
     out = np.zeros((n, oh * ow, kh * kw * c))
     for i in range(oh):
         for j in range(ow):
-            out[:, i * ow + j, :] = x[:, i:i + kh, j:j + kw, :].reshape(n, -1)
+            out[:, i * ow + j, :] = x[:, i : i + kh, j : j + kw, :].reshape(n, -1)
     return out
 
 
@@ -215,14 +223,16 @@ def conv_reference(p, loss, fisher, bias=True):
 def torch_conv_perm(kh, kw, c_in):
     """Index map: entry j of PyTorch's unfold order (c, i, j; channel slowest) is entry
     perm[j] of the canonical (i, j, c; channel fastest) patch order."""
-    return np.array([(i * kw + j) * c_in + c for c in range(c_in) for i in range(kh)
-                     for j in range(kw)])
+    return np.array(
+        [(i * kw + j) * c_in + c for c in range(c_in) for i in range(kh) for j in range(kw)]
+    )
 
 
 def torch_flatten_perm(oh, ow, c):
     """Entry j of an NCHW flatten (c, h, w) is entry perm[j] of the NHWC flatten (h, w, c)."""
-    return np.array([(i * ow + j) * c + cc for cc in range(c) for i in range(oh)
-                     for j in range(ow)])
+    return np.array(
+        [(i * ow + j) * c + cc for cc in range(c) for i in range(oh) for j in range(ow)]
+    )
 
 
 def bias_first(m):
@@ -267,14 +277,23 @@ class Report:
         err = rel_err(actual, expected)
         c, resid = best_scale(actual, expected)
         ok = bool(np.isfinite(err) and err <= tol)
-        row = {"quantity": quantity, "rel_err": err, "tol": tol,
-               "verdict": "agree" if ok else "DISAGREE", "convention": convention,
-               "best_scale": c, "residual_after_scale": resid, "note": note}
+        row = {
+            "quantity": quantity,
+            "rel_err": err,
+            "tol": tol,
+            "verdict": "agree" if ok else "DISAGREE",
+            "convention": convention,
+            "best_scale": c,
+            "residual_after_scale": resid,
+            "note": note,
+        }
         self.rows.append(row)
-        print(f"{row['verdict']:9s} {quantity:58s} rel_err={err:9.2e} (tol {tol:.0e})"
-              + ("" if ok else f"  best scale {c:.6g}, residual {resid:.2e}")
-              + (f"  [{convention}]" if convention else "")
-              + (f"  {note}" if note else ""))
+        print(
+            f"{row['verdict']:9s} {quantity:58s} rel_err={err:9.2e} (tol {tol:.0e})"
+            + ("" if ok else f"  best scale {c:.6g}, residual {resid:.2e}")
+            + (f"  [{convention}]" if convention else "")
+            + (f"  {note}" if note else "")
+        )
         sys.stdout.flush()
         return ok
 
@@ -282,10 +301,21 @@ class Report:
         """Name the alternatives (dict name -> expected array) that ``actual`` matches."""
         errs = {k: rel_err(actual, v) for k, v in alternatives.items()}
         hits = [k for k, e in errs.items() if np.isfinite(e) and e <= tol]
-        text = ("matches " + ", ".join(hits) if hits else "matches none of the alternatives") + \
-            " (" + "; ".join(f"{k}: {e:.2e}" for k, e in errs.items()) + ")"
-        self.rows.append({"quantity": quantity, "verdict": "diagnosis", "matches": hits,
-                          "errors": errs, "note": text})
+        text = (
+            ("matches " + ", ".join(hits) if hits else "matches none of the alternatives")
+            + " ("
+            + "; ".join(f"{k}: {e:.2e}" for k, e in errs.items())
+            + ")"
+        )
+        self.rows.append(
+            {
+                "quantity": quantity,
+                "verdict": "diagnosis",
+                "matches": hits,
+                "errors": errs,
+                "note": text,
+            }
+        )
         print(f"{'diagnose':9s} {quantity:58s} {text}")
         return hits
 
@@ -298,13 +328,18 @@ class Report:
         print(f"{'skip':9s} {quantity:58s} {reason}")
 
     def dump(self, path=None):
-        out = {"peer": self.peer, "version": self.version,
-               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "rows": self.rows}
+        out = {
+            "peer": self.peer,
+            "version": self.version,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "rows": self.rows,
+        }
         if path:
             with open(path, "w") as fh:
                 json.dump(out, fh, indent=1, default=float)
         n_bad = sum(r["verdict"] == "DISAGREE" for r in self.rows)
-        print(f"# {self.peer} {self.version}: {sum(r['verdict'] == 'agree' for r in self.rows)}"
-              f" agree, {n_bad} disagree, {sum(r['verdict'] == 'skip' for r in self.rows)} skip")
+        print(
+            f"# {self.peer} {self.version}: {sum(r['verdict'] == 'agree' for r in self.rows)}"
+            f" agree, {n_bad} disagree, {sum(r['verdict'] == 'skip' for r in self.rows)} skip"
+        )
         return out

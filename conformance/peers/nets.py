@@ -16,7 +16,7 @@ import math
 
 import numpy as np
 
-__all__ = ["conv_pads", "parametric", "torch_build", "torch_loss", "torch_param_names"]
+__all__ = ["conv_pads", "parametric", "torch_build", "torch_loss"]
 
 
 def parametric(spec):
@@ -82,15 +82,22 @@ def torch_build(spec, inputs):
             new = [m]
         elif k == "conv2d":
             (pt, pb), (pl, pr) = conv_pads(s, tuple(cur.shape[2:]))
-            m = nn.Conv2d(s["c_in"], s["c_out"], tuple(s["kernel"]), stride=_pair(s["stride"]),
-                          dilation=_pair(s["dilation"]), bias=s["bias"]).double()
+            m = nn.Conv2d(
+                s["c_in"],
+                s["c_out"],
+                tuple(s["kernel"]),
+                stride=_pair(s["stride"]),
+                dilation=_pair(s["dilation"]),
+                bias=s["bias"],
+            ).double()
             with torch.no_grad():
                 m.weight.copy_(torch.as_tensor(np.transpose(inputs[f"w{i}"], (3, 2, 0, 1))))
                 if s["bias"]:
                     m.bias.copy_(torch.as_tensor(inputs[f"b{i}"]))
             pmods.append(m)
-            new = ([nn.ZeroPad2d((pl, pr, pt, pb))] if (pt, pb, pl, pr) != (0, 0, 0, 0)
-                   else []) + [m]
+            new = ([nn.ZeroPad2d((pl, pr, pt, pb))] if (pt, pb, pl, pr) != (0, 0, 0, 0) else []) + [
+                m
+            ]
         elif k == "activation":
             if s["fn"] != "tanh":
                 raise NotImplementedError(f"activation {s['fn']!r}")
@@ -98,8 +105,11 @@ def torch_build(spec, inputs):
         elif k == "mean_pool":
             # after a conv: a full-window AvgPool2d + Flatten (modules BackPACK and nngeometry
             # know); after a weight-shared dense layer: a mean over the positions
-            new = ([nn.AvgPool2d(tuple(cur.shape[2:])), nn.Flatten()] if cur.ndim == 4
-                   else [MeanPool()])
+            new = (
+                [nn.AvgPool2d(tuple(cur.shape[2:])), nn.Flatten()]
+                if cur.ndim == 4
+                else [MeanPool()]
+            )
         elif k == "flatten":
             new = [NHWCFlatten()]
         else:
@@ -135,7 +145,7 @@ def block_diag(mats):
     n = sum(m.shape[0] for m in mats)
     out, o = np.zeros((n, n)), 0
     for m in mats:
-        out[o:o + m.shape[0], o:o + m.shape[0]] = m
+        out[o : o + m.shape[0], o : o + m.shape[0]] = m
         o += m.shape[0]
     return out
 
@@ -170,8 +180,12 @@ def numpy_forward(spec, inputs):
             out = np.zeros((cur.shape[0], oh, ow, kk.shape[-1]))
             for a in range(oh):
                 for b in range(ow):
-                    patch = xp[:, a * sh: a * sh + (kh - 1) * dh + 1: dh,
-                               b * sw: b * sw + (kw - 1) * dw + 1: dw, :]
+                    patch = xp[
+                        :,
+                        a * sh : a * sh + (kh - 1) * dh + 1 : dh,
+                        b * sw : b * sw + (kw - 1) * dw + 1 : dw,
+                        :,
+                    ]
                     out[:, a, b, :] = np.einsum("nijc,ijco->no", patch, kk)
             cur = out + (inputs[f"b{i}"] if s["bias"] else 0.0)
         elif k == "activation":
@@ -209,8 +223,9 @@ def jax_build(spec, inputs, params):
 
     theta = []
     for i, s in parametric(spec):
-        theta.append([jnp.asarray(inputs[f"w{i}"])] + ([jnp.asarray(inputs[f"b{i}"])]
-                                                       if s["bias"] else []))
+        theta.append(
+            [jnp.asarray(inputs[f"w{i}"])] + ([jnp.asarray(inputs[f"b{i}"])] if s["bias"] else [])
+        )
     x = jnp.asarray(inputs["x"])
     t = np.asarray(inputs["targets"])
     y = jnp.asarray(t.astype(np.int64) if params["loss"] == "categorical" else t)
@@ -240,15 +255,27 @@ def jax_build(spec, inputs, params):
                 pads = conv_pads(s, shapes[c])
                 dn = lax.conv_dimension_numbers(cur.shape, w.shape, ("NHWC", "HWIO", "NHWC"))
                 st, dl = _pair(s["stride"]), _pair(s["dilation"])
-                out = lax.conv_general_dilated(cur, w, st, pads, rhs_dilation=dl,
-                                               dimension_numbers=dn)
+                out = lax.conv_general_dilated(
+                    cur, w, st, pads, rhs_dilation=dl, dimension_numbers=dn
+                )
                 if b is not None:
                     out = out + b
-                kw = dict(window_strides=st, padding=pads, lhs_dilation=(1, 1), rhs_dilation=dl,
-                          dimension_numbers=dn, feature_group_count=1, batch_group_count=1,
-                          precision=None, preferred_element_type=None)
-                out = (kfac_jax.register_conv2d(out, cur, w, b, **kw) if b is not None
-                       else kfac_jax.register_conv2d(out, cur, w, **kw))
+                kw = dict(
+                    window_strides=st,
+                    padding=pads,
+                    lhs_dilation=(1, 1),
+                    rhs_dilation=dl,
+                    dimension_numbers=dn,
+                    feature_group_count=1,
+                    batch_group_count=1,
+                    precision=None,
+                    preferred_element_type=None,
+                )
+                out = (
+                    kfac_jax.register_conv2d(out, cur, w, b, **kw)
+                    if b is not None
+                    else kfac_jax.register_conv2d(out, cur, w, **kw)
+                )
                 cur, k, c = out, k + 1, c + 1
             elif kind == "activation":
                 cur = jnp.tanh(cur)

@@ -37,9 +37,13 @@ class HalfMSE(torch.nn.MSELoss):
 
 
 def _fisher(model, x, y, loss, fisher_type, shapes=("kron",), n=None, emp_loss=None, **cfg):
-    config = FisherConfig(fisher_type=fisher_type, fisher_shapes=list(shapes),
-                          loss_type={"mse": "mse", "ce": "cross_entropy"}[loss],
-                          data_size=n if n is not None else x.shape[0], **cfg)
+    config = FisherConfig(
+        fisher_type=fisher_type,
+        fisher_shapes=list(shapes),
+        loss_type={"mse": "mse", "ce": "cross_entropy"}[loss],
+        data_size=n if n is not None else x.shape[0],
+        **cfg,
+    )
     fm = get_fisher_maker(model, config)
     dummy_y = fm.setup_model_call(model, x)
     if fisher_type == "fisher_emp":
@@ -70,8 +74,12 @@ def run_mlp(rep):
                 for i, lin in enumerate((model[0], model[2])):
                     kr = lin.fisher.kron
                     a_ref, g_ref = ref[i]
-                    rep.check(f"{tag} layer{i + 1} A", kr.A.detach().numpy(),
-                              a_ref[: dims[i][0], : dims[i][0]], TOL)
+                    rep.check(
+                        f"{tag} layer{i + 1} A",
+                        kr.A.detach().numpy(),
+                        a_ref[: dims[i][0], : dims[i][0]],
+                        TOL,
+                    )
                     rep.check(f"{tag} layer{i + 1} G (B)", kr.B.detach().numpy(), g_ref, TOL)
                 if ftype == "fisher_exact":
                     _check_inverse(rep, tag, model, ref, dims, bias)
@@ -79,11 +87,19 @@ def run_mlp(rep):
     model = T.mlp_model(p, True)
     _fisher(model, x, T.targets(p, "ce"), "ce", "fisher_exact", n=1)
     ref = C.mlp_reference(p, "ce", "type2", True)
-    rep.check("mlp ce fisher_exact data_size=1: A and G ×N (sum-loss curvature, G only)",
-              model[2].fisher.kron.B.detach().numpy(), n * ref[1][1], TOL,
-              note="A keeps Σ/N? see next row")
-    rep.diagnose("mlp ce fisher_exact data_size=1 layer2 A", model[2].fisher.kron.A.detach().numpy(),
-                 {"A_ref": ref[1][0][:d1, :d1], "N·A_ref": n * ref[1][0][:d1, :d1]}, TOL)
+    rep.check(
+        "mlp ce fisher_exact data_size=1: A and G ×N (sum-loss curvature, G only)",
+        model[2].fisher.kron.B.detach().numpy(),
+        n * ref[1][1],
+        TOL,
+        note="A keeps Σ/N? see next row",
+    )
+    rep.diagnose(
+        "mlp ce fisher_exact data_size=1 layer2 A",
+        model[2].fisher.kron.A.detach().numpy(),
+        {"A_ref": ref[1][0][:d1, :d1], "N·A_ref": n * ref[1][0][:d1, :d1]},
+        TOL,
+    )
     # MC (statistical).  (a) n_mc_samples=1, averaged over independent calls; (b) one call with
     # n_mc_samples=M, which should estimate the same matrix with M samples per example.
     for loss in ("mse", "ce"):
@@ -98,18 +114,32 @@ def run_mlp(rep):
                 acc[i] = acc[i] + lin.fisher.kron.B.detach().numpy()
         for i in range(2):
             # relative MC error ~ c/√(300·4), c ≤ 2 → 0.1 > 3σ
-            rep.check(f"mlp {loss} fisher_mc n_mc_samples=1, mean of {draws} calls, layer{i + 1} G",
-                      acc[i] / draws, ref[i][1], 0.1, "statistical")
+            rep.check(
+                f"mlp {loss} fisher_mc n_mc_samples=1, mean of {draws} calls, layer{i + 1} G",
+                acc[i] / draws,
+                ref[i][1],
+                0.1,
+                "statistical",
+            )
         m = 500
         model = T.mlp_model(p, True)
         _fisher(model, x, T.targets(p, loss), loss, "fisher_mc", n_mc_samples=m)
         for i, lin in enumerate((model[0], model[2])):
             g = lin.fisher.kron.B.detach().numpy()
             # relative MC error ~ c/√(500·4) ≈ 0.045 at c = 2 → 0.15 > 3σ
-            rep.check(f"mlp {loss} fisher_mc n_mc_samples={m} layer{i + 1} G", g, ref[i][1], 0.15,
-                      "statistical")
-            rep.diagnose(f"mlp {loss} fisher_mc n_mc_samples={m} layer{i + 1} G", g,
-                         {"G_ref": ref[i][1], "G_ref/M": ref[i][1] / m}, 0.15)
+            rep.check(
+                f"mlp {loss} fisher_mc n_mc_samples={m} layer{i + 1} G",
+                g,
+                ref[i][1],
+                0.15,
+                "statistical",
+            )
+            rep.diagnose(
+                f"mlp {loss} fisher_mc n_mc_samples={m} layer{i + 1} G",
+                g,
+                {"G_ref": ref[i][1], "G_ref/M": ref[i][1] / m},
+                0.15,
+            )
 
 
 def _check_inverse(rep, tag, model, ref, dims, bias):
@@ -124,8 +154,13 @@ def _check_inverse(rep, tag, model, ref, dims, bias):
         got = kr.mvp(torch.as_tensor(w.copy()), use_inv=True).detach().numpy()
         a_w, g = ref[i][0][:d_in, :d_in], ref[i][1]
         exp = np.asarray(L.kron_damped_inverse_matvec(a_w, g, w.T.copy(), lam)).T
-        rep.check(f"{tag} layer{i + 1} KronMatrix inverse mvp (weight, λ={lam})", got, exp,
-                  TOL_INV, "π-split (π from A without the bias coordinate)")
+        rep.check(
+            f"{tag} layer{i + 1} KronMatrix inverse mvp (weight, λ={lam})",
+            got,
+            exp,
+            TOL_INV,
+            "π-split (π from A without the bias coordinate)",
+        )
 
 
 def run_conv(rep):
@@ -142,13 +177,28 @@ def run_conv(rep):
         a, g = kr.A.detach().numpy(), kr.B.detach().numpy()
         a_exp = T.conv_a_torch(ref["kfc"][0], kh, kw, c_in, True)[:-1, :-1]
         tq = ref["T"]
-        rep.check(f"conv {loss} fisher_exact conv block kron(G, A) vs KFAC-expand",
-                  np.kron(g, a), np.kron(ref["expand"][1], a_exp), TOL)
-        rep.diagnose(f"conv {loss} fisher_exact conv A", a, {"expand A (Σ/(N|T|))": a_exp,
-                                                              "|T|·expand A": tq * a_exp}, TOL)
-        rep.diagnose(f"conv {loss} fisher_exact conv G", g,
-                     {"expand G (Σ_t, /N)": ref["expand"][1], "KFC G (/(N|T|))": ref["kfc"][1],
-                      "reduce G": ref["reduce"][1]}, TOL)
+        rep.check(
+            f"conv {loss} fisher_exact conv block kron(G, A) vs KFAC-expand",
+            np.kron(g, a),
+            np.kron(ref["expand"][1], a_exp),
+            TOL,
+        )
+        rep.diagnose(
+            f"conv {loss} fisher_exact conv A",
+            a,
+            {"expand A (Σ/(N|T|))": a_exp, "|T|·expand A": tq * a_exp},
+            TOL,
+        )
+        rep.diagnose(
+            f"conv {loss} fisher_exact conv G",
+            g,
+            {
+                "expand G (Σ_t, /N)": ref["expand"][1],
+                "KFC G (/(N|T|))": ref["kfc"][1],
+                "reduce G": ref["reduce"][1],
+            },
+            TOL,
+        )
 
 
 def run_faults(rep):
@@ -163,10 +213,18 @@ def run_faults(rep):
             kfe = model[2].fisher.kfe
             ub = kfe.Ub.detach().numpy()
             ua = kfe.Ua.detach().numpy()
-            rep.check(f"kfe {loss} fisher_exact layer2 Ub orthogonal (UbᵀUb = I)", ub.T @ ub,
-                      np.eye(ub.shape[1]), 1e-10)
-            rep.check(f"kfe {loss} fisher_exact layer2 Ua orthogonal (UaᵀUa = I)", ua.T @ ua,
-                      np.eye(ua.shape[1]), 1e-10)
+            rep.check(
+                f"kfe {loss} fisher_exact layer2 Ub orthogonal (UbᵀUb = I)",
+                ub.T @ ub,
+                np.eye(ub.shape[1]),
+                1e-10,
+            )
+            rep.check(
+                f"kfe {loss} fisher_exact layer2 Ua orthogonal (UaᵀUa = I)",
+                ua.T @ ua,
+                np.eye(ua.shape[1]),
+                1e-10,
+            )
         except Exception as exc:  # noqa: BLE001
             rep.note(f"kfe {loss} fisher_exact", f"ASDL raised {type(exc).__name__}: {exc}")
     # (2) outputs with more than two dimensions: Linear applied to [N, S, d] inputs
@@ -180,8 +238,11 @@ def run_faults(rep):
     f3 = x3 @ p["W1"] + p["b1"]
     for loss in ("mse", "ce"):
         model = torch.nn.Sequential(lin)
-        y3 = (torch.as_tensor(rng.standard_normal(f3.shape)) if loss == "mse"
-              else torch.as_tensor(rng.integers(0, f3.shape[-1], (n, s_len))))
+        y3 = (
+            torch.as_tensor(rng.standard_normal(f3.shape))
+            if loss == "mse"
+            else torch.as_tensor(rng.integers(0, f3.shape[-1], (n, s_len)))
+        )
         # reference: per-location loss terms, each a unit-variance Gaussian / softmax CE over the
         # last axis; the curvature of Σ_s ℓ_{n,s}, averaged over N: G = (1/N) Σ_{n,s,k} g gᵀ
         rows = f3.reshape(-1, f3.shape[-1])
@@ -193,12 +254,23 @@ def run_faults(rep):
             _fisher(model, torch.as_tensor(x3), y3, loss, "fisher_exact")
             kr = lin.fisher.kron
             g = kr.B.detach().numpy()
-            rep.check(f"3-D output ({loss}) fisher_exact G = (1/N) Σ_{{n,s}} Σ_k g gᵀ", g, g_ref,
-                      TOL, note="known fault in PEERS.md")
-            rep.diagnose(f"3-D output ({loss}) fisher_exact A", kr.A.detach().numpy(),
-                         {"Σ a aᵀ/N": a_ref, "Σ a aᵀ/(N·S)": a_ref / s_len}, TOL)
+            rep.check(
+                f"3-D output ({loss}) fisher_exact G = (1/N) Σ_{{n,s}} Σ_k g gᵀ",
+                g,
+                g_ref,
+                TOL,
+                note="known fault in PEERS.md",
+            )
+            rep.diagnose(
+                f"3-D output ({loss}) fisher_exact A",
+                kr.A.detach().numpy(),
+                {"Σ a aᵀ/N": a_ref, "Σ a aᵀ/(N·S)": a_ref / s_len},
+                TOL,
+            )
         except Exception as exc:  # noqa: BLE001
-            rep.note(f"3-D output ({loss}) fisher_exact", f"ASDL raised {type(exc).__name__}: {exc}")
+            rep.note(
+                f"3-D output ({loss}) fisher_exact", f"ASDL raised {type(exc).__name__}: {exc}"
+            )
         if hasattr(lin, "fisher"):
             del lin.fisher
 

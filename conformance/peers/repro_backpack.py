@@ -67,10 +67,16 @@ def run_mlp(rep):
                 for i, lin in enumerate((model[0], model[2])):
                     g, a = _kf(lin.weight, "kflr")
                     a_ref, g_ref = ref[i]
-                    rep.check(f"{tag} layer{i + 1} A (weight)", a, a_ref[: dims[i][0], : dims[i][0]],
-                              TOL)
-                    rep.check(f"{tag} layer{i + 1} G (weight)", g, sc * g_ref, TOL,
-                              f"G×{sc:g}" if sc != 1 else "")
+                    rep.check(
+                        f"{tag} layer{i + 1} A (weight)", a, a_ref[: dims[i][0], : dims[i][0]], TOL
+                    )
+                    rep.check(
+                        f"{tag} layer{i + 1} G (weight)",
+                        g,
+                        sc * g_ref,
+                        TOL,
+                        f"G×{sc:g}" if sc != 1 else "",
+                    )
                     if bias:
                         (gb,) = _kf(lin.bias, "kflr")
                         rep.check(f"{tag} layer{i + 1} G (bias block)", gb, sc * g_ref, TOL)
@@ -80,21 +86,32 @@ def run_mlp(rep):
                 acc = None
                 torch.manual_seed(0)
                 for _ in range(draws):
-                    model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y,
-                                 KFAC(mc_samples=1))
+                    model = _run(
+                        T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFAC(mc_samples=1)
+                    )
                     gs = [_kf(lin.weight, "kfac")[0] for lin in (model[0], model[2])]
-                    acc = gs if acc is None else [u + v for u, v in zip(acc, gs)]
+                    acc = gs if acc is None else [u + v for u, v in zip(acc, gs, strict=False)]
                 sc = g_scale(loss, "mean", n, d2)
                 for i in range(2):
                     # MC error ~ c/√(draws·N), c ≤ 2: 0.1 > 3σ
-                    rep.check(f"mlp {loss} mean bias=True KFAC(mc, {draws} draws) layer{i + 1} G",
-                              acc[i] / draws, sc * ref[i][1], 0.1, "statistical")
+                    rep.check(
+                        f"mlp {loss} mean bias=True KFAC(mc, {draws} draws) layer{i + 1} G",
+                        acc[i] / draws,
+                        sc * ref[i][1],
+                        0.1,
+                        "statistical",
+                    )
             # KFRA: the recursive approximation differs from K-FAC except at the last layer
             model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFRA())
             g, a = _kf(model[2].weight, "kfra")
             sc = g_scale(loss, "mean", n, d2)
-            rep.check(f"mlp {loss} mean bias={bias} KFRA last layer G = K-FAC G (batch-averaged "
-                      "output Hessian)", g, sc * ref[1][1], TOL)
+            rep.check(
+                f"mlp {loss} mean bias={bias} KFRA last layer G = K-FAC G (batch-averaged "
+                "output Hessian)",
+                g,
+                sc * ref[1][1],
+                TOL,
+            )
 
 
 def run_conv(rep):
@@ -113,14 +130,30 @@ def run_conv(rep):
         a_red = T.conv_a_torch(ref["reduce"][0], kh, kw, c_in, True)[:-1, :-1]
         a_exp, g_exp = a_kfc, sc * ref["expand"][1]
         g_red = sc * ref["reduce"][1]
-        rep.check(f"conv {loss} KFLR conv block kron(G, A) vs KFAC-expand (= KFC)",
-                  np.kron(g, a), np.kron(g_exp, a_exp), TOL)
-        rep.check(f"conv {loss} KFLR conv block kron(G, A) vs KFAC-reduce",
-                  np.kron(g, a), np.kron(g_red, a_red), TOL)
-        rep.diagnose(f"conv {loss} KFLR conv A", a,
-                     {"expand A": a_exp, "|T|·expand A": tq * a_exp, "reduce A": a_red}, TOL)
-        rep.diagnose(f"conv {loss} KFLR conv G", g,
-                     {"expand G": g_exp, "reduce G": g_red, "expand G/|T|": g_exp / tq}, TOL)
+        rep.check(
+            f"conv {loss} KFLR conv block kron(G, A) vs KFAC-expand (= KFC)",
+            np.kron(g, a),
+            np.kron(g_exp, a_exp),
+            TOL,
+        )
+        rep.check(
+            f"conv {loss} KFLR conv block kron(G, A) vs KFAC-reduce",
+            np.kron(g, a),
+            np.kron(g_red, a_red),
+            TOL,
+        )
+        rep.diagnose(
+            f"conv {loss} KFLR conv A",
+            a,
+            {"expand A": a_exp, "|T|·expand A": tq * a_exp, "reduce A": a_red},
+            TOL,
+        )
+        rep.diagnose(
+            f"conv {loss} KFLR conv G",
+            g,
+            {"expand G": g_exp, "reduce G": g_red, "expand G/|T|": g_exp / tq},
+            TOL,
+        )
         (gb,) = _kf(model[0].bias, "kflr")
         rep.check(f"conv {loss} KFLR conv bias G", gb, sc * ref["reduce"][1], TOL)
     _conv_exactness(rep, p)
@@ -135,10 +168,13 @@ def _conv_exactness(rep, p):
             rep.note(f"conv exactness ({setting})", f"BackPACK raised {type(exc).__name__}: {exc}")
             continue
         g, a = _kf(model[0].weight, "kflr")
-        rep.check(f"conv exactness ({setting}, linear conv, MSE sum): kron(G, A) == exact GGN",
-                  np.kron(g, a), exact, TOL,
-                  note="expand is exact here" if setting == "per-location"
-                  else "reduce is exact here")
+        rep.check(
+            f"conv exactness ({setting}, linear conv, MSE sum): kron(G, A) == exact GGN",
+            np.kron(g, a),
+            exact,
+            TOL,
+            note="expand is exact here" if setting == "per-location" else "reduce is exact here",
+        )
 
 
 def main(argv=None):
@@ -147,8 +183,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rep = C.Report("backpack", f"backpack-for-pytorch {getattr(bp, '__version__', '1.7.1')}, "
-                   f"torch {torch.__version__}")
+    rep = C.Report(
+        "backpack",
+        f"backpack-for-pytorch {getattr(bp, '__version__', '1.7.1')}, torch {torch.__version__}",
+    )
     run_mlp(rep)
     run_conv(rep)
     rep.dump(args.json)

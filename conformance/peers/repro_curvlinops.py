@@ -83,36 +83,65 @@ def run_mlp(rep):
                 for fisher, ft in (("type2", "type-2"), ("empirical", "empirical")):
                     sc = g_scale(loss, reduction, n, d2, fisher)
                     ref = C.mlp_reference(p, loss, fisher, bias)
-                    for separate in ((True, False) if bias else (True,)):
-                        tag = (f"mlp {loss} {reduction} bias={bias} {ft} "
-                               f"sep={separate}")
-                        op, params = _op(model, T.loss_fn(loss, reduction), x, y,
-                                         fisher_type=ft, separate_weight_and_bias=separate)
+                    for separate in (True, False) if bias else (True,):
+                        tag = f"mlp {loss} {reduction} bias={bias} {ft} sep={separate}"
+                        op, params = _op(
+                            model,
+                            T.loss_fn(loss, reduction),
+                            x,
+                            y,
+                            fisher_type=ft,
+                            separate_weight_and_bias=separate,
+                        )
                         conv = f"G×{sc:g}" if sc != 1 else ""
                         for i, (a_ref, g_ref) in enumerate(ref):
                             a = _factor(op, names[i], "A")
-                            a_exp = a_ref[: dims[i][0], : dims[i][0]] if (bias and separate) \
-                                else a_ref
+                            a_exp = (
+                                a_ref[: dims[i][0], : dims[i][0]] if (bias and separate) else a_ref
+                            )
                             rep.check(f"{tag} layer{i + 1} A", a, a_exp, TOL)
-                            rep.check(f"{tag} layer{i + 1} G", _factor(op, names[i], "G"),
-                                      sc * g_ref, TOL, conv)
+                            rep.check(
+                                f"{tag} layer{i + 1} G",
+                                _factor(op, names[i], "G"),
+                                sc * g_ref,
+                                TOL,
+                                conv,
+                            )
                         npar = sum(q.numel() for q in params)
-                        rep.check(f"{tag} dense (op @ I)", _dense(op, npar),
-                                  sc * T.expected_dense(ref, dims, bias, separate), TOL,
-                                  "kron(G,A), [W.flatten(), b]" + (", bias block G" if
-                                                                   separate and bias else ""))
+                        rep.check(
+                            f"{tag} dense (op @ I)",
+                            _dense(op, npar),
+                            sc * T.expected_dense(ref, dims, bias, separate),
+                            TOL,
+                            "kron(G,A), [W.flatten(), b]"
+                            + (", bias block G" if separate and bias else ""),
+                        )
                         if fisher == "type2" and reduction == "mean" and not separate:
                             _check_inverse(rep, tag, op, params, ref, dims, bias, sc)
-                        if (fisher == "type2" and reduction == "mean" and separate == (not bias)
-                                and loss == "mse"):
+                        if (
+                            fisher == "type2"
+                            and reduction == "mean"
+                            and separate == (not bias)
+                            and loss == "mse"
+                        ):
                             # exactness: last layer of a tanh MLP with squared error
-                            ggn = GGNLinearOperator(model, T.loss_fn(loss, reduction), params,
-                                                    [(x, y)], check_deterministic=False)
+                            ggn = GGNLinearOperator(
+                                model,
+                                T.loss_fn(loss, reduction),
+                                params,
+                                [(x, y)],
+                                check_deterministic=False,
+                            )
                             gd = _dense(ggn, npar)
                             kd = _dense(op, npar)
                             o = dims[0][0] * dims[0][1] + (dims[0][1] if bias else 0)
-                            rep.check(f"{tag} last layer KFAC == exact GGN (curvlinops' own)",
-                                      kd[o:, o:], gd[o:, o:], TOL, "exactness")
+                            rep.check(
+                                f"{tag} last layer KFAC == exact GGN (curvlinops' own)",
+                                kd[o:, o:],
+                                gd[o:, o:],
+                                TOL,
+                                "exactness",
+                            )
     # MC Fisher: statistical check with many samples
     model = T.mlp_model(p, True)
     for loss in ("mse", "ce"):
@@ -120,10 +149,15 @@ def run_mlp(rep):
         op, _ = _op(model, T.loss_fn(loss, "mean"), x, y, fisher_type="mc", mc_samples=2000)
         ref = C.mlp_reference(p, loss, "type2", True)
         sc = g_scale(loss, "mean", n, d2)
-        for i, (a_ref, g_ref) in enumerate(ref):
+        for i, (_, g_ref) in enumerate(ref):
             # relative MC error ~ 1/√(2000·4) ≈ 0.011 (times a constant ≤ 2): 0.06 is > 4σ
-            rep.check(f"mlp {loss} mean mc(2000 samples) layer{i + 1} G",
-                      _factor(op, names[i], "G"), sc * g_ref, 0.06, "statistical")
+            rep.check(
+                f"mlp {loss} mean mc(2000 samples) layer{i + 1} G",
+                _factor(op, names[i], "G"),
+                sc * g_ref,
+                0.06,
+                "statistical",
+            )
 
 
 def _check_inverse(rep, tag, op, params, ref, dims, bias, sc):
@@ -137,25 +171,40 @@ def _check_inverse(rep, tag, op, params, ref, dims, bias, sc):
         inv = KFACInverseLinearOperator(op, damping=lam, **kw)
         got = np.concatenate([t.detach().numpy().ravel() for t in inv @ vt])
         exp = []
-        for li, ((a, g), (d_in, d_out)) in enumerate(zip(ref, dims)):
+        for li, ((a, g), (d_in, _d_out)) in enumerate(zip(ref, dims, strict=False)):
             w = vs[li * npl]  # [out, in]
             m = w.T if not bias else np.concatenate([w.T, vs[li * npl + 1][None]], 0)
             a_c, g_c = a, sc * g  # canonical [in(+1), out] vector layout
             if style == "both":
-                out = (np.linalg.inv(a_c + lam * np.eye(len(a_c))) @ m
-                       @ np.linalg.inv(g_c + lam * np.eye(len(g_c))))
+                out = (
+                    np.linalg.inv(a_c + lam * np.eye(len(a_c)))
+                    @ m
+                    @ np.linalg.inv(g_c + lam * np.eye(len(g_c)))
+                )
             else:
-                out = np.asarray(L.kron_damped_inverse_matvec(
-                    a_c, g_c, m, lam,
-                    damping_method="factored" if style == "heuristic" else "exact"))
+                out = np.asarray(
+                    L.kron_damped_inverse_matvec(
+                        a_c,
+                        g_c,
+                        m,
+                        lam,
+                        damping_method="factored" if style == "heuristic" else "exact",
+                    )
+                )
             exp.append(out[:d_in].T.ravel())
             if bias:
                 exp.append(out[d_in])
-        rep.check(f"{tag} KFACInverseLinearOperator(λ={lam}, {style})", got,
-                  np.concatenate(exp), TOL_INV,
-                  {"heuristic": "π-split", "exact": "exact damping",
-                   "both": "λ on both factors (no π): reference computed with plain inverses"}[
-                      style])
+        rep.check(
+            f"{tag} KFACInverseLinearOperator(λ={lam}, {style})",
+            got,
+            np.concatenate(exp),
+            TOL_INV,
+            {
+                "heuristic": "π-split",
+                "exact": "exact damping",
+                "both": "λ on both factors (no π): reference computed with plain inverses",
+            }[style],
+        )
 
 
 def run_conv(rep):
@@ -170,25 +219,65 @@ def run_conv(rep):
         ref = C.conv_reference(p, loss, "type2", True)
         sc = g_scale(loss, "mean", n, p["W"].shape[1])
         for approx in ("expand", "reduce"):
-            op, params = _op(model, T.loss_fn(loss, "mean"), x, y, fisher_type="type-2",
-                             kfac_approx=approx, separate_weight_and_bias=False)
+            op, params = _op(
+                model,
+                T.loss_fn(loss, "mean"),
+                x,
+                y,
+                fisher_type="type-2",
+                kfac_approx=approx,
+                separate_weight_and_bias=False,
+            )
             a_ref, g_ref = ref[approx]
             a = _factor(op, "0", "A")
-            rep.check(f"conv {loss} {approx} conv A (unfold order)", a,
-                      T.conv_a_torch(a_ref, kh, kw, c_in, True), TOL)
-            rep.check(f"conv {loss} {approx} conv G", _factor(op, "0", "G"), sc * g_ref, TOL,
-                      f"G×{sc:g}" if sc != 1 else "")
+            rep.check(
+                f"conv {loss} {approx} conv A (unfold order)",
+                a,
+                T.conv_a_torch(a_ref, kh, kw, c_in, True),
+                TOL,
+            )
+            rep.check(
+                f"conv {loss} {approx} conv G",
+                _factor(op, "0", "G"),
+                sc * g_ref,
+                TOL,
+                f"G×{sc:g}" if sc != 1 else "",
+            )
     for setting, model_e, xe, ye, exact in T.conv_exactness_settings(p):
         params_e = list(model_e.parameters())
-        ggn = _dense(GGNLinearOperator(model_e, torch.nn.MSELoss(reduction="sum"), params_e,
-                                       [(xe, ye)], check_deterministic=False), exact.shape[0])
-        rep.check(f"conv exactness ({setting}): curvlinops GGN == NumPy exact GGN", ggn, exact,
-                  TOL, "validates the oracle")
+        ggn = _dense(
+            GGNLinearOperator(
+                model_e,
+                torch.nn.MSELoss(reduction="sum"),
+                params_e,
+                [(xe, ye)],
+                check_deterministic=False,
+            ),
+            exact.shape[0],
+        )
+        rep.check(
+            f"conv exactness ({setting}): curvlinops GGN == NumPy exact GGN",
+            ggn,
+            exact,
+            TOL,
+            "validates the oracle",
+        )
         approx = "expand" if setting == "per-location" else "reduce"
-        op, _ = _op(model_e, torch.nn.MSELoss(reduction="sum"), xe, ye, fisher_type="type-2",
-                    kfac_approx=approx)
-        rep.check(f"conv exactness ({setting}): KFAC-{approx} == exact GGN",
-                  _dense(op, exact.shape[0]), exact, TOL, "exactness")
+        op, _ = _op(
+            model_e,
+            torch.nn.MSELoss(reduction="sum"),
+            xe,
+            ye,
+            fisher_type="type-2",
+            kfac_approx=approx,
+        )
+        rep.check(
+            f"conv exactness ({setting}): KFAC-{approx} == exact GGN",
+            _dense(op, exact.shape[0]),
+            exact,
+            TOL,
+            "exactness",
+        )
     # known fault (PEERS.md): MSE on a conv output in NCHW takes the last axis as the event axis
     model1 = torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, (kh, kw))).double()
     with torch.no_grad():
@@ -197,15 +286,26 @@ def run_conv(rep):
     oh, ow = p["out_hw"]
     yy = torch.as_tensor(np.random.default_rng(2).standard_normal((n, c_out, oh, ow)))
     try:
-        op, _ = _op(model1, torch.nn.MSELoss(reduction="sum"), x, yy, fisher_type="type-2",
-                    kfac_approx="expand", separate_weight_and_bias=False)
+        op, _ = _op(
+            model1,
+            torch.nn.MSELoss(reduction="sum"),
+            x,
+            yy,
+            fisher_type="type-2",
+            kfac_approx="expand",
+            separate_weight_and_bias=False,
+        )
         g = _factor(op, "0", "G")
         # truth for one linear conv with Σ‖f−y‖²: every output coordinate has Hessian 2, per
         # location the gradient covariance over N·T rows sums to 2·N·T·I/…; expand G (sum) =
         # Σ_{n,t} Σ_c (2 e_c)(e_c)ᵀ·… = 2·N·T·I_Cout
-        rep.check("conv-only NCHW MSE(sum) expand G = 2·N·|T|·I (full rank)", g,
-                  2.0 * n * oh * ow * np.eye(c_out), TOL,
-                  note=f"rank(G)={np.linalg.matrix_rank(g)}, G={np.round(g, 6).tolist()}")
+        rep.check(
+            "conv-only NCHW MSE(sum) expand G = 2·N·|T|·I (full rank)",
+            g,
+            2.0 * n * oh * ow * np.eye(c_out),
+            TOL,
+            note=f"rank(G)={np.linalg.matrix_rank(g)}, G={np.round(g, 6).tolist()}",
+        )
     except Exception as exc:  # noqa: BLE001
         rep.note("conv-only NCHW MSE", f"curvlinops raised {type(exc).__name__}: {exc}")
 
@@ -221,9 +321,15 @@ def run_ekfac(rep):
         y = T.targets(p, loss)
         params = list(model.parameters())
         try:
-            op = EKFACLinearOperator(model, T.loss_fn(loss, "sum"), params, [(x, y)],
-                                     fisher_type="type-2", separate_weight_and_bias=False,
-                                     check_deterministic=False)
+            op = EKFACLinearOperator(
+                model,
+                T.loss_fn(loss, "sum"),
+                params,
+                [(x, y)],
+                fisher_type="type-2",
+                separate_weight_and_bias=False,
+                check_deterministic=False,
+            )
         except Exception as exc:  # noqa: BLE001
             rep.note(f"ekfac {loss}", f"{type(exc).__name__}: {exc}")
             continue
@@ -233,21 +339,26 @@ def run_ekfac(rep):
         ref = C.mlp_reference(p, loss, "type2", True)
         ex = C.mlp_exact_ggn_blocks(p, loss, True)
         exp_blocks = []
-        for (a, g), e, (d_in, d_out) in zip(ref, ex, dims):
+        for (a, g), e, (d_in, d_out) in zip(ref, ex, dims, strict=False):
             _, qa = np.linalg.eigh(a)
             _, qg = np.linalg.eigh(sc * g)
             q = np.kron(qa, qg)
             s = np.diag(q.T @ (sc * e) @ q)
             blk = q @ np.diag(s) @ q.T
-            perm = torch_param_perm(d_in, d_out, True)
+            perm = T.torch_param_perm(d_in, d_out, True)
             exp_blocks.append(blk[np.ix_(perm, perm)])
         exp = np.zeros_like(got)
         o = 0
         for b in exp_blocks:
-            exp[o:o + len(b), o:o + len(b)] = b
+            exp[o : o + len(b), o : o + len(b)] = b
             o += len(b)
-        rep.check(f"ekfac {loss} N=1 dense = Q diag(Qᵀ F Q) Qᵀ", got, exp, 1e-10,
-                  "N=1: K-FAC is exact, so EKFAC = exact GGN block", )
+        rep.check(
+            f"ekfac {loss} N=1 dense = Q diag(Qᵀ F Q) Qᵀ",
+            got,
+            exp,
+            1e-10,
+            "N=1: K-FAC is exact, so EKFAC = exact GGN block",
+        )
 
 
 def main(argv=None):
@@ -256,8 +367,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rep = C.Report("curvlinops", f"curvlinops {getattr(curvlinops, '__version__', '3.0.1')}, "
-                   f"torch {torch.__version__}")
+    rep = C.Report(
+        "curvlinops",
+        f"curvlinops {getattr(curvlinops, '__version__', '3.0.1')}, torch {torch.__version__}",
+    )
     run_mlp(rep)
     run_conv(rep)
     run_ekfac(rep)

@@ -47,7 +47,7 @@ def _fim(model, x, y, loss, rep=PMatKFAC):
 
 def run_mlp(rep):
     p = C.mlp_problem()
-    n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
+    _n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
     dims = [(d0, d1), (d1, d2)]
     x = T.inputs(p)
     for bias in (True, False):
@@ -58,7 +58,9 @@ def run_mlp(rep):
             try:
                 F = _fim(model, x, y, loss)
             except Exception as exc:  # noqa: BLE001
-                rep.note(f"mlp {loss} bias={bias}", f"nngeometry raised {type(exc).__name__}: {exc}")
+                rep.note(
+                    f"mlp {loss} bias={bias}", f"nngeometry raised {type(exc).__name__}: {exc}"
+                )
                 continue
             ref = C.mlp_reference(p, loss, "type2", bias)
             tag = f"mlp {loss} bias={bias} PMatKFAC"
@@ -67,14 +69,24 @@ def run_mlp(rep):
                 a, g = (m.detach().numpy() for m in F.data[lid])
                 a_ref, g_ref = ref[i]
                 s = split_scale(loss, d2)
-                rep.check(f"{tag} layer{i + 1} A (homog last)", a, s * a_ref, TOL,
-                          "A·s (scale split)")
+                rep.check(
+                    f"{tag} layer{i + 1} A (homog last)", a, s * a_ref, TOL, "A·s (scale split)"
+                )
                 rep.check(f"{tag} layer{i + 1} G", g, g_ref / s, TOL, "G/s (scale split)")
-                rep.check(f"{tag} layer{i + 1} kron(G, A) == kron(G_ref, A_ref)",
-                          np.kron(g, a), np.kron(g_ref, a_ref), TOL)
+                rep.check(
+                    f"{tag} layer{i + 1} kron(G, A) == kron(G_ref, A_ref)",
+                    np.kron(g, a),
+                    np.kron(g_ref, a_ref),
+                    TOL,
+                )
             dense = F.to_torch().detach().numpy()
-            rep.check(f"{tag} to_torch() dense", dense, T.expected_dense(ref, dims, bias, False),
-                      TOL, "kron(G,A), [W.flatten(), b]")
+            rep.check(
+                f"{tag} to_torch() dense",
+                dense,
+                T.expected_dense(ref, dims, bias, False),
+                TOL,
+                "kron(G,A), [W.flatten(), b]",
+            )
             _check_solve(rep, tag, F, model, ref, dims, bias)
 
 
@@ -83,8 +95,10 @@ def _check_solve(rep, tag, F, model, ref, dims, bias):
     lam = 0.1
     params = list(model.parameters())
     vs = [rng.standard_normal(tuple(q.shape)) for q in params]
-    vec = PVector(F.generator.layer_collection,
-                  vector_repr=torch.as_tensor(np.concatenate([v.ravel() for v in vs])))
+    vec = PVector(
+        F.generator.layer_collection,
+        vector_repr=torch.as_tensor(np.concatenate([v.ravel() for v in vs])),
+    )
     try:
         out = F.solvePVec(vec, regul=lam).to_torch().detach().numpy()
     except Exception as exc:  # noqa: BLE001
@@ -92,7 +106,7 @@ def _check_solve(rep, tag, F, model, ref, dims, bias):
         return
     exp = []
     npl = 2 if bias else 1
-    for li, ((a, g), (d_in, d_out)) in enumerate(zip(ref, dims)):
+    for li, ((a, g), (d_in, _d_out)) in enumerate(zip(ref, dims, strict=False)):
         w = vs[li * npl]
         m = w.T if not bias else np.concatenate([w.T, vs[li * npl + 1][None]], 0)
         s = split_scale("mse" if "mse" in tag else "ce", dims[-1][1])
@@ -102,8 +116,13 @@ def _check_solve(rep, tag, F, model, ref, dims, bias):
         exp.append(res[:d_in].T.ravel())
         if bias:
             exp.append(res[d_in])
-    rep.check(f"{tag} solvePVec(regul={lam}) = π-split damped inverse", out, np.concatenate(exp),
-              TOL_INV, "factored π-split damping")
+    rep.check(
+        f"{tag} solvePVec(regul={lam}) = π-split damped inverse",
+        out,
+        np.concatenate(exp),
+        TOL_INV,
+        "factored π-split damping",
+    )
 
 
 def run_conv(rep):
@@ -123,17 +142,34 @@ def run_conv(rep):
         a, g = (m.detach().numpy() for m in F.data[lid])
         a_exp = T.conv_a_torch(ref["expand"][0], kh, kw, c_in, True)
         a_red = T.conv_a_torch(ref["reduce"][0], kh, kw, c_in, True)
-        rep.check(f"conv {loss} PMatKFAC conv block kron(G, A) vs KFAC-expand",
-                  np.kron(g, a), np.kron(ref["expand"][1], a_exp), TOL)
+        rep.check(
+            f"conv {loss} PMatKFAC conv block kron(G, A) vs KFAC-expand",
+            np.kron(g, a),
+            np.kron(ref["expand"][1], a_exp),
+            TOL,
+        )
         tq = ref["T"]
         s = split_scale(loss, p["W"].shape[1])
-        rep.diagnose(f"conv {loss} PMatKFAC conv A", a,
-                     {"s·expand A (Σ/(N|T|))": s * a_exp, "s·|T|·expand A (Σ/N)":
-                      s * tq * a_exp, "s·reduce A": s * a_red}, TOL)
-        rep.diagnose(f"conv {loss} PMatKFAC conv G", g,
-                     {"expand G/s": ref["expand"][1] / s,
-                      "KFC G/s (/(N|T|))": ref["kfc"][1] / s,
-                      "reduce G/s": ref["reduce"][1] / s}, TOL)
+        rep.diagnose(
+            f"conv {loss} PMatKFAC conv A",
+            a,
+            {
+                "s·expand A (Σ/(N|T|))": s * a_exp,
+                "s·|T|·expand A (Σ/N)": s * tq * a_exp,
+                "s·reduce A": s * a_red,
+            },
+            TOL,
+        )
+        rep.diagnose(
+            f"conv {loss} PMatKFAC conv G",
+            g,
+            {
+                "expand G/s": ref["expand"][1] / s,
+                "KFC G/s (/(N|T|))": ref["kfc"][1] / s,
+                "reduce G/s": ref["reduce"][1] / s,
+            },
+            TOL,
+        )
 
 
 def run_faults(rep):
@@ -149,18 +185,31 @@ def run_faults(rep):
         try:
             F = _fim(model, x, y, loss)
             a, g = F.data[list(F.generator.layer_collection.layers.keys())[1]]
-            rep.check(f"default dtype float32, float64 model ({loss}): factor dtype is float64",
-                      np.array([a.dtype == torch.float64, g.dtype == torch.float64], float),
-                      np.ones(2), 0, note=f"got {a.dtype}, {g.dtype}")
+            rep.check(
+                f"default dtype float32, float64 model ({loss}): factor dtype is float64",
+                np.array([a.dtype == torch.float64, g.dtype == torch.float64], float),
+                np.ones(2),
+                0,
+                note=f"got {a.dtype}, {g.dtype}",
+            )
         except Exception as exc:  # noqa: BLE001
-            rep.note(f"default dtype float32, float64 model ({loss})",
-                     f"nngeometry raised {type(exc).__name__}: {str(exc)[:120]}")
+            rep.note(
+                f"default dtype float32, float64 model ({loss})",
+                f"nngeometry raised {type(exc).__name__}: {str(exc)[:120]}",
+            )
         finally:
             torch.set_default_dtype(old)
-        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-                    for m in model.modules())
-        rep.check(f"default dtype float32 ({loss}): no hooks left on the model afterwards",
-                  np.array([hooks], float), np.zeros(1), 0, note=f"{hooks} hooks left")
+        hooks = sum(
+            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            for m in model.modules()
+        )
+        rep.check(
+            f"default dtype float32 ({loss}): no hooks left on the model afterwards",
+            np.array([hooks], float),
+            np.zeros(1),
+            0,
+            note=f"{hooks} hooks left",
+        )
 
 
 def main(argv=None):
@@ -169,7 +218,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    rep = C.Report("nngeometry", f"nngeometry {md.version('nngeometry')}, torch {torch.__version__}")
+    rep = C.Report(
+        "nngeometry", f"nngeometry {md.version('nngeometry')}, torch {torch.__version__}"
+    )
     run_mlp(rep)
     run_conv(rep)
     run_faults(rep)

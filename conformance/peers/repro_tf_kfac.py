@@ -48,14 +48,20 @@ def _session_run(build):
 
 def _estimator(lc, variables, mode, damping, exps=(-1,)):
     est = kfac.estimator.FisherEstimatorRoundRobin(
-        variables=variables, cov_ema_decay=0.95, damping=damping, layer_collection=lc,
-        exps=exps, estimation_mode=mode)
+        variables=variables,
+        cov_ema_decay=0.95,
+        damping=damping,
+        layer_collection=lc,
+        exps=exps,
+        estimation_mode=mode,
+    )
     cov_thunks, inv_thunks = est.make_vars_and_create_op_thunks()
     return est, [t() for t in cov_thunks], [t() for t in inv_thunks]
 
 
-def mlp_case(p, loss, mode, bias, coeff, lam=0.1, vec=None, n_inverse_updates=1,
-             python_damping=False):
+def mlp_case(
+    p, loss, mode, bias, coeff, lam=0.1, vec=None, n_inverse_updates=1, python_damping=False
+):
     def build():
         x = tf.constant(p["x"])
         w1 = tf1.get_variable("W1", initializer=tf.constant(p["W1"]))
@@ -74,14 +80,21 @@ def mlp_case(p, loss, mode, bias, coeff, lam=0.1, vec=None, n_inverse_updates=1,
         else:
             lc.register_softmax_cross_entropy_loss(f, targets=tf.constant(p["y_cls"]), coeff=coeff)
         variables = [w1, b1, w2, b2] if bias else [w1, w2]
-        est, cov_ops, inv_ops = _estimator(lc, variables, mode,
-                                           lam if python_damping else tf.constant(lam, F64))
-        blocks = [lc.fisher_blocks[(w1, b1) if bias else w1],
-                  lc.fisher_blocks[(w2, b2) if bias else w2]]
+        est, cov_ops, inv_ops = _estimator(
+            lc, variables, mode, lam if python_damping else tf.constant(lam, F64)
+        )
+        blocks = [
+            lc.fisher_blocks[(w1, b1) if bias else w1],
+            lc.fisher_blocks[(w2, b2) if bias else w2],
+        ]
         facs = [(b._input_factor.cov, b._output_factor.cov) for b in blocks]
         dense = [b.full_fisher_block() for b in blocks]
         vecs = [tf.constant(v) for v in vec] if vec is not None else None
-        inv = est.multiply_inverse(list(zip(vecs, variables))) if vecs is not None else None
+        inv = (
+            est.multiply_inverse(list(zip(vecs, variables, strict=False)))
+            if vecs is not None
+            else None
+        )
 
         def run(sess):
             sess.run(cov_ops)
@@ -91,80 +104,132 @@ def mlp_case(p, loss, mode, bias, coeff, lam=0.1, vec=None, n_inverse_updates=1,
             if inv is not None:
                 out["inv"] = sess.run([v for v, _ in inv])
             return out
+
         return {"run": run}
+
     return _session_run(build)
 
 
 def run_mlp(rep):
     p = C.mlp_problem()
-    n = p["x"].shape[0]
+    p["x"].shape[0]
     rng = np.random.default_rng(6)
     for bias in (True, False):
-        shapes = ([p["W1"].shape, p["b1"].shape, p["W2"].shape, p["b2"].shape] if bias
-                  else [p["W1"].shape, p["W2"].shape])
+        shapes = (
+            [p["W1"].shape, p["b1"].shape, p["W2"].shape, p["b2"].shape]
+            if bias
+            else [p["W1"].shape, p["W2"].shape]
+        )
         vec = [rng.standard_normal(s) for s in shapes]
         for loss in ("mse", "ce"):
             for mode, fisher, coeff, conv in (
                 ("exact", "type2", 0.5 if loss == "mse" else 1.0, ""),
                 ("empirical", "empirical", 0.5 if loss == "mse" else 1.0, ""),
-                ("exact", "type2", 1.0 if loss == "mse" else 2.0,
-                 "coeff scales the curvature linearly"),
-                ("empirical", "empirical", 1.0 if loss == "mse" else 2.0,
-                 "coeff scales the loss: EF ∝ coeff²"),
+                (
+                    "exact",
+                    "type2",
+                    1.0 if loss == "mse" else 2.0,
+                    "coeff scales the curvature linearly",
+                ),
+                (
+                    "empirical",
+                    "empirical",
+                    1.0 if loss == "mse" else 2.0,
+                    "coeff scales the loss: EF ∝ coeff²",
+                ),
             ):
                 tag = f"mlp {loss} bias={bias} {mode} coeff={coeff}"
                 try:
                     out = mlp_case(p, loss, mode, bias, coeff, vec=vec)
                 except Exception as exc:  # noqa: BLE001 - a crash is a finding, not a skip
-                    rep.check(f"{tag} runs in float64", np.array([0.0]), np.array([1.0]), 0,
-                              note=f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:150]}")
+                    rep.check(
+                        f"{tag} runs in float64",
+                        np.array([0.0]),
+                        np.array([1.0]),
+                        0,
+                        note=f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:150]}",
+                    )
                     continue
                 ref = C.mlp_reference(p, loss, fisher, bias)
                 base = 0.5 if loss == "mse" else 1.0  # coeff that reproduces the reference loss
                 c = coeff / base
                 g_sc = c if fisher == "type2" else c * c
-                for i, ((a, g), (a_ref, g_ref)) in enumerate(zip(out["facs"], ref)):
+                for i, ((a, g), (a_ref, g_ref)) in enumerate(zip(out["facs"], ref, strict=False)):
                     rep.check(f"{tag} layer{i + 1} A", a, a_ref, TOL)
-                    rep.check(f"{tag} layer{i + 1} G", g, g_sc * g_ref, TOL,
-                              conv + (f" (G×{g_sc:g})" if g_sc != 1 else ""))
+                    rep.check(
+                        f"{tag} layer{i + 1} G",
+                        g,
+                        g_sc * g_ref,
+                        TOL,
+                        conv + (f" (G×{g_sc:g})" if g_sc != 1 else ""),
+                    )
                 if coeff == base:
-                    for i, (d, (a_ref, g_ref)) in enumerate(zip(out["dense"], ref)):
-                        rep.check(f"{tag} layer{i + 1} full_fisher_block = kron(A, G)", d,
-                                  np.asarray(L.kron(a_ref, g_ref)), TOL)
+                    for i, (d, (a_ref, g_ref)) in enumerate(zip(out["dense"], ref, strict=False)):
+                        rep.check(
+                            f"{tag} layer{i + 1} full_fisher_block = kron(A, G)",
+                            d,
+                            np.asarray(L.kron(a_ref, g_ref)),
+                            TOL,
+                        )
                     exp = []
                     for i, (a_ref, g_ref) in enumerate(ref):
-                        m = (np.concatenate([vec[2 * i], vec[2 * i + 1][None]], 0) if bias
-                             else vec[i])
+                        m = (
+                            np.concatenate([vec[2 * i], vec[2 * i + 1][None]], 0)
+                            if bias
+                            else vec[i]
+                        )
                         r = np.asarray(L.kron_damped_inverse_matvec(a_ref, g_ref, m, 0.1))
                         exp.append(r)
                     got = []
                     for i in range(2):
-                        got.append(np.concatenate([out["inv"][2 * i], out["inv"][2 * i + 1][None]], 0)
-                                   if bias else out["inv"][i])
-                    rep.check(f"{tag} multiply_inverse(λ=0.1) (π-split)",
-                              np.concatenate([q.ravel() for q in got]),
-                              np.concatenate([q.ravel() for q in exp]), TOL_INV,
-                              "factored π-split damping")
+                        got.append(
+                            np.concatenate([out["inv"][2 * i], out["inv"][2 * i + 1][None]], 0)
+                            if bias
+                            else out["inv"][i]
+                        )
+                    rep.check(
+                        f"{tag} multiply_inverse(λ=0.1) (π-split)",
+                        np.concatenate([q.ravel() for q in got]),
+                        np.concatenate([q.ravel() for q in exp]),
+                        TOL_INV,
+                        "factored π-split damping",
+                    )
     # Python-float damping passes through float32 (PEERS.md): measure the error it adds
     loss = "ce"
-    vec = [rng.standard_normal(s) for s in (p["W1"].shape, p["b1"].shape, p["W2"].shape,
-                                            p["b2"].shape)]
+    vec = [
+        rng.standard_normal(s) for s in (p["W1"].shape, p["b1"].shape, p["W2"].shape, p["b2"].shape)
+    ]
     ref = C.mlp_reference(p, loss, "type2", True)
-    exp = np.concatenate([np.asarray(L.kron_damped_inverse_matvec(
-        a, g, np.concatenate([vec[2 * i], vec[2 * i + 1][None]], 0), 0.1)).ravel()
-        for i, (a, g) in enumerate(ref)])
+    exp = np.concatenate(
+        [
+            np.asarray(
+                L.kron_damped_inverse_matvec(
+                    a, g, np.concatenate([vec[2 * i], vec[2 * i + 1][None]], 0), 0.1
+                )
+            ).ravel()
+            for i, (a, g) in enumerate(ref)
+        ]
+    )
     for py in (False, True):
         out = mlp_case(p, loss, "exact", True, 1.0, lam=0.1, vec=vec, python_damping=py)
-        got = np.concatenate([np.concatenate([out["inv"][2 * i], out["inv"][2 * i + 1][None]],
-                                             0).ravel() for i in range(2)])
+        got = np.concatenate(
+            [
+                np.concatenate([out["inv"][2 * i], out["inv"][2 * i + 1][None]], 0).ravel()
+                for i in range(2)
+            ]
+        )
         err = C.rel_err(got, exp)
-        rep.note(f"multiply_inverse damping given as {'Python float' if py else 'float64 tensor'}",
-                 f"rel err vs float64 reference {err:.2e} (float32 rounding of 0.1 is "
-                 f"{abs(float(np.float32(0.1)) - 0.1) / 0.1:.1e})")
+        rep.note(
+            f"multiply_inverse damping given as {'Python float' if py else 'float64 tensor'}",
+            f"rel err vs float64 reference {err:.2e} (float32 rounding of 0.1 is "
+            f"{abs(float(np.float32(0.1)) - 0.1) / 0.1:.1e})",
+        )
     # The coeff inconsistency in numbers: ratio EF/F as coeff changes (CE)
-    rep.note("coeff semantics",
-             "exact/gradients/curvature_prop multiply the loss factor by √coeff (F ∝ coeff); "
-             "empirical differentiates coeff·ℓ (EF ∝ coeff²) — see rows with coeff=2 (CE)")
+    rep.note(
+        "coeff semantics",
+        "exact/gradients/curvature_prop multiply the loss factor by √coeff (F ∝ coeff); "
+        "empirical differentiates coeff·ℓ (EF ∝ coeff²) — see rows with coeff=2 (CE)",
+    )
 
 
 def conv_case(p, loss, lam=0.1, vec=None):
@@ -189,13 +254,17 @@ def conv_case(p, loss, lam=0.1, vec=None):
         blk = lc.fisher_blocks[(k, bc)]
         facs = (blk._input_factor.cov, blk._output_factor.cov)
         dense = blk.full_fisher_block()
-        inv = est.multiply_inverse(list(zip([tf.constant(v) for v in vec], variables)))
+        inv = est.multiply_inverse(
+            list(zip([tf.constant(v) for v in vec], variables, strict=False))
+        )
 
         def run(sess):
             sess.run(cov_ops)
             sess.run(inv_ops)
             return sess.run({"facs": facs, "dense": dense, "inv": [v for v, _ in inv]})
+
         return {"run": run}
+
     return _session_run(build)
 
 
@@ -210,13 +279,22 @@ def run_conv(rep):
         a, g = out["facs"]
         rep.check(f"conv {loss} exact conv A (KFC, ÷N|T|)", a, ref["kfc"][0], TOL)
         rep.check(f"conv {loss} exact conv G (KFC, ÷N|T|)", g, ref["kfc"][1], TOL)
-        rep.check(f"conv {loss} full_fisher_block = |T|·kron(A, G)", out["dense"],
-                  t * np.asarray(L.kron(*ref["kfc"])), TOL)
+        rep.check(
+            f"conv {loss} full_fisher_block = |T|·kron(A, G)",
+            out["dense"],
+            t * np.asarray(L.kron(*ref["kfc"])),
+            TOL,
+        )
         m = np.concatenate([vec[0].reshape(-1, p["K"].shape[-1]), vec[1][None]], 0)
         exp = np.asarray(L.kron_damped_inverse_matvec(*ref["kfc"], m, 0.1 / t)) / t
         got = np.concatenate([out["inv"][0].reshape(-1, p["K"].shape[-1]), out["inv"][1][None]], 0)
-        rep.check(f"conv {loss} multiply_inverse(λ=0.1) conv block = [|T|(A⊗G)]_λ^-1",
-                  got, exp, TOL_INV, "λ/|T| on the factors, π-split")
+        rep.check(
+            f"conv {loss} multiply_inverse(λ=0.1) conv block = [|T|(A⊗G)]_λ^-1",
+            got,
+            exp,
+            TOL_INV,
+            "λ/|T| on the factors, π-split",
+        )
 
 
 def run_cov(rep):
@@ -232,6 +310,7 @@ def run_cov(rep):
         c1 = compute_cov(tf.constant(x))
         c2 = compute_cov(tf.constant(x), tensor_right=tf.constant(y))
         return {"run": lambda sess: sess.run([c1, c2])}
+
     c1, c2 = _session_run(build)
     rep.check("compute_cov(X) = XᵀX/n", c1, np.asarray(L.compute_cov(x)), TOL)
     rep.check("compute_cov(X, Y) = XᵀY/n", c2, np.asarray(L.compute_cov(x, y)), TOL)

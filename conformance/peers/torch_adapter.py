@@ -15,8 +15,9 @@ def require(*modules):
         try:
             importlib.import_module(m)
         except ImportError as exc:
-            raise AdapterUnavailable(f"{m} is not installed ({exc}); see "
-                                     "conformance/peers/torchpeers.txt") from exc
+            raise AdapterUnavailable(
+                f"{m} is not installed ({exc}); see conformance/peers/torchpeers.txt"
+            ) from exc
 
 
 def problem(inputs, params):
@@ -38,7 +39,7 @@ def kron_blocks(pairs, separate_bias):
         if has_bias and separate_bias:
             blk = np.zeros((kw.shape[0] + g.shape[0],) * 2)
             blk[: kw.shape[0], : kw.shape[0]] = kw
-            blk[kw.shape[0]:, kw.shape[0]:] = g
+            blk[kw.shape[0] :, kw.shape[0] :] = g
             blocks.append(blk)
         else:
             blocks.append(kw)

@@ -37,8 +37,12 @@ def conv_model(p, bias=True):
     kh, kw, c_in, c_out = p["K"].shape
     oh, ow = p["out_hw"]
     classes = p["W"].shape[1]
-    m = nn.Sequential(nn.Conv2d(c_in, c_out, (kh, kw), bias=bias), nn.Tanh(), nn.Flatten(),
-                      nn.Linear(oh * ow * c_out, classes, bias=bias))
+    m = nn.Sequential(
+        nn.Conv2d(c_in, c_out, (kh, kw), bias=bias),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(oh * ow * c_out, classes, bias=bias),
+    )
     perm = C.torch_flatten_perm(oh, ow, c_out)
     with torch.no_grad():
         m[0].weight.copy_(t(np.transpose(p["K"], (3, 2, 0, 1))))
@@ -61,8 +65,11 @@ def targets(p, loss):
 
 
 def loss_fn(loss, reduction="mean"):
-    return nn.MSELoss(reduction=reduction) if loss == "mse" else nn.CrossEntropyLoss(
-        reduction=reduction)
+    return (
+        nn.MSELoss(reduction=reduction)
+        if loss == "mse"
+        else nn.CrossEntropyLoss(reduction=reduction)
+    )
 
 
 def check_forward(model, p, conv=False, bias=True):
@@ -132,12 +139,12 @@ def torch_param_perm(d_in, d_out, bias):
 def expected_dense(ref, dims, bias, separate):
     """Block-diagonal reference in PyTorch parameter order."""
     blocks = []
-    for (a, g), (d_in, d_out) in zip(ref, dims):
+    for (a, g), (d_in, d_out) in zip(ref, dims, strict=False):
         if bias and separate:
             aw = a[:d_in, :d_in]
             blk = np.zeros((d_in * d_out + d_out,) * 2)
             blk[: d_in * d_out, : d_in * d_out] = np.kron(g, aw)  # kron(G, A) on vec_r(W_torch)
-            blk[d_in * d_out:, d_in * d_out:] = g
+            blk[d_in * d_out :, d_in * d_out :] = g
             blocks.append(blk)
         else:
             k = np.kron(a, g)
@@ -147,6 +154,6 @@ def expected_dense(ref, dims, bias, separate):
     out = np.zeros((n, n))
     o = 0
     for b in blocks:
-        out[o:o + b.shape[0], o:o + b.shape[0]] = b
+        out[o : o + b.shape[0], o : o + b.shape[0]] = b
         o += b.shape[0]
     return out
