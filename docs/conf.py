@@ -110,6 +110,7 @@ nitpick_ignore_regex = [
 autosummary_generate = False
 autodoc_typehints = "none"  # types are in the numpydoc "Parameters" sections
 autodoc_member_order = "bysource"
+toc_object_entries_show_parents = "hide"  # "update", not "kfac_ref.x.Y.update", in page TOCs
 autodoc_default_options = {"exclude-members": "__init__, __new__"}
 
 # numpydoc renders the docstrings; member tables come from autodoc's :members:.

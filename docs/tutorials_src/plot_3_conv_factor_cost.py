@@ -10,7 +10,7 @@ into one patch per output location.  This tutorial
 1. checks :func:`~kfac_ref.factors.conv.conv_input_kronecker_factor` against an explicit
    loop over examples and locations;
 2. counts what the factors, the exact block and the patch matrix cost for typical layers;
-3. measures how the time grows with the image size;
+3. shows how the patch matrix grows with the image size, the padding and the stride;
 4. shows what patch subsampling (TF K-FAC's ``_SUB_SAMPLE_PATCHES``) trades for it.
 """
 
@@ -25,12 +25,11 @@ into one patch per output location.  This tutorial
 # .. math::
 #
 #    A = \frac{1}{N|T|} \sum_{n} \sum_{t \in T} \bar p_{n,t} \bar p_{n,t}^\top .
-import time
-
 import matplotlib.pyplot as plt
 import numpy as np
 
 from kfac_ref.factors.conv import conv_input_kronecker_factor
+from kfac_ref.patches import extract_convolution_patches, num_conv_locations
 
 rng = np.random.default_rng(0)
 N, H, W, C_in, C_out, k = 2, 5, 4, 3, 4, 3
@@ -87,39 +86,45 @@ for name, n, t, kh, kw, cin, cout in layers:
 # high-resolution layer is larger than the activations it comes from, and the GEMM that
 # reduces it dominates the cost of the factor.
 #
-# Time against image size
-# -----------------------
-# With everything else fixed, the number of locations :math:`|T|` grows like
-# :math:`H^2`, and so do the patch matrix and the GEMM.  We time the factor (best of three)
-# for growing square images.
+# How padding and stride change the cost
+# --------------------------------------
+# The cost of the statistics is set by the patch matrix: :math:`N|T|` rows of length
+# :math:`k_h k_w C_\text{in}`.  :math:`|T|` depends on the padding and, quadratically, on the
+# stride — a common source of wrong conv-factor scalings when an implementation counts
+# input instead of output locations.  We read the patch-matrix size off the array that
+# :func:`~kfac_ref.patches.extract_convolution_patches` returns and check :math:`|T|` against
+# :func:`~kfac_ref.patches.num_conv_locations`.  (Wall-clock time follows the same counts;
+# it is not plotted because timings on a shared build machine are noisy.)
 sizes = [8, 12, 16, 24, 32, 48, 64]
-times = []
+settings = [("SAME", 1), ("VALID", 1), ("SAME", 2)]
+entries = {setting: [] for setting in settings}
 for s in sizes:
-    xs = rng.standard_normal((8, s, s, 8))
-    best = np.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        conv_input_kronecker_factor(xs, [3, 3, 8, 16], "SAME", has_bias=True)
-        best = min(best, time.perf_counter() - t0)
-    times.append(best)
-
-slope = np.polyfit(np.log(sizes[2:]), np.log(times[2:]), 1)[0]
-print(f"fitted exponent of time vs H (H >= 16): {slope:.2f}")
+    xs = np.zeros((8, s, s, 8))
+    for padding, stride in settings:
+        patches = extract_convolution_patches(xs, [3, 3, 8, 16], padding, strides=stride)
+        t = num_conv_locations(xs.shape, [3, 3, 8, 16], stride, padding)
+        assert patches.shape[0] * t * 3 * 3 * 8 == patches.size  # N |T| kh kw C_in
+        entries[(padding, stride)].append(patches.size)
+print(
+    "patch-matrix entries at H = 64:",
+    {f"{p}, stride {st}": e[-1] for (p, st), e in entries.items()},
+)
+print("input entries at H = 64:", 8 * 64 * 64 * 8)
 
 fig, ax = plt.subplots(figsize=(7, 4))
-ax.loglog(sizes, times, "o-", label="conv_input_kronecker_factor")
-ref = times[-1] * (np.array(sizes) / sizes[-1]) ** 2
-ax.loglog(sizes, ref, "k:", label=r"$\propto H^2$")
+for (padding, stride), e in entries.items():
+    ax.loglog(sizes, e, "o-", label=f"{padding}, stride {stride}")
+ax.loglog(sizes, [8 * s * s * 8 for s in sizes], "k:", label="the input itself")
 ax.set_xlabel("image height = width H")
-ax.set_ylabel("seconds (best of 3)")
-ax.set_title("Input factor of a 3x3 conv, N = 8, 8 -> 16 channels")
+ax.set_ylabel("patch-matrix entries")
+ax.set_title("3x3 conv, N = 8, 8 -> 16 channels")
 ax.legend()
 fig.tight_layout()
 
 # %%
-# For small images fixed overheads dominate; beyond that the time follows
-# :math:`|T| \propto H^2` (the fitted exponent is printed above; timings on a shared
-# machine are noisy).
+# With stride 1 the patch matrix is :math:`k_h k_w = 9` times the input; stride 2 divides
+# :math:`|T|`, and therefore the memory and the GEMM, by four.  "VALID" padding loses the
+# border locations, which matters only for small images.
 #
 # Subsampling patches
 # -------------------
