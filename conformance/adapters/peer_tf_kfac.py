@@ -166,9 +166,11 @@ class TfKfacAdapter(Adapter):
                 for var in variables:
                     shape = tuple(var.shape)
                     size = int(np.prod(shape))
-                    vecs.append(tf.constant(v[off:off + size].reshape(shape)))
+                    vecs.append(tf.constant(v[off : off + size].reshape(shape)))
                     off += size
-                fetches = [u for u, _ in est.multiply_inverse(list(zip(vecs, variables)))]
+                fetches = [
+                    u for u, _ in est.multiply_inverse(list(zip(vecs, variables, strict=True)))
+                ]
             elif fetch_kind == "kfac":
                 fetches = [b.full_fisher_block() for b in blocks]
             elif fetch_kind == "input":
