@@ -65,3 +65,11 @@ def conformance(session: nox.Session) -> None:
     session.install("-e", ".[test,torch]")
     session.run("python", "-m", "conformance", "golden", "--check")
     session.run("python", "-m", "conformance", "--all-adapters", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """Sphinx HTML and doctest builds, warnings as errors, offline (MathJax ships in the repo);
+    fails when a public symbol is undocumented or its docstring has no formula."""
+    session.install("-e", ".[docs]")
+    session.run("bash", "docs/build.sh", external=True)

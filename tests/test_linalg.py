@@ -362,7 +362,7 @@ def test_error_paths(xp):
                                                damping_method="unsplit"),
          KFACValueError, "damping_method must be one of 'factored', 'exact'"),
         (lambda: K.kron_damped_inverse_matvec(m, m, xp.asarray(np.ones(9)), -1.0),
-         KFACValueError, "damping must be non-negative"),
+         KFACValueError, "kron_damped_inverse_matvec: damping must be non-negative"),
         (lambda: K.kron_damped_inverse_matvec(m, m, xp.asarray(np.ones(9)), norm_type="fro"),
          KFACValueError, "norm_type must be one of"),
     ]
