@@ -121,12 +121,18 @@ class KfacJaxAdapter(Adapter):
             for key in (f"w{i}",) + ((f"b{i}",) if s["bias"] else ()):
                 shape = np.shape(inputs[key])
                 size = int(np.prod(shape))
-                leaves.append(jnp.asarray(v[off:off + size].reshape(shape)))
+                leaves.append(jnp.asarray(v[off : off + size].reshape(shape)))
                 off += size
             tree.append(leaves)
-        out = est.multiply_matpower(st, tree, identity_weight=float(params["damping"]),
-                                    power=-1, exact_power=bool(params["exact"]),
-                                    use_cached=False, pmap_axis_name=None)
+        out = est.multiply_matpower(
+            st,
+            tree,
+            identity_weight=float(params["damping"]),
+            power=-1,
+            exact_power=bool(params["exact"]),
+            use_cached=False,
+            pmap_axis_name=None,
+        )
         return np.concatenate([np.asarray(leaf).ravel() for layer in out for leaf in layer])
 
     def _factors(self, inputs, params, k):

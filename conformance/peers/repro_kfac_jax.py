@@ -396,6 +396,76 @@ def run_repeated_dense(rep):
                 )
 
 
+def run_update_cache(rep):
+    """PEERS.md: ``update_cache`` ignores ``norm_to_scale_identity_weight_per_block``.
+
+    The uncached ``multiply_matpower`` scales λ by the block norm; a cached inverse built by
+    ``update_cache`` with the same option should give the same product."""
+    p = C.mlp_problem()
+    params = [jnp.asarray(p[k]) for k in ("W1", "b1", "W2", "b2")]
+    batch = (jnp.asarray(p["x"]), jnp.asarray(p["y_cls"]))
+    fn = _mlp_loss_fn("ce", True, 0.5)
+    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
+    r = jax.random.PRNGKey(0)
+    st = est.init(r, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=[-1])
+    st = est.update_curvature_matrix_estimate(
+        st,
+        ema_old=0.0,
+        ema_new=1.0,
+        identity_weight=0.0,
+        batch_size=4,
+        rng=r,
+        func_args=(params, batch),
+        estimation_mode="ggn_exact",
+    )
+    lam, norm = 0.1, "avg_diag"
+    st = est.update_cache(
+        st,
+        identity_weight=lam,
+        exact_powers=None,
+        approx_powers=[-1],
+        eigenvalues=False,
+        pmap_axis_name=None,
+        norm_to_scale_identity_weight_per_block=norm,
+    )
+    vec = [jnp.asarray(np.random.default_rng(2).standard_normal(q.shape)) for q in params]
+    kw = dict(
+        identity_weight=lam,
+        power=-1,
+        exact_power=False,
+        pmap_axis_name=None,
+        norm_to_scale_identity_weight_per_block=norm,
+    )
+    cached = est.multiply_matpower(st, vec, use_cached=True, **kw)
+    fresh = est.multiply_matpower(st, vec, use_cached=False, **kw)
+    flat = lambda t: np.concatenate([np.asarray(x).ravel() for x in t])  # noqa: E731
+    rep.check(
+        f"update_cache(norm_to_scale={norm!r}) cached inverse == uncached inverse",
+        flat(cached),
+        flat(fresh),
+        TOL_INV,
+        note="known fault in PEERS.md",
+    )
+    plain = est.multiply_matpower(
+        st,
+        vec,
+        use_cached=False,
+        identity_weight=lam,
+        power=-1,
+        exact_power=False,
+        pmap_axis_name=None,
+    )
+    rep.diagnose(
+        "update_cache(norm_to_scale=...) cached inverse",
+        flat(cached),
+        {
+            "uncached with the norm scaling": flat(fresh),
+            "uncached without the norm scaling": flat(plain),
+        },
+        TOL_INV,
+    )
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -404,6 +474,7 @@ def main(argv=None):
     run_mlp(rep)
     run_conv(rep)
     run_repeated_dense(rep)
+    run_update_cache(rep)
     rep.dump(args.json)
 
 
