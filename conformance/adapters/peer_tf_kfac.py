@@ -11,12 +11,16 @@ one covariance update of ``FisherEstimatorRoundRobin`` (zero-debiased EMA: the f
 the batch statistics) with ``estimation_mode`` "exact" (``ggn_exact``/``fisher_exact``: the
 Fisher equals the GGN for these losses) or "empirical".  Blocks from
 ``full_fisher_block()``, factors from ``_input_factor.cov`` / ``_output_factor.cov``.
-Linear algebra: ``fisher_factors.compute_cov``, ``utils.append_homog``,
+Factors: ``FullyConnectedKroneckerFactor`` / ``FullyConnectedMultiKF`` (also ``cov_dt1``),
+``ConvInputKroneckerFactor`` / ``ConvOutputKroneckerFactor`` after one covariance update
+(NCHW inputs transposed and explicit padding pre-applied here); ``utils.MovingAverageVariable``
+for ``averaging.ema``.  Linear algebra: ``fisher_factors.compute_cov`` and ``append_homog``,
 ``fisher_blocks.compute_pi_tracenorm`` / ``compute_pi_adjusted_damping``.
 
 Declared conventions: the canonical ones (TF is the seed of the reference's layouts).
-Damping is not an input of the mapped capabilities, so no float32 hyper-parameter error
-applies (``repro_tf_kfac.py`` measures it: 1.2e-8 with a Python-float damping).
+Damping, EMA decay and weight are passed as float64 tensors, so TF's float32 cast of
+Python-float hyper-parameters (1.2e-8 relative with a Python-float damping, measured in
+``repro_tf_kfac.py``) does not apply and ``hyperparameter_rtol`` stays 0.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ from ..conventions import Conventions
 ADAPTERS = {"tf_kfac": "conformance.adapters.peer_tf_kfac:TfKfacAdapter"}
 
 _IMPLEMENTED = (
+    "averaging.ema",
+    "factors.dense_input",
+    "factors.dense_output",
+    "factors.conv_input",
+    "factors.conv_output",
+    "factors.series_cov_dt1",
     "networks.kfac_inverse_matvec",
     "networks.kfac",
     "networks.kfac_input_factors",
@@ -43,7 +53,8 @@ _REASONS = {
     "networks": "TF K-FAC has no exact GGN / empirical-Fisher matrix function",
     "linalg": "not mapped (TF's factor-level damped powers need a registered FisherFactor; "
     "checked end to end in repro_tf_kfac.py)",
-    "factors": "not mapped yet: TF factors are checked through networks.kfac_*_factors",
+    "factors": "not mapped yet (TF's FullyConnectedDiagonalFactor, ConvDiagonalFactor, "
+    "EmbeddingInputKroneckerFactor and NaiveDiagonalFactor exist; future work)",
     "losses": "not mapped yet (kfac.loss_functions could be)",
     "blocks": "not mapped yet (blocks are checked through repro_tf_kfac.py multiply_inverse)",
     "averaging": "not mapped yet",
@@ -209,6 +220,146 @@ class TfKfacAdapter(Adapter):
     @implements("networks.kfac_output_factors")
     def output_factors(self, inputs, params):
         return self._network(inputs, params, "output")
+
+    # -- factors (one covariance update of a FisherFactor; zero-debiased, so the value is the
+    # batch statistic) -----------------------------------------------------------------------
+    def _factor(self, make, cov_dt1=False):
+        def build():
+            fac = make()
+            if cov_dt1:
+                fac.register_cov_dt1()
+            fac.instantiate_cov_variables()
+            op = fac.make_covariance_update_op(0.5, 1.0)
+            val = fac.cov_dt1 if cov_dt1 else fac.cov
+
+            def run(sess):
+                sess.run(op)
+                return np.asarray(sess.run(val))
+
+            return run
+
+        return _sess_run(build)
+
+    @staticmethod
+    def _fold(x):
+        """[T, N, d] -> ([T·N, d], T) for TF's multi-use factors (time-major fold)."""
+        x = np.asarray(x)
+        if x.ndim == 3:
+            return x.reshape(-1, x.shape[-1]), x.shape[0]
+        return x, None
+
+    @implements("factors.dense_input")
+    def dense_input(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import fisher_factors as ff
+
+        a, uses = self._fold(inputs["a"])
+        if uses is None:
+            return self._factor(
+                lambda: ff.FullyConnectedKroneckerFactor(
+                    ((tf.constant(a),),), has_bias=bool(params["has_bias"])
+                )
+            )
+        return self._factor(
+            lambda: ff.FullyConnectedMultiKF(
+                ((tf.constant(a),),), num_uses=uses, has_bias=bool(params["has_bias"])
+            )
+        )
+
+    @implements("factors.dense_output")
+    def dense_output(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import fisher_factors as ff
+
+        g, uses = self._fold(inputs["g"])
+        if uses is None:
+            return self._factor(lambda: ff.FullyConnectedKroneckerFactor(((tf.constant(g),),)))
+        return self._factor(lambda: ff.FullyConnectedMultiKF(((tf.constant(g),),), num_uses=uses))
+
+    @implements("factors.series_cov_dt1")
+    def series_cov_dt1(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import fisher_factors as ff
+
+        x, uses = self._fold(inputs["x"])
+        return self._factor(
+            lambda: ff.FullyConnectedMultiKF(
+                ((tf.constant(x),),),
+                num_uses=int(params["num_uses"]),
+                has_bias=bool(params["has_bias"]),
+            ),
+            cov_dt1=True,
+        )
+
+    @staticmethod
+    def _nhwc(x, data_format):
+        x = np.asarray(x)
+        return np.transpose(x, (0, 2, 3, 1)) if str(data_format).upper() == "NCHW" else x
+
+    @implements("factors.conv_input")
+    def conv_input(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import fisher_factors as ff
+
+        # NCHW inputs are transposed here and explicit padding becomes a zero pad + "VALID"
+        # (API mappings: TF's patch extraction is channels-last with string paddings)
+        x = self._nhwc(inputs["x"], params.get("data_format", "NHWC"))
+        pad = params["padding"]
+        if not isinstance(pad, str):
+            x = np.pad(x, ((0, 0), tuple(pad[0]), tuple(pad[1]), (0, 0)))
+            pad = "VALID"
+        st = list(params["strides"])  # spatial: the default patch extractor follows
+        dl = list(params["dilation"])  # tf.nn.convolution's conventions
+        return self._factor(
+            lambda: ff.ConvInputKroneckerFactor(
+                (tf.constant(x),),
+                filter_shape=tuple(params["filter_shape"]),
+                padding=pad,
+                strides=st,
+                dilation_rate=dl,
+                data_format="NHWC",
+                has_bias=bool(params["has_bias"]),
+            )
+        )
+
+    @implements("factors.conv_output")
+    def conv_output(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import fisher_factors as ff
+
+        g = self._nhwc(inputs["g"], params.get("data_format", "NHWC"))
+        return self._factor(
+            lambda: ff.ConvOutputKroneckerFactor(((tf.constant(g),),), data_format="NHWC")
+        )
+
+    # -- averaging --------------------------------------------------------------------------
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        import tensorflow as tf
+        from kfac.python.ops import utils
+
+        xs = np.asarray(inputs["xs"])
+
+        def build():
+            avg = utils.MovingAverageVariable("ema", xs.shape[1:], tf.float64, normalize_value=True)
+            x_in = tf.compat.v1.placeholder(tf.float64, xs.shape[1:])
+            # decay and weight as float64 tensors: Python floats would pass through float32
+            op = avg.add_to_average(
+                x_in,
+                decay=tf.constant(float(params["decay"]), tf.float64),
+                weight=tf.constant(float(params["weight"]), tf.float64),
+            )
+
+            def run(sess):
+                out = []
+                for x in xs:
+                    sess.run(op, {x_in: x})
+                    out.append(np.asarray(sess.run(avg.value)))
+                return np.stack(out)
+
+            return run
+
+        return _sess_run(build)
 
     # -- linalg -------------------------------------------------------------------------------
     def _run(self, make):
