@@ -32,6 +32,9 @@ _IMPLEMENTED = (
     "networks.kfac_output_factors",
     "networks.kfac_inverse_matvec",
     "averaging.ema",
+    "losses.fisher",
+    "losses.gradient",
+    "losses.hessian",
 )
 _REASONS = {
     "networks": "kfac-jax has no exact GGN / empirical-Fisher matrix function (only its "
@@ -40,7 +43,6 @@ _REASONS = {
     "blocks are checked through networks.kfac and repro_kfac_jax.py instead",
     "factors": "kfac-jax computes factors only inside a curvature block driven by a traced "
     "network; checked through networks.kfac_*_factors",
-    "losses": "not mapped yet (kfac_jax loss_functions could be; see PROTOCOL_REQUESTS.md)",
     "blocks": "block matrix powers are checked through repro_kfac_jax.py (multiply_matpower), "
     "which needs a registered network, not bare factors",
     "estimator": "not mapped yet",
@@ -148,6 +150,87 @@ class KfacJaxAdapter(Adapter):
     @implements("networks.kfac_output_factors")
     def output_factors(self, inputs, params):
         return self._factors(inputs, params, 1)
+
+    # -- losses (kfac_jax loss_functions; per example, weight included) ---------------------
+    @staticmethod
+    def _loss(inputs, params):
+        import jax.numpy as jnp
+        import kfac_jax
+
+        kind, w = params["loss"], float(params.get("weight", 1.0))
+        t = inputs.get("targets")
+        t = None if t is None else jnp.asarray(t)
+        if kind == "categorical":
+            mask = jnp.asarray(inputs["mask"]) if "mask" in inputs else None
+            return kfac_jax.CategoricalLogitsNegativeLogProbLoss(
+                jnp.asarray(inputs["logits"]), t, mask=mask, weight=w
+            )
+        if kind == "onehot_categorical":
+            return kfac_jax.OneHotCategoricalLogitsNegativeLogProbLoss(
+                jnp.asarray(inputs["logits"]), t, weight=w
+            )
+        if kind == "multi_bernoulli":
+            return kfac_jax.MultiBernoulliNegativeLogProbLoss(
+                jnp.asarray(inputs["logits"]), t, weight=w
+            )
+        if kind == "normal_mean":
+            return kfac_jax.NormalMeanNegativeLogProbLoss(
+                jnp.asarray(inputs["mean"]), t, variance=float(params["variance"]), weight=w
+            )
+        if kind == "normal_mean_variance":
+            return kfac_jax.NormalMeanVarianceNegativeLogProbLoss(
+                jnp.asarray(inputs["mean"]), jnp.asarray(inputs["variance"]), t, weight=w
+            )
+        raise NotImplementedError(kind)
+
+    @implements("losses.gradient")
+    def loss_gradient(self, inputs, params):
+        loss = self._loss(inputs, params)
+        grads = loss.grad_of_evaluate(None, "regular")
+        return np.concatenate([np.asarray(g) for g in grads], axis=-1)
+
+    @implements("losses.fisher")
+    def loss_fisher(self, inputs, params):
+        import jax.numpy as jnp
+
+        loss = self._loss(inputs, params)
+        deps = [np.asarray(d) for d in loss.parameter_dependants]
+        n = deps[0].shape[0]
+        sizes = [d.shape[-1] for d in deps]
+        big_d = sum(sizes)
+        cols = []
+        for j in range(big_d):  # column j of every example's Fisher at once
+            vec, off = [], 0
+            for sz in sizes:
+                v = np.zeros((n, sz))
+                if off <= j < off + sz:
+                    v[:, j - off] = 1.0
+                vec.append(jnp.asarray(v))
+                off += sz
+            out = loss.multiply_fisher(tuple(vec))
+            cols.append(np.concatenate([np.asarray(o) for o in out], axis=-1))
+        return np.stack(cols, axis=-1)  # [N, D, D]
+
+    @implements("losses.hessian")
+    def loss_hessian(self, inputs, params):
+        import jax
+        import jax.numpy as jnp
+
+        loss = self._loss(inputs, params)
+        deps = tuple(jnp.asarray(d) for d in loss.parameter_dependants)
+        sizes = [d.shape[-1] for d in deps]
+
+        def total(flat):
+            parts, off = [], 0
+            for sz in sizes:
+                parts.append(flat[:, off : off + sz])
+                off += sz
+            return jnp.sum(loss.copy_with_different_inputs(tuple(parts)).evaluate(None, "regular"))
+
+        flat = jnp.concatenate(deps, axis=-1)
+        h = np.asarray(jax.hessian(total)(flat))  # [N, D, N, D]
+        idx = np.arange(flat.shape[0])
+        return h[idx, :, idx, :]  # per-example diagonal blocks [N, D, D]
 
     @implements("averaging.ema")
     def ema(self, inputs, params):
