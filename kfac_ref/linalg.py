@@ -31,6 +31,7 @@ from ._backend import (
     eye_like,
     namespace_of,
     ones_like_shape,
+    size_of,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "kron_matmat",
     "kron_damped_matpower_matvec",
     "kron_damped_inverse_matvec",
+    "kron_eigenbasis_matpower",
 ]
 
 FACTOR_NORMS = ("avg_diag", "avg_fro", "2_norm", "1_norm")
@@ -199,18 +201,24 @@ def _check_exponent(func, exp):
 
 
 def _power_of_eigenvalues(func, xp, s, exp):
-    """``s**exp`` with a clear error where a negative power meets a zero eigenvalue."""
-    if exp < 0 and s.shape[0] > 0 and not bool(xp.min(s) > 0):
+    """``s**exp`` (any shape) with a clear error where a negative power meets a zero
+    eigenvalue or a fractional power a negative one.  The one place where eigenvalues of a
+    damped matrix are raised to a power."""
+    if size_of(s) == 0:
+        return s
+    if exp < 0 and not bool(xp.min(s) > 0):
         raise KFACValueError(
             f"{func}: matrix + damping·I must be positive definite for a negative exponent "
             f"({exp}); its smallest eigenvalue after clipping and damping is "
             f"{float(xp.min(s)):.3g}. Add damping."
         )
-    if not float(exp).is_integer() and s.shape[0] > 0 and not bool(xp.min(s) >= 0):
+    if not float(exp).is_integer() and not bool(xp.min(s) >= 0):
         raise KFACValueError(
             f"{func}: matrix + damping·I must be positive semi-definite for the fractional "
             f"exponent {exp}; its smallest eigenvalue is {float(xp.min(s)):.3g}."
         )
+    if exp == 1.0:
+        return s
     return s**exp
 
 
@@ -691,9 +699,59 @@ def _kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_method, or
 
     s_a, q_a = _clipped_eigh(xp, a, c)
     s_b, q_b = _clipped_eigh(xp, b, c)
-    scale = _power_of_eigenvalues(func, xp, s_a[:, None] * s_b[None, :] + damping, exp)
-    rotated = xp.matrix_transpose(q_a) @ mat @ q_b
-    return back(q_a @ (rotated * scale) @ xp.matrix_transpose(q_b))
+    return back(_kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, mat, exp, damping, 1.0))
+
+
+def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0):
+    r"""Power of a damped, scaled Kronecker product given the factors' eigendecompositions.
+
+    .. math::
+
+        ig(c\,A \otimes B + \lambda Iig)^{p}\, \mathrm{vec}_r(X)
+        = \mathrm{vec}_r\Big(Q_A ig[(Q_A^	op X Q_B) \odot
+          (c\, s_A s_B^	op + \lambda)^{\odot p}ig] Q_B^	op\Big),
+
+    with :math:`A = Q_A \mathrm{diag}(s_A) Q_A^	op`, :math:`B = Q_B \mathrm{diag}(s_B)
+    Q_B^	op`.  This is the exact-damping product of :func:`kron_damped_matpower_matvec`
+    split from the eigendecompositions, so that a caller that caches them (the curvature
+    blocks) runs the same arithmetic as one that does not.  ``q_a`` or ``q_b`` may be
+    ``None`` for a diagonal factor (its eigenbasis is the identity and ``s`` its diagonal).
+
+    Parameters
+    ----------
+    s_a : array [p]
+    q_a : array [p, p] or None
+    s_b : array [q]
+    q_b : array [q, q] or None
+    x : array [..., p, q]
+        Row-major matrix form of the vector(s).
+    exp, damping, scale : float
+        :math:`p`, :math:`\lambda \ge 0`, :math:`c > 0`.
+    """
+    func = "kron_eigenbasis_matpower"
+    xp = namespace_of(func, s_a=s_a, q_a=q_a, s_b=s_b, q_b=q_b, x=x)
+    check_array(func, "s_a", s_a, ndim=1)
+    check_array(func, "s_b", s_b, ndim=1)
+    p, q = s_a.shape[0], s_b.shape[0]
+    if q_a is not None:
+        check_array(func, "q_a", q_a, shape=(p, p))
+    if q_b is not None:
+        check_array(func, "q_b", q_b, shape=(q, q))
+    check_array(func, "x", x, min_ndim=2)
+    if tuple(x.shape[-2:]) != (p, q):
+        raise KFACValueError(f"{func}: x must be [..., {p}, {q}]; got shape {tuple(x.shape)}.")
+    exp = _check_exponent(func, exp)
+    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    scale = check_scalar(func, "scale", scale, positive=True)
+    return _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, x, exp, damping, scale)
+
+
+def _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, x, exp, damping, scale):
+    y = x if q_a is None else xp.matrix_transpose(q_a) @ x
+    y = y if q_b is None else y @ q_b
+    y = y * _power_of_eigenvalues(func, xp, scale * (s_a[:, None] * s_b[None, :]) + damping, exp)
+    y = y if q_a is None else q_a @ y
+    return y if q_b is None else y @ xp.matrix_transpose(q_b)
 
 
 def kron_damped_inverse_matvec(

@@ -387,3 +387,25 @@ def test_mixed_namespaces_and_devices_rejected():
         K.kron_matvec(xs.eye(2), xs.eye(2, device=xs.Device("device1")), xs.ones(4))
     with pytest.raises(KFACInputError):
         K.compute_cov([[1.0, 2.0]])
+
+
+@pytest.mark.parametrize("diagonal_b", [False, True])
+def test_kron_eigenbasis_matpower_against_dense(xp, rng, diagonal_b):
+    """(c A⊗B + λI)^p from eigendecompositions; a diagonal factor passes q = None."""
+    a = xp.round_host(random_spd(rng, 3))
+    b = xp.round_host(np.diag(rng.uniform(0.5, 2.0, 2)) if diagonal_b else random_spd(rng, 2))
+    x = xp.round_host(rng.standard_normal((4, 3, 2)))  # a batch of matrices
+    s_a, q_a = np.linalg.eigh(a)
+    s_b, q_b = (np.diag(b), None) if diagonal_b else np.linalg.eigh(b)
+    out = K.kron_eigenbasis_matpower(
+        xp.asarray(s_a), xp.asarray(q_a), xp.asarray(s_b),
+        None if q_b is None else xp.asarray(q_b), xp.asarray(x), -0.5, 0.3, 2.5)
+    dense = frac_power(2.5 * np.kron(a, b) + 0.3 * np.eye(6), -0.5)
+    expected = np.stack([(dense @ xi.reshape(-1)).reshape(3, 2) for xi in x])
+    xp.assert_close(out, expected)
+    with pytest.raises(KFACValueError, match=r"kron_eigenbasis_matpower: x must be \[..., 3, 2\]"):
+        K.kron_eigenbasis_matpower(xp.asarray(s_a), xp.asarray(q_a), xp.asarray(s_b), None,
+                                   xp.asarray(np.ones((2, 3))), 1.0)
+    with pytest.raises(KFACValueError, match="scale must be positive"):
+        K.kron_eigenbasis_matpower(xp.asarray(s_a), None, xp.asarray(s_b), None,
+                                   xp.asarray(np.ones((3, 2))), 1.0, scale=0.0)

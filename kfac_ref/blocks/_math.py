@@ -40,7 +40,14 @@ from .._backend import (
     namespace_of,
     size_of,
 )
-from ..linalg import FACTOR_NORMS, clipped_eigh, damped_matpower, pi_adjusted_damping
+from ..linalg import (
+    FACTOR_NORMS,
+    _kron_eigenbasis_matpower,
+    _power_of_eigenvalues,
+    clipped_eigh,
+    damped_matpower,
+    pi_adjusted_damping,
+)
 
 __all__ = [
     "PI_NORMS",
@@ -88,23 +95,8 @@ def _check_common(func, power, damping, scale, threshold=0.0):
 
 
 def _elementwise_power(func, xp, s, power):
-    """``s**power`` with clear errors for a negative power of a zero or a fractional power of a
-    negative number."""
-    if size_of(s) == 0:
-        return s
-    if power < 0 and not bool(xp.min(s) > 0):
-        raise KFACValueError(
-            f"{func}: the damped block must be positive definite for the negative power "
-            f"{power}; its smallest eigenvalue is {float(xp.min(s)):.3g}. Add damping."
-        )
-    if not float(power).is_integer() and not bool(xp.min(s) >= 0):
-        raise KFACValueError(
-            f"{func}: the damped block must be positive semi-definite for the fractional power "
-            f"{power}; its smallest eigenvalue is {float(xp.min(s)):.3g}."
-        )
-    if power == 1.0:
-        return s
-    return s**power
+    """``s**power`` with clear errors (one implementation: kfac_ref.linalg's)."""
+    return _power_of_eigenvalues(func, xp, s, power)
 
 
 def _factor_norm_is_zero(xp, f):
@@ -131,18 +123,7 @@ def _prepare_kron_eigen(func, xp, a, g, threshold):
 def _apply_kron_eigen(func, xp, eig, x, power, damping, scale):
     r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
     s_a, q_a, s_g, q_g = eig
-    y = x
-    if q_a is not None:
-        y = xp.matrix_transpose(q_a) @ y
-    if q_g is not None:
-        y = y @ q_g
-    spectrum = scale * (s_a[:, None] * s_g[None, :]) + damping
-    y = y * _elementwise_power(func, xp, spectrum, power)
-    if q_a is not None:
-        y = q_a @ y
-    if q_g is not None:
-        y = y @ xp.matrix_transpose(q_g)
-    return y
+    return _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_g, q_g, x, power, damping, scale)
 
 
 def _apply_kron_exact_one(xp, a, g, x, damping, scale):
