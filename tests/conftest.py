@@ -64,7 +64,7 @@ class Backend:
     def asarray(self, host, dtype=None):
         """Host data -> backend array on ``device`` in ``dtype`` (default: the float dtype
         under test; pass an integer dtype of the namespace for ids)."""
-        host = np.asarray(host)
+        host = np.array(host)  # a writable copy: torch warns on read-only NumPy views
         if dtype is None:
             dtype = self.dtype if host.dtype.kind in "fc" else None
         if dtype is None:
