@@ -177,6 +177,32 @@ def _conv_exactness(rep, p):
         )
 
 
+def run_dtype_fault(rep):
+    """A float64 model with default dtype float32: KFLR through AvgPool2d."""
+    p = C.conv_problem()
+    kh, kw, c_in, c_out = p["K"].shape
+    oh, ow = p["out_hw"]
+    x = T.inputs(p, conv=True)
+    y = torch.as_tensor(np.random.default_rng(5).standard_normal((x.shape[0], c_out)))
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        conv = torch.nn.Conv2d(c_in, c_out, (kh, kw)).double()
+        model = torch.nn.Sequential(conv, torch.nn.AvgPool2d((oh, ow)), torch.nn.Flatten())
+        _run(model, torch.nn.MSELoss(reduction="sum"), x, y, KFLR())
+        rep.note("KFLR through AvgPool2d, float64 model, default dtype float32", "runs")
+    except Exception as exc:  # noqa: BLE001 - the failure is the finding
+        rep.check(
+            "KFLR through AvgPool2d, float64 model, default dtype float32 runs",
+            np.array([0.0]),
+            np.array([1.0]),
+            0,
+            note=f"raised {type(exc).__name__}: {str(exc)[:100]}",
+        )
+    finally:
+        torch.set_default_dtype(old)
+
+
 def main(argv=None):
     import backpack as bp
 
@@ -189,6 +215,7 @@ def main(argv=None):
     )
     run_mlp(rep)
     run_conv(rep)
+    run_dtype_fault(rep)
     rep.dump(args.json)
 
 

@@ -361,6 +361,45 @@ def run_ekfac(rep):
         )
 
 
+def run_ef_per_term(rep):
+    """EFLinearOperator on a weight-shared linear layer with per-position squared error
+    ([N, S, C] outputs, MSELoss(sum)): per loss term (n, s) or per example n?"""
+    from curvlinops import EFLinearOperator
+
+    rng = np.random.default_rng(17)
+    n, s_len, d, c = 3, 4, 3, 2
+    x = rng.standard_normal((n, s_len, d))
+    w = rng.standard_normal((c, d))
+    b = rng.standard_normal(c)
+    y = rng.standard_normal((n, s_len, c))
+    lin = torch.nn.Linear(d, c).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.as_tensor(w))
+        lin.bias.copy_(torch.as_tensor(b))
+    op = EFLinearOperator(
+        lin,
+        torch.nn.MSELoss(reduction="sum"),
+        [lin.weight, lin.bias],
+        [(torch.as_tensor(x), torch.as_tensor(y))],
+        check_deterministic=False,
+    )
+    got = _dense(op, c * d + c)
+    r = 2.0 * (x @ w.T + b - y)  # gradient of ‖f − y‖² per position, [N, S, C]
+    g_pos = np.concatenate([np.einsum("nsc,nsi->nsci", r, x).reshape(n, s_len, -1), r], -1)
+    per_term = np.einsum("nsp,nsq->pq", g_pos, g_pos)
+    g_ex = g_pos.sum(1)
+    per_example = g_ex.T @ g_ex
+    rep.diagnose(
+        "EFLinearOperator, [N, S, C] outputs",
+        got,
+        {
+            "per loss term Σ_{n,s} ∇ℓ_ns∇ℓ_nsᵀ": per_term,
+            "per example Σ_n (Σ_s∇ℓ_ns)(Σ_s∇ℓ_ns)ᵀ (reference)": per_example,
+        },
+        TOL,
+    )
+
+
 def main(argv=None):
     import curvlinops
 
@@ -374,6 +413,7 @@ def main(argv=None):
     run_mlp(rep)
     run_conv(rep)
     run_ekfac(rep)
+    run_ef_per_term(rep)
     rep.dump(args.json)
 
 
