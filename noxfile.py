@@ -5,6 +5,7 @@
     nox -s lint                                   # ruff
     nox -s docs                                   # Sphinx, warnings as errors, offline
     nox -s conformance                            # the conformance run on the kfac_ref adapter
+    nox -s conformance-kfac_jax                   # one peer in its own environment (see below)
 """
 
 from __future__ import annotations
@@ -73,3 +74,64 @@ def docs(session: nox.Session) -> None:
     fails when a public symbol is undocumented or its docstring has no formula."""
     session.install("-e", ".[docs]")
     session.run("bash", "docs/build.sh", external=True)
+
+
+# --------------------------------------------------------------------------------------
+# Peer conformance runs: one session per peer, each in its own environment built from the
+# recipe in conformance/peers/<env>.txt (one `pip install` per line; see that folder's README).
+# CI installs none of these (they are GB-sized); run them by name, e.g.
+#     nox -s conformance-kfac_jax
+# --------------------------------------------------------------------------------------
+PEERS = {  # adapter name -> environment recipe
+    "tf_kfac": "tf",
+    "kfac_jax": "jax",
+    "curvlinops": "torchpeers",
+    "backpack": "torchpeers",
+    "asdl": "torchpeers",
+    "nngeometry": "torchpeers",
+}
+
+
+def _install_recipe(session: nox.Session, env: str) -> None:
+    import shlex
+    from pathlib import Path
+
+    pin = ["-c", "conformance/peers/torch-pin.txt"] if env == "torchpeers" else []
+    for line in Path(f"conformance/peers/{env}.txt").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            session.install(*pin, *shlex.split(line))
+    if env == "torchpeers":
+        # torchvision's C extension does not load against the pinned CPU torch.
+        session.run("python", "-m", "pip", "uninstall", "-y", "torchvision")
+
+
+def _peer_session(adapter: str, env: str):
+    def run(session: nox.Session) -> None:
+        _install_recipe(session, env)
+        out = "conformance/peers/reports"
+        args = ["python", "-m", "conformance", "run", "--adapter", adapter, "--out", out]
+        skips = f"conformance/peers/skips/{adapter}.txt"
+        from pathlib import Path
+
+        if Path(skips).exists():
+            args += ["--skips", skips]
+        session.run(*args, *session.posargs, success_codes=[0, 1])
+        session.run("python", "-m", f"conformance.peers.repro_{adapter}", "--json",
+                    f"{out}/repro_{adapter}.json")
+
+    run.__doc__ = f"Conformance run of the {adapter} adapter in its own '{env}' environment."
+    return run
+
+
+for _adapter, _env in PEERS.items():
+    nox.session(python=PYTHON, name=f"conformance-{_adapter}")(_peer_session(_adapter, _env))
+
+
+@nox.session(python=PYTHON, name="conformance-matrix")
+def conformance_matrix(session: nox.Session) -> None:
+    """Merge the peers' committed reports into the ecosystem matrix."""
+    session.install("-e", ".")
+    session.run("python", "-m", "conformance", "matrix",
+                *__import__("glob").glob("conformance/peers/reports/*/report.json"),
+                "--out", "conformance/peers/reports")
