@@ -33,6 +33,7 @@ class Conventions:
     symmetrised: bool = True
     ema_style: str = "zero_debias"
     empirical_fisher_scale: str = "per_example"
+    empirical_fisher_unit: str = "example"
 
     def __post_init__(self):
         for f in fields(self):
@@ -103,7 +104,9 @@ FIELDS = {
         "squared-error loss always corresponds to that variance, whatever the case asks, and "
         "its output-space curvature is I/v: 1.0 means ½‖f−y‖² (ASDL, nngeometry), 0.5 means "
         "‖f−y‖² (PyTorch MSELoss(reduction='sum'): curvlinops, BackPACK; kfac-jax's "
-        "register_squared_error_loss). The reference is rescaled by v_case / v.",
+        "register_squared_error_loss). The reference is rescaled by v_case / v for "
+        "curvatures and by (v_case / v)² for empirical-Fisher quantities (outer products of "
+        "gradients at the data targets).",
     ),
     "conv_style": (
         ("kfc", "expand", "reduce", "hybrid"),
@@ -111,7 +114,8 @@ FIELDS = {
         "kfac-jax, reference); 'expand' the same block with A=Σāāᵀ/(N|T|), G=Σggᵀ/N "
         "(curvlinops 'expand'); 'reduce' KFAC-reduce (location-averaged inputs, "
         "location-summed gradients); 'hybrid' A of expand times |T| with G of reduce "
-        "(BackPACK).",
+        "(BackPACK; its conv bias block is G of reduce). Reduce and hybrid are reference "
+        "alternatives computed by kfac_ref (factors, networks.kfac and the network factors).",
     ),
     "patch_order": (
         ("hwc", "chw"),
@@ -135,6 +139,14 @@ FIELDS = {
         ("per_example", "kfac_jax"),
         "Empirical Fisher statistics: 'per_example' (1/N)Σ∇ℓ_n∇ℓ_nᵀ (TF, curvlinops, "
         "reference) or 'kfac_jax' with the extra 1/N of kfac-jax's fisher_empirical.",
+    ),
+    "empirical_fisher_unit": (
+        ("example", "loss_term"),
+        "What one outer product of the empirical Fisher is taken over: 'example' (reference, "
+        "TF, kfac-jax) (1/N)Σ_n∇ℓ_n∇ℓ_nᵀ with ℓ_n summing an example's per-position losses; "
+        "'loss_term' (curvlinops' EFLinearOperator) (1/N)Σ_{n,s}∇ℓ_{ns}∇ℓ_{ns}ᵀ over every "
+        "loss term (n, s) of a per-position loss. They differ only for outputs with "
+        "positions ([N, S, C]).",
     ),
 }
 

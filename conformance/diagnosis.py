@@ -82,6 +82,12 @@ PITFALLS = {
         "empirical-Fisher scale convention",
         "an extra 1/N (kfac-jax fisher_empirical) present or missing", "P11",
     ),
+    "empirical_fisher_unit": (
+        "empirical Fisher per loss term instead of per example (or vice versa)",
+        "outer products over every loss term (n, s) of a per-position loss "
+        "(curvlinops' EFLinearOperator) where per-example gradients (the positions summed "
+        "inside ℓ_n) are declared, or vice versa", "FINDINGS.md (curvlinops)",
+    ),
     "mse_factor_2": (
         "squared-error factor 2",
         "the loss curvature is 2I where I is declared (‖f−y‖² vs ½‖f−y‖²) or vice versa",
@@ -283,6 +289,8 @@ def _flip_candidates(cap, case, conv):
 
 def _alt_candidates(cap, case, conv):
     for name, alt in case.alternatives.items():
+        if name.startswith("_"):
+            continue  # conversion data for a convention (e.g. '_conv_hybrid'), not a pitfall
         try:
             cand = cap.convert_output(alt, case, conv)
         except Exception:  # noqa: BLE001

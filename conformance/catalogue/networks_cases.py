@@ -128,23 +128,83 @@ def _block_diag_np(mats):
     return out
 
 
-def kfac_factors(params, inputs, which, to_backend=lambda v: v, to_numpy=to_np, mode=None):
-    """Block-diagonal matrix of every layer's input factors A (``which="input"``) or output
-    factors G (``"output"``) after one update of kfac_ref's estimator."""
+def layer_factors(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
+                  sharing=None):
+    """Every parametric layer's (A, G) after one update of kfac_ref's estimator."""
     from kfac_ref.curvature.estimators import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)
     theta = params_from_inputs(spec, inputs, to_backend)
     batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params),
-                                 weight_sharing=params.get("weight_sharing", "expand"))
+    est = BlockDiagonalCurvature(net, loss_fn(params), weight_sharing=sharing or
+                                 params.get("weight_sharing", "expand"))
     rng = np.random.default_rng(0)
     st = est.init(rng, (theta, batch))
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
                                               (theta, batch), mode or params["mode"])
+    return [(to_numpy(bs.factors[0].value), to_numpy(bs.factors[1].value))
+            for bs in st.blocks_states]
+
+
+def kfac_factors(params, inputs, which, to_backend=lambda v: v, to_numpy=to_np, mode=None,
+                 sharing=None):
+    """Block-diagonal matrix of every layer's input factors A (``which="input"``) or output
+    factors G (``"output"``) after one update of kfac_ref's estimator."""
     k = 0 if which == "input" else 1
-    return _block_diag_np([to_numpy(bs.factors[k].value) for bs in st.blocks_states])
+    return _block_diag_np([f[k] for f in layer_factors(params, inputs, to_backend, to_numpy,
+                                                       mode, sharing)])
+
+
+def _hybrid_input_factor(a_kfc, t, has_bias):
+    """BackPACK's conv input factor: Σ_{n,t} p pᵀ / N = |T|·A_KFC on the weight coordinates.
+    The bias is not a homogeneous coordinate there: its block is the reduce one, G_reduce
+    (the bias gradient Σ_t g_t), i.e. a unit bias entry without cross terms."""
+    out = t * a_kfc
+    if has_bias:
+        out[-1, :] = 0.0
+        out[:, -1] = 0.0
+        out[-1, -1] = 1.0
+    return out
+
+
+def conv_style_alternatives(params, inputs, t_conv):
+    """kfac_ref's K-FAC of a conv net with its conv layers in KFAC-reduce and in BackPACK's
+    hybrid style (A = |T|·A_KFC, G = G_reduce), other layers unchanged: the block-diagonal
+    matrix and the input and output factors (the hybrid output factors are the reduce ones)."""
+    from kfac_ref.linalg import kron
+
+    spec = params["net"]
+    expand = layer_factors(params, inputs, sharing="expand")
+    reduce = layer_factors(params, inputs, sharing="reduce")
+    layers = _factor_layers(spec)
+    k_reduce = kfac_matrix(params, inputs, sharing="reduce")
+    k_hybrid = kfac_matrix(params, inputs, sharing="expand")
+    a_hybrid = []
+    for s, (off, p, q, b, _), (a_e, _), (_, g_r) in zip(
+            layers, _layer_geometry(spec), expand, reduce, strict=True):
+        if s["kind"] != "conv2d":
+            a_hybrid.append(a_e)
+            continue
+        a_h = _hybrid_input_factor(a_e, t_conv, b)
+        a_hybrid.append(a_h)
+        sl = slice(off, off + p * q)
+        k_hybrid[sl, sl] = to_np(kron(a_h, g_r))
+    return {
+        "kfac": {"_conv_reduce": k_reduce, "_conv_hybrid": k_hybrid},
+        "input": {"_conv_reduce": _block_diag_np([a for a, _ in reduce]),
+                  "_conv_hybrid": _block_diag_np(a_hybrid)},
+        "output": {"_conv_reduce": _block_diag_np([g for _, g in reduce])},
+    }
+
+
+def ef_per_loss_term(params, inputs):
+    """curvlinops' empirical Fisher of a per-position loss on a position-wise network:
+    (1/N)Σ_{n,s} ∇ℓ_{ns}∇ℓ_{ns}ᵀ = S · EF of the N·S positions taken as examples."""
+    x, y = inputs["x"], inputs["targets"]
+    n, s_ = x.shape[:2]
+    flat = dict(inputs, x=x.reshape(n * s_, *x.shape[2:]), targets=y.reshape(n * s_, -1))
+    return s_ * exact_matrix(params, flat, "ef")
 
 
 def exact_matrix(params, inputs, kind, to_backend=lambda v: v, to_numpy=to_np):
@@ -182,24 +242,59 @@ def _param_index(spec, conv):
                            for off, p, q, b, patch in _layer_geometry(spec)])
 
 
-def _scale(case, conv):
+def _scale(case, conv, empirical=False):
+    """Scalar from the reference's normalisation into the declared one: N for the sum loss,
+    and for a normal-mean loss declared with a fixed variance v the ratio v_case / v, linear
+    for curvatures (the output-space Hessian is I/v) and **squared** for empirical-Fisher
+    quantities (``empirical=True``: outer products of gradients, and the gradient at the data
+    targets scales by v_case / v)."""
     s = float(case.meta["N"]) if conv.curvature_of == "sum" else 1.0
     if case.params["loss"] == "normal_mean" and conv.mse_variance is not None:
-        s *= case.params["variance"] / conv.mse_variance
+        s *= (case.params["variance"] / conv.mse_variance) ** (2 if empirical else 1)
     return s
 
 
-def _matrix(arr, case, conv):
+def _is_empirical(case):
+    return case.params.get("mode") == "fisher_empirical"
+
+
+def _matrix(arr, case, conv, empirical=False):
     idx = _param_index(case.params["net"], conv)
-    return arr[np.ix_(idx, idx)] * _scale(case, conv)
+    return arr[np.ix_(idx, idx)] * _scale(case, conv, empirical)
 
 
 def _ef_matrix(arr, case, conv):
-    out = _matrix(arr, case, conv)
+    if conv.empirical_fisher_unit == "loss_term" and "_ef_loss_term" in case.alternatives:
+        arr = _substitute(arr, case, "_ef_loss_term", "empirical_fisher_unit='loss_term'")
+    out = _matrix(arr, case, conv, empirical=True)
     return out / case.meta["N"] if conv.empirical_fisher_scale == "kfac_jax" else out
 
 
+def _has_conv(case):
+    return any(s["kind"] == "conv2d" for s in case.params["net"])
+
+
+def _substitute(arr, case, key, what):
+    """The stored reference alternative ``key`` (kfac_ref's output under another
+    approximation) in place of the expected value.  Only the expected value itself has one:
+    an alternative (a pitfall's output) is not convertible into that approximation."""
+    if arr is not case.expected:
+        raise NotImplementedError(f"{what} is only available for the expected value")
+    if key not in case.alternatives:
+        raise NotImplementedError(f"{what}: the case has no reference alternative {key!r}")
+    return case.alternatives[key]
+
+
+def _conv_styled(arr, case, conv, hybrid_key="_conv_hybrid"):
+    """KFAC-reduce / hybrid conv blocks (stored reference alternatives) for conv nets."""
+    if conv.conv_style in ("reduce", "hybrid") and _has_conv(case):
+        key = "_conv_reduce" if conv.conv_style == "reduce" else hybrid_key
+        return _substitute(arr, case, key, f"conv_style={conv.conv_style!r}")
+    return arr
+
+
 def _kfac_matrix(arr, case, conv):
+    arr = _conv_styled(arr, case, conv)
     if conv.bias_position == "separate":
         # a separate bias block drops the weight-bias cross terms of every layer's block
         arr = arr.copy()
@@ -209,8 +304,8 @@ def _kfac_matrix(arr, case, conv):
                 bb = slice(off + (p - 1) * q, off + p * q)
                 arr[w, bb] = 0.0
                 arr[bb, w] = 0.0
-    out = _matrix(arr, case, conv)
-    if case.params["mode"] == "fisher_empirical" and conv.empirical_fisher_scale == "kfac_jax":
+    out = _matrix(arr, case, conv, _is_empirical(case))
+    if _is_empirical(case) and conv.empirical_fisher_scale == "kfac_jax":
         out = out / case.meta["N"]
     return out
 
@@ -222,10 +317,7 @@ def _factor_layers(spec):
 
 
 def _input_factors(arr, case, conv):
-    if conv.conv_style in ("reduce", "hybrid") and any(
-            s["kind"] == "conv2d" for s in case.params["net"]):
-        raise NotImplementedError("conv_style reduce/hybrid conversions of network factors "
-                                  "are not available; compare networks.kfac instead")
+    arr = _conv_styled(arr, case, conv)
     from ..conventions import a_index
 
     idx, off = [], 0
@@ -237,12 +329,9 @@ def _input_factors(arr, case, conv):
 
 
 def _output_factors(arr, case, conv):
-    if conv.conv_style in ("reduce", "hybrid") and any(
-            s["kind"] == "conv2d" for s in case.params["net"]):
-        raise NotImplementedError("conv_style reduce/hybrid conversions of network factors "
-                                  "are not available; compare networks.kfac instead")
-    out = arr * _scale(case, conv)
-    if case.params["mode"] == "fisher_empirical" and conv.empirical_fisher_scale == "kfac_jax":
+    arr = _conv_styled(arr, case, conv, hybrid_key="_conv_reduce")
+    out = arr * _scale(case, conv, _is_empirical(case))
+    if _is_empirical(case) and conv.empirical_fisher_scale == "kfac_jax":
         out = out / case.meta["N"]
     if conv.conv_style == "expand":
         # curvlinops 'expand': G summed (not averaged) over the |T| locations / S positions of
@@ -285,7 +374,8 @@ CAPABILITIES = [
                convert_output=_matrix),
     Capability("networks.empirical_fisher",
                "Empirical Fisher (1/N)Σ_n ∇ℓ_n ∇ℓ_nᵀ at the data targets, [P, P].", _SIG,
-               _CONV + ("empirical_fisher_scale",), convert_output=_ef_matrix),
+               _CONV + ("empirical_fisher_scale", "empirical_fisher_unit"),
+               convert_output=_ef_matrix),
     Capability("networks.kfac_input_factors",
                "Every layer's K-FAC input factor A (dense: (1/N)Σ āāᵀ; conv: KFC Ω over N·|T| "
                "patch rows) after one estimator update, as one block-diagonal matrix in layer "
@@ -312,7 +402,7 @@ CAPABILITIES = [
                "'fisher_empirical' = empirical) in one batch; conv layers KFC (|T|·A⊗G), "
                "weight-shared dense layers KFAC-expand or -reduce as "
                "params['weight_sharing'] says.", _SIG,
-               _CONV + ("empirical_fisher_scale",), convert_output=_kfac_matrix),
+               _CONV + ("empirical_fisher_scale", "conv_style"), convert_output=_kfac_matrix),
 ]
 
 
@@ -369,10 +459,12 @@ def build_cases() -> list[Case]:
         ("cnn_pool_n3_mse", [conv, tanh, {"kind": "mean_pool"}, _dense(2, 2)], (3, 5, 4, 2),
          {"loss": "normal_mean", "variance": 1.0}, 2, False,
          "conv → tanh → mean pool → dense: KFC (|T| = 12) for the conv block"),
-        ("shared_linear_expand_n3_mse", [_dense(3, 2)], (3, 4, 3),
-         {"loss": "normal_mean", "variance": 0.5}, (4, 2), True,
+        # S = 5 positions: |T| must differ from N = 3, from 2 and from 4 = 2² (a squared-error
+        # factor 2 scales an empirical Fisher by 4)
+        ("shared_linear_expand_n3_mse", [_dense(3, 2)], (3, 5, 3),
+         {"loss": "normal_mean", "variance": 0.5}, (5, 2), True,
          "weight-shared dense layer, loss per position: KFAC-expand is exact"),
-        ("shared_linear_pool_reduce_n3_mse", [_dense(3, 2), {"kind": "mean_pool"}], (3, 4, 3),
+        ("shared_linear_pool_reduce_n3_mse", [_dense(3, 2), {"kind": "mean_pool"}], (3, 5, 3),
          {"loss": "normal_mean", "variance": 0.5}, 2, True,
          "weight-shared dense layer pooled before the loss: KFAC-reduce is exact"),
     ]
@@ -393,15 +485,19 @@ def build_cases() -> list[Case]:
         ef = exact_matrix(base, inputs, "ef")
         cases.append(Case(f"networks.ggn/{name}", "networks.ggn", inputs, base, ggn, tol,
                           dict(meta), description=desc))
+        ef_alts = {"true_fisher": ggn} if lossp["loss"] == "categorical" else {}
+        if isinstance(n_out, tuple) and len(spec) == 1:  # a loss term per position
+            ef_alts["_ef_loss_term"] = ef_per_loss_term(base, inputs)
         cases.append(Case(f"networks.empirical_fisher/{name}", "networks.empirical_fisher",
-                          inputs, base, ef, tol, dict(meta),
-                          {"true_fisher": ggn} if lossp["loss"] == "categorical" else {},
-                          description=desc))
+                          inputs, base, ef, tol, dict(meta), ef_alts, description=desc))
         modes = ("ggn_exact", "fisher_empirical") + (
             ("fisher_exact",) if name in ("mlp_tanh_n4_ce", "deep_linear_n5_mse") else ())
         for mode in modes:
             params = dict(base, mode=mode, weight_sharing=sharing)
             k = kfac_matrix(params, inputs)
+            styled = conv_style_alternatives(params, inputs, t_conv) if any(
+                s_["kind"] == "conv2d" for s_ in spec) else {"kfac": {}, "input": {},
+                                                             "output": {}}
             true_mode = mode != "fisher_empirical"
             other = kfac_matrix(params, inputs, mode="fisher_empirical" if true_mode
                                 else "ggn_exact")
@@ -411,6 +507,7 @@ def build_cases() -> list[Case]:
                 other_sharing = "reduce" if sharing == "expand" else "expand"
                 alts[f"{other_sharing}_instead_of_{sharing}"] = kfac_matrix(
                     params, inputs, sharing=other_sharing)
+            alts.update(styled["kfac"])
             # exactness theorems (FORMULAS §1.3, §2.3): K-FAC equals the block diagonal of the
             # exact curvature; build_catalogue's finalize() then lists exact_block_diagonal
             # in insensitive_to, which tests/test_conformance.py checks.
@@ -447,11 +544,12 @@ def build_cases() -> list[Case]:
             cases.append(Case(f"networks.kfac_input_factors/{name}_{mode}",
                               "networks.kfac_input_factors", inputs, params,
                               kfac_factors(params, inputs, "input"), tol, dict(fmeta),
-                              description=desc))
+                              dict(styled["input"]), description=desc))
             cases.append(Case(f"networks.kfac_output_factors/{name}_{mode}",
                               "networks.kfac_output_factors", inputs, params,
                               kfac_factors(params, inputs, "output"), tol, dict(fmeta),
                               {"empirical_fisher" if true_mode else "true_fisher":
-                               kfac_factors(params, inputs, "output", mode=other_mode)},
+                               kfac_factors(params, inputs, "output", mode=other_mode),
+                               **styled["output"]},
                               description=desc))
     return cases
