@@ -58,6 +58,7 @@ class CurvlinopsAdapter(Adapter):
         mse_variance=0.5,
         conv_style="expand",
         symmetrised=False,
+        empirical_fisher_unit="loss_term",
     )
 
     @property

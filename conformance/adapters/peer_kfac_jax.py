@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, AdapterUnavailable, implements
+from ..adapter import Adapter, AdapterUnavailable, CaseUnsupported, implements
 from ..conventions import Conventions
 
 ADAPTERS = {"kfac_jax": "conformance.adapters.peer_kfac_jax:KfacJaxAdapter"}
@@ -84,7 +84,7 @@ class KfacJaxAdapter(Adapter):
         from ..peers import nets
 
         if params.get("weight_sharing", "expand") == "reduce":
-            raise NotImplementedError("kfac-jax 0.0.8 has no KFAC-reduce for dense layers")
+            raise CaseUnsupported("kfac-jax 0.0.8 has no KFAC-reduce for dense layers")
         fn, theta, batch = nets.jax_build(params["net"], inputs, params)
         est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
         rng = jax.random.PRNGKey(0)

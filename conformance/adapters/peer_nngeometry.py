@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, implements
+from ..adapter import Adapter, CaseUnsupported, implements
 from ..conventions import Conventions
 
 ADAPTERS = {"nngeometry": "conformance.adapters.peer_nngeometry:NngeometryAdapter"}
@@ -75,9 +75,9 @@ class NngeometryAdapter(Adapter):
         from ..peers.torch_adapter import problem
 
         if params["mode"] == "fisher_empirical" if "mode" in params else False:
-            raise NotImplementedError("nngeometry has no empirical Fisher")
+            raise CaseUnsupported("nngeometry has no empirical Fisher")
         if np.ndim(inputs["x"]) == 3:
-            raise NotImplementedError(
+            raise CaseUnsupported(
                 "nngeometry's FIM takes the last output axis as the "
                 "class/regression axis of 2-D outputs only"
             )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, AdapterUnavailable, implements
+from ..adapter import Adapter, AdapterUnavailable, CaseUnsupported, implements
 from ..conventions import Conventions
 
 ADAPTERS = {"tf_kfac": "conformance.adapters.peer_tf_kfac:TfKfacAdapter"}
@@ -115,7 +115,7 @@ class TfKfacAdapter(Adapter):
 
         spec = params["net"]
         if np.ndim(inputs["x"]) == 3:
-            raise NotImplementedError(
+            raise CaseUnsupported(
                 "weight-shared dense layers need register_fully_connected_multi; not mapped"
             )
         tf1 = tf.compat.v1
@@ -206,7 +206,7 @@ class TfKfacAdapter(Adapter):
     @implements("networks.kfac_inverse_matvec")
     def inverse_matvec(self, inputs, params):
         if params["exact"]:
-            raise NotImplementedError(
+            raise CaseUnsupported(
                 "TF K-FAC damps each factor (π split); it has no exact damping (A⊗G + λI)⁻¹"
             )
         return self._network(inputs, params, "inverse", damping=params["damping"])
@@ -343,7 +343,7 @@ class TfKfacAdapter(Adapter):
         from kfac.python.ops import loss_functions as lf
 
         if float(params.get("weight", 1.0)) != 1.0 or "mask" in inputs:
-            raise NotImplementedError("TF 0.2.4 loss objects have no weight or mask")
+            raise CaseUnsupported("TF 0.2.4 loss objects have no weight or mask")
         kind = params["loss"]
         t = inputs.get("targets")
         t = None if t is None else tf.constant(t)
