@@ -694,3 +694,17 @@ def test_empirical_fisher_per_loss_term(live):
     assert not np.allclose(c.expected, ef, rtol=1e-2)
     d = diagnose(ef, c, caps[c.capability], Conventions(), c.tolerance.rtol())
     assert d.pitfall == "empirical_fisher_unit", d
+
+
+def test_matrix_markdown_escapes_pipes_and_shortens_reasons(tmp_path):
+    from conformance.reports import write_matrix
+
+    reason = "unsupported: no |T| scaling " + "word " * 40
+    rep = {"adapter": {"name": "x", "version": "1", "non_canonical_conventions": {}},
+           "started": "2026-01-01T00:00:00+00:00", "ok": False, "unavailable": "",
+           "counts": {"skip": 1}, "capabilities": {"linalg.kron": {"skip": 1}},
+           "results": [{"capability": "linalg.kron", "status": "skip", "message": reason}]}
+    write_matrix([rep], tmp_path)
+    row = [r for r in (tmp_path / "matrix.md").read_text().splitlines()
+           if r.startswith("| `linalg.kron`")][0]
+    assert "\\|T\\|" in row and row.count(" | ") == 1 and row.endswith("…) |")
