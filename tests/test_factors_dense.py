@@ -136,6 +136,29 @@ def test_eigendecomposition_threshold_rule(xp, rng):
     assert g.register_inverse(0.1).register_inverse(0.2).uses_eigendecomposition
 
 
+@pytest.mark.parametrize("n_inverses", [3, 4])
+def test_threshold_rule_is_observable_through_clipping(xp, rng, n_inverses):
+    """Only the eigen path clips eigenvalues, so the path the rule picks shows in the numbers:
+    a rank-2 factor with clipping threshold c = 0.5 gives V diag(1/(max(e, c) + λ)) Vᵀ on the
+    eigen path (≥ 4 registered inverses) and the plain (C + λI)⁻¹ on the Cholesky path (< 4).
+    The two differ by O(1) (1/(0.5 + λ) against 1/λ on the null space)."""
+    rows = xp.round_host(rng.standard_normal((2, 4)))
+    f = F.FullyConnectedKroneckerFactor(eigenvalue_clipping_threshold=0.5).update_cov(
+        xp.asarray(rows), ema_decay=0.0)
+    lams = [0.1, 0.2, 0.3, 0.4][:n_inverses]
+    for lam in lams:
+        f = f.register_inverse(lam)
+    f = f.update_inverses()
+    c = outer_mean(rows)
+    e, v = np.linalg.eigh(c)
+    for lam in lams:
+        if n_inverses >= 4:  # TF master's EIGENVALUE_DECOMPOSITION_THRESHOLD
+            expected = (v / (np.maximum(e, 0.5) + lam)) @ v.T
+        else:
+            expected = np.linalg.inv(c + lam * np.eye(4))
+        xp.assert_close(f.get_inverse(lam), expected)
+
+
 @pytest.mark.parametrize("n_inverses", [1, 4])
 def test_inverses_cholesky_and_eigen_paths(xp, rng, n_inverses):
     f, c = make_factor(xp, rng)

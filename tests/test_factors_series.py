@@ -17,16 +17,27 @@ def with_ones(x):
     return np.concatenate([x, np.ones((*x.shape[:-1], 1))], axis=-1)
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
-def test_cov_dt1_explicit_time_sum(xp, rng, has_bias):
-    t_uses, b, d = 4, 3, 2
-    x = xp.round_host(rng.standard_normal((t_uses, b, d)))
+def outer_mean(rows):
+    return sum(np.outer(r, r) for r in rows) / len(rows)
+
+
+def c1_loop(x, has_bias):
+    """C1 = Σ_{t<T-1} Σ_b x̄_{t+1,b} x̄_{t,b}ᵀ / (T·B) for x [T, B, d], one outer product at a
+    time (normaliser T·B: zero padding, not (T-1)·B)."""
+    t_uses, b, d = x.shape
     xb = with_ones(x) if has_bias else x
     acc = np.zeros((d + has_bias,) * 2)
     for t in range(t_uses - 1):
         for j in range(b):
             acc += np.outer(xb[t + 1, j], xb[t, j])
-    expected = acc / (t_uses * b)  # normaliser T·B (zero padding), not (T-1)·B
+    return acc / (t_uses * b)
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_cov_dt1_explicit_time_sum(xp, rng, has_bias):
+    t_uses, b, d = 4, 3, 2
+    x = xp.round_host(rng.standard_normal((t_uses, b, d)))
+    expected = c1_loop(x, has_bias)
     xp.assert_close(F.fully_connected_multi_kf_cov_dt1(xp.asarray(x), t_uses, has_bias),
                     expected)
     folded = xp.asarray(x.reshape(t_uses * b, d))  # time-major rows t·B + b
@@ -117,6 +128,19 @@ def test_option2_gives_explicit_infinite_t_inverse(rng):
     psi = v1 @ np.linalg.inv(v0)
     exact = (eye - psi.T) @ np.linalg.inv(v0 - psi @ v0 @ psi.T) @ (eye - psi) / t
     np.testing.assert_allclose(approx_inv, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_multi_kf_sources_summed_towers_averaged(xp, rng):
+    """TF: C0 and C1 contributions are summed over sources and averaged over towers."""
+    t_uses, b, d = 3, 2, 2
+    xs = [[xp.round_host(rng.standard_normal((t_uses, b, d))) for _ in range(2)]
+          for _ in range(2)]  # [source][tower]
+    f = F.FullyConnectedMultiKF(t_uses, has_bias=True).register_cov_dt1()
+    f = f.update_cov([[xp.asarray(v) for v in src] for src in xs], ema_decay=0.0)
+    c0 = sum(outer_mean(with_ones(v).reshape(-1, d + 1)) for src in xs for v in src) / 2
+    c1 = sum(c1_loop(v, True) for src in xs for v in src) / 2
+    xp.assert_close(f.cov, c0)
+    xp.assert_close(f.cov_dt1, c1)
 
 
 def test_multi_kf_class(xp, rng):

@@ -184,6 +184,10 @@ def test_full_rank_strides_and_dilation_forms(xp, rng):
     e = extract_convolution_patches(x, (3, 2, 2, 1), [(0, 0), (1, 1), (0, 1), (0, 0)], 1, 1)
     f = extract_convolution_patches(x, (3, 2, 2, 1), [(1, 1), (0, 1)], 1, 1)
     np.testing.assert_array_equal(xp.to_numpy(e), xp.to_numpy(f))
+    # channels first: the full-rank pairs are (N, C, H, W), so the spatial ones are the last two
+    g = extract_convolution_patches(xc, (3, 2, 2, 1), [(0, 0), (0, 0), (1, 1), (0, 1)], 1, 1,
+                                    "NCHW")
+    np.testing.assert_array_equal(xp.to_numpy(g), xp.to_numpy(f))
 
 
 def test_image_patches_and_pointwise(xp, rng):
