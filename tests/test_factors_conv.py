@@ -101,6 +101,11 @@ def test_conv_input_factor_subsampling_uses_the_generator(xp, rng):
                                         rng=np.random.default_rng(3))
     keep = np.random.default_rng(3).permutation(10)[:2]  # ceil(0.2 · 10) examples
     xp.assert_close(got, omega_loop(x[keep], 2, 2, 1, 1, "VALID", False))
+    got = F.conv_input_kronecker_factor(arr, (2, 2, 2, 1), "VALID", sub_sample_inputs=True,
+                                        rng=np.random.default_rng(3),
+                                        inputs_to_extract_patches_factor=0.5)
+    keep = np.random.default_rng(3).permutation(10)[:5]  # ceil(0.5 · 10) examples
+    xp.assert_close(got, omega_loop(x[keep], 2, 2, 1, 1, "VALID", False))
     # patch subsampling: ceil(3.0 · 8) = 24 of the 90 patch rows, bias appended after
     got = F.conv_input_kronecker_factor(arr, (2, 2, 2, 1), "VALID", has_bias=True,
                                         sub_sample_patches=True, rng=np.random.default_rng(4))

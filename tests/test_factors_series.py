@@ -91,6 +91,33 @@ def test_option2_identities_and_clip(xp, rng):
     assert mu_big.max() == 1.0
 
 
+def test_series_quantities_use_the_clipped_c0(xp, rng):
+    """Both options whiten with the clipped C0: for a rank-2 C0 (n = 4) and threshold c = 0.5,
+    Lᵀ (C0_c + δI) L = I and Kᵀ (C0_c + δI) K = I with C0_c = V diag(max(e, c)) Vᵀ, both as
+    formula functions and through FullyConnectedMultiKF(eigenvalue_clipping_threshold=c).
+    Without clipping the identity would hold for C0 + δI instead, off by O(1) on the null
+    space.  κ(C0_c + δI) ≤ (max e + 0.6)/0.6, a few units, so 10·4096·eps covers it."""
+    rows = xp.round_host(rng.standard_normal((2, 4)))
+    c0 = outer_mean(rows)
+    c1 = xp.round_host(0.1 * rng.standard_normal((4, 4)))
+    delta, c = 0.1, 0.5
+    e, v = np.linalg.eigh(c0)
+    c0c = (v * (np.maximum(e, c) + delta)) @ v.T
+    tol = xp.rtol * 10
+    lm, _ = F.series_option1_quantities(xp.asarray(c0), xp.asarray(c1), delta, "eigh", c)
+    _, k, _ = F.series_option2_quantities(xp.asarray(c0), xp.asarray(c1), delta, c)
+    for m in (xp.to_numpy(lm), xp.to_numpy(k)):
+        np.testing.assert_allclose(m.T @ c0c @ m, np.eye(4), atol=tol)
+    x = xp.asarray(np.stack([rows, rows[::-1]]))  # [T = 2, B = 2, d = 4]; C0 = outer_mean(rows)
+    f = F.FullyConnectedMultiKF(2, eigenvalue_clipping_threshold=c).register_cov_dt1()
+    f = f.register_option1quants(delta).register_option2quants(delta)
+    f = f.update_cov(x, ema_decay=0.0).update_inverses()
+    lm, _ = f.get_option1quants(delta)
+    _, k, _ = f.get_option2quants(delta)
+    for m in (xp.to_numpy(lm), xp.to_numpy(k)):
+        np.testing.assert_allclose(m.T @ c0c @ m, np.eye(4), atol=tol)
+
+
 def gamma(x, t):
     return (1 - x) ** 2 / (t * (1 - x**2) - 2 * x * (1 - x**t))
 
