@@ -175,6 +175,37 @@ def test_cached_equals_uncached(xp, rng, name, norm):
                     rtol=16 * xp.eps)
 
 
+@pytest.mark.parametrize("name", [b for b in BLOCKS if b != "ScaledIdentity"])
+def test_cache_is_a_snapshot_of_the_statistics(xp, rng, name):
+    """The cached products read the statistics, scale and norm of the ``update_cache`` call,
+    not the (newer) statistics of the state they are given: after one more estimate update,
+    the cached product equals the fresh product of the *old* state and differs from the fresh
+    product of the new one.  The norm-scaled exact power is included: there the cache must
+    supply ‖sB‖ (the weight is applied at product time)."""
+    block, data, _ = build(name, xp, rng)
+    approx = [-1.0] if name in KRON else []
+    old = block.init(xp.asarray(np.zeros(1)), exact_powers_to_cache=[-1.0],
+                     approx_powers_to_cache=approx)
+    old = block.update_curvature_matrix_estimate(old, to_xp(xp, data), 0.0, 1.0, N)
+    _, data2, _ = build(name, xp, np.random.default_rng(12345))
+    w, norm = 0.3, "avg_diag"
+    old = block.update_cache(old, w, [-1.0], approx, False, norm_to_scale_identity_weight=norm)
+    new = block.update_curvature_matrix_estimate(old, to_xp(xp, data2), 0.0, 1.0, N)
+    cases = [(e, p) for e in ((True, False) if approx else (True,)) for p in (-1.0, 1.0)]
+    for exact, power in cases:
+        vec, _ = random_vector(xp, rng, block)
+
+        def product(state, use_cached, vec=vec, exact=exact, power=power):
+            return flat(xp, block.multiply_matpower(state, vec, w, power, exact, use_cached,
+                                                    norm_to_scale_identity_weight=norm))
+
+        cached, fresh_old, fresh_new = product(new, True), product(old, False), product(new, False)
+        assert_allclose_normwise(cached, fresh_old, 16 * xp.eps)
+        # Different statistics change the product by O(1) relative to itself (independent
+        # Gaussian data), far above rounding.
+        assert np.max(np.abs(cached - fresh_new)) > 1e-3 * np.max(np.abs(fresh_new))
+
+
 def test_norm_scaled_identity_weight_reaches_the_cache(xp, rng):
     """The kfac-jax fault (PEERS.md): update_cache ignores the per-block norm scaling.  Here the
     cached inverse equals the uncached one built with λ = w·‖B‖ and differs from λ = w."""
