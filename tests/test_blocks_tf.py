@@ -107,6 +107,18 @@ def test_pi_off_and_pi_functions(xp, rng):
     assert_allclose_normwise(flat(xp, block.multiply_inverse(vec)), np.linalg.solve(m, vh),
                              xp.rtol)
     assert block.factor_dampings() == pytest.approx((0.5, 0.5))
+    # kfac-jax's norms as pi_type: π = sqrt(‖A‖/‖G‖) with numpy's norms (independent oracle),
+    # and π = 1 when a factor norm is zero.
+    norms = {
+        "avg_fro": lambda m: np.linalg.norm(m, "fro") / np.sqrt(m.shape[0]),
+        "2_norm": lambda m: np.linalg.eigvalsh(m).max(),
+        "1_norm": lambda m: np.abs(m).sum(0).max(),
+    }
+    for name, nrm in norms.items():
+        p = np.sqrt(nrm(ah) / nrm(gh))
+        got = T.compute_pi_adjusted_damping(A, G, 0.5, pi_type=name)
+        assert got == pytest.approx((0.5 * p, 0.5 / p), rel=xp.rtol)
+        assert T.compute_pi_adjusted_damping(A, zero, 0.5, pi_type=name) == (0.5, 0.5)
 
 
 @pytest.mark.parametrize("damping", [0.0, 0.3])
@@ -271,6 +283,9 @@ def test_bad_inputs(xp, rng):
         T.FullyConnectedKFACBasicFB("A", g, 0.1)
     with pytest.raises(KFACValueError, match="cov_dt1 must be given"):
         T.FullyConnectedSeriesFB(a, g, 0.1, 3, has_bias=True)
+    with pytest.raises(KFACValueError, match="option1_eig_method must be one of"):
+        T.FullyConnectedSeriesFB(a, g, 0.1, 3, True, 1, input_cov_dt1=a, output_cov_dt1=g,
+                                 option1_eig_method="qr")
     with pytest.raises(KFACValueError, match="option must be 1 or 2"):
         T.FullyConnectedSeriesFB(a, g, 0.1, 3, True, 3, input_cov_dt1=a, output_cov_dt1=g)
     fb = T.FullFB(xp.asarray(np.eye(4)), 0.1, [(4,)])

@@ -46,6 +46,7 @@ from ..linalg import (
     _power_of_eigenvalues,
     clipped_eigh,
     damped_matpower,
+    factor_norm,
     pi_adjusted_damping,
 )
 
@@ -99,11 +100,11 @@ def _elementwise_power(func, xp, s, power):
     return _power_of_eigenvalues(func, xp, s, power)
 
 
-def _factor_norm_is_zero(xp, f):
-    # avg_diag norm (trace / n) of a PSD factor; zero exactly when the factor is zero on its
-    # diagonal, which for a PSD matrix means the factor is zero.
-    diag = f if f.ndim == 1 else xp.linalg.diagonal(f)
-    return float(xp.sum(diag)) == 0.0
+def _factor_norm_is_zero(f, norm_type):
+    # The norm that sets π (kfac-jax tests the same norms for its zero-factor special case);
+    # kfac_ref.linalg.factor_norm is the one home of the factor norms.  For a PSD factor every
+    # one of them is zero exactly when the factor is zero.
+    return factor_norm(f, "avg_diag" if norm_type == "off" else norm_type) == 0.0
 
 
 # --------------------------------------------------------------------------------------
@@ -153,7 +154,7 @@ def _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zer
     kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
     """
     lam = damping / scale
-    zero = _factor_norm_is_zero(xp, a) or _factor_norm_is_zero(xp, g)
+    zero = _factor_norm_is_zero(a, norm_type) or _factor_norm_is_zero(g, norm_type)
     if zero and zero_factor_fallback == "identity":
         # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
         if power < 0 and damping == 0.0:
@@ -680,8 +681,9 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
         u = xs[i] - pa @ xs[i + 1] @ xp.matrix_transpose(pg)
         c = pa @ A[i + 1] @ xp.matrix_transpose(pa)
         d = pg @ G[i + 1] @ xp.matrix_transpose(pg)
-        ys.append(_kron_difference_inverse(func, xp, A[i], G[i], (c + c.T) / 2, (d + d.T) / 2,
-                                           u))
+        c = (c + xp.matrix_transpose(c)) / 2
+        d = (d + xp.matrix_transpose(d)) / 2
+        ys.append(_kron_difference_inverse(func, xp, A[i], G[i], c, d, u))
     out = [ys[0]]
     for i in range(1, n):
         pa, pg = psi[i - 1]

@@ -43,7 +43,7 @@ from .._backend import (
     eye_like,
     namespace_of,
 )
-from ..linalg import FACTOR_NORMS, kron, pi_tracenorm
+from ..linalg import FACTOR_NORMS, kron, pi_adjusted_damping, pi_tracenorm
 from . import _math as M
 from ._math import normalize_damping
 
@@ -121,13 +121,9 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping, pi_type="tracenorm
     d = check_scalar(func, "damping", damping, nonnegative=True)
     if pi_type == "off":
         return d, d
-    if pi_type == "tracenorm":
-        pi = pi_tracenorm(left_cov, right_cov)
-    else:
-        from ..linalg import factor_norm
-
-        ln, rn = factor_norm(left_cov, pi_type), factor_norm(right_cov, pi_type)
-        pi = 1.0 if ln == 0.0 or rn == 0.0 else math.sqrt(ln / rn)
+    # π itself is kfac_ref.linalg's (one formula, one place): the split of a unit damping is
+    # (π·1, 1/π), with π = 1 where a factor norm is zero.
+    pi, _ = pi_adjusted_damping(left_cov, right_cov, 1.0, _norm_of_pi_type(pi_type))
     return d * pi, d / pi
 
 
@@ -830,7 +826,8 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
             raise KFACValueError(f"{func}: option must be 1 or 2 (SeriesFBApproximation); got "
                                  f"{option!r}.")
         self.option = option
-        self.option1_eig_method = option1_eig_method
+        self.option1_eig_method = check_option(func, "option1_eig_method", option1_eig_method,
+                                               _factors().OPTION1_EIG_METHODS)
         self.pi_type = check_option(func, "pi_type", pi_type, PI_TYPES)
         self._damping_arg = damping
         _damping(func, damping)
