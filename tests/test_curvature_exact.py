@@ -202,6 +202,9 @@ def test_empirical_fisher_against_single_example_loop(xp, rng):
     v = rng.standard_normal(net.num_params)
     xp.assert_close(C.empirical_fisher_vector_product(net, ce, bp, (bx, by), xp.asarray(v)),
                     oracle @ xp.round_host(v), rtol=rtol_for(xp))
+    xp.assert_close(C.empirical_fisher_vector_product(net, ce, bp, (bx, by), xp.asarray(v),
+                                                      normalization="kfac_jax"),
+                    oracle @ xp.round_host(v) / n, rtol=rtol_for(xp))
     # the mean-loss gradient is the average of the single-example gradients
     _, g = C.loss_value_and_grad(net, ce, bp, (bx, by))
     xp.assert_close(g, grads.mean(axis=0), rtol=rtol_for(xp))
@@ -273,14 +276,19 @@ def test_monte_carlo_modes_converge_at_derived_rate(xp, rng, mode):
     sampled classes y with probability p_y, u = p − e_y (fisher_gradients), or Rademacher
     r ∈ {±1}^K with probability 2^-K, u = B r, B = diag(√p) − p√pᵀ (kfac-jax's factor; the
     variance depends on the factor chosen).  P(‖F̂_M − F‖_F > σ/√(δM)) ≤ δ = 0.01; the seed is
-    fixed.  At M = 400 the bound is below ‖F‖_F / 2, so a wrong scale (a missing 1/N, √w or
-    1/√M) fails."""
+    fixed.  At M = 400 the bound is below ‖F‖_F / 2, so a wrong scale (a missing 1/N or 1/√M,
+    or w instead of √w: the loss weight is w = 1/4, so that scales F̂ by 1/4) fails."""
     _mc_backend(xp)
     net = mlp()
+    w = 0.25
+
+    def wce(f, y):
+        return CategoricalLogitsNegativeLogProbLoss(f, targets=y, weight=w)
+
     (bp, bx, by), (rp, rx, ry) = setup(xp, rng, net, ce, n=3)
     jac = np.asarray(C.jacobian(net, rp, rx))
     out = np.asarray(net.forward(rp, rx))
-    hl = np_loss_hessian(ce, out, ry)
+    hl = w * np_loss_hessian(ce, out, ry)  # the weighted per-example Fisher w·F_n
     n, k = out.shape
     exact = np.einsum("ndp,nde,neq->pq", jac, hl, jac) / n
     z = out - out.max(axis=1, keepdims=True)
@@ -289,12 +297,12 @@ def test_monte_carlo_modes_converge_at_derived_rate(xp, rng, mode):
     for i in range(n):
         fi = jac[i].T @ hl[i] @ jac[i]
         if mode == "fisher_gradients":
-            terms = [(p[i, y], p[i] - np.eye(k)[y]) for y in range(k)]
+            terms = [(p[i, y], np.sqrt(w) * (p[i] - np.eye(k)[y])) for y in range(k)]
         else:
-            b = np.diag(np.sqrt(p[i])) - np.outer(p[i], np.sqrt(p[i]))
+            b = np.sqrt(w) * (np.diag(np.sqrt(p[i])) - np.outer(p[i], np.sqrt(p[i])))
             terms = [(2.0**-k, b @ np.array(r)) for r in itertools.product([-1.0, 1.0], repeat=k)]
-        var += sum(w * np.linalg.norm(np.outer(jac[i].T @ u, jac[i].T @ u) - fi) ** 2
-                   for w, u in terms)
+        var += sum(pr * np.linalg.norm(np.outer(jac[i].T @ u, jac[i].T @ u) - fi) ** 2
+                   for pr, u in terms)
     var /= n**2
     delta = 0.01
     tile = xp.xp.concat
@@ -304,13 +312,30 @@ def test_monte_carlo_modes_converge_at_derived_rate(xp, rng, mode):
         batch = (tile([bx] * copies, axis=0), tile([by] * copies, axis=0))
         gen = np.random.default_rng(7)
         if mode == "fisher_gradients" and m == 400:
-            est = C.monte_carlo_fisher_matrix(net, ce, bp, batch, gen, per)
+            est = C.monte_carlo_fisher_matrix(net, wce, bp, batch, gen, per)
         else:
-            est = C.estimated_matrix(net, ce, bp, batch, mode, rng=gen, num_samples=per)
+            est = C.estimated_matrix(net, wce, bp, batch, mode, rng=gen, num_samples=per)
         err = float(np.linalg.norm(xp.to_numpy(est) - exact))
         bound = np.sqrt(var / (delta * m))
         assert err <= bound, (m, err, bound)
     assert np.sqrt(var / (delta * 400)) < 0.5 * np.linalg.norm(exact)
+
+
+@pytest.mark.parametrize("mode", ["fisher_curvature_prop", "ggn_curvature_prop"])
+def test_curvature_prop_draws_are_rademacher(xp, rng, mode):
+    """For a normal mean with variance v the loss factor is I/√v, so the output vectors times
+    √v are the raw draws r: every entry must be exactly ±1 (E rrᵀ = I needs |r| = 1) and their
+    mean over K = 1200 entries must be near 0: Var(mean) = 1/K, so by Chebyshev
+    P(|mean| > 1/√(δK)) ≤ δ = 0.01 (seed fixed).  A {−1, 0, 1} or {0, 1} draw fails."""
+    _mc_backend(xp)
+    net = mlp(("identity", "identity"))
+    (bp, bx, by), _ = setup(xp, rng, net, sq, n=400)
+    (u,) = C.estimation_output_vectors(net, sq, bp, (bx, by), mode,
+                                       rng=np.random.default_rng(5))
+    r = xp.to_numpy(u) * np.sqrt(0.5)
+    assert r.shape == (400, 3)
+    np.testing.assert_array_equal(np.abs(r), 1.0)
+    assert abs(r.mean()) <= 1 / np.sqrt(0.01 * r.size)
 
 
 # ---------------------------------------------------------------------------------------------

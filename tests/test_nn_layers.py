@@ -91,6 +91,36 @@ def test_conv_forward_matches_loop(xp, rng, case):
     xp.assert_close(out, exp)
 
 
+@pytest.mark.parametrize("case", CONV_CASES)
+def test_conv_vjp_input_is_transpose_of_loop_convolution(xp, rng, case):
+    """vjp_input(g) = J_xᵀ g with J_x assembled column by column from the explicit-loop
+    convolution of unit images (no bias: the map is linear in x).  Independent of the
+    library's patch extractor, so it checks the backward geometry (padding, stride, dilation,
+    layout) entry by entry."""
+    h, w, ci, co, k, s, pad, d, fmt = case
+    layer = nn.Conv2D(ci, co, k, stride=s, padding=pad, dilation=d, data_format=fmt,
+                      use_bias=False)
+    if pad == "SAME":
+        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
+    elif pad == "VALID":
+        pads = ((0, 0), (0, 0))
+    else:
+        pads = pad
+    kern = rng.standard_normal((*k, ci, co))
+    rk = xp.round_host(kern)
+    basis = np.eye(h * w * ci).reshape(-1, h, w, ci)  # NHWC unit images
+    jac = conv_oracle(basis, rk, None, s, pads, d).reshape(h * w * ci, -1)  # [HWC, HoWoCo]
+    out_shape = (2, *conv_oracle(basis[:1], rk, None, s, pads, d).shape[1:])
+    g = rng.standard_normal(out_shape)  # NHWC cotangent
+    exp = (g.reshape(2, -1) @ xp.round_host(jac).T).reshape(2, h, w, ci)
+    xin = np.zeros((2, h, w, ci))
+    if fmt == "NCHW":
+        exp, xin, g = exp.transpose(0, 3, 1, 2), xin.transpose(0, 3, 1, 2), g.transpose(0, 3, 1, 2)
+    got = layer.vjp_input((xp.asarray(kern),), xp.asarray(xin), xp.asarray(g))
+    xp.check(got)
+    xp.assert_close(got, exp)
+
+
 def test_dense_scale_shift_embedding_forward(xp, rng):
     x = rng.standard_normal((3, 4, 5))
     w, b = rng.standard_normal((5, 2)), rng.standard_normal(2)
@@ -211,6 +241,12 @@ def test_layer_jvp_vjp_rvjp(xp, rng, case):
     assert abs(lhs - fd) <= _rtol(xp) * scale * 10, (lhs, fd)
     for a, b in zip(gp, gp_ex, strict=False):
         xp.assert_close(xp.xp.sum(b, axis=0), xp.to_numpy(a))
+    # per-example cotangents: row n is the summed cotangent of the one-example batch n (a sum
+    # check alone cannot see examples swapped or mixed)
+    for i in range(shape[0]):
+        single = layer.param_grads(bp, bx[i:i + 1, ...], bg[i:i + 1, ...])
+        for a, b in zip(single, gp_ex, strict=True):
+            xp.assert_close(b[i, ...], xp.to_numpy(a))
 
     # R-operator: directional derivative of the backward map along (dθ, dx, rg)
     def back(p, z, gg):
@@ -240,6 +276,11 @@ def test_embedding_param_grads_and_rvjp(xp, rng):
     xp.assert_close(ge, exp)
     (gex,) = layer.param_grads((e,), xp.asarray(ids), xp.asarray(g), per_example=True)
     xp.assert_close(xp.xp.sum(gex, axis=0), exp)
+    for n in range(5):
+        exp_n = np.zeros((6, 3))
+        for t in range(4):
+            exp_n[ids[n, t]] += rg[n, t]
+        xp.assert_close(gex[n, ...], exp_n)
     (rge,), rx = layer.rvjp((e,), xp.asarray(ids), None, None, xp.asarray(g), xp.asarray(g))
     assert rx is None
     xp.assert_close(rge, exp)

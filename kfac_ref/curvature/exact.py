@@ -56,6 +56,7 @@ from .._backend import (
     host_draw,
     namespace_of,
 )
+from ..linalg import compute_cov
 from ..losses import LossFunction, NegativeLogProbLoss
 from ..nn.network import Sequential
 
@@ -309,9 +310,10 @@ def loss_value_and_grad(net, loss_fn, params, batch):
     return value, b.vjp(g)
 
 
-def _outer_sum(xp, v, n):
-    """(1/n) Σ_rows vᵀ v for v [R, P] (a GEMM)."""
-    return (v.T @ v) / n
+def _second_moment(rows, normalizer):
+    """(1/normalizer) Σ_rows r rᵀ for rows [R, P]: the one uncentred second-moment formula,
+    :func:`kfac_ref.linalg.compute_cov` (symmetrised, so the result is exactly symmetric)."""
+    return compute_cov(rows, normalizer=normalizer)
 
 
 def _factor_based(func, net, loss_fn, params, batch, kind):
@@ -323,7 +325,7 @@ def _factor_based(func, net, loss_fn, params, batch, kind):
     fac = _factor_columns(b, kind)  # [N, D, K]
     c = xp.permute_dims(fac, (0, 2, 1)) @ jac  # [N, K, P]  (B_nᵀ J_n)
     c = xp.reshape(c, (-1, net.num_params))
-    return _outer_sum(xp, c, b.n)
+    return _second_moment(c, b.n)
 
 
 def ggn_matrix(net, loss_fn, params, batch):
@@ -394,7 +396,7 @@ def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
     _need_targets(func, b)
     g = b.vjp(b.flat(b.loss.grad_of_evaluate()), per_example=True)  # [N, P]
     scale = b.n if normalization == "mean" else b.n * b.n
-    return _outer_sum(b.xp, g, scale)
+    return _second_moment(g, scale)
 
 
 def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
@@ -407,7 +409,8 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
         \tilde y_{nm} \sim p(\cdot\mid f_n),
 
     so :math:`\mathbb E\hat F = F` (:func:`fisher_matrix`) and each entry's standard deviation
-    falls like :math:`1/\sqrt{NM}`.
+    falls like :math:`1/\sqrt{NM}`.  This is :func:`estimated_matrix` with
+    ``estimation_mode="fisher_gradients"`` (one implementation; the same draws).
 
     Parameters
     ----------
@@ -420,12 +423,7 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
     m = check_int(func, "num_samples", num_samples, minimum=1)
     b = _Batch(func, net, loss_fn, params, batch)
     _need_nll(func, b, "the Monte-Carlo Fisher")
-    total = None
-    for _ in range(m):
-        g = b.vjp(b.flat(b.loss.grad_of_evaluate_on_sample(rng, "sqrt")), per_example=True)
-        term = g.T @ g
-        total = term if total is None else total + term
-    return total / (b.n * m)
+    return _estimated(func, b, "fisher_gradients", rng, m, "mean")
 
 
 def hessian_matrix(net, loss_fn, params, batch):
@@ -738,11 +736,14 @@ def estimated_matrix(net, loss_fn, params, batch, estimation_mode, rng=None, num
                  EMPIRICAL_FISHER_NORMALIZATIONS)
     m = check_int(func, "num_samples", num_samples, minimum=1)
     b = _Batch(func, net, loss_fn, params, batch)
-    total = None
-    for u in _estimation_vectors(func, b, estimation_mode, rng, m,
-                                 empirical_fisher_normalization):
-        g = b.vjp(u, per_example=True)
-        term = g.T @ g
-        total = term if total is None else total + term
-    return total / b.n
+    return _estimated(func, b, estimation_mode, rng, m, empirical_fisher_normalization)
+
+
+def _estimated(func, b, mode, rng, num_samples, empirical_fisher_normalization):
+    """(1/N) Σ_c Σ_n (J_nᵀ u_{c,n})(J_nᵀ u_{c,n})ᵀ: loop over the mode's vectors, batched
+    over examples."""
+    rows = [b.vjp(u, per_example=True)
+            for u in _estimation_vectors(func, b, mode, rng, num_samples,
+                                         empirical_fisher_normalization)]
+    return _second_moment(b.xp.concat(rows, axis=0), b.n)
 
