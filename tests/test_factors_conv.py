@@ -209,6 +209,50 @@ def test_conv_multi_kf_same_statistics(xp, rng):
 # --------------------------------------------------------------------------------------
 # Errors
 # --------------------------------------------------------------------------------------
+def test_conv_input_factor_validates_before_drawing(xp, rng):
+    """Bad options are rejected before the generator is touched or patches are built."""
+    x = xp.asarray(rng.standard_normal((4, 5, 5, 3)))
+    bad_calls = [
+        (KFACValueError, "padding must be", dict(padding="FULL")),
+        (KFACTypeError, "has_bias must be a bool", dict(has_bias=1)),
+        (KFACValueError, "agree on in_channels", dict(filter_shape=(3, 3, 2, 4))),
+        (KFACValueError, "strides must be positive", dict(strides=(1, 0))),
+        (KFACValueError, "extract_patches_fn", dict(extract_patches_fn="im2col")),
+        (KFACValueError, "patch_mask", dict(patch_mask=xp.asarray(np.ones((3, 3, 2))))),
+        (KFACValueError, "max_num_patches_per_dimension",
+         dict(sub_sample_patches=True, max_num_patches_per_dimension=0.0)),
+    ]
+    for err, match, kwargs in bad_calls:
+        r = np.random.default_rng(0)
+        state = r.bit_generator.state
+        args = dict(filter_shape=(3, 3, 3, 4), padding="SAME", sub_sample_inputs=True, rng=r)
+        args.update(kwargs)
+        with pytest.raises(err, match=match):
+            F.conv_input_kronecker_factor(x, **args)
+        assert r.bit_generator.state == state, match
+
+
+def test_conv_classes_validate_options_at_construction():
+    with pytest.raises(KFACValueError, match="padding must be"):
+        F.ConvInputKroneckerFactor((3, 3, 3, 4), "FULL")
+    with pytest.raises(KFACValueError, match="strides must be positive"):
+        F.ConvInputKroneckerFactor((3, 3, 3, 4), "SAME", strides=(1, 0))
+    with pytest.raises(KFACValueError, match="extract_patches_fn"):
+        F.ConvInputKroneckerFactor((3, 3, 3, 4), "SAME", extract_patches_fn="im2col")
+    with pytest.raises(KFACValueError, match="data_format must be None or one of"):
+        F.ConvInputKroneckerFactor((3, 3, 3, 4), "SAME", data_format="NHCW")
+    with pytest.raises(KFACValueError, match="describes 2-D convolutions"):
+        F.ConvInputKroneckerFactor((3, 3, 4), "SAME")  # 1-D filter, default "NHWC"
+    with pytest.raises(KFACValueError, match="pairs"):
+        F.ConvInputMultiKF((3, 3, 3, 4), [(1, 1)], 2)
+    with pytest.raises(KFACValueError, match="data_format must be None or one of"):
+        F.ConvOutputKroneckerFactor(data_format="HWNC")
+    with pytest.raises(KFACValueError, match="dilations must be positive"):
+        F.ConvDiagonalFactor((3, 3, 3, 4), 1, "SAME", dilations=0)
+    with pytest.raises(KFACValueError, match="describes 5-D arrays"):
+        F.ConvInputSUAKroneckerFactor((3, 3, 3, 4), data_format="NCDHW")
+
+
 def test_conv_factor_errors(xp, rng):
     x = xp.asarray(rng.standard_normal((2, 5, 5, 3)))
     g = xp.asarray(rng.standard_normal((2, 5, 5, 4)))

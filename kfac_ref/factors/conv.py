@@ -26,7 +26,10 @@ from ..linalg import append_homog, compute_cov, damped_inverse
 from ..patches import (
     _channels_last,
     _check_filter_shape,
+    _explicit_padding,
+    _padding_kind,
     _spatial_ints,
+    _validate_conv_inputs,
     extract_convolution_patches,
     extract_image_patches,
     extract_pointwise_conv2d_patches,
@@ -66,6 +69,38 @@ __all__ = [
 EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
                        "extract_pointwise_conv2d_patches")
 """TF's ``extract_patches_fn`` choices (``None`` means the first)."""
+
+
+def _check_extract_patches_fn(func, extract_patches_fn):
+    if extract_patches_fn is not None and extract_patches_fn not in EXTRACT_PATCHES_FNS:
+        raise KFACValueError(
+            f"{func}: extract_patches_fn must be None or one of "
+            f"{', '.join(repr(f) for f in EXTRACT_PATCHES_FNS)}; got {extract_patches_fn!r}."
+        )
+
+
+def _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format, *,
+                        dilation_name="dilation_rate", extract_patches_fn=None,
+                        patch_mask=None):
+    """Validate a convolution's geometry options without data (host integers only), so that
+    classes reject bad options at construction and formula functions before any draw."""
+    filter_shape = _check_filter_shape(func, filter_shape)
+    rank = len(filter_shape) - 2
+    channels_last = _channels_last(func, data_format, None)
+    if data_format is not None and len(data_format) != rank + 2:
+        raise KFACValueError(
+            f"{func}: data_format {data_format!r} describes {len(data_format) - 2}-D "
+            f"convolutions; got a filter_shape with {rank} spatial dimensions {filter_shape}."
+        )
+    _spatial_ints(func, "strides", strides, rank, channels_last, 1)
+    _spatial_ints(func, dilation_name, dilation_rate, rank, channels_last, 1)
+    if _padding_kind(func, padding) == "EXPLICIT":
+        _explicit_padding(func, padding, rank, channels_last)
+    _check_extract_patches_fn(func, extract_patches_fn)
+    if patch_mask is not None:
+        check_array(func, "patch_mask", patch_mask, shape=tuple(filter_shape[:-1]),
+                    layout="[k_1, ..., k_r, C_in]")
+    return filter_shape
 
 
 def _check_patch_mask(func, xp, patch_mask, filter_shape, like):
@@ -119,11 +154,7 @@ def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate
     channels_last = _channels_last(func, data_format, inputs.ndim)
     filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
     check_bool(func, "has_bias", has_bias)
-    if extract_patches_fn is not None and extract_patches_fn not in EXTRACT_PATCHES_FNS:
-        raise KFACValueError(
-            f"{func}: extract_patches_fn must be None or one of "
-            f"{', '.join(repr(f) for f in EXTRACT_PATCHES_FNS)}; got {extract_patches_fn!r}."
-        )
+    _check_extract_patches_fn(func, extract_patches_fn)
     patch_mask = _check_patch_mask(func, xp, patch_mask, filter_shape, inputs)
     if extract_patches_fn in (None, "extract_convolution_patches"):
         patches = extract_convolution_patches(inputs, filter_shape, padding, strides,
@@ -218,11 +249,18 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     """
     func = "conv_input_kronecker_factor"
     namespace_of(func, inputs=inputs, patch_mask=patch_mask)
+    # Everything is validated before the generator is drawn from or patches are built.
     check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    check_bool(func, "has_bias", has_bias)
     check_bool(func, "sub_sample_inputs", sub_sample_inputs)
     check_bool(func, "sub_sample_patches", sub_sample_patches)
+    _validate_conv_inputs(func, inputs, filter_shape, data_format)
+    _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format,
+                        extract_patches_fn=extract_patches_fn, patch_mask=patch_mask)
     if sub_sample_inputs or sub_sample_patches:
         check_rng(func, "rng", rng)
+    if sub_sample_patches:  # the constants, before any draw
+        num_subsampled_patches(0, 1, max_num_patches, max_num_patches_per_dimension)
     if sub_sample_inputs:
         inputs = subsample_rows(
             inputs, num_subsampled_inputs(inputs.shape[0], inputs_to_extract_patches_factor),
@@ -238,7 +276,6 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
                                       max_num_patches_per_dimension)
         if keep < patches.shape[0]:
             patches = subsample_rows(patches, keep, rng)
-    check_bool(func, "has_bias", has_bias)
     if has_bias:
         patches = append_homog(patches)
     return compute_cov(patches)
@@ -402,7 +439,10 @@ class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
                  sub_sample_inputs=False, sub_sample_patches=False, patch_mask=None, **kwargs):
         super().__init__(**kwargs)
         func = type(self).__name__
-        self._set(filter_shape=_check_filter_shape(func, filter_shape), padding=padding,
+        filter_shape = _check_conv_options(func, filter_shape, padding, strides, dilation_rate,
+                                           data_format, extract_patches_fn=extract_patches_fn,
+                                           patch_mask=patch_mask)
+        self._set(filter_shape=filter_shape, padding=padding,
                   strides=strides, dilation_rate=dilation_rate, data_format=data_format,
                   extract_patches_fn=extract_patches_fn,
                   has_bias=check_bool(func, "has_bias", has_bias),
@@ -438,6 +478,7 @@ class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
 
     def __init__(self, data_format="NHWC", **kwargs):
         super().__init__(**kwargs)
+        _channels_last(type(self).__name__, data_format, None)
         self._set(data_format=data_format)
 
     def _contributions(self, outputs_grads):
@@ -466,7 +507,10 @@ class ConvDiagonalFactor(DiagonalFactor):
                  has_bias=False, patch_mask=None, **kwargs):
         super().__init__(**kwargs)
         func = type(self).__name__
-        self._set(filter_shape=_check_filter_shape(func, filter_shape), strides=strides,
+        filter_shape = _check_conv_options(func, filter_shape, padding, strides, dilations,
+                                           data_format, dilation_name="dilations",
+                                           patch_mask=patch_mask)
+        self._set(filter_shape=filter_shape, strides=strides,
                   padding=padding, data_format=data_format, dilations=dilations,
                   has_bias=check_bool(func, "has_bias", has_bias), patch_mask=patch_mask)
 
@@ -725,7 +769,7 @@ def _sua_inverse_from_parts(xp, sigma_inv, mu, k, has_bias, damping, order):
     s_mu = sigma_inv @ mu
     b_inv_m = _sua_mean_vector(xp, s_mu, k, has_bias, order,
                                homog_value=(1.0 / damping) if has_bias else 1.0)
-    quad = k * float(xp.sum(mu * s_mu)) + ((1.0 / damping) if has_bias else 0.0)
+    quad = k * xp.sum(mu * s_mu) + ((1.0 / damping) if has_bias else 0.0)  # 0-d, no sync
     return b_inv - b_inv_m[:, None] * b_inv_m[None, :] / (1.0 + quad)
 
 
@@ -764,6 +808,7 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         super().__init__(**kwargs)
         func = type(self).__name__
         filter_shape = _check_filter_shape(func, filter_shape)
+        _channels_last(func, data_format, len(filter_shape))
         if order not in SUA_ORDERS:
             raise KFACValueError(f"{func}: order must be one of "
                                  f"{', '.join(map(repr, SUA_ORDERS))}; got {order!r}.")
