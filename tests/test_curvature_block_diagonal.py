@@ -222,6 +222,44 @@ def test_conv_pool_dense_reduce_exact(xp, rng):
     assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
 
 
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_conv_block_does_not_depend_on_layout(xp, rng, sharing):
+    # the same function written NHWC and NCHW (the dense layer after the flatten takes its
+    # rows in the other order) has the same conv block, in KFC (expand) and KFAC-reduce form:
+    # the reduce path must sum the NCHW output gradients over locations, not over channels
+    h = w = 3
+    c_in, c_out = 2, 2
+    nets, params, batches = {}, {}, {}
+    x = rng.standard_normal((3, h, w, c_in))
+    y = rng.integers(0, 3, size=3)
+    host = None
+    for fmt in ("NHWC", "NCHW"):
+        nets[fmt] = nn.Sequential([("c", nn.Conv2D(c_in, c_out, (2, 2), padding="SAME",
+                                                   data_format=fmt)),
+                                   ("a", nn.Activation("tanh")), ("f", nn.Flatten()),
+                                   ("d", nn.Dense(h * w * c_out, 3))])
+        if host is None:
+            host = nets[fmt].init_params(rng, np.zeros(1))
+            p = host
+            xin = x
+        else:  # NCHW flatten order (c, h, w): rows of the NHWC (h, w, c) dense kernel
+            rows = np.arange(h * w * c_out).reshape(h, w, c_out).transpose(2, 0, 1).ravel()
+            p = (host[0], (), (), (host[3][0][rows], host[3][1]))
+            xin = x.transpose(0, 3, 1, 2)
+        params[fmt] = tuple(tuple(xp.asarray(a) for a in q) for q in p)
+        batches[fmt] = (xp.asarray(xin), xp.asarray(y))
+    blocks = {}
+    for fmt in nets:
+        est, st = run(nets[fmt], ce, params[fmt], batches[fmt], "ggn_exact",
+                      weight_sharing=sharing)
+        blocks[fmt] = est.to_diagonal_block_dense_matrix(st)[0]
+    xp.assert_close(blocks["NCHW"], xp.to_numpy(blocks["NHWC"]), rtol=tol(xp))
+    # and the layouts give the same function: same dense GGN conv block
+    g = {fmt: exact_blocks(xp, nets[fmt], C.ggn_matrix(nets[fmt], ce, params[fmt],
+                                                        batches[fmt]))[0] for fmt in nets}
+    assert_allclose_normwise(g["NCHW"], g["NHWC"], tol(xp))
+
+
 # ---------------------------------------------------------------------------------------------
 # stochastic modes, EMA, products
 # ---------------------------------------------------------------------------------------------
