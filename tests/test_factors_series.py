@@ -216,8 +216,15 @@ def test_series_errors(xp, rng):
         F.series_option2_quantities(c0, c0, -0.1)
     with pytest.raises(KFACValueError, match="eig_method"):
         F.series_option1_quantities(c0, c0, 0.1, eig_method="qr")
-    with pytest.raises(KFACValueError, match="symmetric"):
-        F.series_option1_quantities(xp.asarray(rng.standard_normal((3, 3))), c0, 0.1)
+    nonsym = xp.asarray(rng.standard_normal((3, 3)))
+    with pytest.raises(KFACValueError, match="series_option1_quantities: cov must be .*symmetric"):
+        F.series_option1_quantities(nonsym, c0, 0.1)
+    with pytest.raises(KFACValueError, match="series_option2_quantities: cov must be .*symmetric"):
+        F.series_option2_quantities(nonsym, c0, 0.1)
+    with pytest.raises(KFACValueError, match="eigenvalue_clipping_threshold must be non-neg"):
+        F.series_option1_quantities(c0, c0, 0.1, "eigh", -0.5)
+    with pytest.raises(KFACValueError, match="eigenvalue_clipping_threshold must be non-neg"):
+        F.series_option2_quantities(c0, c0, 0.1, -0.5)
     with pytest.raises(KFACValueError, match="register_cov_dt1"):
         _ = F.FullyConnectedMultiKF(7).update_cov(x, ema_decay=0.5).cov_dt1
     with pytest.raises(KFACTypeError, match="sources"):

@@ -23,6 +23,7 @@ from .._backend import (
     check_option,
     check_scalar,
     check_square,
+    check_symmetric,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
@@ -103,15 +104,18 @@ def fully_connected_multi_kf_cov_dt1(tensor, num_uses, has_bias=False):
     return compute_cov(x[b:, :], tensor_right=x[: total - b, :], normalizer=total)
 
 
-def _check_pair(func, cov, cov_dt1, damping):
+def _check_pair(func, cov, cov_dt1, damping, threshold):
+    """Validate the series inputs under the public name, before any eigendecomposition."""
     xp = namespace_of(func, cov=cov, cov_dt1=cov_dt1)
-    check_square(func, "cov", cov)
+    check_symmetric(func, "cov", cov)
     check_square(func, "cov_dt1", cov_dt1)
     if cov.shape != cov_dt1.shape:
         raise KFACValueError(f"{func}: cov and cov_dt1 must have the same shape; got "
                              f"{tuple(cov.shape)} and {tuple(cov_dt1.shape)}.")
     damping = check_scalar(func, "damping", damping, nonnegative=True)
-    return xp, damping
+    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold,
+                             nonnegative=True)
+    return xp, damping, threshold
 
 
 def _inv_sqrt_c0(xp, cov, damping, threshold):
@@ -162,9 +166,9 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
 
     Raises
     ------
-    KFACValueError
-        Shape mismatch, non-symmetric ``cov``, negative damping, singular damped
-        :math:`C_0`.
+    KFACValueError, KFACTypeError
+        Shape mismatch, non-symmetric ``cov``, negative damping or clipping threshold,
+        non-finite or non-floating inputs, mixed namespaces, an unknown ``eig_method``.
 
     References
     ----------
@@ -172,9 +176,8 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
     ``FullyConnectedMultiKF.make_inverse_update_ops``.
     """
     func = "series_option1_quantities"
-    xp, damping = _check_pair(func, cov, cov_dt1, damping)
+    xp, damping, c = _check_pair(func, cov, cov_dt1, damping, eigenvalue_clipping_threshold)
     check_option(func, "eig_method", eig_method, OPTION1_EIG_METHODS)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     inv_sqrt = _inv_sqrt_c0(xp, cov, damping, c)
     c1 = (cov_dt1 + cov_dt1.T) / 2.0
     hpsi = inv_sqrt @ c1 @ inv_sqrt
@@ -226,8 +229,7 @@ def series_option2_quantities(cov, cov_dt1, damping, eigenvalue_clipping_thresho
     ``FullyConnectedMultiKF.make_inverse_update_ops``.
     """
     func = "series_option2_quantities"
-    xp, damping = _check_pair(func, cov, cov_dt1, damping)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    xp, damping, c = _check_pair(func, cov, cov_dt1, damping, eigenvalue_clipping_threshold)
     inv_sqrt = _inv_sqrt_c0(xp, cov, damping, c)
     inv_sqrt_c1 = inv_sqrt @ cov_dt1
     hpsi = inv_sqrt_c1 @ inv_sqrt
