@@ -336,9 +336,19 @@ class Conv2D(Layer):
         \partial x = P^\top\!\big(g K^\top\big), \qquad
         \partial K = \sum_t P(x)_{n,t}^\top g_{n,t}, \qquad \partial b = \sum_t g_{n,t}.
 
-    :math:`P^\top` is applied as a 0/1 selection matrix :math:`S` (``[H W, |T| k_h k_w]``)
-    obtained by running the *same* patch extractor on an image of pixel indices, so forward
-    and backward share one definition of the patch geometry.
+    :math:`P^\top` is the patch-transpose scatter ("col2im"): the patch entry of kernel offset
+    :math:`(a, b)` at output location :math:`(i, j)` is added to padded pixel
+    :math:`(i s_h + a d_h,\ j s_w + b d_w)`, then the padding is cropped,
+
+    .. math::
+
+        \partial x^{\text{pad}}_{n,u,v,c} = \sum_{a,b}\ \sum_{(i,j):\,
+            i s_h + a d_h = u,\ j s_w + b d_w = v} (g K^\top)_{n,(i,j),(a,b,c)},
+
+    computed axis by axis with zero insertion (stride), zero shifts (offset) and sums, a
+    loop over the :math:`k_h + k_w` kernel offsets only (memory :math:`O(N H W C_{in} k_w)`,
+    no dense :math:`[HW, |T| k_h k_w]` selection matrix).  The padding amounts come from
+    :func:`kfac_ref.patches.conv_padding_amounts`, the geometry the patch extractor uses.
 
     Parameters
     ----------
@@ -480,31 +490,53 @@ class Conv2D(Layer):
     def _kernel_matrix(self, xp, w):
         return xp.reshape(w, (self.patch_size, self.c_out))
 
-    def _selection(self, xp, like, hw):
-        """0/1 matrix S [H·W, Ho·Wo·kh·kw]: S[p, (t, k)] = 1 iff patch slot (t, k) reads pixel p.
+    def _padded_geometry(self, hw):
+        """((Ho, top, bottom), (Wo, left, right)) of an [H, W] input (TF's SAME split)."""
+        from ..patches import conv_padding_amounts
 
-        Built by extracting the patches of an image whose pixels hold their own index + 1
-        (padding reads 0), so it is the exact transpose of the patch extractor.
-        """
-        from ..patches import extract_convolution_patches
+        return conv_padding_amounts((1, *hw, self.c_in), self.filter_shape, self.stride,
+                                    self._padding_arg(), self.dilation, "NHWC")
 
-        h, w = hw
-        dev = _device(like)
-        idx = xp.reshape(xp.arange(1, h * w + 1, dtype=like.dtype, device=dev), (1, h, w, 1))
-        pidx = extract_convolution_patches(idx, (*self.kernel_size, 1, 1), self._padding_arg(),
-                                           strides=self.stride, dilation_rate=self.dilation,
-                                           data_format="NHWC")
-        flat = xp.reshape(pidx, (1, -1))
-        pix = xp.reshape(xp.arange(1, h * w + 1, dtype=like.dtype, device=dev), (-1, 1))
-        return xp.astype(flat == pix, like.dtype)
+    @staticmethod
+    def _place(xp, t, axis, out_len, stride, offset, size):
+        """Scatter ``t`` (length ``out_len`` on ``axis``) to entries ``i·stride + offset`` of a
+        zero axis of length ``size`` (zero insertion, then zero shifts; no mutation)."""
+        dev = _device(t)
+
+        def zeros(k):
+            shape = list(t.shape)
+            shape[axis] = k
+            return xp.zeros(tuple(shape), dtype=t.dtype, device=dev)
+
+        if stride > 1:
+            z = xp.zeros(t.shape, dtype=t.dtype, device=dev)
+            shape = list(t.shape)
+            shape[axis] = out_len * stride
+            t = xp.reshape(xp.stack([t] + [z] * (stride - 1), axis=axis + 1), tuple(shape))
+            t = t[(slice(None),) * axis + (slice(0, (out_len - 1) * stride + 1), ...)]
+        span = (out_len - 1) * stride + 1
+        parts = ([zeros(offset)] if offset else []) + [t]
+        if size - offset - span:
+            parts.append(zeros(size - offset - span))
+        return xp.concat(parts, axis=axis) if len(parts) > 1 else t
 
     def _transpose_patches(self, xp, gp, hw):
         """Adjoint of patch extraction: gp [N, Ho, Wo, kh·kw·C_in] -> [N, H, W, C_in] (NHWC)."""
+        (ho, top, bottom), (wo, left, right) = self._padded_geometry(hw)
+        kh, kw = self.kernel_size
+        (sh, sw), (dh, dw) = self.stride, self.dilation
+        hp, wp = hw[0] + top + bottom, hw[1] + left + right
         n = gp.shape[0]
-        sel = self._selection(xp, gp, hw)  # [HW, L*KK]
-        gp3 = xp.reshape(gp, (n, -1, self.c_in))  # [N, L*KK, C_in]
-        gx = sel @ gp3  # [N, HW, C_in]
-        return xp.reshape(gx, (n, hw[0], hw[1], self.c_in))
+        g6 = xp.reshape(gp, (n, ho, wo, kh, kw, self.c_in))
+        rows = None  # [N, Hp, Wo, kw, C_in]: scatter along H, one kernel row at a time
+        for a in range(kh):
+            part = self._place(xp, g6[:, :, :, a, :, :], 1, ho, sh, a * dh, hp)
+            rows = part if rows is None else rows + part
+        full = None  # [N, Hp, Wp, C_in]: scatter along W, one kernel column at a time
+        for b in range(kw):
+            part = self._place(xp, rows[:, :, :, b, :], 2, wo, sw, b * dw, wp)
+            full = part if full is None else full + part
+        return full[:, top:top + hw[0], left:left + hw[1], :]
 
     # -- maps --------------------------------------------------------------------------------
     def _conv(self, xp, x, w, b):
