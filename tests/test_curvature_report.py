@@ -13,7 +13,7 @@ import pytest
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
-from kfac_ref import KFACValueError
+from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
 
 
@@ -76,3 +76,12 @@ def test_relative_error_edge_cases_and_errors(xp, rng):
     bp, batch = data(xp, rng, net, (2,), ce)
     with pytest.raises(KFACValueError, match="curvature"):
         C.approximation_report(net, ce, bp, batch, curvature="hessian")
+    with pytest.raises(KFACValueError, match="batch"):
+        C.approximation_report(net, ce, bp, batch[0])
+    with pytest.raises(KFACTypeError, match="approximations"):
+        C.approximation_report(net, ce, bp, batch, {"kfac": "reduce"})
+    with pytest.raises(KFACValueError, match="approximations"):
+        C.approximation_report(net, ce, bp, batch, {})
+    # no silent broadcasting: a [2, 1] block against a [2, 2] one is an error
+    with pytest.raises(KFACValueError, match="shape"):
+        C.relative_frobenius_error(xp.asarray(np.ones((2, 1))), o)

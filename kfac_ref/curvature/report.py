@@ -14,8 +14,9 @@ error is the block structure's alone (no sampling noise).  For teaching and for 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
-from .._backend import check_option, namespace_of
+from .._backend import KFACTypeError, KFACValueError, check_array, check_option, namespace_of
 from . import exact as E
 from .estimators import BlockDiagonalCurvature
 
@@ -33,8 +34,17 @@ def relative_frobenius_error(approx, exact):
 
         e = \frac{\|\hat C - C\|_F}{\|C\|_F}\quad(0 \text{ if both vanish, } \infty
         \text{ if only } C \text{ does}).
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Arrays of different shapes (no broadcasting), non-floating or non-finite entries,
+        mixed namespaces or devices.
     """
-    xp = namespace_of("relative_frobenius_error", approx=approx, exact=exact)
+    func = "relative_frobenius_error"
+    xp = namespace_of(func, approx=approx, exact=exact)
+    check_array(func, "exact", exact, min_ndim=1)
+    check_array(func, "approx", approx, shape=tuple(exact.shape))
     num = math.sqrt(float(xp.sum((approx - exact) ** 2)))
     den = math.sqrt(float(xp.sum(exact**2)))
     if den == 0.0:
@@ -99,12 +109,27 @@ def approximation_report(net, loss_fn, params, batch, approximations=None, curva
     dict
         ``{layer_name: {approximation_name: error}}`` for every parametric layer, errors as
         Python floats.
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Unknown ``curvature``, a batch that is not ``(inputs, targets)``, approximations that
+        are not a non-empty mapping of keyword mappings, and everything the exact curvature
+        and :class:`BlockDiagonalCurvature` reject.
     """
     func = "approximation_report"
     check_option(func, "curvature", curvature, tuple(_CURVATURES))
     mode, dense_fn = _CURVATURES[curvature]
+    E._unpack_batch(func, batch)
     if approximations is None:
         approximations = default_approximations(net, tuple(batch[0].shape))
+    if not isinstance(approximations, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Mapping) for k, v in approximations.items()):
+        raise KFACTypeError(f"{func}: approximations must be a mapping name -> keyword "
+                            f"arguments of BlockDiagonalCurvature; got {approximations!r:.80}.")
+    if not approximations:
+        raise KFACValueError(f"{func}: approximations must name at least one approximation; "
+                             f"got an empty mapping.")
     dense = dense_fn(net, loss_fn, params, batch)
     slices = net.layer_slices()
     exact = {net.names[i]: dense[slices[i], slices[i]] for i in net.parametric_layers}
