@@ -52,6 +52,7 @@ from ._backend import (
     check_array,
     check_int,
     check_rng,
+    check_scalar,
     describe,
     host_draw,
     namespace_of,
@@ -566,10 +567,8 @@ def num_subsampled_patches(total_patches, dimension, max_num_patches=10_000_000,
     total_patches = check_int(func, "total_patches", total_patches, minimum=0)
     dimension = check_int(func, "dimension", dimension, minimum=1)
     max_num_patches = check_int(func, "max_num_patches", max_num_patches, minimum=1)
-    if (not isinstance(max_num_patches_per_dimension, numbers.Real)
-            or not max_num_patches_per_dimension > 0):
-        raise KFACValueError(f"{func}: max_num_patches_per_dimension must be positive; got "
-                             f"{describe(max_num_patches_per_dimension)}.")
+    max_num_patches_per_dimension = check_scalar(
+        func, "max_num_patches_per_dimension", max_num_patches_per_dimension, positive=True)
     m = min(max_num_patches, int(math.ceil(max_num_patches_per_dimension * dimension)))
     return min(m, total_patches)
 

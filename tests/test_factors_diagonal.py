@@ -55,6 +55,12 @@ def test_naive_errors(xp, rng):
         F.naive_diagonal_factor([], 4)
     with pytest.raises(KFACTypeError, match="floating"):
         F.full_factor(xp.asarray(np.arange(3)), 4)
+    bad = np.ones(3)
+    bad[1] = np.nan
+    with pytest.raises(KFACValueError, match=r"naive_diagonal_factor: params_grads\[1\] .*finite"):
+        F.naive_diagonal_factor([g, xp.asarray(bad)], 4)  # errors under the public name
+    with pytest.raises(KFACValueError, match=r"full_factor: params_grads\[0\] .*finite"):
+        F.full_factor(xp.asarray(bad), 4)
     with pytest.raises(KFACValueError, match="same parameter shapes"):
         F.NaiveDiagonalFactor(2).update_cov([[g], [xp.asarray(rng.standard_normal(4))]],
                                             ema_decay=0.5)

@@ -100,6 +100,11 @@ def test_sua_class_stale_inverse_and_zero_mean(xp, rng):
         f.update_cov(xp.asarray(rng.standard_normal((2, 4, 4, 3))), ema_decay=0.5)
     with pytest.raises(KFACValueError, match="damping must be positive"):
         F.conv_input_sua_inverse(xp.asarray(np.eye(2)), xp.asarray(np.ones(2)), 4, True, 0.0)
+    with pytest.raises(KFACValueError, match="sigma must be .*symmetric"):
+        F.conv_input_sua_factor(xp.asarray(np.array([[1.0, 0.5], [0.0, 1.0]])), None, 4)
+    with pytest.raises(KFACValueError, match="sigma must be .*symmetric"):
+        F.conv_input_sua_inverse(xp.asarray(np.array([[1.0, 0.5], [0.0, 1.0]])), None, 4,
+                                 damping=0.1)
     with pytest.raises(KFACValueError, match="order"):
         F.conv_input_sua_factor(xp.asarray(np.eye(2)), None, 4, order="spatial_fastest")
 

@@ -297,3 +297,6 @@ def test_patch_errors(xp, rng):
         subsample_rows(x, 2, 0)
     with pytest.raises(KFACInputError):
         num_conv_locations((2, 5, 5, 3), (3, 3, 3, 4), 0, "SAME")
+    for rho in (float("inf"), True, 0.0, float("nan")):
+        with pytest.raises(KFACInputError, match="max_num_patches_per_dimension"):
+            num_subsampled_patches(10, 3, 5, rho)

@@ -19,6 +19,7 @@ from .._backend import (
     check_int,
     check_rng,
     check_scalar,
+    check_symmetric,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
@@ -154,7 +155,9 @@ def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate
     channels_last = _channels_last(func, data_format, inputs.ndim)
     filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
     check_bool(func, "has_bias", has_bias)
-    _check_extract_patches_fn(func, extract_patches_fn)
+    _validate_conv_inputs(func, inputs, filter_shape, data_format)
+    _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format,
+                        extract_patches_fn=extract_patches_fn)
     patch_mask = _check_patch_mask(func, xp, patch_mask, filter_shape, inputs)
     if extract_patches_fn in (None, "extract_convolution_patches"):
         patches = extract_convolution_patches(inputs, filter_shape, padding, strides,
@@ -381,6 +384,10 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim,
                 layout="[N, *out_spatial, C_out]")
     filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    check_bool(func, "has_bias", has_bias)
+    _validate_conv_inputs(func, inputs, filter_shape, data_format)
+    _check_conv_options(func, filter_shape, padding, strides, dilations, data_format,
+                        dilation_name="dilations")
     g = _grads_channels_last(func, xp, outputs_grad, data_format)
     if g.shape[-1] != filter_shape[-1]:
         raise KFACValueError(
@@ -652,6 +659,7 @@ def _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order):
     if sigma.shape[0] != sigma.shape[1]:
         raise KFACValueError(f"{func}: sigma must be square [C, C]; got shape "
                              f"{tuple(sigma.shape)}.")
+    check_symmetric(func, "sigma", sigma)  # a covariance; a transposed/garbled one is an error
     if mu is not None:
         check_array(func, "mu", mu, shape=(sigma.shape[0],), layout="[C]")
     num_offsets = check_int(func, "num_offsets", num_offsets, minimum=1)

@@ -64,7 +64,11 @@ def params_grads_to_vector(params_grads):
     -------
     array [Σ sizes]
     """
-    func = "params_grads_to_vector"
+    return _to_vector("params_grads_to_vector", params_grads)
+
+
+def _to_vector(func, params_grads):
+    """:func:`params_grads_to_vector`, reporting errors under the caller's name."""
     grads = _as_param_list(func, params_grads)
     xp = namespace_of(func, **{f"params_grads[{i}]": g for i, g in enumerate(grads)})
     for i, g in enumerate(grads):
@@ -106,7 +110,7 @@ def naive_diagonal_factor(params_grads, batch_size):
     TF K-FAC ``NaiveDiagonalFactor`` / ``NaiveDiagonalFB``.
     """
     func = "naive_diagonal_factor"
-    v = params_grads_to_vector(params_grads)
+    v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
     return v * v / n
 
@@ -138,7 +142,7 @@ def full_factor(params_grads, batch_size):
     TF K-FAC ``FullFactor`` (seed) / ``NaiveFullFactor`` (master), ``NaiveFullFB``.
     """
     func = "full_factor"
-    v = params_grads_to_vector(params_grads)
+    v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
     return v[:, None] * v[None, :] / n
 
