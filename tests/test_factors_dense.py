@@ -83,6 +83,15 @@ def test_zero_debias_closed_form_after_two_updates(xp, rng):
     f2c = F.FullyConnectedKroneckerFactor(zero_debias=False).update_cov(
         xp.asarray(x1), ema_decay=d).update_cov(xp.asarray(x2), ema_decay=d)
     xp.assert_close(f2c.cov, d * c1 + c2)
+    # the weight is honoured: unequal weights w1 = 1, w2 = 3 debias to (d·c1 + 3·c2)/(d + 3),
+    # and the contrib-era weight 1 - d without debiasing is the plain EMA (1-d)(d·c1 + c2)
+    f2d = f0.update_cov(xp.asarray(x1), ema_decay=d).update_cov(
+        xp.asarray(x2), ema_decay=d, ema_weight=3.0)
+    xp.assert_close(f2d.cov, (d * c1 + 3 * c2) / (d + 3))
+    f2e = F.FullyConnectedKroneckerFactor(zero_debias=False).update_cov(
+        xp.asarray(x1), ema_decay=d, ema_weight=1 - d).update_cov(
+        xp.asarray(x2), ema_decay=d, ema_weight=1 - d)
+    xp.assert_close(f2e.cov, (1 - d) * (d * c1 + c2))
 
 
 def test_sources_summed_towers_averaged(xp, rng):
