@@ -183,6 +183,10 @@ def test_expand_setting(xp, rng):
         xp.assert_close(g, e, rtol=tol(xp))
     got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing="reduce")
     assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+    # a per-layer mapping: named layers take their mode, the others stay on expand
+    got, exp = kfac_vs_exact(xp, rng, net, sq, 3, (4, 3), weight_sharing={"d2": "reduce"})
+    xp.assert_close(got[0], exp[0], rtol=tol(xp))
+    assert rel_err(xp.to_numpy(got[1]), exp[1]) > 1e-3
 
 
 def test_reduce_setting(xp, rng):

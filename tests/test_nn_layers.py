@@ -335,6 +335,12 @@ def test_torch_and_kfac_jax_orders(xp, rng):
     leaves = [kj[k1][k2] for k1 in sorted(kj) for k2 in sorted(kj[k1])]
     flat_j = np.concatenate([xp.to_numpy(a).ravel() for a in leaves])
     xp.assert_close(nn.permute_vector(vec, nn.kfac_jax_permutation(net)), flat_j)
+    # the Haiku names and the resulting order, spelled out (independent of HAIKU_NAMES)
+    assert {k: sorted(v) for k, v in kj.items()} == {
+        "a_dense": ["b", "w"], "conv": ["b", "w"], "norm": ["offset", "scale"]}
+    spelled = np.concatenate([host[4][1], host[4][0].ravel(), host[0][1], host[0][0].ravel(),
+                              host[2][1], host[2][0]])
+    xp.assert_close(nn.permute_vector(vec, nn.kfac_jax_permutation(net)), spelled)
     # matrices: Π M Πᵀ
     m = rng.standard_normal((net.num_params, net.num_params))
     perm = nn.torch_permutation(net)
