@@ -151,6 +151,13 @@ def test_single_example_every_layer_exact(xp, rng):
                              C.empirical_fisher_matrix)
     for g, e in zip(got, exp, strict=True):
         xp.assert_close(g, e, rtol=tol(xp))
+    # negative controls: with N = 3 neither is exact, and K-FAC-empirical is not the EF block
+    # even for a deep linear network with squared error (FORMULAS.md §1.3, check X6)
+    got, exp = kfac_vs_exact(xp, rng, net, ce, 3, (3,))
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
+    got, exp = kfac_vs_exact(xp, rng, mlp("identity"), sq, 3, (3,), "fisher_empirical",
+                             C.empirical_fisher_matrix)
+    assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
 
 
 def test_deep_linear_squared_error_every_layer_exact(xp, rng):
@@ -281,6 +288,28 @@ def test_stochastic_modes_match_dense_estimate_draw_for_draw(xp, rng, mode):
     for got, exp in zip(est.to_diagonal_block_dense_matrix(st), exact_blocks(xp, net, dense),
                         strict=True):
         xp.assert_close(got, exp, rtol=tol(xp))
+
+
+@pytest.mark.parametrize("mode", ["fisher_gradients", "ggn_curvature_prop"])
+def test_stochastic_modes_kronecker_blocks_draw_for_draw(xp, rng, mode):
+    # default Kronecker blocks with M = 3 samples: A = (1/N) Σ ā āᵀ and
+    # G = (1/N) Σ_m Σ_n g_mn g_mnᵀ with the vectors u_m/√M of the mode (same seed), so the
+    # block is kron(A, G) of the sample average, whatever the per-sample update weighting
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est, st = run(net, ce, bp, batch, mode, rng=np.random.default_rng(4), num_samples=3)
+    vectors = C.estimation_output_vectors(net, ce, bp, batch, mode,
+                                          rng=np.random.default_rng(4), num_samples=3)
+    assert len(vectors) == 3
+    cots = [net.backward_with_cotangents(bp, batch[0], u) for u in vectors]
+    inputs = cots[0][0]
+    for k, i in enumerate(net.parametric_layers):
+        a = np.concatenate([xp.to_numpy(inputs[i]), np.ones((3, 1))], axis=1)
+        a_fac = a.T @ a / 3
+        gs = [xp.to_numpy(c[1][i]) for c in cots]
+        g_fac = sum(g.T @ g for g in gs) / 3
+        xp.assert_close(est.to_diagonal_block_dense_matrix(st)[k], np.kron(a_fac, g_fac),
+                        rtol=tol(xp))
 
 
 def test_moving_average_and_products(xp, rng):
