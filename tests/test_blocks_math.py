@@ -139,6 +139,28 @@ def test_zero_factor_fallbacks(xp, rng):
         kronecker_block_matpower(A, G, X, -1.0, 0.0, zero_factor_fallback="identity")
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("power", [-1.0, 0.5])
+def test_kronecker_clipping_threshold_reaches_diagonal_factors(xp, rng, exact, power):
+    """eigenvalue_clipping_threshold c raises a diagonal factor's entries (its eigenvalues) to
+    c, as it raises a matrix factor's eigenvalues; π is computed from the unclipped factors
+    (as for matrix factors: kfac_ref.linalg.pi_adjusted_damping sees the raw statistics)."""
+    c, lam, scale = 0.3, 0.2, 2.0
+    a = np.array([0.1, 0.2, 1.0, 1.5])  # two entries below c
+    g = random_spd(rng, 3, 0.5, 2.0)  # eigenvalues above c: unchanged by clipping
+    x = rng.standard_normal((4, 3))
+    ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
+    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power, lam,
+                                   scale=scale, exact=exact, eigenvalue_clipping_threshold=c)
+    a_clip = np.diag(np.maximum(ah, c))
+    if exact:
+        dense = scale * np.kron(a_clip, gh) + lam * np.eye(12)
+    else:
+        da, dg = pi_split(ah, gh, lam / scale)
+        dense = scale * np.kron(a_clip + da * np.eye(4), gh + dg * np.eye(3))
+    xp.assert_close(got, (dense_power(dense, power) @ xh.reshape(-1)).reshape(4, 3))
+
+
 def test_kronecker_eigenvalues(xp, rng):
     a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 4, 0.5, 2.0)
     ev = kronecker_block_eigenvalues(xp.asarray(a), xp.asarray(g), scale=3.0)
@@ -284,6 +306,22 @@ def test_series_option2_vs_dense(xp, rng, delta):
     f = T * ip @ (v0 - pk @ v0 @ pk.T) @ ip.T
     expected = np.linalg.solve(f, x.reshape(-1)).reshape(p, q)
     xp.assert_close(got, expected, rtol=xp.rtol)  # as option 1
+
+
+def test_series_option2_zero_denominator_replaced_by_one(xp):
+    """TF replaces exact zeros of 1 − μ_A μ_Gᵀ by 1 (a unit-modulus AR coefficient would make
+    V_0 − P V_0 Pᵀ singular).  With P = 0 and K = I the option-2 inverse is X ⊘ D / T, so
+    the entry with μ_A μ_G = 1 is X / T and the others X / ((1 − μ_A μ_G) T)."""
+    T = 3
+    mu_a, mu_g = np.array([1.0, 0.5]), np.array([1.0, 0.25, 0.5])
+    x = np.arange(1.0, 7.0).reshape(2, 3)
+    zero2, zero3 = xp.asarray(np.zeros((2, 2))), xp.asarray(np.zeros((3, 3)))
+    got = series_option2_multiply_inverse(zero2, xp.asarray(np.eye(2)), xp.asarray(mu_a),
+                                          zero3, xp.asarray(np.eye(3)), xp.asarray(mu_g), T,
+                                          xp.asarray(x))
+    denom = 1.0 - np.outer(mu_a, mu_g)
+    denom[0, 0] = 1.0
+    xp.assert_close(got, x / denom / T)
 
 
 def test_series_bad_inputs(xp):
