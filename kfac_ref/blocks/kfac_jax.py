@@ -21,7 +21,10 @@ gradients of the per-example loss terms, as DESIGN.md's canonical convention):
   (conv), ``[N, *feature]`` (scale-and-shift);
 * ``"outputs_grad"``: the back-propagated vector at the layer output, same layout;
 * ``"params_grads"``: for :class:`NaiveDiagonal` / :class:`NaiveFull` only, a sequence (one
-  entry per parameter) of per-example parameter gradients ``[N, *param_shape]``.
+  entry per parameter) of gradients of the *batch-summed* (sampled) loss, each shaped like
+  its parameter or ``[S, *param_shape]`` for :math:`S` sources (Monte-Carlo samples).  They
+  are not per-example gradients: an ``[N, *param_shape]`` array would be read as N sources,
+  which turns the naive estimator into the sum-of-squares one.
 
 The statistics come from :mod:`kfac_ref.factors`; they are averaged into the state with
 kfac-jax's weighted moving average (``ema_old``, ``ema_new``;
@@ -1036,7 +1039,7 @@ class TwoKroneckerFactored(CurvatureBlock):
     (:func:`~kfac_ref.blocks.kronecker_block_matpower`) on the row-major ``[W; b]`` matrix
     ``[K (+1), C_out]`` built from the vector ``(kernel, bias)``.
 
-    Options where TF and kfac-jax differ (defaults are kfac-jax's):
+    Options where TF and kfac-jax differ (defaults are kfac-jax's, except ``symmetrize``):
 
     * ``approx_power_one``: ``"factored"`` (kfac-jax and TF: the approximate power 1 is the
       π-damped product) or ``"exact"`` (:math:`sA\otimes G + \lambda I`);
@@ -1046,8 +1049,8 @@ class TwoKroneckerFactored(CurvatureBlock):
       ``"pi_one"`` (TF: π = 1);
     * ``pi_norm``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
       ``PI_TYPE="off"``);
-    * ``symmetrize``: statistics symmetrised (TF, default) or not (kfac-jax); they differ by
-      rounding only.
+    * ``symmetrize``: statistics symmetrised (TF; the default here) or not (kfac-jax); they
+      differ by rounding only.
     """
 
     def __init__(self, parameters_shapes, *, approx_power_one="factored",
