@@ -74,6 +74,21 @@ def test_sua_exact_for_pointwise_kernels(xp, rng):
     xp.assert_close(f.get_matpower(1, 0.0), xp.to_numpy(exact))
 
 
+def test_sua_class_averages_towers(xp, rng):
+    """Per-tower Σ_t and μ_t (explicit pixel sums) are averaged over towers before the EMA."""
+    xs = [xp.round_host(rng.standard_normal((2, 3, 4, 2)) + off) for off in (0.4, -0.3)]
+    f = F.ConvInputSUAKroneckerFactor((2, 2, 2, 3)).update_cov([xp.asarray(v) for v in xs],
+                                                                ema_decay=0.5)
+    sig, mus = [], []
+    for v in xs:
+        pix = v.reshape(-1, 2)
+        mu = pix.mean(axis=0)
+        mus.append(mu)
+        sig.append(sum(np.outer(q, q) for q in pix) / len(pix) - np.outer(mu, mu))
+    xp.assert_close(f.cov, (sig[0] + sig[1]) / 2)
+    xp.assert_close(f.mu, (mus[0] + mus[1]) / 2)
+
+
 def test_sua_class_stale_inverse_and_zero_mean(xp, rng):
     x1 = xp.asarray(rng.standard_normal((2, 4, 4, 2)) + 0.3)
     x2 = xp.asarray(rng.standard_normal((2, 4, 4, 2)) - 0.2)
