@@ -372,6 +372,12 @@ def test_errors(xp, rng):
         nn.Dense(0, 3)
     with pytest.raises(KFACValueError, match="padding"):
         nn.Conv2D(1, 1, 2, padding="FULL")
+    with pytest.raises(KFACTypeError, match="padding"):
+        nn.Conv2D(1, 1, 2, padding=((1.5, 0), (0, 0)))
+    with pytest.raises(KFACValueError, match="padding"):
+        nn.Conv2D(1, 1, 2, padding=((1, -1), (0, 0)))
+    with pytest.raises(KFACValueError, match="padding"):
+        nn.Conv2D(1, 1, 2, padding=(1, 0))
     with pytest.raises(KFACValueError, match="data_format"):
         nn.Conv2D(1, 1, 2, data_format="CHWN")
     with pytest.raises(KFACValueError, match="kind"):

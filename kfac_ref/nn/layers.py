@@ -383,14 +383,14 @@ class Conv2D(Layer):
         else:
             try:
                 (pt, pb), (pl, pr) = padding
-                self.padding = ((int(pt), int(pb)), (int(pl), int(pr)))
             except (TypeError, ValueError):
                 raise KFACValueError(
                     f"{func}: padding must be 'VALID', 'SAME' or ((top, bottom), (left, right)); "
                     f"got {padding!r}."
                 ) from None
-            if min(self.padding[0] + self.padding[1]) < 0:
-                raise KFACValueError(f"{func}: padding must be non-negative; got {padding!r}.")
+            # integers >= 0 (no silent truncation of 1.5 to 1)
+            pt, pb, pl, pr = (check_int(func, "padding", v, minimum=0) for v in (pt, pb, pl, pr))
+            self.padding = ((pt, pb), (pl, pr))
         self.data_format = check_option(func, "data_format", data_format, ("NHWC", "NCHW"))
         self.use_bias = bool(use_bias)
 
