@@ -23,7 +23,7 @@ from .._backend import (
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
-from ..linalg import append_homog, compute_cov, damped_inverse
+from ..linalg import append_homog, compute_cov, damped_inverse, kron
 from ..patches import (
     _channels_last,
     _check_filter_shape,
@@ -645,12 +645,8 @@ def _sua_mean_vector(xp, mu, k, has_bias, order, homog_value=1.0):
 
 def _sua_block(xp, block, k, order):
     eye_k = xp.eye(k, dtype=block.dtype, device=block.device)
-    c = block.shape[0]
-    if order == "channel_fastest":  # I_K ⊗ B
-        big = eye_k[:, None, :, None] * block[None, :, None, :]
-    else:  # B ⊗ I_K
-        big = block[:, None, :, None] * eye_k[None, :, None, :]
-    return xp.reshape(big, (k * c, k * c))
+    # channel_fastest: I_K ⊗ B; TF's order: B ⊗ I_K (the one Kronecker product, linalg.kron)
+    return kron(eye_k, block) if order == "channel_fastest" else kron(block, eye_k)
 
 
 def _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order):
