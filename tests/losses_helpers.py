@@ -95,6 +95,28 @@ def oracle_fisher(case):
     raise AssertionError(case.name)
 
 
+def oracle_factor(case):
+    """Dense per-example factor [N, D, K] of FORMULAS.md §5 (kfac-jax's / TF's choice of B with
+    B Bᵀ = F; unweighted, masked).  B Bᵀ = F alone leaves B free up to B Q, Q orthogonal."""
+    if case.name in ("categorical", "categorical_masked", "onehot"):
+        p = softmax(case.inputs[0], axis=-1)
+        b = np.stack([np.diag(np.sqrt(pi)) - np.outer(pi, np.sqrt(pi)) for pi in p])
+        if case.mask is not None:
+            b = b * case.mask[:, None, None]
+        return b
+    if case.name == "bernoulli":
+        p = expit(case.inputs[0].reshape(case.n, -1))
+        return np.stack([np.diag(np.sqrt(pi * (1 - pi))) for pi in p])
+    if case.name in ("normal_mean", "normal_mean_sq"):
+        d = case.inputs[0].reshape(case.n, -1).shape[1]
+        return np.stack([np.eye(d) / np.sqrt(case.extra["variance"])] * case.n)
+    if case.name == "mean_variance":
+        v = case.inputs[1]
+        return np.stack([np.diag(np.concatenate([1 / np.sqrt(vi), 1 / (np.sqrt(2) * vi)]))
+                         for vi in v])
+    raise AssertionError(case.name)
+
+
 def oracle_loss(case, inputs, targets):
     """Per-example unweighted loss [N] (float64) at host inputs/targets."""
     if case.name in ("categorical", "categorical_masked", "onehot"):

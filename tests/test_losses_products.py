@@ -21,6 +21,7 @@ from losses_helpers import (
     WEIGHT,
     flat_cat,
     make_case,
+    oracle_factor,
     oracle_fisher,
     random_vector,
     to_host_tuple,
@@ -50,6 +51,12 @@ def test_ggn_equals_fisher(xp, case):
     xp.assert_close(case.loss.ggn_matrix(), WEIGHT * oracle_fisher(case))
     xp.assert_close(case.loss.ggn_factor_matrix(), xp.to_numpy(case.loss.fisher_factor_matrix()))
     assert case.loss.ggn_factor_inner_shape == case.loss.fisher_factor_inner_shape
+
+
+def test_dense_factor_matches_textbook_factor(xp, case):
+    """The factor itself, not only B Bᵀ: categorical B = diag(√p) − p√pᵀ etc. (FORMULAS §5,
+    kfac-jax's columns, which multiply_fisher_factor_replicated_one_hot returns)."""
+    xp.assert_close(case.loss.fisher_factor_matrix(), np.sqrt(WEIGHT) * oracle_factor(case))
 
 
 def test_dense_factor_times_transpose_is_fisher(xp, case):
