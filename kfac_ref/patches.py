@@ -543,6 +543,9 @@ def num_subsampled_inputs(batch_size, factor=0.2):
 
         N' = \lceil N \cdot f \rceil, \qquad f = \texttt{factor}
         \ (\text{TF's } \_INPUTS\_TO\_EXTRACT\_PATCHES\_FACTOR = 0.2).
+
+    This is TF K-FAC master's rule.  The contrib-era seed used ``int(N * 0.5)`` (floor,
+    factor 0.5); pass ``factor=0.5`` to get its value whenever :math:`N/2` is an integer.
     """
     func = "num_subsampled_inputs"
     batch_size = check_int(func, "batch_size", batch_size, minimum=0)
@@ -561,7 +564,10 @@ def num_subsampled_patches(total_patches, dimension, max_num_patches=10_000_000,
         \text{kept} = \min(m, \text{total}),
 
     with :math:`D` the patch dimension, :math:`M_{\max}` = ``max_num_patches`` (TF 1e7) and
-    :math:`\rho` = ``max_num_patches_per_dimension`` (TF 3.0).
+    :math:`\rho` = ``max_num_patches_per_dimension`` (TF 3.0).  This is TF K-FAC master's
+    ``_subsample_patches``; the contrib-era seed's ``_subsample_for_cov_computation`` keeps
+    ``int(1 * D)`` rows (``_MAX_NUM_OUTER_PRODUCTS_PER_COV_ROW = 1``, no absolute cap), i.e.
+    ``max_num_patches_per_dimension=1.0`` with a large ``max_num_patches``.
     """
     func = "num_subsampled_patches"
     total_patches = check_int(func, "total_patches", total_patches, minimum=0)
