@@ -390,6 +390,11 @@ def test_explicit_exact_curvature(xp, rng):
     xp.assert_close(est.multiply_matpower(st, xp.asarray(v), lam, -1.0, use_cached=True),
                     oracle, rtol=rtol_for(xp, 64 * xp.rtol))
     xp.assert_close(est.eigenvalues(st), np.maximum(w, 0), rtol=rtol_for(xp, 64 * xp.rtol))
+    # F has rank <= N·(K - 1) = 8 < P: the undamped inverse does not exist, and the cached
+    # product must say so as the uncached one does (not return inf/NaN)
+    for cached in (False, True):
+        with pytest.raises(KFACValueError, match="positive definite"):
+            est.multiply_matpower(st, xp.asarray(v), 0.0, -1.0, use_cached=cached)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from .._backend import (
     zeros_like_shape,
 )
 from ..averaging import WeightedMovingAverage
-from ..linalg import clipped_eigh, damped_matpower
+from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
 from . import exact as E
 
 __all__ = [
@@ -390,6 +390,18 @@ class ExplicitExactCurvature(_EstimatorBase):
         r""":math:`(C + \lambda I)^p v` (always exact).
 
         .. math:: (C + \lambda I)^{p} v = Q\,(\max(s,c) + \lambda)^{\odot p} \odot Q^\top v
+
+        The cached path applies the power through
+        :func:`kfac_ref.linalg.kron_eigenbasis_matpower` (with a trivial ``1 × 1`` second
+        factor), the uncached one through :func:`kfac_ref.linalg.damped_matpower`: one
+        eigenvalue-power formula, the same error for a negative power of a singular
+        :math:`C + \lambda I`.
+
+        Raises
+        ------
+        KFACValueError
+            ``use_cached`` before :meth:`update_cache`; a negative power of a singular
+            :math:`C + \lambda I`; a negative ``identity_weight``.
         """
         func = "ExplicitExactCurvature.multiply_matpower"
         lam = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
@@ -400,8 +412,10 @@ class ExplicitExactCurvature(_EstimatorBase):
                 raise KFACValueError(f"{func}: use_cached needs update_cache first; got an "
                                      f"empty cache.")
             s, q = state.cache["eigen"]
-            namespace_of(func, vector=flat, q=q)
-            return back(q @ (((s + lam) ** p) * (q.T @ flat)))
+            xp = namespace_of(func, vector=flat, q=q)
+            one = xp.ones((1,), dtype=s.dtype, device=_device(s))
+            out = kron_eigenbasis_matpower(s, q, one, None, xp.reshape(flat, (-1, 1)), p, lam)
+            return back(xp.reshape(out, (-1,)))
         mat = damped_matpower(state.matrix.value, p, lam, self.eigenvalue_clipping_threshold)
         return back(mat @ flat)
 
@@ -425,6 +439,12 @@ class ExplicitExactCurvature(_EstimatorBase):
 # ------------------------------------------------------------------------------------------
 # Block-diagonal curvature
 # ------------------------------------------------------------------------------------------
+def _device(x):
+    import array_api_compat
+
+    return array_api_compat.device(x)
+
+
 def _blocks():
     from ..blocks import kfac_jax as B
 
