@@ -368,6 +368,16 @@ def test_bad_inputs(xp, rng):
         block.update_curvature_matrix_estimate(
             state, {"inputs": xp.asarray(np.ones((N, 4))),
                     "outputs_grad": xp.asarray(np.ones((N, 2)))}, 0.0, 1.0, N)
+    # conv blocks: outputs_grad must be on the layer's output grid with C_out channels
+    # (2×2×2 here); another grid would normalise the statistics by a wrong |T|
+    for conv in ("Conv2DDiagonal", "Conv2DFull", "Conv2DTwoKroneckerFactored"):
+        cb, cdata, _ = build(conv, xp, rng)
+        cst = cb.init(xp.asarray(np.zeros(1)))
+        for bad in ((N, 3, 3, 2), (N, 2, 2, 3), (N, 1, 4, 2)):
+            with pytest.raises(KFACValueError, match=r"outputs_grad must be an array of shape"):
+                cb.update_curvature_matrix_estimate(
+                    cst, {"inputs": xp.asarray(cdata["inputs"]),
+                          "outputs_grad": xp.asarray(np.ones(bad))}, 0.0, 1.0, N)
     with pytest.raises(KFACTypeError, match="state must be a BlockState"):
         block.multiply(None, vec, 0.1, True, False)
     with pytest.raises(KFACValueError, match="approx_power_one must be one of"):

@@ -181,6 +181,12 @@ def test_from_data_constructors(xp, rng):
     om = rows.T @ rows / 27
     ga = dyh.reshape(-1, 2).T @ dyh.reshape(-1, 2) / 27
     xp.assert_close(cb.full_fisher_block(), 9 * np.kron(om, ga))
+    # a gradient on another grid (or with other channels) would give Γ normalised by a |T|
+    # other than the block's 9: rejected before computing
+    for bad in ((3, 4, 4, 2), (3, 3, 3, 3), (3, 1, 9, 2)):
+        with pytest.raises(KFACValueError, match=r"outputs_grad must be an array of shape"):
+            T.ConvKFCBasicFB.from_data(xp.asarray(x), xp.asarray(np.ones(bad)), 0.3,
+                                       (2, 2, 1, 2), "VALID", has_bias=True)
     # embedding: diagonal input factor of id frequencies
     ids = np.array([0, 2, 2, 3, 0])
     ge = rng.standard_normal((5, 2))

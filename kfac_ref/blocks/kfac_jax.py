@@ -912,13 +912,25 @@ class _ConvGeometry:
 
         self.num_locations = int(patches.num_conv_locations(
             self.inputs_shape, self.kernel_shape, strides, padding, dilation_rate, data_format))
+        self.output_spatial_shape = tuple(int(o) for o in patches.conv_output_spatial_shape(
+            self.inputs_shape, self.kernel_shape, strides, padding, dilation_rate, data_format))
         k = math.prod(self.kernel_shape[:3])
         return [self.kernel_shape] + ([(self.kernel_shape[3],)] if self.has_bias else []), k
 
     def _conv_data(self, func, data):
         x, g = data["inputs"], data["outputs_grad"]
         check_array(func, "inputs", x, ndim=4, shape=(None, *self.inputs_shape[1:]))
-        check_array(func, "outputs_grad", g, ndim=4)
+        # The output grid and channels of this layer: a gradient on another grid would give
+        # statistics normalised by the wrong number of locations |T|.
+        c_out, grid = self.kernel_shape[3], self.output_spatial_shape
+        channels_first = self.data_format is not None and \
+            str(self.data_format).upper().startswith("NC")
+        if channels_first:
+            check_array(func, "outputs_grad", g, shape=(None, c_out, *grid),
+                        layout="[N, C_out, H_out, W_out] (NCHW)")
+        else:
+            check_array(func, "outputs_grad", g, shape=(None, *grid, c_out),
+                        layout="[N, H_out, W_out, C_out] (NHWC)")
         return x, g
 
     def _grads_channels_last(self, xp, g):

@@ -698,8 +698,21 @@ class ConvKFCBasicFB(KroneckerProductFB):
         from .. import patches
 
         f = _factors()
+        func = f"{cls.__name__}.from_data"
         t = patches.num_conv_locations(tuple(inputs.shape), filter_shape, strides, padding,
                                        dilation_rate, data_format)
+        # The gradient must live on this convolution's output grid: on another grid Γ would be
+        # normalised by a |T| other than the block's.
+        grid = tuple(patches.conv_output_spatial_shape(tuple(inputs.shape), filter_shape,
+                                                       strides, padding, dilation_rate,
+                                                       data_format))
+        c_out = int(tuple(filter_shape)[-1])
+        if data_format is not None and str(data_format).upper().startswith("NC"):
+            check_array(func, "outputs_grad", outputs_grad, shape=(inputs.shape[0], c_out, *grid),
+                        layout="[N, C_out, H_out, W_out] (NCHW)")
+        else:
+            check_array(func, "outputs_grad", outputs_grad, shape=(inputs.shape[0], *grid, c_out),
+                        layout="[N, H_out, W_out, C_out] (NHWC)")
         return cls(f.conv_input_kronecker_factor(inputs, filter_shape, padding, strides,
                                                  dilation_rate, data_format, has_bias),
                    f.conv_output_kronecker_factor(outputs_grad, data_format), damping,
