@@ -813,6 +813,9 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         func = self._fname("__init__")
         namespace_of(func, logits=logits, targets=targets, mask=mask)
         check_array(func, "logits", logits, ndim=2, layout=self._layout)
+        if logits.shape[1] == 0:  # softmax over no classes: log Σ_j e^{z_j} = -inf
+            raise KFACValueError(f"{func}: logits must have at least one class (k >= 1); got "
+                                 f"{describe(logits)}.")
         super().__init__(weight)
         self._logits = logits
         self._targets = None if targets is None else self._check_targets(func, targets)

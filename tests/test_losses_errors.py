@@ -31,6 +31,8 @@ def test_categorical_constructor_errors(xp):
         CAT(_z(xp, (4,)))
     with pytest.raises(KFACValueError, match="logits must be a 2-D array"):
         CAT(_z(xp, (2, 3, 4)))
+    with pytest.raises(KFACValueError, match=r"logits must have at least one class"):
+        CAT(_z(xp, (2, 0)))
     with pytest.raises(KFACTypeError, match="logits must be an array of real floating dtype"):
         CAT(_ints(xp, [[1, 2], [3, 4]]))
     with pytest.raises(KFACValueError, match="logits must be finite"):
