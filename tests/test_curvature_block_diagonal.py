@@ -385,6 +385,14 @@ def test_errors(xp, rng):
                                              "fisher_gradients")
     with pytest.raises(KFACValueError, match="weight_sharing"):
         BlockDiagonalCurvature(net, ce, weight_sharing="mean")
+    # a weight-shared layer's block carries init's T: a batch with another T is refused
+    shared = nn.Sequential([("d", nn.Dense(3, 2))])
+    sp, sb = make_data(xp, rng, shared, sq, 2, (4, 3))
+    est_s = BlockDiagonalCurvature(shared, sq)
+    st_s = est_s.init(None, (sp, sb))
+    _, sb5 = make_data(xp, rng, shared, sq, 2, (5, 3))
+    with pytest.raises(KFACValueError, match="input shape it had at init"):
+        est_s.update_curvature_matrix_estimate(st_s, 0.0, 1.0, 2, None, (sp, sb5), "ggn_exact")
     with pytest.raises(KFACValueError, match="identity_weight"):
         est.multiply_matpower(st, xp.asarray(np.zeros(net.num_params)), (0.1, 0.2), -1.0, True,
                               False)

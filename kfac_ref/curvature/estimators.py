@@ -727,6 +727,12 @@ class BlockDiagonalCurvature(_EstimatorBase):
         self._check_state(func, state)
         b = E._Batch(func, self.net, self.loss_fn, params, batch)
         self._check_batch_size(func, batch_size, b.n)
+        for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
+            got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
+            if got != want:
+                raise KFACValueError(
+                    f"{func}: func_args must give layer {self.net.names[i]!r} the per-example "
+                    f"input shape it had at init {want} (its block depends on it); got {got}.")
         vectors = E._estimation_vectors(func, b, mode, rng, self.num_samples,
                                         self.empirical_fisher_normalization)
         c = len(vectors)
