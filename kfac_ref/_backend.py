@@ -36,6 +36,7 @@ __all__ = [
     "namespace_of",
     "describe",
     "size_of",
+    "device_of",
     "check_array",
     "check_square",
     "check_symmetric",
@@ -81,6 +82,11 @@ def describe(x: Any) -> str:
     if isinstance(x, (list, tuple)):
         return f"a {type(x).__name__} of length {len(x)}"
     return f"{x!r} ({type(x).__name__})"
+
+
+def device_of(x: Any):
+    """The device of an array (``array_api_compat.device``), for device-preserving code."""
+    return array_api_compat.device(x)
 
 
 def size_of(x: Any) -> int:

@@ -46,6 +46,7 @@ from .._backend import (
     check_int,
     check_option,
     check_scalar,
+    device_of,
     namespace_of,
     zeros_like_shape,
 )
@@ -413,7 +414,7 @@ class ExplicitExactCurvature(_EstimatorBase):
                                      f"empty cache.")
             s, q = state.cache["eigen"]
             xp = namespace_of(func, vector=flat, q=q)
-            one = xp.ones((1,), dtype=s.dtype, device=_device(s))
+            one = xp.ones((1,), dtype=s.dtype, device=device_of(s))
             out = kron_eigenbasis_matpower(s, q, one, None, xp.reshape(flat, (-1, 1)), p, lam)
             return back(xp.reshape(out, (-1,)))
         mat = damped_matpower(state.matrix.value, p, lam, self.eigenvalue_clipping_threshold)
@@ -439,12 +440,6 @@ class ExplicitExactCurvature(_EstimatorBase):
 # ------------------------------------------------------------------------------------------
 # Block-diagonal curvature
 # ------------------------------------------------------------------------------------------
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
-
-
 def _blocks():
     from ..blocks import kfac_jax as B
 

@@ -53,6 +53,7 @@ from .._backend import (
     check_int,
     check_option,
     check_rng,
+    device_of,
     host_draw,
     namespace_of,
 )
@@ -163,18 +164,12 @@ class _Batch:
     def jacobian(self):
         """[N, D, P], one batched backward pass per output coordinate."""
         xp = self.xp
-        eye = xp.eye(self.d, dtype=self.out.dtype, device=_device(self.out))
+        eye = xp.eye(self.d, dtype=self.out.dtype, device=device_of(self.out))
         cols = []
         for k in range(self.d):  # loop over output coordinates, batched over examples
             u = xp.broadcast_to(eye[k:k + 1, :], (self.n, self.d))
             cols.append(self.vjp(u, per_example=True))
         return xp.stack(cols, axis=1)
-
-
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
 
 
 def _unpack_batch(func, batch):
@@ -446,7 +441,7 @@ def hessian_matrix(net, loss_fn, params, batch):
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
     xp = b.xp
-    eye = xp.eye(net.num_params, dtype=b.out.dtype, device=_device(b.out))
+    eye = xp.eye(net.num_params, dtype=b.out.dtype, device=device_of(b.out))
     cols = [_hvp(b, eye[p, :]) for p in range(net.num_params)]
     h = xp.stack(cols, axis=1)
     return (h + h.T) / 2.0

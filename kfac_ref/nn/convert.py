@@ -21,7 +21,7 @@ import math
 
 import numpy as np  # host-side index arithmetic only (permutations)
 
-from .._backend import check_array, namespace_of
+from .._backend import check_array, device_of, namespace_of
 from .network import Sequential
 
 __all__ = [
@@ -125,7 +125,7 @@ def permute_vector(vec, perm):
     func = "permute_vector"
     xp = namespace_of(func, vec=vec)
     check_array(func, "vec", vec, min_ndim=1)
-    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=_device(vec))
+    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=device_of(vec))
     return xp.take(vec, idx, axis=vec.ndim - 1)
 
 
@@ -139,14 +139,8 @@ def permute_matrix(mat, perm):
     func = "permute_matrix"
     xp = namespace_of(func, mat=mat)
     check_array(func, "mat", mat, ndim=2)
-    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=_device(mat))
+    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=device_of(mat))
     return xp.take(xp.take(mat, idx, axis=0), idx, axis=1)
-
-
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
 
 
 def to_torch_parameters(net, params):

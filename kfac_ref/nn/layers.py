@@ -35,6 +35,7 @@ from .._backend import (
     check_array,
     check_int,
     check_option,
+    device_of,
     namespace_of,
 )
 
@@ -501,7 +502,7 @@ class Conv2D(Layer):
     def _place(xp, t, axis, out_len, stride, offset, size):
         """Scatter ``t`` (length ``out_len`` on ``axis``) to entries ``i·stride + offset`` of a
         zero axis of length ``size`` (zero insertion, then zero shifts; no mutation)."""
-        dev = _device(t)
+        dev = device_of(t)
 
         def zeros(k):
             shape = list(t.shape)
@@ -600,12 +601,6 @@ class Conv2D(Layer):
         return (f"Conv2D({self.c_in}, {self.c_out}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding!r}, dilation={self.dilation}, "
                 f"data_format={self.data_format!r}, use_bias={self.use_bias})")
-
-
-def _device(x):
-    import array_api_compat
-
-    return array_api_compat.device(x)
 
 
 def _pair(func, name, v):
@@ -792,7 +787,7 @@ class Embedding(Layer):
         .. math:: \mathrm{onehot}(i)_v = [v = i]
         """
         xp = namespace_of("Embedding.one_hot", ids=ids)
-        classes = xp.arange(self.vocab_size, dtype=ids.dtype, device=_device(ids))
+        classes = xp.arange(self.vocab_size, dtype=ids.dtype, device=device_of(ids))
         return xp.astype(ids[..., None] == classes, dtype)
 
     def forward(self, params, x):
