@@ -438,3 +438,26 @@ def test_symmetrize_option(xp, rng):
                                                     1.0, N)
             mats.append(xp.to_numpy(b.to_dense_matrix(st)))
         assert_allclose_normwise(mats[1], mats[0], xp.rtol)  # differ by rounding only
+
+
+@pytest.mark.parametrize(("name", "symmetrize"), [
+    ("Conv2DDiagonal", True), ("Conv2DFull", True), ("Conv2DTwoKroneckerFactored", True),
+    ("Conv2DTwoKroneckerFactored", False)])
+def test_conv_blocks_same_for_nchw_and_nhwc(xp, rng, name, symmetrize):
+    """One convolution, two layouts: the NCHW block fed the transposed inputs and gradients has
+    the NHWC block's dense matrix (the statistics are layout-free; kills an NCHW path that
+    reads channels as a spatial axis)."""
+    kw = {"symmetrize": symmetrize} if name == "Conv2DTwoKroneckerFactored" else {}
+    cls = getattr(kj, name)
+    x = rng.standard_normal((N, 3, 3, 1))
+    g = rng.standard_normal((N, 2, 2, 2))
+    mats = []
+    for fmt, xx, gg in (("NHWC", x, g),
+                        ("NCHW", x.transpose(0, 3, 1, 2), g.transpose(0, 3, 1, 2))):
+        b = cls(inputs_shape=xx.shape, kernel_shape=(2, 2, 1, 2), data_format=fmt, **kw)
+        st = b.update_curvature_matrix_estimate(
+            b.init(xp.asarray(np.zeros(1))),
+            {"inputs": xp.asarray(np.ascontiguousarray(xx)),
+             "outputs_grad": xp.asarray(np.ascontiguousarray(gg))}, 0.0, 1.0, N)
+        mats.append(xp.to_numpy(b.to_dense_matrix(st)))
+    assert_allclose_normwise(mats[1], mats[0], xp.rtol)
