@@ -707,12 +707,12 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
 
     .. math::
 
-        ig(c\,A \otimes B + \lambda Iig)^{p}\, \mathrm{vec}_r(X)
-        = \mathrm{vec}_r\Big(Q_A ig[(Q_A^	op X Q_B) \odot
-          (c\, s_A s_B^	op + \lambda)^{\odot p}ig] Q_B^	op\Big),
+        \big(c\,A \otimes B + \lambda I\big)^{p}\, \mathrm{vec}_r(X)
+        = \mathrm{vec}_r\Big(Q_A \big[(Q_A^\top X Q_B) \odot
+          (c\, s_A s_B^\top + \lambda)^{\odot p}\big] Q_B^\top\Big),
 
-    with :math:`A = Q_A \mathrm{diag}(s_A) Q_A^	op`, :math:`B = Q_B \mathrm{diag}(s_B)
-    Q_B^	op`.  This is the exact-damping product of :func:`kron_damped_matpower_matvec`
+    with :math:`A = Q_A \mathrm{diag}(s_A) Q_A^\top`, :math:`B = Q_B \mathrm{diag}(s_B)
+    Q_B^\top`.  This is the exact-damping product of :func:`kron_damped_matpower_matvec`
     split from the eigendecompositions, so that a caller that caches them (the curvature
     blocks) runs the same arithmetic as one that does not.  ``q_a`` or ``q_b`` may be
     ``None`` for a diagonal factor (its eigenbasis is the identity and ``s`` its diagonal).
