@@ -147,6 +147,30 @@ def test_conv_diagonal_factor_matches_loops(xp, rng, geo, data_format, has_bias)
     xp.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("geo", GEOMETRIES)
+def test_conv_per_example_gradients_match_loops(xp, rng, geo, data_format, has_bias):
+    """DW_n = Σ_t p̄_{n,t} g_{n,t}ᵀ for each example, one location at a time."""
+    h, w, kh, kw, s, d, padding = geo
+    x = xp.round_host(rng.standard_normal((2, h, w, 3)))
+    p, t, (oh, ow) = loop_patches(x, kh, kw, s, d, padding)
+    g = xp.round_host(rng.standard_normal((2, oh, ow, 4)))
+    expected = np.zeros((2, kh * kw * 3 + has_bias, 4))
+    for n in range(2):
+        for loc in range(t):
+            v = np.append(p[n, loc], 1.0) if has_bias else p[n, loc]
+            expected[n] += np.outer(v, g[n].reshape(t, 4)[loc])
+    cf = (lambda a: a) if data_format == "NHWC" else to_channels_first
+    got = F.conv_per_example_gradients(xp.asarray(cf(x)), xp.asarray(cf(g)), (kh, kw, 3, 4), s,
+                                       padding, data_format, d, has_bias)
+    xp.assert_close(got, expected)
+    with pytest.raises(KFACValueError, match="conv_per_example_gradients: inputs and "
+                       "outputs_grad must have the same batch"):
+        F.conv_per_example_gradients(xp.asarray(cf(x)), xp.asarray(cf(g[:1])),
+                                     (kh, kw, 3, 4), s, padding, data_format, d, has_bias)
+
+
 @given(seed=st.integers(0, 2**32 - 1), h=st.integers(2, 5), w=st.integers(2, 5),
        k=st.integers(1, 3), s=st.integers(1, 2), c=st.integers(1, 3),
        padding=st.sampled_from(["SAME", "VALID"]), has_bias=st.booleans())

@@ -945,14 +945,10 @@ class _ConvGeometry:
     def _per_example_grads(self, xp, x, g):
         """Per-example weight gradients :math:`DW_n = \\sum_t \\bar p_{n,t} g_{n,t}^\\top`,
         flattened ``[N, (K + 1)·C_out]`` (kernel rows then the bias row)."""
-        n = x.shape[0]
-        p = self._patches(x)  # [N·T, K(+1)]
-        gl = self._grads_channels_last(xp, g)
-        c_out = gl.shape[-1]
-        pn = xp.reshape(p, (n, -1, p.shape[-1]))  # [N, T, K(+1)]
-        gn = xp.reshape(gl, (n, -1, c_out))  # [N, T, C_out]
-        dw = xp.matrix_transpose(pn) @ gn  # [N, K(+1), C_out]
-        return xp.reshape(dw, (n, -1))
+        dw = _factors().conv_per_example_gradients(
+            x, g, self.kernel_shape, self.strides, self.padding, self.data_format,
+            self.dilation_rate, self.has_bias)
+        return xp.reshape(dw, (x.shape[0], -1))
 
 
 class Conv2DDiagonal(_ConvGeometry, Diagonal):

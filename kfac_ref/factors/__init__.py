@@ -42,6 +42,7 @@ from .conv import (
     conv_input_sua_statistics,
     conv_output_kronecker_factor,
     conv_patch_matrix,
+    conv_per_example_gradients,
 )
 from .dense import (
     FullyConnectedDiagonalFactor,
@@ -91,6 +92,7 @@ __all__ = [
     "FullyConnectedKroneckerFactor",
     "FullyConnectedDiagonalFactor",
     "conv_patch_matrix",
+    "conv_per_example_gradients",
     "conv_input_kronecker_factor",
     "conv_output_kronecker_factor",
     "conv_diagonal_factor",

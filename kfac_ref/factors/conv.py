@@ -333,6 +333,69 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
     return compute_cov(ds)
 
 
+def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
+                               data_format="NHWC", dilations=None, has_bias=False, *,
+                               patch_mask=None):
+    r"""Per-example weight gradients of a convolution, summed over locations.
+
+    .. math::
+
+        DW_n = \sum_{t \in T} \bar p_{n,t}\, g_{n,t}^\top \in
+        \mathbb{R}^{(|\Delta| C_{in} (+1)) \times C_{out}},
+
+    with :math:`\bar p_{n,t}` the patch at location :math:`t` (order ``(kh, kw, C_in)``, bias
+    coordinate last) and :math:`g_{n,t}` the back-propagated vector there (no 1/N).  One
+    batched GEMM over the patch tensor; the statistic of :func:`conv_diagonal_factor` and the
+    per-example gradients of the full convolution blocks.  Arguments and errors as
+    :func:`conv_diagonal_factor`.
+
+    Returns
+    -------
+    array [N, |Δ|·C_in (+1), C_out]
+    """
+    return _per_example_gradients("conv_per_example_gradients", inputs, outputs_grad,
+                                  filter_shape, strides, padding, data_format, dilations,
+                                  has_bias, patch_mask)
+
+
+def _per_example_gradients(func, inputs, outputs_grad, filter_shape, strides, padding,
+                           data_format, dilations, has_bias, patch_mask):
+    xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad, patch_mask=patch_mask)
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim,
+                layout="[N, *out_spatial, C_out]")
+    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    check_bool(func, "has_bias", has_bias)
+    _validate_conv_inputs(func, inputs, filter_shape, data_format)
+    _check_conv_options(func, filter_shape, padding, strides, dilations, data_format,
+                        dilation_name="dilations")
+    g = _grads_channels_last(func, xp, outputs_grad, data_format)
+    if g.shape[-1] != filter_shape[-1]:
+        raise KFACValueError(
+            f"{func}: outputs_grad and filter_shape must agree on out_channels; outputs_grad "
+            f"has {g.shape[-1]} but filter_shape is {filter_shape}."
+        )
+    if g.shape[0] != inputs.shape[0]:
+        raise KFACValueError(f"{func}: inputs and outputs_grad must have the same batch size; "
+                             f"got {inputs.shape[0]} and {g.shape[0]}.")
+    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilations, data_format,
+                                has_bias, patch_mask=patch_mask)
+    n = inputs.shape[0]
+    out_spatial = tuple(g.shape[1:-1])
+    t = patches.shape[0] // n if n else 0
+    if math.prod(out_spatial) != t:
+        raise KFACValueError(
+            f"{func}: outputs_grad must have the convolution's output grid ({t} locations); got "
+            f"spatial shape {out_spatial}."
+        )
+    if n == 0:
+        raise KFACValueError(f"{func}: inputs must have at least one example; got shape "
+                             f"{tuple(inputs.shape)}.")
+    p = xp.reshape(patches, (n, t, patches.shape[1]))
+    gg = xp.reshape(g, (n, t, g.shape[-1]))
+    return xp.matrix_transpose(p) @ gg  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
+
+
 def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
                          data_format="NHWC", dilations=None, has_bias=False, *,
                          patch_mask=None):
@@ -378,42 +441,11 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     ----------
     TF K-FAC ``ConvDiagonalFactor`` (einsum ``bijk,bijl->bkl``).
     """
-    func = "conv_diagonal_factor"
-    xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad, patch_mask=patch_mask)
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
-    check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim,
-                layout="[N, *out_spatial, C_out]")
-    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
-    check_bool(func, "has_bias", has_bias)
-    _validate_conv_inputs(func, inputs, filter_shape, data_format)
-    _check_conv_options(func, filter_shape, padding, strides, dilations, data_format,
-                        dilation_name="dilations")
-    g = _grads_channels_last(func, xp, outputs_grad, data_format)
-    if g.shape[-1] != filter_shape[-1]:
-        raise KFACValueError(
-            f"{func}: outputs_grad and filter_shape must agree on out_channels; outputs_grad "
-            f"has {g.shape[-1]} but filter_shape is {filter_shape}."
-        )
-    if g.shape[0] != inputs.shape[0]:
-        raise KFACValueError(f"{func}: inputs and outputs_grad must have the same batch size; "
-                             f"got {inputs.shape[0]} and {g.shape[0]}.")
-    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilations, data_format,
-                                has_bias, patch_mask=patch_mask)
-    n = inputs.shape[0]
-    out_spatial = tuple(g.shape[1:-1])
-    t = patches.shape[0] // n if n else 0
-    if math.prod(out_spatial) != t:
-        raise KFACValueError(
-            f"{func}: outputs_grad must have the convolution's output grid ({t} locations); got "
-            f"spatial shape {out_spatial}."
-        )
-    if n == 0:
-        raise KFACValueError(f"{func}: inputs must have at least one example; got shape "
-                             f"{tuple(inputs.shape)}.")
-    p = xp.reshape(patches, (n, t, patches.shape[1]))
-    gg = xp.reshape(g, (n, t, g.shape[-1]))
-    per_example = xp.matrix_transpose(p) @ gg  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
-    return xp.sum(per_example * per_example, axis=0) / float(n)
+    per_example = _per_example_gradients("conv_diagonal_factor", inputs, outputs_grad,
+                                         filter_shape, strides, padding, data_format, dilations,
+                                         has_bias, patch_mask)
+    xp = namespace_of("conv_diagonal_factor", per_example=per_example)
+    return xp.sum(per_example * per_example, axis=0) / float(per_example.shape[0])
 
 
 # --------------------------------------------------------------------------------------
