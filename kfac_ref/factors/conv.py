@@ -351,7 +351,8 @@ def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padd
 
     Returns
     -------
-    array [N, |Δ|·C_in (+1), C_out]
+    array [N, D, C_out]
+        With ``D = kh·kw·C_in`` (plus one with ``has_bias``).
     """
     return _per_example_gradients("conv_per_example_gradients", inputs, outputs_grad,
                                   filter_shape, strides, padding, data_format, dilations,
