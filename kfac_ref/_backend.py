@@ -35,6 +35,7 @@ __all__ = [
     "KFACTypeError",
     "namespace_of",
     "describe",
+    "is_array",
     "size_of",
     "device_of",
     "check_array",
@@ -42,6 +43,7 @@ __all__ = [
     "check_symmetric",
     "check_scalar",
     "check_option",
+    "check_bool",
     "check_int",
     "check_rng",
     "result_float_dtype",
@@ -76,7 +78,7 @@ def _fail(func: str, name: str, expected: str, got: str, kind: type = KFACValueE
 
 def describe(x: Any) -> str:
     """Short human description of ``x`` for error messages (type, dtype, shape)."""
-    if _is_array(x):
+    if is_array(x):
         shape = tuple(x.shape)
         return f"a {len(shape)}-D {x.dtype} array of shape {shape}"
     if isinstance(x, (list, tuple)):
@@ -94,8 +96,10 @@ def size_of(x: Any) -> int:
     return math.prod(x.shape)
 
 
-def _is_array(x: Any) -> bool:
+def is_array(x: Any) -> bool:
+    """True for an array of an array-API-compatible library (not a Python/NumPy scalar)."""
     return array_api_compat.is_array_api_obj(x) and not isinstance(x, (numbers.Number, bool))
+
 
 
 # --------------------------------------------------------------------------------------
@@ -123,7 +127,7 @@ def namespace_of(func: str, **arrays: Any):
     for name, x in arrays.items():
         if x is None or isinstance(x, (numbers.Number, bool)):
             continue
-        if not _is_array(x):
+        if not is_array(x):
             _fail(func, name, "an array of an array-API-compatible library", describe(x),
                   KFACTypeError)
         xp = array_api_compat.array_namespace(x)
@@ -184,7 +188,7 @@ def check_array(
     layout : str, optional
         A layout description such as ``"[N, d]"`` used in the message.
     """
-    if not _is_array(x):
+    if not is_array(x):
         _fail(func, name, "an array", describe(x), KFACTypeError)
     xp = array_api_compat.array_namespace(x)
     what = f" {layout}" if layout else ""
@@ -268,6 +272,13 @@ def check_scalar(
     if nonnegative and not v >= 0:
         _fail(func, name, "non-negative", describe(value))
     return v
+
+
+def check_bool(func: str, name: str, value: Any):
+    """Validate a Python bool flag (``has_bias`` and friends)."""
+    if not isinstance(value, bool):
+        _fail(func, name, "a bool", describe(value), KFACTypeError)
+    return value
 
 
 def check_int(func: str, name: str, value: Any, *, minimum: int | None = None):

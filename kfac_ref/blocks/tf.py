@@ -34,13 +34,13 @@ import math
 from .._backend import (
     KFACTypeError,
     KFACValueError,
-    _is_array,  # the lead's array test (private helper, reused)
     check_array,
     check_int,
     check_option,
     check_scalar,
     describe,
     eye_like,
+    is_array,
     namespace_of,
 )
 from ..linalg import FACTOR_NORMS, kron, pi_adjusted_damping, pi_tracenorm
@@ -132,7 +132,7 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping, pi_type="tracenorm
 # --------------------------------------------------------------------------------------
 def _cov(func, name, factor):
     """An array, or a factor object's ``get_cov()``."""
-    if _is_array(factor):
+    if is_array(factor):
         return factor
     if hasattr(factor, "get_cov"):
         return factor.get_cov()
@@ -182,7 +182,7 @@ class _FlatVector:
     """Tuple-of-arrays vectors flattened row-major and concatenated (``tensors_to_column``)."""
 
     def _flat(self, func, vector, like):
-        single = _is_array(vector)
+        single = is_array(vector)
         parts = (vector,) if single else vector
         if not isinstance(parts, (list, tuple)) or not parts:
             raise KFACTypeError(f"{func}: vector must be an array or a tuple of arrays; got "
@@ -273,7 +273,7 @@ class NaiveFullFB(FullFB):
 
         .. math:: F = \hat g \hat g^\top / N
         """
-        shapes = [tuple(g.shape) for g in ((params_grads,) if _is_array(params_grads)
+        shapes = [tuple(g.shape) for g in ((params_grads,) if is_array(params_grads)
                                            else params_grads)]
         return cls(_factors().full_factor(params_grads, batch_size), damping, shapes)
 
@@ -336,7 +336,7 @@ class NaiveDiagonalFB(DiagonalFB):
 
         .. math:: d = \hat g^{\odot 2} / N
         """
-        shapes = [tuple(g.shape) for g in ((params_grads,) if _is_array(params_grads)
+        shapes = [tuple(g.shape) for g in ((params_grads,) if is_array(params_grads)
                                            else params_grads)]
         return cls(_factors().naive_diagonal_factor(params_grads, batch_size), damping, shapes)
 
@@ -348,7 +348,7 @@ class _Mat2d:
     """``(kernel, bias)`` or ``kernel`` ↔ ``[rows, out]`` with the bias as the last row."""
 
     def _to_mat2d(self, func, vector, like):
-        single = _is_array(vector)
+        single = is_array(vector)
         parts = (vector,) if single else vector
         if not isinstance(parts, (list, tuple)) or len(parts) not in (1, 2):
             raise KFACTypeError(f"{func}: vector must be a kernel array or a (kernel, bias) "

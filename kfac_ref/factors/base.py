@@ -41,11 +41,12 @@ from collections.abc import Sequence
 from .._backend import (
     KFACTypeError,
     KFACValueError,
-    _is_array,  # the lead's array test (private helper, reused)
+    check_bool,
     check_int,
     check_scalar,
     describe,
     eye_like,
+    is_array,
     namespace_of,
     ones_like_shape,
     zeros_like_shape,
@@ -80,10 +81,10 @@ EIGENVALUE_CLIPPING_THRESHOLD = 0.0
 # --------------------------------------------------------------------------------------
 def as_towers(func, name, value):
     """``value`` as a tuple over towers: a bare array is one tower."""
-    if _is_array(value):
+    if is_array(value):
         return (value,)
     if isinstance(value, Sequence) and not isinstance(value, str) and value and all(
-        _is_array(v) for v in value
+        is_array(v) for v in value
     ):
         return tuple(value)
     raise KFACTypeError(
@@ -99,13 +100,13 @@ def as_sources_towers(func, name, value):
     TF K-FAC: a sequence over sources of sequences over towers.  A flat sequence of arrays is
     rejected because it could mean either.
     """
-    if _is_array(value):
+    if is_array(value):
         return ((value,),)
     if isinstance(value, Sequence) and not isinstance(value, str) and value:
         out = []
         for src in value:
             if isinstance(src, Sequence) and not isinstance(src, str) and src and all(
-                _is_array(v) for v in src
+                is_array(v) for v in src
             ):
                 out.append(tuple(src))
             else:
@@ -561,9 +562,3 @@ def is_number(v):
     """True for real Python/NumPy numbers (not bool)."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
-
-def check_bool(func, name, value):
-    """Validate a Python bool flag (``has_bias`` and friends)."""
-    if not isinstance(value, bool):
-        raise KFACTypeError(f"{func}: {name} must be a bool; got {describe(value)}.")
-    return value

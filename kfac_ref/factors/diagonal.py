@@ -22,7 +22,7 @@ from .._backend import (
 from .base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
-    _is_array,
+    is_array,
 )
 
 __all__ = [
@@ -36,10 +36,10 @@ __all__ = [
 
 
 def _as_param_list(func, params_grads):
-    if _is_array(params_grads):
+    if is_array(params_grads):
         return (params_grads,)
     if (isinstance(params_grads, (list, tuple)) and params_grads
-            and all(_is_array(p) for p in params_grads)):
+            and all(is_array(p) for p in params_grads)):
         return tuple(params_grads)
     raise KFACTypeError(
         f"{func}: params_grads must be an array or a non-empty sequence of arrays (one per "
@@ -149,7 +149,7 @@ def full_factor(params_grads, batch_size):
 
 def _sources(func, params_grads):
     """TF: a sequence over sources, each a gradient or a sequence of gradients."""
-    if _is_array(params_grads):
+    if is_array(params_grads):
         return ((params_grads,),)
     if isinstance(params_grads, (list, tuple)) and params_grads:
         out = tuple(_as_param_list(func, src) for src in params_grads)
