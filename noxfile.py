@@ -62,7 +62,7 @@ def lint(session: nox.Session) -> None:
 def conformance(session: nox.Session) -> None:
     """The main job: golden vectors up to date, then the suite on every reference adapter
     installed here (kfac_ref on NumPy, array-api-strict, PyTorch, float32), with the ecosystem
-    matrix written to conformance/_out/."""
+    matrix written to ./conformance-reports/."""
     session.install("-e", ".[test,torch]")
     session.run("python", "-m", "conformance", "golden", "--check")
     session.run("python", "-m", "conformance", "--all-adapters", *session.posargs)
