@@ -400,22 +400,38 @@ def check_scalar(
     integer: bool = False,
     allow_none: bool = False,
 ):
-    """Validate a real Python (or NumPy) scalar and return it as ``float`` (or ``int``)."""
+    """Validate a real scalar: a Python/NumPy number, returned as ``float`` (or ``int``),
+    or — for real (non-integer) scalars — a 0-D real floating array, returned unchanged so
+    that a hyper-parameter can live on the device or be traced (``jax.jit``).  The finite
+    and sign checks of an array are value checks (skipped for lazy arrays and when value
+    checks are off)."""
     if value is None and allow_none:
         return None
+    if not integer and is_array(value):
+        xp = array_api_compat.array_namespace(value)
+        if value.ndim != 0 or not xp.isdtype(value.dtype, "real floating"):
+            _fail(func, name, "a real number or a 0-D real floating array", describe(value),
+                  KFACTypeError)
+        if checks_values(value):
+            _check_scalar_value(func, name, float(value), value, nonnegative, positive)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "an integer" if integer else "a real number"
         _fail(func, name, kind, describe(value), KFACTypeError)
     if integer and not float(value).is_integer():
         _fail(func, name, "an integer", describe(value))
     v = int(value) if integer else float(value)
+    _check_scalar_value(func, name, v, value, nonnegative, positive)
+    return v
+
+
+def _check_scalar_value(func, name, v, value, nonnegative, positive):
     if not math.isfinite(v):
         _fail(func, name, "finite", describe(value))
     if positive and not v > 0:
         _fail(func, name, "positive", describe(value))
     if nonnegative and not v >= 0:
         _fail(func, name, "non-negative", describe(value))
-    return v
 
 
 def check_bool(func: str, name: str, value: Any):
