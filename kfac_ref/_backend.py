@@ -262,6 +262,9 @@ def namespace_of(func: str, **arrays: Any):
         xp = array_api_compat.array_namespace(x)
         found.append((name, x, xp, array_api_compat.device(x)))
     if not found:
+        if arrays:  # name the argument the caller got wrong, not "no arrays"
+            name, value = next(iter(arrays.items()))
+            _fail(func, name, "an array", describe(value), KFACTypeError)
         raise KFACTypeError(f"{func}: expected at least one array argument; got none.")
     name0, _, xp0, dev0 = found[0]
     for name, _, xp, dev in found[1:]:

@@ -33,8 +33,10 @@ def test_namespace_of_rejects_mixed_devices():
 def test_namespace_of_rejects_non_arrays_and_empty():
     with pytest.raises(KFACTypeError, match=r"f: a must be an array .*; got a list of length 2"):
         B.namespace_of("f", a=[1, 2])
-    with pytest.raises(KFACTypeError, match="at least one array"):
+    with pytest.raises(KFACTypeError, match=r"f: a must be an array; got None \(NoneType\)"):
         B.namespace_of("f", a=None)
+    with pytest.raises(KFACTypeError, match="at least one array"):
+        B.namespace_of("f")
 
 
 def test_errors_are_standard_exceptions():
