@@ -169,7 +169,7 @@ def test_write_matrix_figures_is_deterministic_and_has_no_timestamp(tmp_path):
     pytest.importorskip("matplotlib")
     a = write_matrix_figures(TINY, tmp_path / "a")
     b = write_matrix_figures(TINY, tmp_path / "b")
-    for pa, pb in zip(a, b):
+    for pa, pb in zip(a, b, strict=True):
         assert pa.read_bytes() == pb.read_bytes()
     svg = a[1].read_text(encoding="utf-8")
     assert "<dc:date>" not in svg and "matplotlib" not in svg.lower()
