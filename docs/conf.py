@@ -171,16 +171,23 @@ import kfac_ref
 # -- HTML --------------------------------------------------------------------------------
 html_theme = "pydata_sphinx_theme"
 html_title = f"kfac_ref {release}"
+templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["kfac_ref.css"]
 html_theme_options = {
     "navigation_with_keys": False,
+    # Every top-level section in the header: Conformance and Name maps are not "More".
+    "header_links_before_dropdown": 8,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
+    # The search as an icon: with the field, eight header links do not fit one row at 1280 px.
+    "navbar_persistent": [],
+    "navbar_end": ["search-button", "theme-switcher"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The whole site in the left sidebar on every page (_templates/sidebar-site-nav.html).
+html_sidebars = {"**": ["sidebar-site-nav"]}
 html_show_sourcelink = False
 html_copy_source = False
 
