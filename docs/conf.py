@@ -77,6 +77,7 @@ extensions = [
     "myst_parser",
     "kfac_apidoc",
     "kfac_markdown_pages",
+    "kfac_matrix",
 ]
 
 exclude_patterns = ["_build", "_static", "**.ipynb_checkpoints", "tutorials_src"]
@@ -88,6 +89,12 @@ kfac_markdown_pages = {
     "conformance/generated/README.md": "conformance/README.md",
     "conformance/generated/GOLDEN_SPEC.md": "conformance/GOLDEN_SPEC.md",
 }
+# The ecosystem matrix (docs/_ext/kfac_matrix.py): drawn at build time from the suite's
+# matrix.json (path relative to the repository root) into a git-ignored folder of docs/, and
+# its table cells coloured by outcome on these pages.
+kfac_matrix_json = "conformance/peers/reports/matrix.json"
+kfac_matrix_figures = "conformance/generated"
+kfac_matrix_pages = ["conformance/ecosystem"]
 myst_heading_anchors = 3
 myst_enable_extensions = ["dollarmath"]
 root_doc = "index"
