@@ -33,6 +33,7 @@ import base64
 import fcntl
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -69,7 +70,6 @@ FLAGS = [
     "--disable-dev-shm-usage",
     "--hide-scrollbars",
     "--remote-debugging-pipe",
-    f"--window-size={WIDTH},{HEIGHT}",
 ]
 
 # Runs in the page; returns the measurements as JSON.  An element "escapes" when its right
@@ -194,7 +194,8 @@ def find_browser() -> str | None:
 class Browser:
     """A headless Chromium spoken to over ``--remote-debugging-pipe``."""
 
-    def __init__(self, executable: str, timeout: float = 60.0):
+    def __init__(self, executable: str, width: int = WIDTH, timeout: float = 60.0):
+        self.width = width
         self.timeout = timeout
         self.profile = tempfile.mkdtemp(prefix="kfac-docs-chromium-")
         to_chrome_r, self._w = os.pipe()
@@ -207,7 +208,8 @@ class Browser:
                 os.close(fd)
 
         self.proc = subprocess.Popen(
-            [executable, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            [executable, *FLAGS, f"--window-size={width},{HEIGHT}",
+             f"--user-data-dir={self.profile}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=wire_fds, close_fds=False,
         )
@@ -220,13 +222,14 @@ class Browser:
         self.session = self.call("Target.attachToTarget", targetId=target,
                                  flatten=True)["sessionId"]
         self.call("Page.enable", session=True)
-        self.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH,
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=self.width,
                   height=HEIGHT, deviceScaleFactor=1, mobile=False)
 
     def _read_message(self, deadline: float) -> dict:
         while b"\0" not in self._buf:
-            if time.monotonic() > deadline:
-                raise TimeoutError("Chromium did not answer in time")
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._r], [], [], left)[0]:
+                raise TimeoutError(f"Chromium did not answer within {self.timeout:.0f} s")
             chunk = os.read(self._r, 1 << 20)
             if not chunk:
                 raise RuntimeError("Chromium closed the DevTools pipe")
@@ -277,11 +280,11 @@ class Browser:
         return int(self.evaluate(READY_JS))
 
     def screenshot(self, path: Path, height: int) -> None:
-        self.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH,
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=self.width,
                   height=height, deviceScaleFactor=1, mobile=False)
         data = self.call("Page.captureScreenshot", session=True, format="png")["data"]
         path.write_bytes(base64.b64decode(data))
-        self.call("Emulation.setDeviceMetricsOverride", session=True, width=WIDTH,
+        self.call("Emulation.setDeviceMetricsOverride", session=True, width=self.width,
                   height=HEIGHT, deviceScaleFactor=1, mobile=False)
 
     def close(self) -> None:
@@ -333,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--screenshots", type=Path, help="write PNG screenshots here")
     ap.add_argument("--max-height", type=int, default=4000,
                     help="screenshot at most this many pixels of each page (default 4000)")
+    ap.add_argument("--width", type=int, default=WIDTH,
+                    help=f"window width in CSS pixels (default {WIDTH})")
     ap.add_argument("pages", nargs="*", help=f"pages to check (default: {len(PAGES)} key pages)")
     args = ap.parse_intermixed_args(argv)
     exe = find_browser()
@@ -348,7 +353,11 @@ def main(argv=None) -> int:
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
     failed = 0
-    browser = Browser(exe)
+    try:
+        browser = Browser(exe, width=args.width)
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        print(f"pagecheck: FAILED - {exe} did not start a headless session: {exc}")
+        return 1
     try:
         for page in pages:
             url = (args.html / page).resolve().as_uri()
@@ -372,9 +381,9 @@ def main(argv=None) -> int:
     finally:
         browser.close()
     if failed:
-        print(f"pagecheck: FAILED - {failed} of {len(pages)} pages overflow at {WIDTH} px")
+        print(f"pagecheck: FAILED - {failed} of {len(pages)} pages overflow at {args.width} px")
         return 1
-    print(f"pagecheck: passed - {len(pages)} pages fit the main column at {WIDTH} px")
+    print(f"pagecheck: passed - {len(pages)} pages fit the main column at {args.width} px")
     return 0
 
 
