@@ -77,6 +77,7 @@ extensions = [
     "myst_parser",
     "kfac_apidoc",
     "kfac_markdown_pages",
+    "kfac_matrix",
 ]
 
 exclude_patterns = ["_build", "_static", "**.ipynb_checkpoints", "tutorials_src"]
@@ -88,6 +89,12 @@ kfac_markdown_pages = {
     "conformance/generated/README.md": "conformance/README.md",
     "conformance/generated/GOLDEN_SPEC.md": "conformance/GOLDEN_SPEC.md",
 }
+# The ecosystem matrix (docs/_ext/kfac_matrix.py): drawn at build time from the suite's
+# matrix.json (path relative to the repository root) into a git-ignored folder of docs/, and
+# its table cells coloured by outcome on these pages.
+kfac_matrix_json = "conformance/peers/reports/matrix.json"
+kfac_matrix_figures = "conformance/generated"
+kfac_matrix_pages = ["conformance/ecosystem"]
 myst_heading_anchors = 3
 myst_enable_extensions = ["dollarmath"]
 root_doc = "index"
@@ -171,16 +178,23 @@ import kfac_ref
 # -- HTML --------------------------------------------------------------------------------
 html_theme = "pydata_sphinx_theme"
 html_title = f"kfac_ref {release}"
+templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["kfac_ref.css"]
 html_theme_options = {
     "navigation_with_keys": False,
+    # Every top-level section in the header: Conformance and Name maps are not "More".
+    "header_links_before_dropdown": 8,
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
+    # The search as an icon: with the field, eight header links do not fit one row at 1280 px.
+    "navbar_persistent": [],
+    "navbar_end": ["search-button", "theme-switcher"],
 }
-html_sidebars = {"**": ["sidebar-nav-bs"]}
+# The whole site in the left sidebar on every page (_templates/sidebar-site-nav.html).
+html_sidebars = {"**": ["sidebar-site-nav"]}
 html_show_sourcelink = False
 html_copy_source = False
 

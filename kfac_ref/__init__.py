@@ -17,7 +17,7 @@ array-api-strict) and return arrays of the same library, device and floating dty
 """
 
 from . import averaging, blocks, curvature, factors, linalg, losses, nn, patches
-from ._backend import KFACInputError, KFACTypeError, KFACValueError
+from ._backend import KFACInputError, KFACTypeError, KFACValueError, value_checks
 from .averaging import MovingAverageVariable, WeightedMovingAverage, weighted_accumulate
 from .linalg import (
     FACTOR_NORMS,
@@ -53,6 +53,7 @@ __all__ = [
     "KFACInputError",
     "KFACTypeError",
     "KFACValueError",
+    "value_checks",
     "MovingAverageVariable",
     "WeightedMovingAverage",
     "weighted_accumulate",

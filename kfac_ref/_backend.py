@@ -1,15 +1,32 @@
 """Backend glue: array namespaces, devices, dtypes, host-side randomness and input validation.
 
-This is the one module of :mod:`kfac_ref` that talks to ``array_api_compat`` and
-``array_api_extra`` directly and the one place where NumPy is imported by library code
-(for host-side random draws, see :func:`host_draw`).  Everything else receives the
-namespace ``xp`` of its inputs from :func:`namespace_of` and calls only the array API
-standard through it.
+This is the one module of :mod:`kfac_ref` that talks to ``array_api_compat`` directly.
+Everything else receives the namespace ``xp`` of its inputs from :func:`namespace_of` and
+calls only the array API standard through it.  NumPy is imported by library code only for
+host-side work — random draws (:func:`host_draw`) and index arithmetic (patch indices,
+permutations) — and each such import says so.
+
+Validation policy
+-----------------
+A public function validates its arguments once, at its boundary, then calls unchecked
+kernels; code inside kfac_ref calls kernels, never public functions (a public function
+``f`` whose computation other modules reuse exposes it as ``f.kernel``, see
+:func:`kernel_of`).  Two kinds of checks exist:
+
+* **static checks** — type, rank, shape, dtype, namespace, device, options, Python scalars —
+  read only metadata, cost nothing on any device and always run;
+* **value checks** — every entry finite (:func:`all_finite`), symmetry, positive
+  definiteness — read the data.  They run on eager arrays, are skipped for lazy arrays
+  (JAX tracers inside ``jax.jit``/``jax.vmap``, Dask arrays, ``torch.func`` transforms; see
+  :func:`is_lazy`) and can be switched off with :func:`value_checks`, as SciPy's
+  ``check_finite=False`` does.  Each is one reduction and one device→host read.
+
+Mixed floating precisions are rejected, never promoted: a reference library does not change
+a user's precision behind their back (:func:`namespace_of`).
 
 Error conventions
 -----------------
-Every public function validates its inputs before computing anything.  The messages
-produced here all have the form::
+The messages produced here all have the form::
 
     <function>: <argument> must be <expectation>; got <what was given>.
 
@@ -20,13 +37,15 @@ can catch "bad input to kfac_ref" in one clause.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat
-import array_api_extra as xpx
 import numpy as np  # host-side random draws only (see host_draw)
 
 __all__ = [
@@ -34,6 +53,12 @@ __all__ = [
     "KFACValueError",
     "KFACTypeError",
     "namespace_of",
+    "value_checks",
+    "value_checks_enabled",
+    "is_lazy",
+    "checks_values",
+    "all_finite",
+    "kernel_of",
     "describe",
     "is_array",
     "size_of",
@@ -46,14 +71,11 @@ __all__ = [
     "check_bool",
     "check_int",
     "check_rng",
-    "result_float_dtype",
     "eye_like",
     "zeros_like_shape",
     "ones_like_shape",
     "asarray_like",
     "host_draw",
-    "expand_dims_to",
-    "xpx",
 ]
 
 
@@ -103,7 +125,111 @@ def is_array(x: Any) -> bool:
 
 
 # --------------------------------------------------------------------------------------
-# Namespaces and devices
+# Value checks: the switch, lazy arrays, the one finiteness scan
+# --------------------------------------------------------------------------------------
+_VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kfac_ref_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool = True) -> Iterator[None]:
+    r"""Switch kfac_ref's value checks on or off inside a ``with`` block.
+
+    .. math::
+
+        \text{check}(x) = \text{enabled} \wedge \neg\,\text{lazy}(x)
+
+    Value checks read the data of an argument — every entry finite, a matrix symmetric, a
+    damped matrix positive definite before a negative power — and cost one reduction and
+    one device→host read each.  Static checks (type, rank, shape, dtype, namespace, device,
+    options, scalars) are not affected and always run.  The setting is per thread and per
+    ``contextvars`` context, and nests.
+
+    Parameters
+    ----------
+    enabled : bool
+        ``False`` skips value checks inside the block (as SciPy's ``check_finite=False``);
+        bad values then give NaN/Inf results instead of errors.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> import kfac_ref
+    >>> x = np.array([[np.nan, 1.0]])
+    >>> with kfac_ref.value_checks(False):
+    ...     kfac_ref.compute_cov(x).shape
+    (2, 2)
+    """
+    if not isinstance(enabled, bool):
+        _fail("value_checks", "enabled", "a bool", describe(enabled), KFACTypeError)
+    token = _VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _VALUE_CHECKS.reset(token)
+
+
+def value_checks_enabled() -> bool:
+    """Whether value checks are on in the current context (see :func:`value_checks`)."""
+    return _VALUE_CHECKS.get()
+
+
+def is_lazy(x: Any) -> bool:
+    """True for an array whose values cannot be read now without tracing errors or forcing
+    a computation: a JAX tracer (inside ``jax.jit``, ``jax.vmap``, ``jax.grad``), a Dask
+    array, a tensor inside a ``torch.func`` transform (``vmap``, ``grad``), or an array of
+    an unknown namespace that ``array_api_compat.is_lazy_array`` calls lazy.
+
+    Eager JAX arrays are not lazy here (``array_api_compat.is_lazy_array`` says they may
+    be): outside a transformation their values are concrete, and they are checked.
+    """
+    if array_api_compat.is_jax_array(x):
+        jax = sys.modules.get("jax")
+        return jax is not None and isinstance(x, jax.core.Tracer)
+    if array_api_compat.is_torch_array(x):
+        functorch = getattr(getattr(sys.modules.get("torch"), "_C", None), "_functorch", None)
+        return functorch is not None and bool(functorch.is_functorch_wrapped_tensor(x))
+    if array_api_compat.is_dask_array(x):
+        return True
+    if (array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
+            or array_api_compat.is_array_api_strict_namespace(array_api_compat.array_namespace(x))):
+        return False
+    return bool(array_api_compat.is_lazy_array(x))
+
+
+def checks_values(*arrays: Any) -> bool:
+    """Whether value checks run for these arrays: switched on and none of them lazy."""
+    return _VALUE_CHECKS.get() and not any(a is not None and is_lazy(a) for a in arrays)
+
+
+def all_finite(xp, x) -> bool:
+    """The one finiteness scan of kfac_ref: ``all(isfinite(x))`` read back to the host.
+
+    Every NaN/Inf check of an argument goes through here (tests count the scans of a
+    call by wrapping it), and only :func:`check_array` calls it.
+    """
+    return bool(xp.all(xp.isfinite(x)))
+
+
+def kernel_of(public: Callable) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the unchecked kernel of ``public``.
+
+    The kernel does the computation of ``public`` without validating; code inside kfac_ref
+    that has already validated its inputs calls ``public.kernel(...)`` instead of
+    ``public(...)``, so each argument is checked once, by the function the user called.
+    The kernel's signature is its own (it usually takes the namespace ``xp`` first and
+    already-normalised options).
+    """
+
+    def register(kernel: Callable) -> Callable:
+        public.kernel = kernel
+        return kernel
+
+    return register
+
+
+# --------------------------------------------------------------------------------------
+# Namespaces, devices and precision
 # --------------------------------------------------------------------------------------
 def _namespace_name(xp: Any) -> str:
     return getattr(xp, "__name__", repr(xp))
@@ -114,7 +240,10 @@ def namespace_of(func: str, **arrays: Any):
 
     ``None`` values and Python scalars are ignored.  Raises :class:`KFACTypeError` when an
     argument is not an array, when two arguments come from different namespaces (NumPy and
-    PyTorch, say) or live on different devices.
+    PyTorch, say), live on different devices, or are floating arrays of different
+    precisions (float32 next to float64): kfac_ref never promotes one precision to another
+    behind the caller's back.  Integer and boolean arrays (ids, labels, masks) may sit next
+    to floating arrays of any precision.
 
     Parameters
     ----------
@@ -133,6 +262,9 @@ def namespace_of(func: str, **arrays: Any):
         xp = array_api_compat.array_namespace(x)
         found.append((name, x, xp, array_api_compat.device(x)))
     if not found:
+        if arrays:  # name the argument the caller got wrong, not "no arrays"
+            name, value = next(iter(arrays.items()))
+            _fail(func, name, "an array", describe(value), KFACTypeError)
         raise KFACTypeError(f"{func}: expected at least one array argument; got none.")
     name0, _, xp0, dev0 = found[0]
     for name, _, xp, dev in found[1:]:
@@ -146,17 +278,27 @@ def namespace_of(func: str, **arrays: Any):
                 f"{func}: all arrays must live on one device; {name0} is on {dev0!r} but "
                 f"{name} is on {dev!r}."
             )
+    floats = [(name, x.dtype) for name, x, _, _ in found if xp0.isdtype(x.dtype, "real floating")]
+    for name, dtype in floats[1:]:
+        if dtype != floats[0][1]:
+            raise KFACTypeError(
+                f"{func}: {name} must have the floating dtype of {floats[0][0]} "
+                f"({floats[0][1]}); got {dtype}. kfac_ref does not mix precisions: cast one "
+                "of them explicitly."
+            )
     return xp0
-
-
-def result_float_dtype(xp, *arrays):
-    """Floating dtype of a computation on ``arrays`` (array API type promotion)."""
-    return xp.result_type(*[a for a in arrays if a is not None])
 
 
 # --------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------
+def _static_size(x: Any) -> int | None:
+    """Number of elements when every dimension is known (Dask may not know chunk sizes)."""
+    if any(d is None or (isinstance(d, float) and math.isnan(d)) for d in x.shape):
+        return None
+    return math.prod(x.shape)
+
+
 def check_array(
     func: str,
     name: str,
@@ -171,6 +313,9 @@ def check_array(
 ):
     """Validate one array argument and return it unchanged.
 
+    Static checks (type, rank, shape, dtype) always run; the finiteness check is a value
+    check (see :func:`value_checks`).
+
     Parameters
     ----------
     func, name : str
@@ -182,7 +327,8 @@ def check_array(
     dtype : {"real floating", "integral", "bool", "numeric", None}
         Accepted dtype kind (``None`` accepts any dtype).
     finite : bool
-        Require every entry to be finite (no NaN or Inf).  Only checked for floating dtypes.
+        Require every entry to be finite (no NaN or Inf).  Only checked for floating dtypes,
+        on eager arrays, while value checks are on.
     min_ndim : int, optional
         Minimum rank.
     layout : str, optional
@@ -208,11 +354,11 @@ def check_array(
             _fail(func, name, f"an array of shape {exp}{what}", describe(x))
     if dtype is not None and not xp.isdtype(x.dtype, dtype):
         _fail(func, name, f"an array of {dtype} dtype", describe(x), KFACTypeError)
-    if finite and xp.isdtype(x.dtype, "real floating") and size_of(x) != 0:
-        if not bool(xp.all(xp.isfinite(x))):
-            n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
-            _fail(func, name, "finite (no NaN or Inf)",
-                  f"{n_bad} non-finite entries in {describe(x)}")
+    if (finite and xp.isdtype(x.dtype, "real floating") and _static_size(x) != 0
+            and checks_values(x) and not all_finite(xp, x)):
+        n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
+        _fail(func, name, "finite (no NaN or Inf)",
+              f"{n_bad} non-finite entries in {describe(x)}")
     return x
 
 
@@ -225,7 +371,8 @@ def check_square(func: str, name: str, x: Any, *, layout: str = "[n, n]"):
 
 
 def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
-    """Validate a square matrix that is symmetric up to rounding.
+    """Validate a square matrix that is symmetric up to rounding (a value check, see
+    :func:`value_checks`; the squareness check always runs).
 
     The test is ``max|M - Mᵀ| <= rtol * max(max|M|, tiny)`` with ``rtol`` defaulting to
     ``sqrt(eps)`` of the dtype: loose enough for matrices that are symmetric in exact
@@ -236,7 +383,7 @@ def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
     xp = array_api_compat.array_namespace(x)
     if rtol is None:
         rtol = math.sqrt(float(xp.finfo(x.dtype).eps))
-    if size_of(x) == 0:
+    if _static_size(x) == 0 or not checks_values(x):
         return x
     asym = float(xp.max(xp.abs(x - x.T)))
     scale = max(float(xp.max(xp.abs(x))), float(xp.finfo(x.dtype).smallest_normal))
@@ -256,22 +403,38 @@ def check_scalar(
     integer: bool = False,
     allow_none: bool = False,
 ):
-    """Validate a real Python (or NumPy) scalar and return it as ``float`` (or ``int``)."""
+    """Validate a real scalar: a Python/NumPy number, returned as ``float`` (or ``int``),
+    or — for real (non-integer) scalars — a 0-D real floating array, returned unchanged so
+    that a hyper-parameter can live on the device or be traced (``jax.jit``).  The finite
+    and sign checks of an array are value checks (skipped for lazy arrays and when value
+    checks are off)."""
     if value is None and allow_none:
         return None
+    if not integer and is_array(value):
+        xp = array_api_compat.array_namespace(value)
+        if value.ndim != 0 or not xp.isdtype(value.dtype, "real floating"):
+            _fail(func, name, "a real number or a 0-D real floating array", describe(value),
+                  KFACTypeError)
+        if checks_values(value):
+            _check_scalar_value(func, name, float(value), value, nonnegative, positive)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "an integer" if integer else "a real number"
         _fail(func, name, kind, describe(value), KFACTypeError)
     if integer and not float(value).is_integer():
         _fail(func, name, "an integer", describe(value))
     v = int(value) if integer else float(value)
+    _check_scalar_value(func, name, v, value, nonnegative, positive)
+    return v
+
+
+def _check_scalar_value(func, name, v, value, nonnegative, positive):
     if not math.isfinite(v):
         _fail(func, name, "finite", describe(value))
     if positive and not v > 0:
         _fail(func, name, "positive", describe(value))
     if nonnegative and not v >= 0:
         _fail(func, name, "non-negative", describe(value))
-    return v
 
 
 def check_bool(func: str, name: str, value: Any):
@@ -348,10 +511,3 @@ def host_draw(rng: np.random.Generator, like: Any, draw, dtype=None):
     """
     sample = np.asarray(draw(rng))
     return asarray_like(sample, like, dtype=dtype)
-
-
-def expand_dims_to(xp, x, ndim: int):
-    """Prepend singleton axes until ``x`` has ``ndim`` dimensions (for broadcasting)."""
-    while x.ndim < ndim:
-        x = xp.expand_dims(x, axis=0)
-    return x

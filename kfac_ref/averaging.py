@@ -26,7 +26,10 @@ from typing import Any
 from ._backend import (
     KFACValueError,
     check_array,
+    check_bool,
     check_scalar,
+    is_array,
+    kernel_of,
     namespace_of,
     zeros_like_shape,
 )
@@ -45,15 +48,56 @@ def weighted_accumulate(old, new, old_weight, new_weight):
 
         S \leftarrow \delta\, S + w\, X
 
-    where ``old`` is :math:`S`, ``new`` is :math:`X`, ``old_weight`` :math:`\delta` and
-    ``new_weight`` :math:`w`.  Both :class:`MovingAverageVariable` and
+    where ``old`` is :math:`S`, ``new`` is :math:`X`, ``old_weight`` :math:`\delta \ge 0`
+    and ``new_weight`` :math:`w \ge 0`.  Both :class:`MovingAverageVariable` and
     :class:`WeightedMovingAverage` update their sum and their total weight with this.
-    ``old`` and ``new`` may be arrays of one shape or Python floats.
+    ``old`` and ``new`` are two arrays of one shape, namespace, device and dtype, or two
+    real numbers.
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Non-finite or mismatched arrays, an array next to a number, negative or
+        non-finite weights.
     """
+    func = "weighted_accumulate"
+    old_weight = check_scalar(func, "old_weight", old_weight, nonnegative=True)
+    new_weight = check_scalar(func, "new_weight", new_weight, nonnegative=True)
+    if is_array(old) or is_array(new):
+        _check_same_arrays(func, ("old", old), ("new", new))
+    else:
+        old = check_scalar(func, "old", old)
+        new = check_scalar(func, "new", new)
+    return _weighted_accumulate(old, new, old_weight, new_weight)
+
+
+@kernel_of(weighted_accumulate)
+def _weighted_accumulate(old, new, old_weight, new_weight):
     return old_weight * old + new_weight * new
 
 
+def _check_same_arrays(func, reference, other):
+    """Two finite real floating arrays of one namespace, device, dtype and shape."""
+    (ref_name, ref), (name, x) = reference, other
+    namespace_of(func, **{ref_name: ref, name: x})
+    check_array(func, ref_name, ref)
+    check_array(func, name, x)
+    if tuple(x.shape) != tuple(ref.shape):
+        raise KFACValueError(
+            f"{func}: {name} must have the shape of {ref_name} {tuple(ref.shape)}; got shape "
+            f"{tuple(x.shape)}."
+        )
+
+
+def _check_state(func, raw, weight_name, weight):
+    """The stored sum of an average: a finite real floating array; its weight ≥ 0."""
+    namespace_of(func, raw=raw)
+    check_array(func, "raw", raw)
+    return check_scalar(func, weight_name, weight, nonnegative=True)
+
+
 def _check_update(func, raw, x, old_weight, new_weight, names):
+    # The stored sum was validated when the average was built; only the new value is read.
     namespace_of(func, value=raw, x=x)
     check_array(func, "x", x)
     if tuple(x.shape) != tuple(raw.shape):
@@ -64,6 +108,14 @@ def _check_update(func, raw, x, old_weight, new_weight, names):
     old_weight = check_scalar(func, names[0], old_weight, nonnegative=True)
     new_weight = check_scalar(func, names[1], new_weight, nonnegative=True)
     return old_weight, new_weight
+
+
+def _unchecked(cls, **fields):
+    """A frozen average built from already-validated fields (no second scan of ``raw``)."""
+    obj = object.__new__(cls)
+    for key, value in fields.items():
+        object.__setattr__(obj, key, value)
+    return obj
 
 
 @dataclass(frozen=True)
@@ -94,6 +146,12 @@ class MovingAverageVariable:
     total_weight: float = 0.0
     zero_debias: bool = True
 
+    def __post_init__(self):
+        func = "MovingAverageVariable"
+        weight = _check_state(func, self.raw, "total_weight", self.total_weight)
+        object.__setattr__(self, "total_weight", weight)
+        check_bool(func, "zero_debias", self.zero_debias)
+
     @classmethod
     def zeros_like(cls, like, zero_debias=True, initial_value=None):
         r"""A fresh average shaped like ``like``: :math:`S_0 = 0` (or ``initial_value``),
@@ -106,14 +164,16 @@ class MovingAverageVariable:
         func = "MovingAverageVariable.zeros_like"
         namespace_of(func, like=like, initial_value=initial_value)
         check_array(func, "like", like)
+        check_bool(func, "zero_debias", zero_debias)
         if initial_value is None:
-            return cls(zeros_like_shape(like, like.shape), 0.0, bool(zero_debias))
+            return _unchecked(cls, raw=zeros_like_shape(like, like.shape), total_weight=0.0,
+                              zero_debias=zero_debias)
         if zero_debias:
             raise KFACValueError(f"{func}: initial_value must be None when zero_debias=True "
                                  "(the debiased value ignores S_0 only if S_0 = 0); got an "
                                  "array.")
         check_array(func, "initial_value", initial_value, shape=tuple(like.shape))
-        return cls(initial_value, 0.0, False)
+        return _unchecked(cls, raw=initial_value, total_weight=0.0, zero_debias=False)
 
     def update(self, x, decay, weight=1.0):
         r"""Return the average after :math:`S \leftarrow \delta S + w X`,
@@ -125,10 +185,11 @@ class MovingAverageVariable:
         """
         decay, weight = _check_update("MovingAverageVariable.update", self.raw, x, decay,
                                       weight, ("decay", "weight"))
-        return MovingAverageVariable(
-            weighted_accumulate(self.raw, x, decay, weight),
-            weighted_accumulate(self.total_weight, 1.0, decay, weight),
-            self.zero_debias,
+        return _unchecked(
+            MovingAverageVariable,
+            raw=_weighted_accumulate(self.raw, x, decay, weight),
+            total_weight=_weighted_accumulate(self.total_weight, 1.0, decay, weight),
+            zero_debias=self.zero_debias,
         )
 
     @property
@@ -159,22 +220,27 @@ class WeightedMovingAverage:
     raw: Any
     weight: float = 0.0
 
+    def __post_init__(self):
+        weight = _check_state("WeightedMovingAverage", self.raw, "weight", self.weight)
+        object.__setattr__(self, "weight", weight)
+
     @classmethod
     def zeros_like(cls, like):
         """A fresh average shaped like ``like`` (:math:`S_0 = 0`, :math:`W_0 = 0`)."""
         func = "WeightedMovingAverage.zeros_like"
         namespace_of(func, like=like)
         check_array(func, "like", like)
-        return cls(zeros_like_shape(like, like.shape), 0.0)
+        return _unchecked(cls, raw=zeros_like_shape(like, like.shape), weight=0.0)
 
     def update(self, x, ema_old, ema_new):
         r"""Return the average after one update with :math:`X`
         (:math:`S \leftarrow \texttt{ema\_old}\,S + \texttt{ema\_new}\,X`)."""
         ema_old, ema_new = _check_update("WeightedMovingAverage.update", self.raw, x, ema_old,
                                          ema_new, ("ema_old", "ema_new"))
-        return WeightedMovingAverage(
-            weighted_accumulate(self.raw, x, ema_old, ema_new),
-            weighted_accumulate(self.weight, 1.0, ema_old, ema_new),
+        return _unchecked(
+            WeightedMovingAverage,
+            raw=_weighted_accumulate(self.raw, x, ema_old, ema_new),
+            weight=_weighted_accumulate(self.weight, 1.0, ema_old, ema_new),
         )
 
     @property

@@ -15,6 +15,26 @@ Vectorisation conventions (see the conventions page of the docs):
 The K-FAC block of a dense layer whose combined parameter matrix ``[W; b]`` has shape
 ``[d_in + 1, d_out]`` (TF/JAX kernel layout) is ``kron(A, G)`` acting on the row-major
 flattening of that matrix.
+
+Negative powers of singular matrices
+------------------------------------
+Every function here that takes a negative power (or an inverse, or a Cholesky factor) of a
+damped matrix :math:`S = M + \lambda I` of order :math:`n` applies one rule: :math:`S` is
+numerically singular, and the call raises :class:`~kfac_ref.KFACValueError` asking for
+damping, when
+
+.. math::
+
+    \sigma_{\min}(S) \le n\,\varepsilon\,\sigma_{\max}(S),
+
+:math:`\varepsilon` the machine epsilon of the dtype — the tolerance below which NumPy's
+``matrix_rank`` counts a singular value as zero.  The eigenvalue paths test the damped
+eigenvalues; the Cholesky paths test the squared pivots :math:`L_{ii}^2`, which lie inside
+:math:`[\sigma_{\min}, \sigma_{\max}]`, so a matrix refused by the pivots is refused by the
+eigenvalues too.  Under factored damping each damped Kronecker factor is tested (orders
+:math:`p` and :math:`q`); under exact damping :math:`A \otimes B + \lambda I` is tested as one
+matrix of order :math:`pq`.  This is a value check: it is skipped for lazy arrays and under
+``kfac_ref.value_checks(False)`` (the result is then whatever the arithmetic gives).
 """
 
 from __future__ import annotations
@@ -28,10 +48,11 @@ from ._backend import (
     check_scalar,
     check_square,
     check_symmetric,
+    checks_values,
     eye_like,
+    kernel_of,
     namespace_of,
     ones_like_shape,
-    size_of,
 )
 
 __all__ = [
@@ -108,7 +129,7 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
            [ 7., 10.]])
     """
     func = "compute_cov"
-    namespace_of(func, tensor=tensor, tensor_right=tensor_right)
+    xp = namespace_of(func, tensor=tensor, tensor_right=tensor_right)
     check_array(func, "tensor", tensor, ndim=2, layout="[n, d]")
     if tensor_right is not None:
         check_array(func, "tensor_right", tensor_right, ndim=2, layout="[n, e]")
@@ -123,6 +144,13 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
             raise KFACValueError(f"{func}: tensor must have at least one row; got shape "
                                  f"{tuple(tensor.shape)}.")
     normalizer = check_scalar(func, "normalizer", normalizer, positive=True)
+    return _compute_cov(xp, tensor, tensor_right, normalizer)
+
+
+@kernel_of(compute_cov)
+def _compute_cov(xp, tensor, tensor_right=None, normalizer=None):
+    if normalizer is None:
+        normalizer = tensor.shape[0]
     if tensor_right is None:
         cov = (tensor.T @ tensor) / normalizer
         return (cov + cov.T) / 2.0
@@ -153,6 +181,11 @@ def append_homog(tensor, homog_value=1.0):
     xp = namespace_of(func, tensor=tensor)
     check_array(func, "tensor", tensor, min_ndim=1, layout="[..., d]")
     homog_value = check_scalar(func, "homog_value", homog_value)
+    return _append_homog(xp, tensor, homog_value)
+
+
+@kernel_of(append_homog)
+def _append_homog(xp, tensor, homog_value=1.0):
     ones = ones_like_shape(tensor, (*tensor.shape[:-1], 1))
     return xp.concat([tensor, ones * homog_value], axis=-1)
 
@@ -189,7 +222,8 @@ def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
     return _clipped_eigh(xp, matrix, c)
 
 
-def _clipped_eigh(xp, matrix, threshold):
+@kernel_of(clipped_eigh)
+def _clipped_eigh(xp, matrix, threshold=0.0):
     # Symmetrise before eigh: backends read different triangles, and the input is only
     # symmetric up to rounding.
     s, q = xp.linalg.eigh((matrix + matrix.T) / 2.0)
@@ -200,23 +234,46 @@ def _check_exponent(func, exp):
     return check_scalar(func, "exp", exp)
 
 
-def _power_of_eigenvalues(func, xp, s, exp):
-    """``s**exp`` (any shape) with a clear error where a negative power meets a zero
-    eigenvalue or a fractional power a negative one.  The one place where eigenvalues of a
-    damped matrix are raised to a power."""
-    if size_of(s) == 0:
+def _singular_tolerance(xp, spectrum, order):
+    """``n·eps·max|σ|``: the value at or below which an eigenvalue (or squared Cholesky
+    pivot) of a matrix of order ``n`` counts as zero (see the module docstring)."""
+    eps = xp.finfo(spectrum.dtype).eps
+    return order * eps * xp.max(xp.abs(spectrum))
+
+
+def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues"):
+    r"""``s**exp`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
+
+    .. math::
+
+        s_i \mapsto s_i^{p}, \qquad \text{refused for } p < 0 \text{ when }
+        \min_i s_i \le n\,\varepsilon \max_i |s_i| .
+
+    The one place where eigenvalues are raised to a power.  A negative ``exp`` refuses a
+    numerically singular spectrum (``n =
+    order``, default ``s.size``) and a fractional one a negative eigenvalue, naming
+    ``func``; both are value checks (skipped for lazy arrays and when value checks are
+    off).  ``s`` may have any shape (an outer product of two spectra for a Kronecker
+    product).  Internal kernel: its callers have validated their arguments.
+    """
+    if math.prod(s.shape) == 0:
         return s
-    if exp < 0 and not bool(xp.min(s) > 0):
-        raise KFACValueError(
-            f"{func}: matrix + damping·I must be positive definite for a negative exponent "
-            f"({exp}); its smallest eigenvalue after clipping and damping is "
-            f"{float(xp.min(s)):.3g}. Add damping."
-        )
-    if not float(exp).is_integer() and not bool(xp.min(s) >= 0):
-        raise KFACValueError(
-            f"{func}: matrix + damping·I must be positive semi-definite for the fractional "
-            f"exponent {exp}; its smallest eigenvalue is {float(xp.min(s)):.3g}."
-        )
+    if checks_values(s):
+        n = math.prod(s.shape) if order is None else order
+        if exp < 0 and not bool(xp.min(s) > _singular_tolerance(xp, s, n)):
+            raise KFACValueError(
+                f"{func}: matrix + damping·I must be positive definite for the negative "
+                f"exponent {exp}; its smallest eigenvalue after clipping and damping is "
+                f"{float(xp.min(s)):.3g}, at most n·eps·max = "
+                f"{float(_singular_tolerance(xp, s, n)):.3g} (numerically singular). "
+                "Add damping."
+            )
+        if not float(exp).is_integer() and not bool(xp.min(s) >= 0):
+            raise KFACValueError(
+                f"{func}: matrix + damping·I must be positive semi-definite for the "
+                f"fractional exponent {exp}; its smallest eigenvalue is "
+                f"{float(xp.min(s)):.3g}."
+            )
     if exp == 1.0:
         return s
     return s**exp
@@ -232,7 +289,8 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
 
     For :math:`p = 1` the result is computed directly as :math:`M + \lambda I` (no
     eigendecomposition, no clipping), as TF K-FAC does.  Every other exponent, integer or
-    fractional, goes through :func:`clipped_eigh`.
+    fractional, goes through :func:`clipped_eigh`.  A negative power of a numerically
+    singular damped matrix raises (the rule is in the module docstring).
 
     Parameters
     ----------
@@ -248,7 +306,7 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     ------
     KFACValueError
         Non-symmetric or non-square matrix, negative damping, a negative exponent of a
-        singular damped matrix.
+        numerically singular damped matrix.
     """
     func = "damped_matpower"
     xp = namespace_of(func, matrix=matrix)
@@ -256,14 +314,15 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     exp = _check_exponent(func, exp)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    return _damped_matpower(func, xp, matrix, exp, damping, c)
+    return _damped_matpower(xp, matrix, exp, damping, c, func=func)
 
 
-def _damped_matpower(func, xp, matrix, exp, damping, threshold):
+@kernel_of(damped_matpower)
+def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower"):
     if exp == 1.0:
         return matrix + damping * eye_like(matrix, matrix.shape[0])
     s, q = _clipped_eigh(xp, matrix, threshold)
-    powers = _power_of_eigenvalues(func, xp, s + damping, exp)
+    powers = power_of_eigenvalues(xp, s + damping, exp, func=func)
     return (q * powers) @ q.T
 
 
@@ -276,12 +335,24 @@ def damped_inverse(matrix, damping=0.0):
 
     TF K-FAC's ``posdef_inv``: the path a factor takes when only inverses are registered
     (fewer than ``EIGENVALUE_DECOMPOSITION_THRESHOLD`` of them).  No eigenvalue clipping is
-    applied, so an indefinite :math:`M + \lambda I` raises.
+    applied, so an indefinite :math:`M + \lambda I` raises, and so does a numerically
+    singular one (the rule is in the module docstring).
     """
     func = "damped_inverse"
     xp = namespace_of(func, matrix=matrix)
-    linv = _damped_cholesky_inverse(func, xp, matrix, damping)
+    damping = _check_cholesky_args(func, matrix, damping)
+    return _damped_inverse(xp, matrix, damping, func=func)
+
+
+@kernel_of(damped_inverse)
+def _damped_inverse(xp, matrix, damping=0.0, *, func="damped_inverse"):
+    linv = _damped_cholesky_inverse(xp, matrix, damping, func=func)
     return linv.T @ linv
+
+
+def _check_cholesky_args(func, matrix, damping):
+    check_symmetric(func, "matrix", matrix)
+    return check_scalar(func, "damping", damping, nonnegative=True)
 
 
 def damped_cholesky(matrix, damping=0.0):
@@ -294,16 +365,17 @@ def damped_cholesky(matrix, damping=0.0):
     Raises
     ------
     KFACValueError
-        When :math:`M + \lambda I` is not numerically positive definite.
+        When :math:`M + \lambda I` is not numerically positive definite (the rule is in the
+        module docstring).
     """
     func = "damped_cholesky"
     xp = namespace_of(func, matrix=matrix)
-    return _damped_cholesky(func, xp, matrix, damping)
+    damping = _check_cholesky_args(func, matrix, damping)
+    return _damped_cholesky(xp, matrix, damping, func=func)
 
 
-def _damped_cholesky(func, xp, matrix, damping):
-    check_symmetric(func, "matrix", matrix)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
+@kernel_of(damped_cholesky)
+def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
     damped = matrix + damping * eye_like(matrix, matrix.shape[0])
     try:
         l_factor = xp.linalg.cholesky((damped + damped.T) / 2.0)
@@ -312,12 +384,22 @@ def _damped_cholesky(func, xp, matrix, damping):
             f"{func}: matrix + damping·I must be positive definite; the Cholesky "
             f"factorisation failed ({type(exc).__name__}: {exc}). Add damping."
         ) from None
-    if matrix.shape[0] and not bool(xp.all(xp.isfinite(l_factor))):
+    n = matrix.shape[0]
+    if n and checks_values(l_factor):
         # Some backends (PyTorch, JAX) return NaN instead of raising.
-        raise KFACValueError(
-            f"{func}: matrix + damping·I must be positive definite; the Cholesky factor "
-            "has non-finite entries. Add damping."
-        )
+        pivots = xp.linalg.diagonal(l_factor) ** 2
+        if not bool(xp.all(xp.isfinite(pivots))):
+            raise KFACValueError(
+                f"{func}: matrix + damping·I must be positive definite; the Cholesky factor "
+                "has non-finite entries. Add damping."
+            )
+        tol = _singular_tolerance(xp, pivots, n)
+        if not bool(xp.min(pivots) > tol):
+            raise KFACValueError(
+                f"{func}: matrix + damping·I must be positive definite; its smallest squared "
+                f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
+                f"{float(tol):.3g} (numerically singular). Add damping."
+            )
     return l_factor
 
 
@@ -329,15 +411,18 @@ def damped_cholesky_inverse(matrix, damping=0.0):
         L^{-1}, \qquad L L^\top = M + \lambda I, \qquad
         (M + \lambda I)^{-1} = L^{-\top} L^{-1}.
 
-    The result is lower triangular.
+    The result is lower triangular.  A numerically singular :math:`M + \lambda I` raises
+    (the rule is in the module docstring).
     """
     func = "damped_cholesky_inverse"
     xp = namespace_of(func, matrix=matrix)
-    return _damped_cholesky_inverse(func, xp, matrix, damping)
+    damping = _check_cholesky_args(func, matrix, damping)
+    return _damped_cholesky_inverse(xp, matrix, damping, func=func)
 
 
-def _damped_cholesky_inverse(func, xp, matrix, damping):
-    l_factor = _damped_cholesky(func, xp, matrix, damping)
+@kernel_of(damped_cholesky_inverse)
+def _damped_cholesky_inverse(xp, matrix, damping=0.0, *, func="damped_cholesky_inverse"):
+    l_factor = _damped_cholesky(xp, matrix, damping, func=func)
     # The standard has no triangular solve; a general solve against I is exact enough
     # for the well-conditioned damped factors K-FAC works with, and stays on device.
     linv = xp.linalg.solve(l_factor, eye_like(matrix, matrix.shape[0]))
@@ -359,7 +444,9 @@ def factor_norm(matrix, norm_type="avg_diag"):
 
     These are kfac-jax's ``psd_matrix_norm`` choices; ``"avg_diag"`` is the trace norm of
     TF K-FAC's :func:`pi_tracenorm`.  A 1-D input is read as the diagonal of a diagonal
-    matrix and a 0-D input as a 1×1 matrix.
+    matrix and a 0-D input as a 1×1 matrix.  The sums are computed on :math:`M / \max|M|`
+    and scaled back, so no norm overflows or underflows where :math:`\max|M|` itself is
+    representable (``1e30·I`` in float32 has ``avg_fro`` norm ``1e30``, not ``inf``).
 
     Parameters
     ----------
@@ -368,38 +455,47 @@ def factor_norm(matrix, norm_type="avg_diag"):
 
     Returns
     -------
-    float
-        A host scalar (it feeds the damping split, which is host-side arithmetic).
+    array []
+        A 0-D array in the namespace, device and dtype of ``matrix`` (no host round trip).
     """
     func = "factor_norm"
     xp = namespace_of(func, matrix=matrix)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    check_array(func, "matrix", matrix, ndim=(0, 1, 2))
-    return _factor_norm(func, xp, matrix, norm_type)
+    _check_norm_argument(func, "matrix", matrix)
+    return _factor_norm(xp, matrix, norm_type)
 
 
-def _factor_norm(func, xp, matrix, norm_type):
-    if matrix.ndim == 0:
-        return abs(float(matrix))
+def _check_norm_argument(func, name, matrix):
+    check_array(func, name, matrix, ndim=(0, 1, 2))
     if matrix.ndim == 2:
-        check_square(func, "matrix", matrix)
-    n = matrix.shape[0]
-    if n == 0:
-        raise KFACValueError(f"{func}: matrix must not be empty; got shape "
+        check_square(func, name, matrix)
+    if matrix.ndim and matrix.shape[0] == 0:
+        raise KFACValueError(f"{func}: {name} must not be empty; got shape "
                              f"{tuple(matrix.shape)}.")
-    if matrix.ndim == 1:  # diagonal matrix given by its diagonal
-        if norm_type == "avg_diag":
-            return float(xp.sum(matrix)) / n
-        if norm_type == "avg_fro":
-            return float(xp.sqrt(xp.sum(matrix**2))) / math.sqrt(n)
-        return float(xp.max(xp.abs(matrix)))  # 2-norm and 1-norm of a diagonal matrix
-    if norm_type == "avg_diag":
-        return float(xp.linalg.trace(matrix)) / n
-    if norm_type == "avg_fro":
-        return float(xp.linalg.matrix_norm(matrix, ord="fro")) / math.sqrt(n)
+
+
+@kernel_of(factor_norm)
+def _factor_norm(xp, matrix, norm_type="avg_diag"):
+    if matrix.ndim == 0:
+        return xp.abs(matrix)
     if norm_type == "2_norm":
-        return float(xp.max(xp.abs(xp.linalg.eigvalsh((matrix + matrix.T) / 2.0))))
-    return float(xp.max(xp.sum(xp.abs(matrix), axis=0)))
+        if matrix.ndim == 1:
+            return xp.max(xp.abs(matrix))
+        return xp.max(xp.abs(xp.linalg.eigvalsh((matrix + matrix.T) / 2.0)))
+    n = matrix.shape[0]
+    # Scale by max|M| before summing: float32 squares overflow above ~1e19 and underflow
+    # below ~1e-19.  A zero matrix keeps the scale 1 (its norm is 0).
+    peak = xp.max(xp.abs(matrix))
+    unit = xp.where(peak > 0, peak, xp.ones_like(peak))
+    m = matrix / unit
+    if norm_type == "avg_diag":
+        diag = m if m.ndim == 1 else xp.linalg.diagonal(m)
+        return unit * (xp.sum(diag) / n)
+    if norm_type == "avg_fro":
+        return unit * (xp.sqrt(xp.sum(m * m)) / math.sqrt(n))
+    if m.ndim == 1:  # 1-norm of a diagonal matrix
+        return unit * xp.max(xp.abs(m))
+    return unit * xp.max(xp.sum(xp.abs(m), axis=0))
 
 
 def pi_tracenorm(left_cov, right_cov):
@@ -421,28 +517,39 @@ def pi_tracenorm(left_cov, right_cov):
 
     Returns
     -------
-    float
+    array []
+        A 0-D array in the inputs' namespace, device and dtype.
 
     Examples
     --------
     >>> import numpy as np
     >>> from kfac_ref import pi_tracenorm
-    >>> pi_tracenorm(np.diag([4.0, 4.0]), np.eye(3))   # sqrt((8/2) / (3/3))
+    >>> float(pi_tracenorm(np.diag([4.0, 4.0]), np.eye(3)))   # sqrt((8/2) / (3/3))
     2.0
     """
-    return _pi(pi_tracenorm.__name__, left_cov, right_cov, "avg_diag")
+    func = "pi_tracenorm"
+    xp = _check_pi_args(func, left_cov, right_cov, "avg_diag")
+    return _pi(xp, left_cov, right_cov, "avg_diag")
 
 
-def _pi(func, left, right, norm_type):
+def _check_pi_args(func, left, right, norm_type):
     xp = namespace_of(func, left_cov=left, right_cov=right)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    check_array(func, "left_cov", left, ndim=(0, 1, 2))
-    check_array(func, "right_cov", right, ndim=(0, 1, 2))
-    left_norm = _factor_norm(func, xp, left, norm_type)
-    right_norm = _factor_norm(func, xp, right, norm_type)
-    if left_norm == 0.0 or right_norm == 0.0:
-        return 1.0
-    return math.sqrt(left_norm / right_norm)
+    _check_norm_argument(func, "left_cov", left)
+    _check_norm_argument(func, "right_cov", right)
+    return xp
+
+
+@kernel_of(pi_tracenorm)
+def _pi(xp, left, right, norm_type="avg_diag"):
+    """π = sqrt(‖L‖/‖R‖), 1 when either norm is 0 (any norm of :func:`factor_norm`)."""
+    left_norm = _factor_norm(xp, left, norm_type)
+    right_norm = _factor_norm(xp, right, norm_type)
+    zero = (left_norm == 0) | (right_norm == 0)
+    one = xp.ones_like(left_norm)
+    # sqrt of each norm, then the ratio: the ratio of two float32 norms can overflow.
+    ratio = xp.sqrt(xp.where(zero, one, left_norm)) / xp.sqrt(xp.where(zero, one, right_norm))
+    return xp.where(zero, one, ratio)
 
 
 def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
@@ -462,12 +569,19 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
 
     Returns
     -------
-    (left_damping, right_damping) : (float, float)
-        :math:`(\pi\sqrt\lambda,\ \sqrt\lambda/\pi)`.
+    (left_damping, right_damping) : (array [], array [])
+        :math:`(\pi\sqrt\lambda,\ \sqrt\lambda/\pi)`, 0-D arrays in the inputs' namespace,
+        device and dtype.
     """
     func = "pi_adjusted_damping"
+    xp = _check_pi_args(func, left_cov, right_cov, norm_type)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
-    pi = _pi(func, left_cov, right_cov, norm_type)
+    return _pi_adjusted_damping(xp, left_cov, right_cov, damping, norm_type)
+
+
+@kernel_of(pi_adjusted_damping)
+def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag"):
+    pi = _pi(xp, left, right, norm_type)
     root = math.sqrt(damping)
     return pi * root, root / pi
 
@@ -488,8 +602,12 @@ def kron(a, b):
     """
     func = "kron"
     xp = namespace_of(func, a=a, b=b)
-    check_array(func, "a", a, ndim=2)
-    check_array(func, "b", b, ndim=2)
+    _check_kron_pair(func, a, b)
+    return _kron(xp, a, b)
+
+
+@kernel_of(kron)
+def _kron(xp, a, b):
     p, pp = a.shape
     q, qq = b.shape
     prod = a[:, None, :, None] * b[None, :, None, :]
@@ -501,33 +619,39 @@ def _check_kron_pair(func, a, b):
     check_array(func, "b", b, ndim=2)
 
 
-def _as_row_major_matrix(func, xp, x, order, in_shape):
-    """Read ``x`` as the row-major matrix ``X`` [..., p', q'] of the C convention.
-
-    Returns the matrix and a function mapping a result [..., p, q] back to ``x``'s layout.
-    """
+def _check_kron_vector(func, x, order, in_shape):
+    """``x`` is a flat vector of length p'q' or a (batched) matrix in ``order``'s layout."""
     p_in, q_in = in_shape
+    check_array(func, "x", x, min_ndim=1)
     if x.ndim == 1:
         if x.shape[0] != p_in * q_in:
             raise KFACValueError(
                 f"{func}: x must be a flat vector of length {p_in * q_in} (= {p_in}·{q_in}); "
                 f"got shape {tuple(x.shape)}."
             )
-        # Both vec conventions give kron(A, B) @ x for a flat x: vec_c of the [q', p']
-        # matrix is the row-major flattening of its transpose.
-        return xp.reshape(x, (p_in, q_in)), lambda y: xp.reshape(y, (-1,))
-    if order == "C":
-        if tuple(x.shape[-2:]) != (p_in, q_in):
-            raise KFACValueError(
-                f"{func}: x must be [..., {p_in}, {q_in}] for order='C' (X with A X Bᵀ); "
-                f"got shape {tuple(x.shape)}."
-            )
-        return x, lambda y: y
-    if tuple(x.shape[-2:]) != (q_in, p_in):
+    elif order == "C" and tuple(x.shape[-2:]) != (p_in, q_in):
+        raise KFACValueError(
+            f"{func}: x must be [..., {p_in}, {q_in}] for order='C' (X with A X Bᵀ); "
+            f"got shape {tuple(x.shape)}."
+        )
+    elif order == "F" and tuple(x.shape[-2:]) != (q_in, p_in):
         raise KFACValueError(
             f"{func}: x must be [..., {q_in}, {p_in}] for order='F' (X with B X Aᵀ); "
             f"got shape {tuple(x.shape)}."
         )
+
+
+def _as_row_major_matrix(xp, x, order, in_shape):
+    """Read ``x`` as the row-major matrix ``X`` [..., p', q'] of the C convention.
+
+    Returns the matrix and a function mapping a result [..., p, q] back to ``x``'s layout.
+    """
+    if x.ndim == 1:
+        # Both vec conventions give kron(A, B) @ x for a flat x: vec_c of the [q', p']
+        # matrix is the row-major flattening of its transpose.
+        return xp.reshape(x, in_shape), lambda y: xp.reshape(y, (-1,))
+    if order == "C":
+        return x, lambda y: y
     return xp.matrix_transpose(x), xp.matrix_transpose
 
 
@@ -577,8 +701,13 @@ def kron_matvec(a, b, x, order="C"):
     xp = namespace_of(func, a=a, b=b, x=x)
     _check_kron_pair(func, a, b)
     check_option(func, "order", order, ("C", "F"))
-    check_array(func, "x", x, min_ndim=1)
-    mat, back = _as_row_major_matrix(func, xp, x, order, (a.shape[1], b.shape[1]))
+    _check_kron_vector(func, x, order, (a.shape[1], b.shape[1]))
+    return _kron_matvec(xp, a, b, x, order)
+
+
+@kernel_of(kron_matvec)
+def _kron_matvec(xp, a, b, x, order="C"):
+    mat, back = _as_row_major_matrix(xp, x, order, (a.shape[1], b.shape[1]))
     return back(a @ mat @ xp.matrix_transpose(b))
 
 
@@ -609,6 +738,12 @@ def kron_matmat(a, b, x):
     p_in, q_in = a.shape[1], b.shape[1]
     check_array(func, "x", x, ndim=2, shape=(p_in * q_in, None),
                 layout=f"[{p_in}·{q_in}, k]")
+    return _kron_matmat(xp, a, b, x)
+
+
+@kernel_of(kron_matmat)
+def _kron_matmat(xp, a, b, x):
+    p_in, q_in = a.shape[1], b.shape[1]
     k = x.shape[1]
     cols = xp.permute_dims(xp.reshape(x, (p_in, q_in, k)), (2, 0, 1))  # [k, p', q']
     out = a @ cols @ b.T  # [k, p, q]
@@ -670,36 +805,42 @@ def kron_damped_matpower_matvec(
     Martens & Grosse (2015) §6.3 (factored); George et al. (2018) and Grosse et al. (2023)
     (exact damping in the Kronecker eigenbasis).
     """
-    return _kron_damped_matpower_matvec(
+    return _checked_kron_damped_matpower_matvec(
         "kron_damped_matpower_matvec", a, b, x, exp, damping, damping_method, order, norm_type,
         eigenvalue_clipping_threshold,
     )
 
 
-def _kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_method, order, norm_type,
-                                 eigenvalue_clipping_threshold):
+def _checked_kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_method, order,
+                                         norm_type, eigenvalue_clipping_threshold):
     xp = namespace_of(func, a=a, b=b, x=x)
     check_symmetric(func, "a", a)
     check_symmetric(func, "b", b)
     check_option(func, "damping_method", damping_method, _KRON_DAMPING)
     check_option(func, "order", order, ("C", "F"))
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    check_array(func, "x", x, min_ndim=1)
+    _check_kron_vector(func, x, order, (a.shape[0], b.shape[0]))
     exp = _check_exponent(func, exp)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    mat, back = _as_row_major_matrix(func, xp, x, order, (a.shape[0], b.shape[0]))
+    return _kron_damped_matpower_matvec(xp, a, b, x, exp, damping, damping_method, order,
+                                        norm_type, c, func=func)
 
+
+@kernel_of(kron_damped_matpower_matvec)
+def _kron_damped_matpower_matvec(xp, a, b, x, exp, damping=0.0, damping_method="factored",
+                                 order="C", norm_type="avg_diag", threshold=0.0, *,
+                                 func="kron_damped_matpower_matvec"):
+    mat, back = _as_row_major_matrix(xp, x, order, (a.shape[0], b.shape[0]))
     if damping_method == "factored":
-        pi = _pi(func, a, b, norm_type)
-        root = math.sqrt(damping)
-        a_pow = _damped_matpower(func, xp, a, exp, pi * root, c)
-        b_pow = _damped_matpower(func, xp, b, exp, root / pi, c)
+        left, right = _pi_adjusted_damping(xp, a, b, damping, norm_type)
+        a_pow = _damped_matpower(xp, a, exp, left, threshold, func=func)
+        b_pow = _damped_matpower(xp, b, exp, right, threshold, func=func)
         return back(a_pow @ mat @ b_pow)
-
-    s_a, q_a = _clipped_eigh(xp, a, c)
-    s_b, q_b = _clipped_eigh(xp, b, c)
-    return back(_kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, mat, exp, damping, 1.0))
+    s_a, q_a = _clipped_eigh(xp, a, threshold)
+    s_b, q_b = _clipped_eigh(xp, b, threshold)
+    return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, exp, damping, 1.0,
+                                          func=func))
 
 
 def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0):
@@ -743,13 +884,16 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
     exp = _check_exponent(func, exp)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     scale = check_scalar(func, "scale", scale, positive=True)
-    return _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, x, exp, damping, scale)
+    return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping, scale, func=func)
 
 
-def _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_b, q_b, x, exp, damping, scale):
+@kernel_of(kron_eigenbasis_matpower)
+def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0, *,
+                              func="kron_eigenbasis_matpower"):
     y = x if q_a is None else xp.matrix_transpose(q_a) @ x
     y = y if q_b is None else y @ q_b
-    y = y * _power_of_eigenvalues(func, xp, scale * (s_a[:, None] * s_b[None, :]) + damping, exp)
+    spectrum = scale * (s_a[:, None] * s_b[None, :]) + damping
+    y = y * power_of_eigenvalues(xp, spectrum, exp, func=func)
     y = y if q_a is None else q_a @ y
     return y if q_b is None else y @ xp.matrix_transpose(q_b)
 
@@ -766,7 +910,7 @@ def kron_damped_inverse_matvec(
         \big[(A + \pi\sqrt\lambda I)^{-1} \otimes (B + \tfrac{\sqrt\lambda}{\pi} I)^{-1}\big] x
         \quad\text{or}\quad (A \otimes B + \lambda I)^{-1} x .
     """
-    return _kron_damped_matpower_matvec(
+    return _checked_kron_damped_matpower_matvec(
         "kron_damped_inverse_matvec", a, b, x, -1.0, damping, damping_method, order, norm_type,
         eigenvalue_clipping_threshold,
     )

@@ -113,3 +113,67 @@ def test_error_paths(xp):
         import array_api_strict as xs
 
         MovingAverageVariable.zeros_like(np.ones(3)).update(xs.ones(3), 0.5)
+
+
+def test_weighted_accumulate_validates(xp):
+    """Every argument of the public formula is checked (NaN in, NaN out once passed)."""
+    x = xp.asarray(np.ones(3))
+    xp.assert_close(weighted_accumulate(x, x, 0.5, 2.0), np.full(3, 2.5))
+    bad = [
+        (lambda: weighted_accumulate(x, xp.asarray(np.array([np.nan, 0.0, 0.0])), 1.0, 1.0),
+         KFACValueError, "weighted_accumulate: new must be finite"),
+        (lambda: weighted_accumulate(x, x, -1.0, 1.0), KFACValueError,
+         "weighted_accumulate: old_weight must be non-negative"),
+        (lambda: weighted_accumulate(x, x, 1.0, float("inf")), KFACValueError,
+         "weighted_accumulate: new_weight must be finite"),
+        (lambda: weighted_accumulate(x, xp.asarray(np.ones(2)), 1.0, 1.0), KFACValueError,
+         r"weighted_accumulate: new must have the shape of old \(3,\); got shape \(2,\)"),
+        (lambda: weighted_accumulate(x, None, 1.0, 1.0), KFACTypeError,
+         "weighted_accumulate: new must be an array"),
+        (lambda: weighted_accumulate(1.0, x, 1.0, 1.0), KFACTypeError,
+         "weighted_accumulate: old must be an array"),
+        (lambda: weighted_accumulate(None, None, 1.0, 1.0), KFACTypeError,
+         "weighted_accumulate: old must be a real number"),
+    ]
+    for call, exc, message in bad:
+        with pytest.raises(exc, match=message):
+            call()
+
+
+def test_weighted_accumulate_rejects_mixed_namespaces_and_precisions():
+    import array_api_strict as xs
+
+    with pytest.raises(KFACTypeError, match="one array namespace"):
+        weighted_accumulate(np.ones(2), xs.ones(2), 1.0, 1.0)
+    with pytest.raises(KFACTypeError, match="new must have the floating dtype of old"):
+        weighted_accumulate(np.ones(2), np.ones(2, dtype=np.float32), 1.0, 1.0)
+
+
+def test_averages_validate_their_stored_state(xp):
+    """A state built directly (not through zeros_like) is checked once, at construction."""
+    x = xp.asarray(np.ones(3))
+    bad = [
+        (lambda: MovingAverageVariable(x, total_weight=-1.0), KFACValueError,
+         "MovingAverageVariable: total_weight must be non-negative"),
+        (lambda: MovingAverageVariable(xp.asarray(np.array([np.nan, 1.0]))), KFACValueError,
+         "MovingAverageVariable: raw must be finite"),
+        (lambda: MovingAverageVariable(None), KFACTypeError,
+         "MovingAverageVariable: raw must be an array"),
+        (lambda: MovingAverageVariable(x, zero_debias=None), KFACTypeError,
+         "MovingAverageVariable: zero_debias must be a bool"),
+        (lambda: WeightedMovingAverage(x, weight=-1.0), KFACValueError,
+         "WeightedMovingAverage: weight must be non-negative"),
+        (lambda: WeightedMovingAverage(xp.asarray(np.ones(3, dtype=np.int64))), KFACTypeError,
+         "WeightedMovingAverage: raw must be an array of real floating dtype"),
+        (lambda: MovingAverageVariable.zeros_like(x, zero_debias="no"), KFACTypeError,
+         "MovingAverageVariable.zeros_like: zero_debias must be a bool"),
+    ]
+    for call, exc, message in bad:
+        with pytest.raises(exc, match=message):
+            call()
+    assert MovingAverageVariable(x, 2.0).value is not None
+
+
+def test_complex_stored_sum_is_rejected():
+    with pytest.raises(KFACTypeError, match="raw must be an array of real floating dtype"):
+        MovingAverageVariable(np.ones(2, dtype=complex), 1.0)

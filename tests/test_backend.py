@@ -1,6 +1,5 @@
 """Backend layer: namespace/device resolution, constructors, host RNG, validation messages."""
 
-import array_api_compat
 import numpy as np
 import pytest
 
@@ -34,8 +33,10 @@ def test_namespace_of_rejects_mixed_devices():
 def test_namespace_of_rejects_non_arrays_and_empty():
     with pytest.raises(KFACTypeError, match=r"f: a must be an array .*; got a list of length 2"):
         B.namespace_of("f", a=[1, 2])
-    with pytest.raises(KFACTypeError, match="at least one array"):
+    with pytest.raises(KFACTypeError, match=r"f: a must be an array; got None \(NoneType\)"):
         B.namespace_of("f", a=None)
+    with pytest.raises(KFACTypeError, match="at least one array"):
+        B.namespace_of("f")
 
 
 def test_errors_are_standard_exceptions():
@@ -127,7 +128,80 @@ def test_check_option_and_int():
         B.check_int("f", "n", 0, minimum=1)
 
 
-def test_result_float_dtype(xp):
-    a = xp.asarray(np.ones(2))
-    assert B.result_float_dtype(xp.xp, a, None) == xp.dtype
-    assert array_api_compat.array_namespace(a) is xp.xp
+def test_namespace_of_rejects_mixed_float_precisions():
+    a32, a64 = np.ones(2, dtype=np.float32), np.ones(2)
+    with pytest.raises(KFACTypeError, match=r"f: b must have the floating dtype of a "
+                       r"\(float32\); got float64. kfac_ref does not mix precisions"):
+        B.namespace_of("f", a=a32, b=a64)
+    # integer/bool arrays (ids, labels, masks) may accompany either precision
+    assert B.namespace_of("f", a=a32, ids=np.arange(2), m=np.ones(2, bool)) is not None
+
+
+def test_value_checks_switch_skips_only_value_checks(xp):
+    bad = xp.asarray(np.array([[np.nan, 1.0]]))
+    with pytest.raises(KFACValueError, match="finite"):
+        B.check_array("f", "x", bad, ndim=2)
+    asym = xp.asarray(np.array([[1.0, 2.0], [0.0, 1.0]]))
+    with pytest.raises(KFACValueError, match="symmetric"):
+        B.check_symmetric("f", "m", asym)
+    with B.value_checks(False):
+        assert not B.value_checks_enabled()
+        assert B.check_array("f", "x", bad, ndim=2) is bad
+        assert B.check_symmetric("f", "m", asym) is asym
+        with pytest.raises(KFACValueError, match="2-D"):  # static checks still run
+            B.check_array("f", "x", bad, ndim=3)
+        with B.value_checks(True):  # nests
+            assert B.value_checks_enabled()
+    assert B.value_checks_enabled()
+    with pytest.raises(KFACTypeError, match="value_checks: enabled must be a bool"):
+        with B.value_checks("no"):
+            pass
+
+
+def test_value_checks_scan_once_per_argument(xp, monkeypatch):
+    calls = []
+    real = B.all_finite
+    monkeypatch.setattr(B, "all_finite", lambda ns, x: calls.append(x.shape) or real(ns, x))
+    B.check_array("f", "x", xp.asarray(np.ones((2, 3))), ndim=2)
+    assert calls == [(2, 3)]
+    with B.value_checks(False):
+        B.check_array("f", "x", xp.asarray(np.ones((2, 3))), ndim=2)
+    assert calls == [(2, 3)]
+
+
+def test_is_lazy_eager_backends(xp):
+    assert not B.is_lazy(xp.asarray(np.ones(2)))
+    assert B.checks_values(xp.asarray(np.ones(2)), None)
+
+
+def test_is_lazy_jax_tracer_and_dask():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    assert not B.is_lazy(jnp.ones(2))
+    seen = []
+    jax.jit(lambda x: seen.append(B.is_lazy(x)) or x)(jnp.ones(2))
+    assert seen == [True]
+    da = pytest.importorskip("dask.array")
+    assert B.is_lazy(da.ones(4, chunks=2))
+
+
+def test_is_lazy_torch_func_transform():
+    torch = pytest.importorskip("torch")
+    seen = []
+    torch.func.vmap(lambda t: seen.append(B.is_lazy(t)) or t * 2)(torch.ones(3, 2))
+    assert seen == [True]
+    assert not B.is_lazy(torch.ones(2))
+
+
+def test_kernel_of_registers_the_unchecked_kernel():
+    def public(x):
+        return _kernel(x)
+
+    @B.kernel_of(public)
+    def _kernel(x):
+        return x + 1
+
+    assert public.kernel is _kernel and public(1) == 2
+
+

@@ -145,9 +145,9 @@ def test_eigenvalues_and_norm(xp, rng, name):
     ev = block.eigenvalues(state, use_cached=False)
     xp.check(ev)
     assert_allclose_normwise(np.sort(xp.to_numpy(ev)), np.linalg.eigvalsh(dense), xp.rtol)
-    assert block.norm(state, "avg_diag") == pytest.approx(np.trace(dense) / block.dim,
+    assert float(block.norm(state, "avg_diag")) == pytest.approx(np.trace(dense) / block.dim,
                                                           rel=xp.rtol)
-    assert block.norm(state, "2_norm") == pytest.approx(np.linalg.eigvalsh(dense).max(),
+    assert float(block.norm(state, "2_norm")) == pytest.approx(np.linalg.eigvalsh(dense).max(),
                                                         rel=xp.rtol)
     with pytest.raises(KFACValueError, match="norm_type must be one of"):
         block.norm(state, "trace")

@@ -157,27 +157,58 @@ def test_factor_norm(xp, rng, norm_type):
         "1_norm": np.linalg.norm(m, 1),
     }[norm_type]
     got = K.factor_norm(xp.asarray(m), norm_type)
-    assert isinstance(got, float)
-    assert math.isclose(got, expected, rel_tol=xp.rtol)
+    xp.check(got)  # a 0-D array on the input's device: no host round trip
+    assert got.shape == ()
+    assert math.isclose(float(got), expected, rel_tol=xp.rtol)
     d = xp.round_host(rng.uniform(0.1, 2, size=3))
-    assert math.isclose(K.factor_norm(xp.asarray(d), norm_type),
-                        K.factor_norm(xp.asarray(np.diag(d)), norm_type), rel_tol=xp.rtol)
-    assert K.factor_norm(xp.asarray(np.array(2.5)), norm_type) == 2.5
+    assert math.isclose(float(K.factor_norm(xp.asarray(d), norm_type)),
+                        float(K.factor_norm(xp.asarray(np.diag(d)), norm_type)),
+                        rel_tol=xp.rtol)
+    assert float(K.factor_norm(xp.asarray(np.array(2.5)), norm_type)) == 2.5
     # every norm is normalised so that the identity has norm 1
-    assert math.isclose(K.factor_norm(xp.asarray(np.eye(5)), norm_type), 1.0, rel_tol=xp.rtol)
+    assert math.isclose(float(K.factor_norm(xp.asarray(np.eye(5)), norm_type)), 1.0,
+                        rel_tol=xp.rtol)
+
+
+@pytest.mark.parametrize("norm_type", K.FACTOR_NORMS)
+@pytest.mark.parametrize("scale", [1e30, 1e-30])
+def test_factor_norm_is_scale_safe_in_float32(norm_type, scale):
+    """Squares of 1e±30 overflow/underflow float32; the norm of scale·I is still scale."""
+    m = np.eye(4, dtype=np.float32) * np.float32(scale)
+    got = K.factor_norm(m, norm_type)
+    assert got.dtype == np.float32
+    assert math.isclose(float(got), float(np.float32(scale)), rel_tol=1e-6)
+    assert math.isclose(float(K.factor_norm(np.diag(m), norm_type)), float(np.float32(scale)),
+                        rel_tol=1e-6)
+
+
+def test_pi_and_damped_inverse_are_scale_safe_in_float32():
+    """π of 1e30·I against 1e-30·I is 1e30, and the π-damped inverse stays accurate."""
+    a = np.eye(3, dtype=np.float32) * np.float32(1e30)
+    g = np.eye(2, dtype=np.float32) * np.float32(1e-30)
+    assert math.isclose(float(K.pi_tracenorm(a, g)), 1e30, rel_tol=1e-6)
+    left, right = K.pi_adjusted_damping(a, g, 1e-4)
+    assert math.isclose(float(left), 1e28, rel_tol=1e-6)
+    assert math.isclose(float(right), 1e-32, rel_tol=1e-5)
+    x = np.ones(6, dtype=np.float32)
+    got = K.kron_damped_inverse_matvec(a, g, x, 1e-4)
+    expected = np.ones(6) / ((1e30 + 1e28) * (1e-30 + 1e-32))
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=1e-5)
 
 
 def test_pi_tracenorm(xp, rng):
     a = xp.round_host(random_spd(rng, 3))
     g = xp.round_host(random_spd(rng, 5))
     expected = math.sqrt((np.trace(a) / 3) / (np.trace(g) / 5))
-    assert math.isclose(K.pi_tracenorm(xp.asarray(a), xp.asarray(g)), expected, rel_tol=xp.rtol)
+    pi = K.pi_tracenorm(xp.asarray(a), xp.asarray(g))
+    xp.check(pi)  # a 0-D array on the input's device: no host round trip
+    assert math.isclose(float(pi), expected, rel_tol=xp.rtol)
     zero = xp.asarray(np.zeros((3, 3)))
-    assert K.pi_tracenorm(zero, xp.asarray(g)) == 1.0
-    assert K.pi_tracenorm(xp.asarray(g), zero) == 1.0
+    assert float(K.pi_tracenorm(zero, xp.asarray(g))) == 1.0
+    assert float(K.pi_tracenorm(xp.asarray(g), zero)) == 1.0
     # a diagonal factor given by its diagonal
     d = xp.round_host(rng.uniform(0.5, 2, size=3))
-    assert math.isclose(K.pi_tracenorm(xp.asarray(d), xp.asarray(g)),
+    assert math.isclose(float(K.pi_tracenorm(xp.asarray(d), xp.asarray(g))),
                         math.sqrt((d.sum() / 3) / (np.trace(g) / 5)), rel_tol=xp.rtol)
 
 
@@ -193,7 +224,7 @@ def test_pi_minimises_residual_trace(seed, da, dg, damping, factor):
         res = pi * gamma * np.kron(np.eye(da), g) + gamma / pi * np.kron(a, np.eye(dg))
         return np.trace(res)
 
-    pi = K.pi_tracenorm(a, g)
+    pi = float(K.pi_tracenorm(a, g))
     assert residual_trace(pi) <= residual_trace(pi * factor) * (1 + 1e-12)
 
 
@@ -201,17 +232,20 @@ def test_pi_adjusted_damping(xp, rng):
     a = xp.round_host(random_spd(rng, 3))
     g = xp.round_host(random_spd(rng, 4))
     left, right = K.pi_adjusted_damping(xp.asarray(a), xp.asarray(g), 0.09)
-    pi = K.pi_tracenorm(xp.asarray(a), xp.asarray(g))
-    assert math.isclose(left * right, 0.09, rel_tol=1e-14)
-    assert math.isclose(left / right, pi**2, rel_tol=1e-14)
+    xp.check(left), xp.check(right)
+    left, right = float(left), float(right)
+    pi = float(K.pi_tracenorm(xp.asarray(a), xp.asarray(g)))
+    # π·√λ and √λ/π are each a few roundings in the inputs' dtype from exact
+    assert math.isclose(left * right, 0.09, rel_tol=8 * xp.eps)
+    assert math.isclose(left / right, pi**2, rel_tol=8 * xp.eps)
     # the expansion (A + l I)⊗(G + r I) = A⊗G + λI + l I⊗G + r A⊗I (dense check)
     lhs = np.kron(a + left * np.eye(3), g + right * np.eye(4))
-    rhs = (np.kron(a, g) + 0.09 * np.eye(12) + left * np.kron(np.eye(3), g)
+    rhs = (np.kron(a, g) + left * right * np.eye(12) + left * np.kron(np.eye(3), g)
            + right * np.kron(a, np.eye(4)))
     assert_allclose_normwise(lhs, rhs, 1e-13)
     two = K.pi_adjusted_damping(xp.asarray(a), xp.asarray(g), 0.09, norm_type="2_norm")
     pi2 = math.sqrt(np.linalg.norm(a, 2) / np.linalg.norm(g, 2))
-    assert math.isclose(two[0], pi2 * 0.3, rel_tol=xp.rtol)
+    assert math.isclose(float(two[0]), pi2 * 0.3, rel_tol=xp.rtol)
 
 
 # --------------------------------------------------------------------------------------
@@ -308,6 +342,12 @@ def test_kron_damped_matpower_clipping_prevents_nan(xp, rng):
     a = xp.round_host(random_psd(rng, 4, 1))
     b = xp.round_host(random_spd(rng, 2))
     x = xp.asarray(rng.standard_normal(8))
+    if not xp.float64:
+        # λ = 1e-6 is below n·eps·σ_max ≈ 3e-5 of float32: the eigenvalue noise of A is as
+        # large as the damping, so the singular-matrix rule refuses the power.
+        with pytest.raises(KFACValueError, match="numerically singular"):
+            K.kron_damped_matpower_matvec(xp.asarray(a), xp.asarray(b), x, -0.5, 1e-6, "exact")
+        return
     out = K.kron_damped_matpower_matvec(xp.asarray(a), xp.asarray(b), x, -0.5, 1e-6, "exact")
     xp.check(out)
     assert np.all(np.isfinite(xp.to_numpy(out)))
@@ -338,7 +378,7 @@ def test_error_paths(xp):
          "damped_matpower: damping must be non-negative"),
         (lambda: K.damped_matpower(m, "inv"), KFACTypeError, "exp must be a real number"),
         (lambda: K.damped_matpower(xp.asarray(np.zeros((2, 2))), -1), KFACValueError,
-         "must be positive definite for a negative exponent"),
+         "must be positive definite for the negative exponent"),
         (lambda: K.damped_cholesky(xp.asarray(-np.eye(2))), KFACValueError,
          "damped_cholesky: matrix \\+ damping·I must be positive definite"),
         (lambda: K.damped_cholesky_inverse(m, -1.0), KFACValueError, "non-negative"),
@@ -409,3 +449,48 @@ def test_kron_eigenbasis_matpower_against_dense(xp, rng, diagonal_b):
     with pytest.raises(KFACValueError, match="scale must be positive"):
         K.kron_eigenbasis_matpower(xp.asarray(s_a), None, xp.asarray(s_b), None,
                                    xp.asarray(np.ones((3, 2))), 1.0, scale=0.0)
+
+
+# --------------------------------------------------------------------------------------
+# One rule for negative powers of numerically singular matrices
+# --------------------------------------------------------------------------------------
+def _rank2(n=4):
+    x = np.random.default_rng(3).standard_normal((2, n))
+    m = x.T @ x
+    return (m + m.T) / 2
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: K.damped_matpower(m, -1.0),
+    lambda m: K.damped_matpower(m, -0.5),
+    lambda m: K.damped_inverse(m),
+    lambda m: K.damped_cholesky(m),
+    lambda m: K.damped_cholesky_inverse(m),
+    lambda m: K.kron_damped_inverse_matvec(m, np.eye(2), np.ones(8)),
+    lambda m: K.kron_damped_inverse_matvec(m, np.eye(2), np.ones(8), damping_method="exact"),
+    lambda m: K.kron_damped_matpower_matvec(m, np.eye(2), np.ones(8), -0.5),
+    lambda m: K.kron_eigenbasis_matpower(*np.linalg.eigh(m), np.ones(2), None,
+                                         np.ones((4, 2)), -1.0),
+], ids=["matpower-1", "matpower-0.5", "inverse", "cholesky", "cholesky_inverse",
+        "kron_factored", "kron_exact", "kron_matpower", "kron_eigenbasis"])
+def test_negative_powers_of_singular_matrices_all_raise(call):
+    """A rank-2 PSD 4×4 matrix at damping 0: every function refuses it with one rule (its
+    rounding-level eigenvalues once gave damped_matpower 3e16 silently)."""
+    with pytest.raises(KFACValueError, match="positive definite.*Add damping"):
+        call(_rank2())
+
+
+def test_singular_rule_is_relative_and_damping_clears_it():
+    m = _rank2()
+    # the same matrix scaled by 1e-20 is just as singular: the threshold is relative
+    with pytest.raises(KFACValueError, match="numerically singular"):
+        K.damped_matpower(1e-20 * m, -1.0)
+    # a small damping well above n·eps·σ_max makes every path accept it and agree
+    lam = 1e-6
+    expected = np.linalg.inv(m + lam * np.eye(4))
+    for got in (K.damped_matpower(m, -1.0, lam), K.damped_inverse(m, lam)):
+        assert_allclose_normwise(got, expected, 1e-6)
+    # value checks off: the rule is a value check, the arithmetic runs
+    with K.value_checks(False), np.errstate(divide="ignore"):
+        out = K.damped_matpower(m, -1.0)
+    assert out.shape == (4, 4)

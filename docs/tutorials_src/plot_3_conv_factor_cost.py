@@ -69,7 +69,7 @@ layers = [  # name, N, |T| (H*W), kh, kw, C_in, C_out
     ("7x7, 3->64 ch, 112x112, N=32", 32, 112 * 112, 7, 7, 3, 64),
 ]
 print(
-    f"{'layer':32s} {'A, G [MB]':>10s} {'exact block [GB]':>17s} {'patches [GB]':>13s} "
+    f"{'layer':29s} {'A, G [MB]':>10s} {'exact block [GB]':>17s} {'patches [GB]':>13s} "
     f"{'GEMM [GFLOP]':>13s}"
 )
 for name, n, t, kh, kw, cin, cout in layers:
@@ -78,7 +78,7 @@ for name, n, t, kh, kw, cin, cout in layers:
     block_gb = 8 * (d_a * cout) ** 2 / 1e9
     patches_gb = 8 * n * t * kh * kw * cin / 1e9
     gflop = 2 * n * t * d_a**2 / 1e9
-    print(f"{name:32s} {factors_mb:10.2f} {block_gb:17.1f} {patches_gb:13.2f} {gflop:13.1f}")
+    print(f"{name:29s} {factors_mb:10.2f} {block_gb:17.1f} {patches_gb:13.2f} {gflop:13.1f}")
 
 # %%
 # The factors are megabytes where the exact block would be gigabytes to terabytes — the
@@ -105,11 +105,9 @@ for s in sizes:
         t = num_conv_locations(xs.shape, [3, 3, 8, 16], stride, padding)
         assert patches.shape[0] * t * 3 * 3 * 8 == patches.size  # N |T| kh kw C_in
         entries[(padding, stride)].append(patches.size)
-print(
-    "patch-matrix entries at H = 64:",
-    {f"{p}, stride {st}": e[-1] for (p, st), e in entries.items()},
-)
-print("input entries at H = 64:", 8 * 64 * 64 * 8)
+print("entries at H = 64: the input", 8 * 64 * 64 * 8)
+for (padding, stride), e in entries.items():
+    print(f"  patch matrix, {padding}, stride {stride}: {e[-1]}")
 
 fig, ax = plt.subplots(figsize=(7, 4))
 for (padding, stride), e in entries.items():
@@ -156,7 +154,8 @@ for rho in rhos:
 
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.loglog(kept, errs, "o-", label="mean over 5 seeds")
-ax.loglog(kept, errs[0] * np.sqrt(kept[0] / np.array(kept)), "k:", label=r"$\propto 1/\sqrt{m}$")
+ideal = errs[0] * np.sqrt(kept[0] / np.array(kept))
+ax.loglog(kept, ideal, "k:", label=r"$\propto 1/\sqrt{m}$")
 ax.axvline(16 * 16 * 16, color="grey", ls="--", label="all patches")
 ax.set_xlabel("patch rows kept m")
 ax.set_ylabel(r"$\|\hat A - A\|_F / \|A\|_F$")

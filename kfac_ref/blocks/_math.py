@@ -42,12 +42,12 @@ from .._backend import (
 )
 from ..linalg import (
     FACTOR_NORMS,
-    _kron_eigenbasis_matpower,
-    _power_of_eigenvalues,
     clipped_eigh,
     damped_matpower,
     factor_norm,
+    kron_eigenbasis_matpower,
     pi_adjusted_damping,
+    power_of_eigenvalues,
 )
 
 __all__ = [
@@ -97,7 +97,7 @@ def _check_common(func, power, damping, scale, threshold=0.0):
 
 def _elementwise_power(func, xp, s, power):
     """``s**power`` with clear errors (one implementation: kfac_ref.linalg's)."""
-    return _power_of_eigenvalues(func, xp, s, power)
+    return power_of_eigenvalues(xp, s, power, func=func)
 
 
 def _factor_norm_is_zero(f, norm_type):
@@ -124,7 +124,8 @@ def _prepare_kron_eigen(func, xp, a, g, threshold):
 def _apply_kron_eigen(func, xp, eig, x, power, damping, scale):
     r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
     s_a, q_a, s_g, q_g = eig
-    return _kron_eigenbasis_matpower(func, xp, s_a, q_a, s_g, q_g, x, power, damping, scale)
+    return kron_eigenbasis_matpower.kernel(xp, s_a, q_a, s_g, q_g, x, power, damping, scale,
+                                            func=func)
 
 
 def _apply_kron_exact_one(xp, a, g, x, damping, scale):
@@ -139,7 +140,7 @@ def _factor_power(func, xp, f, power, delta, threshold):
     if f.ndim == 1:
         return _elementwise_power(func, xp, xp.clip(f, min=threshold) + delta, power)
     try:
-        return damped_matpower(f, power, delta, threshold)
+        return damped_matpower.kernel(xp, f, power, delta, threshold, func=func)
     except KFACValueError as exc:
         raise KFACValueError(f"{func}: a damped Kronecker factor is singular for the power "
                              f"{power} ({exc}). Add damping.") from None
@@ -166,7 +167,7 @@ def _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zer
     if norm_type == "off":
         delta_a = delta_g = math.sqrt(lam)
     else:
-        delta_a, delta_g = pi_adjusted_damping(a, g, lam, norm_type)
+        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type)
     a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
     g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
     return a_pow, g_pow, scale**power

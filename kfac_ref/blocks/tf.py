@@ -870,7 +870,8 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
             raise KFACValueError(f"{func}: exp must be -1 (FullyConnectedSeriesFB only supports "
                                  f"inverse multiplications); got {exp}.")
         xp, mat, back = self._to_mat2d(func, vector, self._a0)
-        d_a, d_g = self.factor_dampings()
+        # The series quantities take host-scalar dampings (TF's Python-float damping).
+        d_a, d_g = (float(d) for d in self.factor_dampings())
         f = _factors()
         t = self.num_uses
         if self.option == 1:
