@@ -118,6 +118,11 @@ def test_installed_suite_writes_reports_under_the_current_directory(wheel, tmp_p
     assert (work / "conformance-reports" / "kfac_ref" / "report.json").is_file()
     after = sorted(p for p in site.rglob("*") if "__pycache__" not in p.parts)
     assert after == before  # nothing written into the installed package
+    # the console script calls itself by its name
+    script = subprocess.run([str(site / "bin" / "kfac-conformance"), "--help"], cwd=work,
+                            env=env, capture_output=True, text=True, check=True).stdout
+    assert script.startswith("usage: kfac-conformance [run] [options]")
+    assert "  kfac-conformance --adapter NAME " in script
     # an unavailable peer names its recipe where the install put it
     probe = subprocess.run([sys.executable, "-m", "conformance", "--adapter", "tf_kfac"],
                            cwd=work, env={**env, "PYTHONNOUSERSITE": "1"},
