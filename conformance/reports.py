@@ -11,7 +11,8 @@ from pathlib import Path
 from .diagnosis import PITFALLS
 from .runner import RunReport
 
-__all__ = ["Progress", "terminal_summary", "write_reports", "write_matrix", "matrix_cell"]
+__all__ = ["Progress", "terminal_summary", "legend", "write_reports", "write_matrix",
+           "matrix_cell"]
 
 _CHAR = {"pass": ".", "convention": "c", "fail": "F", "error": "E", "xfail": "x", "skip": "s"}
 
@@ -50,10 +51,32 @@ def _table(rows, headers):
     return "\n".join(out)
 
 
-def terminal_summary(report: RunReport) -> str:
+#: what the summary's columns, the progress symbols and the sources of expected values mean
+LEGEND = """\
+legend: pass = agrees with the reference within the case's tolerance; pass-declared = agrees
+  once the reference is converted into the conventions the adapter declares (e.g. kron_order);
+  fail = disagrees (diagnosis: the pitfall that reproduces the adapter's numbers); error = the
+  adapter raised; xfail = an expected failure (--xfails), still diagnosed; skip = not compared
+  (unsupported, --skips), never a pass.
+progress: {symbols}
+expected values: golden = the committed golden vectors (conformance/golden, sha256-checked);
+  live = computed now by kfac_ref; golden+live = the golden vectors plus live cases they lack."""
+
+#: column headers of the summary table, by status
+_HEADERS = {"pass": "pass", "convention": "pass-declared", "fail": "fail", "error": "error",
+            "xfail": "xfail", "skip": "skip"}
+
+
+def legend() -> str:
+    """The legend printed under the terminal summary."""
+    symbols = "  ".join(f"{_CHAR[s]} {_HEADERS[s]}" for s in _CHAR)
+    return LEGEND.format(symbols=symbols)
+
+
+def terminal_summary(report: RunReport, with_legend: bool = True) -> str:
     a = report.adapter
     lines = [f"\nkfac_ref conformance — adapter {a.get('name')} {a.get('version', '')} "
-             f"(dtype {a.get('dtype')}, source {report.source})"]
+             f"(dtype {a.get('dtype')}; expected values: {report.source})"]
     nc = a.get("non_canonical_conventions") or {}
     if nc:
         lines.append("declared conventions: " + ", ".join(f"{k}={v!r}" for k, v in nc.items()))
@@ -64,13 +87,12 @@ def terminal_summary(report: RunReport) -> str:
         c = report.counts(cap)
         diags = sorted({r.diagnosis["pitfall"] for r in report.results
                         if r.capability == cap and r.diagnosis})
-        rows.append([cap, c["pass"], c["convention"], c["fail"], c["error"], c["xfail"],
-                     c["skip"], ", ".join(diags)])
+        rows.append([cap, *(c[s] for s in _HEADERS), ", ".join(diags)])
     tot = report.counts()
-    rows.append(["TOTAL", tot["pass"], tot["convention"], tot["fail"], tot["error"],
-                 tot["xfail"], tot["skip"], ""])
-    lines.append(_table(rows, ["capability", "pass", "conv", "fail", "error", "xfail", "skip",
-                               "diagnosis"]))
+    rows.append(["TOTAL", *(tot[s] for s in _HEADERS), ""])
+    lines.append(_table(rows, ["capability", *_HEADERS.values(), "diagnosis"]))
+    if with_legend:
+        lines.append(legend())
     bad = [r for r in report.results if r.status in ("fail", "error")]
     if bad:
         lines.append("\nFailures:")
@@ -117,7 +139,8 @@ def _markdown(report: RunReport) -> str:
     a = report.adapter
     out = [f"# kfac_ref conformance report: `{a.get('name')}`", "",
            f"- implementation: {a.get('description', '')} — version `{a.get('version', '')}`",
-           f"- dtype: {a.get('dtype')}; source of expected values: {report.source}",
+           f"- dtype: {a.get('dtype')}; expected values: {report.source} (golden = the committed "
+           "golden vectors, live = computed by kfac_ref)",
            f"- started {report.started} UTC, {report.duration_s:.1f} s; "
            f"Python {report.environment.get('python')}, NumPy {report.environment.get('numpy')}"
            f", kfac_ref {report.environment.get('kfac_ref')}",
@@ -129,7 +152,8 @@ def _markdown(report: RunReport) -> str:
         out.append("")
     if report.unavailable:
         out += [f"**Adapter unavailable**: {report.unavailable}", ""]
-    out += ["| capability | pass | convention | fail | error | xfail | skip | diagnosis |",
+    out += ["| capability | pass | pass under declared convention | fail | error | xfail | skip "
+            "| diagnosis |",
             "|---|---|---|---|---|---|---|---|"]
     for cap in report.capabilities():
         c = report.counts(cap)
@@ -259,4 +283,20 @@ def write_matrix(reports: list[dict], out_dir, date: str | None = None) -> dict:
     for cap in caps:
         md.append(f"| `{cap}` | " + " | ".join(_md_cell(cells[n][cap]) for n in names) + " |")
     (d / "matrix.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    _matrix_figures(data, d)
     return data
+
+
+def _matrix_figures(data: dict, out_dir: Path) -> list:
+    """The matrix as pictures (matrix.png, matrix.svg) when matplotlib is installed (the docs
+    extra); otherwise one line says why they were skipped."""
+    try:
+        from .figures import write_matrix_figures
+
+        paths = write_matrix_figures(data, out_dir)
+    except ImportError as exc:
+        print(f"matrix figures skipped: {exc} (they need matplotlib: "
+              'pip install "kfac_ref[docs]")')
+        return []
+    print("matrix figures: " + ", ".join(str(p) for p in paths))
+    return paths

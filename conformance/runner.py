@@ -126,15 +126,18 @@ def environment() -> dict:
 
 
 def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="live",
-                skips=None, xfails=None, progress=None) -> RunReport:
+                skips=None, xfails=None, progress=None, setup=True) -> RunReport:
     """Run ``cases`` against ``adapter``.
 
-    ``progress(case, result, index, total)`` is called after each case.
+    ``progress(case, result, index, total)`` is called after each case; ``setup=False`` when
+    the caller has already called ``adapter.setup()`` (the command line does, to report an
+    unavailable adapter before printing anything).
     """
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     try:
-        adapter.setup()
+        if setup:
+            adapter.setup()
         impl = adapter.implementations()
         info = adapter.info()
         unavailable = ""

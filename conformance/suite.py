@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from .adapter import AdapterUnavailable, load_adapter
+from .adapter import load_adapter
 from .catalogue import build_catalogue, capabilities
 from .golden import GOLDEN_DIR, GoldenError, load_golden
 from .runner import run_adapter
@@ -57,17 +57,15 @@ def select_cases(source="auto", families=None, capability=None, keyword=None,
 
 
 def run(adapter=None, source="auto", families=None, capability=None, keyword=None,
-        skips=None, xfails=None, progress=None, cases=None):
+        skips=None, xfails=None, progress=None, cases=None, setup=True):
     """Run one adapter (an :class:`~conformance.adapter.Adapter`, a spec string or ``None``
-    for ``$KFAC_CONFORMANCE_ADAPTER``) and return its :class:`~conformance.runner.RunReport`.
+    for ``$KFAC_CONFORMANCE_ADAPTER``) and return its :class:`~conformance.runner.RunReport`
+    (``setup=False``: the adapter is an instance already set up).
     """
     if adapter is None or isinstance(adapter, str):
-        try:
-            adapter = load_adapter(adapter)
-        except AdapterUnavailable:
-            raise
+        adapter = load_adapter(adapter)  # AdapterUnavailable propagates
     absent, label = {}, source
     if cases is None:
         cases, absent, label = select_cases(source, families, capability, keyword)
     return run_adapter(adapter, cases, capabilities(), absent=absent, source=label,
-                       skips=skips, xfails=xfails, progress=progress)
+                       skips=skips, xfails=xfails, progress=progress, setup=setup)
