@@ -75,3 +75,7 @@ __all__ = [
     "pi_adjusted_damping",
     "pi_tracenorm",
 ]
+
+from . import capabilities  # noqa: E402  (reads the modules above)
+
+capabilities._annotate_docstrings()

@@ -47,7 +47,30 @@ try:  # hypothesis profile: deterministic, CI-sized
 except ImportError:  # pragma: no cover
     pass
 
+import support_recorder  # noqa: E402  (tests/ is on sys.path for its conftest)
+
 RTOL_FACTOR = 4096.0
+
+# Every public kfac_ref object records the backends it is called with (see
+# tests/support_recorder.py and tests/test_zz_support_claims.py).
+RECORDED = support_recorder.install()
+FULL_RUN = {"value": False, "cells": ()}
+
+
+def pytest_collection_finish(session):
+    """Note whether this run is the whole suite on the whole matrix: only then can the
+    support claims be compared with what was exercised."""
+    import pathlib
+
+    tests_dir = pathlib.Path(__file__).parent
+    files = {p.name for p in tests_dir.glob("test_*.py")}
+    seen = {pathlib.Path(str(item.fspath)).name for item in session.items}
+    opt = session.config.option
+    FULL_RUN["value"] = (files <= seen and not opt.keyword and not opt.markexpr
+                         and not os.environ.get("KFAC_REF_BACKENDS")
+                         and not opt.lf and not getattr(opt, "deselect", None))
+    FULL_RUN["cells"] = tuple(p.id for p in _backends()
+                              if not any(m.name == "skip" for m in p.marks))
 
 
 @dataclass(frozen=True)
@@ -168,9 +191,26 @@ def _backends():
 
         params.append(pytest.param(("torch-cpu", atorch, torch.device("cpu"), torch.float64,
                                     True), id="torch-cpu"))
+        params.append(pytest.param(("torch-cpu-float32", atorch, torch.device("cpu"),
+                                    torch.float32, False), id="torch-cpu-float32"))
     except ImportError:
         params.append(pytest.param(None, id="torch-cpu",
                                    marks=pytest.mark.skip(reason="torch not installed")))
+    try:
+        import jax
+
+        # float64 JAX arrays need x64 mode, switched on for the whole session before any
+        # array exists; the float32 cell asks for float32 explicitly.
+        jax.config.update("jax_enable_x64", True)
+        import jax.numpy as jnp
+
+        cpu = jax.devices("cpu")[0]
+        params.append(pytest.param(("jax", jnp, cpu, jnp.float64, True), id="jax"))
+        params.append(pytest.param(("jax-float32", jnp, cpu, jnp.float32, False),
+                                   id="jax-float32"))
+    except ImportError:
+        params.append(pytest.param(None, id="jax",
+                                   marks=pytest.mark.skip(reason="jax not installed")))
     try:
         import cupy
 

@@ -1,0 +1,222 @@
+r"""Declared capabilities: which backends, transformations and lazy arrays each public
+function and class supports — one table, read by the docstrings, the docs and the tests.
+
+Every public object of kfac_ref has a :class:`Support` entry with one state per column:
+
+.. math::
+
+   \text{state}(f, c) \in \{\text{yes}, \text{no}, \text{untested}\}, \qquad
+   c \in \{\text{numpy}, \text{array\_api\_strict}, \text{torch}, \text{jax}, \text{cupy},
+   \text{jit}, \text{vmap}, \text{dask}\}
+
+* **yes** — supported, and the test matrix exercises it (a test fails when a "yes" of an
+  eager backend was not exercised by a full run of the suite on that backend's cells, and
+  the ``jax.jit``/``jax.vmap``/Dask tests are generated from the "yes" entries);
+* **no** — not supported, with the reason; calling it that way raises a clear
+  :class:`~kfac_ref.KFACInputError` (tested);
+* **untested** — may work, but nothing checks it.
+
+The eager columns are the array libraries (array-api-strict stands for "any library that
+follows the standard", including its restricted devices and its float32-only device).  The
+``cupy`` column is exercised only on a machine with a CUDA GPU.  ``jit`` is ``jax.jit`` of
+the call with every array argument traced; ``vmap`` is ``jax.vmap`` over a leading batch
+of independent problems; ``dask`` is a Dask array chunked along the batch axis, computed
+chunk by chunk (value checks are skipped for lazy arrays, see :func:`kfac_ref.value_checks`).
+
+The table is :func:`support_table`; each public object's docstring ends with its row, and
+the docs page *Backend support* shows all rows.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass, field, replace
+
+__all__ = ["COLUMNS", "EAGER_BACKENDS", "Support", "support_of", "support_table"]
+
+EAGER_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy")
+"""The array libraries of the eager columns."""
+
+COLUMNS = EAGER_BACKENDS + ("jit", "vmap", "dask")
+"""Every column of the support table, in order."""
+
+_STATES = ("yes", "no", "untested")
+
+
+@dataclass(frozen=True)
+class Support:
+    r"""The declared support of one public object: a state per column of
+    :data:`COLUMNS`, with the reason of every "no".
+
+    .. math::
+
+       \text{Support} : \text{COLUMNS} \to \{\text{yes}, \text{no}, \text{untested}\}
+
+    Attributes
+    ----------
+    states : dict
+        Column name → ``"yes"``, ``"no"`` or ``"untested"``.
+    reasons : dict
+        Column name → why it is ``"no"`` (shown in the docs and raised in the error).
+    """
+
+    states: dict = field(default_factory=dict)
+    reasons: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for col, state in self.states.items():
+            if col not in COLUMNS:
+                raise ValueError(f"Support: unknown column {col!r}; the columns are {COLUMNS}.")
+            if state not in _STATES:
+                raise ValueError(f"Support: state of {col!r} must be one of {_STATES}; "
+                                 f"got {state!r}.")
+        for col in self.reasons:
+            if self.states.get(col) != "no":
+                raise ValueError(f"Support: a reason is given for {col!r}, which is not 'no'.")
+
+    def state(self, column: str) -> str:
+        """The state of ``column`` (``"untested"`` when not declared)."""
+        return self.states.get(column, "untested")
+
+    def with_states(self, reasons=None, **states) -> Support:
+        """A copy with the given columns set (and reasons for the ``"no"`` ones)."""
+        return replace(self, states={**self.states, **states},
+                       reasons={**self.reasons, **(reasons or {})})
+
+
+# Every public object supports the eager backends; the suite runs each test on every cell
+# of the matrix (numpy, array-api-strict on three devices, torch float64/float32,
+# jax float64/float32, cupy where a GPU is present).
+_EAGER = Support({b: "yes" for b in EAGER_BACKENDS})
+
+# Overrides, by dotted name of the object where it is documented.  The jit, vmap and dask
+# columns say "yes" only where tests/test_jit.py and tests/test_dask.py run the object.
+_DECLARED: dict[str, dict] = {
+    "kfac_ref.linalg.compute_cov": {"jit": "yes", "vmap": "yes", "dask": "yes"},
+    "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes"},
+    "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes"},
+    "kfac_ref.linalg.kron_matmat": {"jit": "yes"},
+    "kfac_ref.linalg.damped_matpower": {"jit": "yes"},
+    "kfac_ref.linalg.damped_inverse": {"jit": "yes"},
+    "kfac_ref.linalg.pi_tracenorm": {"jit": "yes"},
+    "kfac_ref.linalg.pi_adjusted_damping": {"jit": "yes"},
+    "kfac_ref.linalg.factor_norm": {"jit": "yes"},
+    "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes"},
+    "kfac_ref.averaging.weighted_accumulate": {"jit": "yes"},
+    "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.factors.conv.conv_input_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.factors.conv.conv_output_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"dask": "yes"},
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"dask": "yes"},
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"dask": "yes"},
+}
+
+
+def _public_modules():
+    import kfac_ref
+
+    yield kfac_ref
+    for info in pkgutil.walk_packages(kfac_ref.__path__, "kfac_ref."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            yield importlib.import_module(info.name)
+
+
+def _canonical_names() -> dict[int, tuple[str, object]]:
+    """id(object) → (dotted name in the most specific public module exporting it, object),
+    for every public function and class (the module its docs page lives in)."""
+    found: dict[int, tuple[str, object]] = {}
+    for mod in _public_modules():
+        for name in getattr(mod, "__all__", ()):
+            obj = getattr(mod, name, None)
+            if not callable(obj) or isinstance(obj, type) and issubclass(obj, BaseException):
+                continue
+            dotted = f"{mod.__name__}.{name}"
+            old = found.get(id(obj))
+            # the module that defines it, else the most specific one that exports it
+            defined_here = getattr(obj, "__module__", None) == mod.__name__
+            if (old is None or defined_here
+                    or (old[1].__module__ != old[0].rsplit(".", 1)[0]
+                        and dotted.count(".") > old[0].count("."))):
+                found[id(obj)] = (dotted, obj)
+    return found
+
+
+_TABLE: dict[str, Support] | None = None
+
+
+def support_table() -> dict[str, Support]:
+    r"""Every public function and class, by the dotted name of its documentation page,
+    with its declared :class:`Support`.
+
+    .. math::
+
+       \{\, \text{name}(f) \mapsto \text{Support}(f) \;:\; f \in \text{public API} \,\}
+    """
+    global _TABLE
+    if _TABLE is None:
+        table = {dotted: _EAGER for dotted, _ in sorted(_canonical_names().values())}
+        for dotted, states in _DECLARED.items():
+            if dotted in table:  # a stale name is reported by unknown_declarations()
+                table[dotted] = table[dotted].with_states(**states)
+        _TABLE = table
+    return _TABLE
+
+
+def unknown_declarations() -> list[str]:
+    """Declared names that are not public objects (a renamed or moved object); the test
+    suite requires this to be empty."""
+    return sorted(set(_DECLARED) - set(support_table()))
+
+
+def support_of(obj) -> Support:
+    r"""The declared :class:`Support` of a public function or class (or of its dotted
+    name).
+
+    .. math::
+
+       \text{support\_of}(f) = \text{support\_table}()[\text{name}(f)]
+    """
+    table = support_table()
+    if isinstance(obj, str):
+        return table[obj]
+    entry = _canonical_names().get(id(obj))
+    if entry is None:
+        raise KeyError(f"support_of: {obj!r} is not a public function or class of kfac_ref.")
+    return table[entry[0]]
+
+
+_SYMBOL = {"yes": "yes", "no": "no", "untested": "–"}
+
+
+def docstring_row(support: Support) -> str:
+    """The reST lines appended to a public docstring: one line per state."""
+    groups = {s: [c for c in COLUMNS if support.state(c) == s] for s in _STATES}
+    lines = ["", "", ".. rubric:: Backend support", ""]
+    if groups["yes"]:
+        lines.append("Supported and tested: " + ", ".join(
+            "cupy (on a CUDA GPU)" if c == "cupy" else c for c in groups["yes"]) + ".")
+    for col in groups["no"]:
+        lines.append(f"Not supported: {col} ({support.reasons.get(col, 'see the docs')}).")
+    if groups["untested"]:
+        lines.append("Not tested: " + ", ".join(groups["untested"]) + ".")
+    lines.append("See the docs page *Backend support*.")
+    return "\n".join(lines) + "\n"
+
+
+def _annotate_docstrings() -> None:
+    """Append each public object's support row to its docstring (once)."""
+    for dotted, obj in _canonical_names().values():
+        doc = obj.__doc__ or ""
+        if ".. rubric:: Backend support" in doc:
+            continue
+        try:
+            obj.__doc__ = _dedented(doc) + docstring_row(support_table()[dotted])
+        except (AttributeError, TypeError):  # builtins and slots that refuse a new __doc__
+            continue
+
+
+def _dedented(doc: str) -> str:
+    import inspect
+
+    return inspect.cleandoc(doc)

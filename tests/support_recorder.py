@@ -1,0 +1,106 @@
+"""Which public objects the test run called, on which backend — the evidence behind the
+"yes" entries of :mod:`kfac_ref.capabilities`.
+
+At the start of the session every public function and class of kfac_ref is wrapped once
+(every module attribute that exports it gets the same wrapper, so identities hold): a
+call records ``(dotted name, backend)`` for the first array among its arguments, where the
+backend is the array library (``numpy``, ``array_api_strict``, ``torch``, ``jax``,
+``cupy``, ``dask``).  Calls made from inside kfac_ref count too; kfac_ref's own code calls
+kernels, not public functions, so these are rare.  ``tests/test_zz_support_claims.py``
+compares the record with the declarations at the end of a full run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+
+import array_api_compat
+
+CALLS: set[tuple[str, str]] = set()
+
+
+def _backend(x):
+    if array_api_compat.is_dask_array(x):
+        return "dask"
+    if array_api_compat.is_jax_array(x):
+        return "jax"
+    if array_api_compat.is_torch_array(x):
+        return "torch"
+    if array_api_compat.is_cupy_array(x):
+        return "cupy"
+    if array_api_compat.is_numpy_array(x):
+        return "numpy"
+    if array_api_compat.is_array_api_obj(x):
+        ns = array_api_compat.array_namespace(x)
+        if array_api_compat.is_array_api_strict_namespace(ns):
+            return "array_api_strict"
+    return None
+
+
+def _first_backend(args, kwargs):
+    stack = list(args) + list(kwargs.values())
+    for _ in range(3):  # arrays inside tuples, lists and dicts (params, vectors), 2 levels
+        nested = []
+        for a in stack:
+            b = _backend(a)
+            if b is not None:
+                return b
+            if isinstance(a, (tuple, list)):
+                nested.extend(a)
+            elif isinstance(a, dict):
+                nested.extend(a.values())
+        stack = nested
+    return None
+
+
+def _wrap_function(dotted, fn):
+    @functools.wraps(fn)
+    def recorded(*args, **kwargs):
+        b = _first_backend(args, kwargs)
+        if b is not None:
+            CALLS.add((dotted, b))
+        return fn(*args, **kwargs)
+
+    return recorded
+
+
+def _wrap_class(names_of_class, cls):
+    """Record construction (by the constructed class, so subclasses count as themselves)."""
+    init = cls.__dict__.get("__init__")
+    if init is None or getattr(init, "_kfac_recorded", False):
+        return
+    @functools.wraps(init)
+    def recorded_init(self, *args, **kwargs):
+        name = names_of_class.get(type(self))
+        b = _first_backend(args, kwargs)
+        if name is not None and b is not None:
+            CALLS.add((name, b))
+        return init(self, *args, **kwargs)
+
+    recorded_init._kfac_recorded = True
+    cls.__init__ = recorded_init
+
+
+def install():
+    """Wrap every public object; returns the dotted names that are recorded."""
+    import kfac_ref
+    from kfac_ref import capabilities
+
+    names = {id(obj): (dotted, obj) for dotted, obj in capabilities._canonical_names().values()}
+    classes = {obj: dotted for dotted, obj in names.values() if isinstance(obj, type)}
+    for cls in classes:  # every class in the MRO that defines __init__ records its own type
+        for base in cls.__mro__:
+            if base.__module__.startswith("kfac_ref"):
+                _wrap_class(classes, base)
+    wrappers = {i: _wrap_function(d, o) for i, (d, o) in names.items()
+                if not isinstance(o, type)}
+    mods = [kfac_ref] + [importlib.import_module(m.name) for m in pkgutil.walk_packages(
+        kfac_ref.__path__, "kfac_ref.")]
+    for mod in mods:
+        for attr, value in list(vars(mod).items()):
+            w = wrappers.get(id(value))
+            if w is not None:
+                setattr(mod, attr, w)
+    return {d for d, _ in names.values()}
