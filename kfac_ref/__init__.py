@@ -10,13 +10,14 @@ the top level, every K-FAC family in its submodule.
 * :mod:`kfac_ref.losses` — loss functions with their Fisher/GGN factor products;
 * :mod:`kfac_ref.blocks` — TF K-FAC Fisher blocks and kfac-jax curvature blocks;
 * :mod:`kfac_ref.nn` — reference layers and networks with explicit derivatives;
-* :mod:`kfac_ref.curvature` — exact curvature and the block-diagonal estimator.
+* :mod:`kfac_ref.curvature` — exact curvature and the block-diagonal estimator;
+* :mod:`kfac_ref.optim` — the reference K-FAC optimiser step (kfac-jax and TF K-FAC rules).
 
 All functions accept arrays of any array-API library (NumPy, CuPy, PyTorch, JAX,
 array-api-strict) and return arrays of the same library, device and floating dtype.
 """
 
-from . import averaging, blocks, curvature, factors, linalg, losses, nn, patches
+from . import averaging, blocks, curvature, factors, linalg, losses, nn, optim, patches
 from ._backend import KFACInputError, KFACTypeError, KFACValueError, value_checks
 from .averaging import MovingAverageVariable, WeightedMovingAverage, weighted_accumulate
 from .linalg import (
@@ -49,6 +50,7 @@ __all__ = [
     "linalg",
     "losses",
     "nn",
+    "optim",
     "patches",
     "KFACInputError",
     "KFACTypeError",
