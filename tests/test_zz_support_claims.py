@@ -8,12 +8,11 @@ with that library's arrays (recorded by tests/support_recorder.py).  On a partia
 
 from __future__ import annotations
 
+import conftest
 import pytest
+import support_recorder
 
 from kfac_ref import capabilities
-
-import conftest
-import support_recorder
 
 _CELL_TO_COLUMN = {"numpy": "numpy", "strict": "array_api_strict", "torch-cpu": "torch",
                    "jax": "jax", "cupy": "cupy"}
