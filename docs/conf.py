@@ -78,6 +78,7 @@ extensions = [
     "kfac_apidoc",
     "kfac_markdown_pages",
     "kfac_matrix",
+    "kfac_support",
 ]
 
 exclude_patterns = ["_build", "_static", "**.ipynb_checkpoints", "tutorials_src"]

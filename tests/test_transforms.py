@@ -1,0 +1,116 @@
+"""``jax.jit`` and ``jax.vmap`` of the objects declared "yes" for them in
+:mod:`kfac_ref.capabilities`, against the eager NumPy result on the same data.
+
+The parametrisation is generated from the declarations: every declared "yes" must have a
+case here (a test fails otherwise), and every case must be declared.  Inside a trace the
+value checks are skipped (tracers are lazy); shapes and options are still checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kfac_ref
+from kfac_ref import averaging, capabilities, factors, linalg
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+jax.config.update("jax_enable_x64", True)
+
+
+def _spd(rng, n):
+    x = rng.standard_normal((2 * n, n))
+    return x.T @ x / (2 * n) + 0.1 * np.eye(n)
+
+
+# name -> (function of arrays, arrays built from a Generator); the same function is run
+# eagerly on NumPy and under the transformation on JAX.
+JIT_CASES = {
+    "kfac_ref.linalg.compute_cov": (
+        lambda x: linalg.compute_cov(x), lambda r: (r.standard_normal((20, 4)),)),
+    "kfac_ref.linalg.append_homog": (
+        lambda x: linalg.append_homog(x), lambda r: (r.standard_normal((5, 3)),)),
+    "kfac_ref.linalg.kron_matvec": (
+        lambda a, b, v: linalg.kron_matvec(a, b, v),
+        lambda r: (_spd(r, 3), _spd(r, 2), r.standard_normal((3, 2)))),
+    "kfac_ref.linalg.kron_matmat": (
+        lambda a, b, v: linalg.kron_matmat(a, b, v),
+        lambda r: (_spd(r, 3), _spd(r, 2), r.standard_normal((6, 4)))),
+    "kfac_ref.linalg.damped_matpower": (
+        lambda m, d: linalg.damped_matpower(m, -0.5, d), lambda r: (_spd(r, 4), np.array(0.1))),
+    "kfac_ref.linalg.damped_inverse": (
+        lambda m: linalg.damped_inverse(m, 0.1), lambda r: (_spd(r, 4),)),
+    "kfac_ref.linalg.pi_tracenorm": (
+        lambda a, g: linalg.pi_tracenorm(a, g), lambda r: (_spd(r, 4), _spd(r, 3))),
+    "kfac_ref.linalg.pi_adjusted_damping": (
+        lambda a, g: linalg.pi_adjusted_damping(a, g, 0.01)[0],
+        lambda r: (_spd(r, 4), _spd(r, 3))),
+    "kfac_ref.linalg.factor_norm": (
+        lambda a: linalg.factor_norm(a, "avg_fro"), lambda r: (_spd(r, 4),)),
+    "kfac_ref.linalg.kron_damped_inverse_matvec": (
+        lambda a, g, v: linalg.kron_damped_inverse_matvec(a, g, v, damping=0.01),
+        lambda r: (_spd(r, 4), _spd(r, 3), r.standard_normal((4, 3)))),
+    "kfac_ref.averaging.weighted_accumulate": (
+        lambda old, new: averaging.weighted_accumulate(old, new, 0.9, 0.1),
+        lambda r: (r.standard_normal((3, 3)), r.standard_normal((3, 3)))),
+    "kfac_ref.factors.dense.fully_connected_kronecker_factor": (
+        lambda x: factors.fully_connected_kronecker_factor(x, has_bias=True),
+        lambda r: (r.standard_normal((16, 4)),)),
+}
+
+VMAP_CASES = {  # a leading batch of 3 independent problems
+    "kfac_ref.linalg.compute_cov": (
+        lambda x: linalg.compute_cov(x), lambda r: (r.standard_normal((3, 20, 4)),)),
+    "kfac_ref.linalg.append_homog": (
+        lambda x: linalg.append_homog(x), lambda r: (r.standard_normal((3, 5, 2)),)),
+    "kfac_ref.linalg.kron_matvec": (
+        lambda a, b, v: linalg.kron_matvec(a, b, v),
+        lambda r: (np.stack([_spd(r, 3)] * 3), np.stack([_spd(r, 2)] * 3),
+                   r.standard_normal((3, 3, 2)))),
+}
+
+
+def _declared(column):
+    return sorted(n for n, s in capabilities.support_table().items() if s.state(column) == "yes")
+
+
+@pytest.mark.parametrize("column,cases", [("jit", JIT_CASES), ("vmap", VMAP_CASES)])
+def test_cases_are_the_declarations(column, cases):
+    assert sorted(cases) == _declared(column)
+
+
+def _run(transform, name, cases):
+    fn, make = cases[name]
+    host = make(np.random.default_rng(20261203))
+    if transform == "jit":
+        expected = np.asarray(fn(*host))
+        got = jax.jit(fn)(*(jnp.asarray(h) for h in host))
+    else:
+        expected = np.stack([np.asarray(fn(*(h[i] for h in host))) for i in range(3)])
+        got = jax.vmap(fn)(*(jnp.asarray(h) for h in host))
+    got = np.asarray(got)
+    assert got.shape == expected.shape
+    scale = max(float(np.max(np.abs(expected))), 1e-300)
+    assert float(np.max(np.abs(got - expected))) <= 1e-12 * scale
+
+
+@pytest.mark.parametrize("name", _declared("jit"))
+def test_jit(name):
+    _run("jit", name, JIT_CASES)
+
+
+@pytest.mark.parametrize("name", _declared("vmap"))
+def test_vmap(name):
+    _run("vmap", name, VMAP_CASES)
+
+
+def test_value_checks_skipped_under_jit_but_not_shape_checks():
+    @jax.jit
+    def f(x):
+        return kfac_ref.compute_cov(x)
+
+    out = f(jnp.asarray(np.array([[np.nan, 1.0], [0.0, 1.0]])))
+    assert np.isnan(np.asarray(out)).any()
+    with pytest.raises(ValueError, match="compute_cov: tensor must be a 2-D array"):
+        f(jnp.zeros((2, 2, 2)))
