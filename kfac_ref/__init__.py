@@ -80,4 +80,4 @@ __all__ = [
 
 from . import capabilities  # noqa: E402  (reads the modules above)
 
-capabilities._annotate_docstrings()
+capabilities.annotate_docstrings()

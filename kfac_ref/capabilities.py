@@ -204,8 +204,9 @@ def docstring_row(support: Support) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _annotate_docstrings() -> None:
-    """Append each public object's support row to its docstring (once)."""
+def annotate_docstrings() -> None:
+    """Append each public object's support row to its docstring (once; called by
+    ``kfac_ref/__init__.py``, not part of the public API)."""
     for dotted, obj in _canonical_names().values():
         doc = obj.__doc__ or ""
         if ".. rubric:: Backend support" in doc:
