@@ -69,6 +69,7 @@ import numpy as np  # host-side only: index arithmetic for one-hot rows and the 
 from ._backend import (
     KFACTypeError,
     KFACValueError,
+    any_true,
     asarray_like,
     check_array,
     check_bool,
@@ -992,7 +993,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
                                 f"got {describe(mask)}.")
         m = xp.astype(mask, self._logits.dtype)
         bad = ~((m == 0.0) | (m == 1.0))
-        if checks_values(mask) and bool(xp.any(bad)):
+        if checks_values(mask) and any_true(xp, bad):
             raise KFACValueError(f"{func}: mask must hold only 0 and 1; got "
                                  f"{int(xp.sum(xp.astype(bad, xp.int32)))} other value(s).")
         return m
@@ -1002,7 +1003,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         n, k = self._logits.shape
         check_array(func, "targets", targets, shape=(n,), dtype="integral",
                     layout="[N] of class indices")
-        if n and checks_values(targets) and bool(xp.any((targets < 0) | (targets >= k))):
+        if n and checks_values(targets) and any_true(xp, (targets < 0) | (targets >= k)):
             raise KFACValueError(
                 f"{func}: targets must be class indices in [0, {k}); got values in "
                 f"[{int(xp.min(targets))}, {int(xp.max(targets))}].")
@@ -1165,8 +1166,8 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
             raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
                                 f"array; got {describe(targets)}.")
         y = xp.astype(targets, self._logits.dtype)
-        if n and k and checks_values(targets) and (bool(xp.any(~((y == 0.0) | (y == 1.0))))
-                        or bool(xp.any(xp.sum(y, axis=-1) != 1.0))):
+        if n and k and checks_values(targets) and (any_true(xp, ~((y == 0.0) | (y == 1.0)))
+                                                   or any_true(xp, xp.sum(y, axis=-1) != 1.0)):
             raise KFACValueError(f"{func}: targets must be one-hot rows (entries 0/1, exactly "
                                  f"one 1 per row); got {describe(targets)} that is not.")
         return y
@@ -1246,7 +1247,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
             raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
                                 f"array; got {describe(targets)}.")
         y = xp.astype(targets, self._logits.dtype)
-        if size_of(y) and checks_values(targets) and bool(xp.any((y < 0.0) | (y > 1.0))):
+        if size_of(y) and checks_values(targets) and any_true(xp, (y < 0.0) | (y > 1.0)):
             raise KFACValueError(f"{func}: targets must lie in [0, 1]; got values in "
                                  f"[{float(xp.min(y))}, {float(xp.max(y))}].")
         return y
@@ -1551,7 +1552,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
                     layout="[N, d] like mean")
         self._mean = mean
         self._set_weight(func, weight)
-        if size_of(variance) and checks_values(variance) and not bool(xp.all(variance > 0.0)):
+        if size_of(variance) and checks_values(variance) and any_true(xp, ~(variance > 0.0)):
             raise KFACValueError(
                 f"{func}: variance must be strictly positive; got minimum "
                 f"{float(xp.min(variance))!r}.")
