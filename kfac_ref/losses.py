@@ -30,7 +30,7 @@ Conventions (shared by every class)
   statistics: with :math:`g_n = J_n^\top \sqrt{w} B_n u_n` the back-propagated vectors
   (:math:`u_n` a one-hot, Rademacher or sampled-target direction), the Kronecker factor is
   the per-example average :math:`G = \frac1N \sum_n g_n g_n^\top`
-  (kfac_ref DESIGN, "Factors"), which is the curvature of :math:`\mathcal L`.  Dividing the
+  (see the docs page *Conventions*), which is the curvature of :math:`\mathcal L`.  Dividing the
   loss (or the factors) by N as well counts it twice: the :math:`1/N^2` pitfall.
 * **Masks** (categorical losses) are 0/1 per example; a masked-out example contributes zero
   to the loss, its gradient and every product.
@@ -41,7 +41,7 @@ Conventions (shared by every class)
   teaching; the matrix-free products are what an optimiser uses.
 * **Validation, once.**  The constructor checks the inputs (shape, dtype, namespace,
   device, one precision; values — finite, masks 0/1, targets in range, variances positive —
-  on eager arrays while :func:`kfac_ref.value_checks` is on) and each public method checks
+  on eager arrays while ``kfac_ref.value_checks`` is on) and each public method checks
   only its own arguments, then runs the unchecked computation of the same name in
   ``loss.kernels`` (the internal API that :mod:`kfac_ref.curvature.exact` uses).  Nothing
   reads array values without a value check, so the products run under ``jax.jit``.
@@ -267,9 +267,9 @@ class LossFunction(abc.ABC):
     :math:`1/N` of :math:`\mathcal L` (see the module docstring).
 
     Every public method validates its arguments once and then runs the unchecked
-    computation of the same name in :attr:`kernels`; the constructor validates the inputs
+    computation of the same name in ``kernels``; the constructor validates the inputs
     once.  Code that has already validated its vectors (the exact curvature of
-    :mod:`kfac_ref.curvature.exact`) calls :attr:`kernels` directly.
+    :mod:`kfac_ref.curvature.exact`) calls ``kernels`` directly.
 
     Parameters
     ----------
@@ -323,7 +323,7 @@ class LossFunction(abc.ABC):
         :math:`F_n v_n` instead of :math:`w F_n v_n`).  The caller guarantees what the public
         method checks: vectors shaped like the inputs in their namespace, device and
         dtype; indices as tuples of in-range ints; a ``coefficient_mode`` from
-        :data:`COEFFICIENT_MODES`; targets as returned by validation, or ``None`` for the
+        ``COEFFICIENT_MODES``; targets as returned by validation, or ``None`` for the
         construction-time targets.
         """
         return self._kernels_class(self)
@@ -919,11 +919,13 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     .. math::
 
-        p = \mathrm{softmax}(z),\qquad \ell(y) = -\log p_y = \log\textstyle\sum_j e^{z_j} - z_y,
-        \qquad \nabla_z \ell = p - e_y,
-
-        F = G = \nabla^2_z \ell = \mathrm{diag}(p) - p p^\top,\qquad
-        B = \mathrm{diag}(\sqrt p) - p\,\sqrt{p}^{\,\top},\qquad B B^\top = F
+        \begin{aligned}
+        p &= \mathrm{softmax}(z), \\
+        \ell(y) &= -\log p_y = \log\textstyle\sum_j e^{z_j} - z_y, \\
+        \nabla_z \ell &= p - e_y, \\
+        F = G = \nabla^2_z \ell &= \mathrm{diag}(p) - p p^\top, \\
+        B &= \mathrm{diag}(\sqrt p) - p\,\sqrt{p}^{\,\top}, \qquad B B^\top = F
+        \end{aligned}
 
     (the last identity uses :math:`\sqrt p^{\,\top}\sqrt p = 1`).  :math:`F` is singular
     (:math:`F\mathbf 1 = 0`: adding a constant to all logits changes nothing), and so is
@@ -1130,8 +1132,11 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
 
     .. math::
 
-        \ell(y) = -\sum_c y_c \log p_c,\qquad y\in\{e_1,\dots,e_k\},\qquad
-        F = G = \mathrm{diag}(p) - p p^\top,\quad B = \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
+        \begin{aligned}
+        \ell(y) &= -\sum_c y_c \log p_c, \qquad y\in\{e_1,\dots,e_k\}, \\
+        F = G &= \mathrm{diag}(p) - p p^\top, \\
+        B &= \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
+        \end{aligned}
 
     Identical to :class:`~kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss` (same
     Fisher, factors and mask semantics) except that targets and samples are one-hot rows
@@ -1371,7 +1376,8 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     References
     ----------
-    kfac-jax ``NormalMeanNegativeLogProbLoss``; FORMULAS.md §5 (variance conventions).
+    kfac-jax ``NormalMeanNegativeLogProbLoss``; the docs page *Losses: output curvature and
+    its factors* (variance conventions); curvlinops issue #82.
     """
 
     _dependant_names = ("mean",)
@@ -1486,12 +1492,13 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     .. math::
 
-        \ell = \sum_j \Big[\frac{r_j^2}{2v_j} + \tfrac12\log(2\pi v_j)\Big],\qquad
-        \nabla_{\mu_j}\ell = -\frac{r_j}{v_j},\qquad
-        \nabla_{v_j}\ell = \frac{1}{2v_j} - \frac{r_j^2}{2v_j^2},
-
-        F = \mathrm{diag}\Big(\frac1{v},\ \frac{1}{2v^2}\Big),\qquad
-        B = B^\top = \mathrm{diag}\Big(\frac{1}{\sqrt v},\ \frac{1}{\sqrt2\,v}\Big)
+        \begin{aligned}
+        \ell &= \sum_j \Big[\frac{r_j^2}{2v_j} + \tfrac12\log(2\pi v_j)\Big], \\
+        \nabla_{\mu_j}\ell &= -\frac{r_j}{v_j}, \qquad
+        \nabla_{v_j}\ell = \frac{1}{2v_j} - \frac{r_j^2}{2v_j^2}, \\
+        F &= \mathrm{diag}\Big(\frac1{v},\ \frac{1}{2v^2}\Big), \\
+        B &= B^\top = \mathrm{diag}\Big(\frac{1}{\sqrt v},\ \frac{1}{\sqrt2\,v}\Big)
+        \end{aligned}
 
     in the ``[mean, variance]`` parameterisation (the inner shape of the factor is
     ``[N, 2d]``, mean coordinates first, as in kfac-jax).

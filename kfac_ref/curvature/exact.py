@@ -15,10 +15,10 @@ flattened row-major) and the per-example matrices of the loss (which include :ma
 
 .. math::
 
-    G &= \frac1N \sum_n J_n^\top\, G_n\, J_n \quad\text{(GGN)}, &
-    F &= \frac1N \sum_n J_n^\top\, F_n\, J_n \quad\text{(Fisher)},\\
-    \mathrm{EF} &= \frac1N \sum_n \nabla\ell_n \nabla\ell_n^\top \quad\text{(empirical Fisher)}, &
-    H &= \nabla^2_\theta \mathcal L \quad\text{(Hessian)}.
+    G &= \frac1N \sum_n J_n^\top\, G_n\, J_n \quad \text{(GGN)}, \\
+    F &= \frac1N \sum_n J_n^\top\, F_n\, J_n \quad \text{(Fisher)}, \\
+    \mathrm{EF} &= \frac1N \sum_n \nabla\ell_n \nabla\ell_n^\top \quad \text{(empirical Fisher)}, \\
+    H &= \nabla^2_\theta \mathcal L \quad \text{(Hessian)}.
 
 Parameters are flat vectors of length :math:`P` in the canonical order of
 :meth:`kfac_ref.nn.Sequential.flatten` (layers in forward order, ``[W; b]`` row-major, bias last).
@@ -41,7 +41,7 @@ and its own vectors — and builds the loss object through ``loss_fn`` (whose co
 validates the outputs and the targets); every product with the loss then runs through the
 loss's unchecked ``loss.kernels``, and the second moments through
 ``kfac_ref.linalg.compute_cov.kernel``.  For modules that reuse the dense matrices
-(:mod:`kfac_ref.curvature.report`), :func:`evaluate_batch` does the validation in the name of
+(``kfac_ref.curvature.report``), ``evaluate_batch`` does the validation in the name of
 the caller and ``ggn_matrix.kernel(b)``, ``fisher_matrix.kernel(b)`` and
 ``empirical_fisher_matrix.kernel(b, normalization)`` compute from its result.
 
@@ -416,7 +416,7 @@ def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
 
     ``"mean"`` (default) is TF K-FAC's and curvlinops' scale; ``"kfac_jax"`` reproduces
     kfac-jax's ``fisher_empirical``, whose back-propagated vectors are divided by
-    :math:`\sqrt N` (FORMULAS.md §5).
+    :math:`\sqrt N` (see the docs page *Estimation modes*).
 
     Raises
     ------
@@ -442,9 +442,11 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
 
     .. math::
 
-        \hat F = \frac{1}{NM}\sum_{n=1}^N\sum_{m=1}^M \hat g_{nm}\hat g_{nm}^\top,\qquad
-        \hat g_{nm} = J_n^\top \sqrt{w}\,\nabla_f \ell_n(\tilde y_{nm}),\quad
+        \begin{aligned}
+        \hat F &= \frac{1}{NM}\sum_{n=1}^N\sum_{m=1}^M \hat g_{nm}\hat g_{nm}^\top, \\
+        \hat g_{nm} &= J_n^\top \sqrt{w}\,\nabla_f \ell_n(\tilde y_{nm}), \qquad
         \tilde y_{nm} \sim p(\cdot\mid f_n),
+        \end{aligned}
 
     so :math:`\mathbb E\hat F = F` (:func:`fisher_matrix`) and each entry's standard deviation
     falls like :math:`1/\sqrt{NM}`.  This is :func:`estimated_matrix` with
@@ -469,9 +471,11 @@ def hessian_matrix(net, loss_fn, params, batch):
 
     .. math::
 
-        H e_p = \nabla^2_\theta \mathcal L\, e_p \quad (p = 1..P), \qquad
-        H = G + \frac1N\sum_n \sum_d \frac{\partial (w\ell_n)}{\partial f_{n,d}}\,
+        \begin{aligned}
+        H e_p &= \nabla^2_\theta \mathcal L\, e_p \qquad (p = 1..P), \\
+        H &= G + \frac1N\sum_n \sum_d \frac{\partial (w\ell_n)}{\partial f_{n,d}}\,
         \nabla^2_\theta f_{n,d},
+        \end{aligned}
 
     each column by the R-operator pass of :func:`hessian_vector_product`.  The result is
     symmetrised, :math:`(H + H^\top)/2`, which only removes rounding.
