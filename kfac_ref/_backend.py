@@ -58,6 +58,8 @@ __all__ = [
     "is_lazy",
     "checks_values",
     "all_finite",
+    "any_true",
+    "check_eager",
     "kernel_of",
     "describe",
     "is_array",
@@ -206,9 +208,39 @@ def all_finite(xp, x) -> bool:
     """The one finiteness scan of kfac_ref: ``all(isfinite(x))`` read back to the host.
 
     Every NaN/Inf check of an argument goes through here (tests count the scans of a
-    call by wrapping it), and only :func:`check_array` calls it.
+    call by wrapping it), and only :func:`check_array` calls it.  Inside a trace
+    (``jax.jit``) even a concrete array's reduction is staged out; its answer cannot be
+    read, and the check passes as it does for a lazy argument.
     """
-    return bool(xp.all(xp.isfinite(x)))
+    return not any_true(xp, ~xp.isfinite(x))
+
+
+def any_true(xp, condition) -> bool:
+    """Whether some entry of a boolean array from a value check is true, read back to the
+    host: the one device→host read of a value check.
+
+    Returns ``False`` when the answer cannot be read now — the reduction is lazy, as it is
+    inside ``jax.jit`` even for a concrete array the traced function closes over — so a
+    value check that cannot run passes, like one on a lazy argument (see :func:`is_lazy`).
+    """
+    flag = xp.any(condition)
+    if is_lazy(flag):
+        return False
+    return bool(flag)
+
+
+def check_eager(func: str, why: str, **arrays: Any) -> None:
+    """Reject lazy arrays (JAX tracers inside ``jax.jit``, Dask arrays, ``torch.func``
+    transforms; see :func:`is_lazy`) for a function that must read values on the host.
+
+    Raises :class:`KFACTypeError` "``<func>: cannot run under jax.jit or on lazy arrays
+    (<why>); <name> must be an eager array; got ...``" for the first lazy argument.
+    """
+    for name, x in arrays.items():
+        if x is not None and is_array(x) and is_lazy(x):
+            raise KFACTypeError(
+                f"{func}: cannot run under jax.jit or on lazy arrays ({why}); {name} must be "
+                f"an eager array; got a lazy {describe(x)}.")
 
 
 def kernel_of(public: Callable) -> Callable[[Callable], Callable]:
@@ -245,6 +277,11 @@ def namespace_of(func: str, **arrays: Any):
     behind the caller's back.  Integer and boolean arrays (ids, labels, masks) may sit next
     to floating arrays of any precision.
 
+    An array whose device is unknown (``array_api_compat.device`` returns ``None``: a JAX
+    tracer inside ``jax.jit``, whose placement is decided when the computation is compiled)
+    is compatible with every device; the arrays whose devices are known must agree.  So a
+    jitted function may combine its traced arguments with concrete arrays it closes over.
+
     Parameters
     ----------
     func : str
@@ -266,17 +303,19 @@ def namespace_of(func: str, **arrays: Any):
             name, value = next(iter(arrays.items()))
             _fail(func, name, "an array", describe(value), KFACTypeError)
         raise KFACTypeError(f"{func}: expected at least one array argument; got none.")
-    name0, _, xp0, dev0 = found[0]
-    for name, _, xp, dev in found[1:]:
+    name0, _, xp0, _ = found[0]
+    known = [(name, dev) for name, _, _, dev in found if dev is not None]
+    for name, _, xp, _ in found[1:]:
         if xp is not xp0:
             raise KFACTypeError(
                 f"{func}: all arrays must come from one array namespace; {name0} is from "
                 f"{_namespace_name(xp0)} but {name} is from {_namespace_name(xp)}."
             )
-        if dev != dev0:
+    for name, dev in known[1:]:
+        if dev != known[0][1]:
             raise KFACTypeError(
-                f"{func}: all arrays must live on one device; {name0} is on {dev0!r} but "
-                f"{name} is on {dev!r}."
+                f"{func}: all arrays must live on one device; {known[0][0]} is on "
+                f"{known[0][1]!r} but {name} is on {dev!r}."
             )
     floats = [(name, x.dtype) for name, x, _, _ in found if xp0.isdtype(x.dtype, "real floating")]
     for name, dtype in floats[1:]:
@@ -385,7 +424,10 @@ def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
         rtol = math.sqrt(float(xp.finfo(x.dtype).eps))
     if _static_size(x) == 0 or not checks_values(x):
         return x
-    asym = float(xp.max(xp.abs(x - x.T)))
+    asym_arr = xp.max(xp.abs(x - x.T))
+    if is_lazy(asym_arr):  # staged out by a trace: cannot be read (see any_true)
+        return x
+    asym = float(asym_arr)
     scale = max(float(xp.max(xp.abs(x))), float(xp.finfo(x.dtype).smallest_normal))
     if asym > rtol * scale:
         _fail(func, name, "a symmetric matrix",

@@ -30,7 +30,7 @@ Conventions (shared by every class)
   statistics: with :math:`g_n = J_n^\top \sqrt{w} B_n u_n` the back-propagated vectors
   (:math:`u_n` a one-hot, Rademacher or sampled-target direction), the Kronecker factor is
   the per-example average :math:`G = \frac1N \sum_n g_n g_n^\top`
-  (kfac_ref DESIGN, "Factors"), which is the curvature of :math:`\mathcal L`.  Dividing the
+  (see the docs page *Conventions*), which is the curvature of :math:`\mathcal L`.  Dividing the
   loss (or the factors) by N as well counts it twice: the :math:`1/N^2` pitfall.
 * **Masks** (categorical losses) are 0/1 per example; a masked-out example contributes zero
   to the loss, its gradient and every product.
@@ -39,6 +39,12 @@ Conventions (shared by every class)
   flattened row-major (for ``(mean, variance)`` the mean block comes first) and :math:`K`
   the size of one example's slice of the factor's inner shape.  They are for oracles and
   teaching; the matrix-free products are what an optimiser uses.
+* **Validation, once.**  The constructor checks the inputs (shape, dtype, namespace,
+  device, one precision; values — finite, masks 0/1, targets in range, variances positive —
+  on eager arrays while ``kfac_ref.value_checks`` is on) and each public method checks
+  only its own arguments, then runs the unchecked computation of the same name in
+  ``loss.kernels`` (the internal API that :mod:`kfac_ref.curvature.exact` uses).  Nothing
+  reads array values without a value check, so the products run under ``jax.jit``.
 * **Randomness.**  ``sample(rng)`` takes an explicit :class:`numpy.random.Generator`; the
   noise is drawn on the host in float64 (``kfac_ref._backend.host_draw``) and moved to
   the inputs' device, so one seed gives the same samples on every backend.
@@ -63,14 +69,18 @@ import numpy as np  # host-side only: index arithmetic for one-hot rows and the 
 from ._backend import (
     KFACTypeError,
     KFACValueError,
+    any_true,
     asarray_like,
     check_array,
+    check_bool,
     check_option,
     check_rng,
     check_scalar,
+    checks_values,
     describe,
     eye_like,
     host_draw,
+    is_array,
     namespace_of,
     size_of,
 )
@@ -120,13 +130,123 @@ def _diag_embed(xp, d):
 
 
 def _scaled(vectors, c):
-    if c == 1.0:
+    """Multiply each array of a tuple by ``c`` (a Python float or a 0-D array)."""
+    if isinstance(c, float) and c == 1.0:
         return tuple(vectors)
     return tuple(v * c for v in vectors)
 
 
+def _sqrt(xp, c):
+    """Square root of a validated scalar: ``math.sqrt`` for a Python number, ``xp.sqrt``
+    for a 0-D array (which may be traced)."""
+    return xp.sqrt(c) if is_array(c) else math.sqrt(c)
+
+
+def _log(xp, c):
+    """Natural logarithm of a validated positive scalar (Python number or 0-D array)."""
+    return xp.log(c) if is_array(c) else math.log(c)
+
+
+def _arrays_only(**values):
+    """The entries that are arrays (0-D hyper-parameters given as arrays), for
+    :func:`~kfac_ref._backend.namespace_of`; Python numbers are left to ``check_scalar``."""
+    return {k: v for k, v in values.items() if is_array(v)}
+
+
 def _prod(shape):
     return int(math.prod(shape))
+
+
+# --------------------------------------------------------------------------------------
+# The unchecked computations (the kernels of the public methods)
+# --------------------------------------------------------------------------------------
+class _LossKernels:
+    """Unchecked computations of one loss: each method is the public method of the same
+    name without its argument checks (see :attr:`LossFunction.kernels`)."""
+
+    __slots__ = ("_loss",)
+
+    def __init__(self, loss):
+        self._loss = loss
+
+    # -- coefficients, values and gradients ---------------------------------------------
+    def coefficient(self, coefficient_mode):
+        """:math:`w`, :math:`\\sqrt w` or 1 for a validated ``coefficient_mode``."""
+        loss = self._loss
+        if coefficient_mode == "regular":
+            return loss._weight
+        if coefficient_mode == "sqrt":
+            return loss._sqrt_weight
+        return 1.0
+
+    def _targets(self, targets):
+        return self._loss.targets if targets is None else targets
+
+    def evaluate(self, targets=None, coefficient_mode="regular"):
+        return self._loss._evaluate(self._targets(targets)) * self.coefficient(coefficient_mode)
+
+    def grad_of_evaluate(self, targets=None, coefficient_mode="regular"):
+        return _scaled(self._loss._grad(self._targets(targets)),
+                       self.coefficient(coefficient_mode))
+
+    # -- GGN ------------------------------------------------------------------------------
+    def _w(self, weighted):
+        return self._loss._weight if weighted else 1.0
+
+    def _sqrt_w(self, weighted):
+        return self._loss._sqrt_weight if weighted else 1.0
+
+    def multiply_ggn(self, vector, weighted=True):
+        return _scaled(self._loss._ggn_vp(vector), self._w(weighted))
+
+    def multiply_ggn_factor(self, vector, weighted=True):
+        return _scaled(self._loss._ggn_factor_vp(vector), self._sqrt_w(weighted))
+
+    def multiply_ggn_factor_transpose(self, vector, weighted=True):
+        return self._loss._ggn_factor_t_vp(vector) * self._sqrt_w(weighted)
+
+    def multiply_ggn_factor_replicated_one_hot(self, index, weighted=True):
+        return _scaled(self._loss._ggn_one_hot(index), self._sqrt_w(weighted))
+
+    def ggn_matrix(self):
+        return self._loss._ggn_dense() * self._loss._weight
+
+    def ggn_factor_matrix(self):
+        return self._loss._ggn_factor_dense() * self._loss._sqrt_weight
+
+
+class _NegativeLogProbKernels(_LossKernels):
+    """:class:`_LossKernels` plus the Fisher, the samples and the Hessian."""
+
+    __slots__ = ()
+
+    def sample(self, rng):
+        return self._loss._sample(rng)
+
+    def grad_of_evaluate_on_sample(self, rng, coefficient_mode="regular"):
+        return _scaled(self._loss._grad(self._loss._sample(rng)),
+                       self.coefficient(coefficient_mode))
+
+    def multiply_fisher(self, vector, weighted=True):
+        return _scaled(self._loss._fisher_vp(vector), self._w(weighted))
+
+    def multiply_fisher_factor(self, vector, weighted=True):
+        return _scaled(self._loss._fisher_factor_vp(vector), self._sqrt_w(weighted))
+
+    def multiply_fisher_factor_transpose(self, vector, weighted=True):
+        return self._loss._fisher_factor_t_vp(vector) * self._sqrt_w(weighted)
+
+    def multiply_fisher_factor_replicated_one_hot(self, index, weighted=True):
+        return _scaled(self._loss._fisher_one_hot(index), self._sqrt_w(weighted))
+
+    def fisher_matrix(self):
+        return self._loss._fisher_dense() * self._loss._weight
+
+    def fisher_factor_matrix(self):
+        return self._loss._fisher_factor_dense() * self._loss._sqrt_weight
+
+    def hessian_matrix(self, targets=None):
+        return self._loss._hessian_dense(self._targets(targets)) * self._loss._weight
 
 
 # --------------------------------------------------------------------------------------
@@ -146,10 +266,17 @@ class LossFunction(abc.ABC):
     :math:`w\,\ell_n` (``[N]``, not reduced); the products act per example without the
     :math:`1/N` of :math:`\mathcal L` (see the module docstring).
 
+    Every public method validates its arguments once and then runs the unchecked
+    computation of the same name in ``kernels``; the constructor validates the inputs
+    once.  Code that has already validated its vectors (the exact curvature of
+    :mod:`kfac_ref.curvature.exact`) calls ``kernels`` directly.
+
     Parameters
     ----------
-    weight : float
-        Non-negative scalar :math:`w` that multiplies the loss (Python number).
+    weight : float or 0-D array
+        Non-negative scalar :math:`w` that multiplies the loss: a Python number, or a 0-D
+        real floating array in the inputs' namespace, device and dtype (it may be traced
+        under ``jax.jit``).
 
     Raises
     ------
@@ -161,9 +288,19 @@ class LossFunction(abc.ABC):
     kfac-jax ``LossFunction``; Martens (2014), arXiv:1412.1193, §8-9.
     """
 
+    _kernels_class = _LossKernels
+    _dependant_names: tuple = ("input",)
+    """Argument names of the parameter dependants, for error messages."""
+
     def __init__(self, weight=1.0):
-        self._weight = check_scalar(self._fname("__init__"), "weight", weight,
-                                    nonnegative=True)
+        self._set_weight(self._fname("__init__"), weight)
+
+    def _set_weight(self, func, weight):
+        self._weight = check_scalar(func, "weight", weight, nonnegative=True)
+        xp = getattr(self, "_ns", None)
+        if xp is None and is_array(self._weight):
+            xp = namespace_of(func, weight=self._weight)
+        self._sqrt_weight = _sqrt(xp, self._weight)
 
     # -- identification ------------------------------------------------------------------
     @classmethod
@@ -172,9 +309,24 @@ class LossFunction(abc.ABC):
 
     # -- properties ----------------------------------------------------------------------
     @property
-    def weight(self) -> float:
-        """The relative weight :math:`w` of the loss."""
+    def weight(self):
+        """The relative weight :math:`w` of the loss (a float, or the 0-D array given)."""
         return self._weight
+
+    @property
+    def kernels(self):
+        r"""The unchecked computations of this loss (kfac_ref's internal API).
+
+        ``loss.kernels.multiply_fisher(v)`` is ``loss.multiply_fisher(v)`` without the
+        argument checks, and likewise for every product, dense matrix, value, gradient and
+        sample (``weighted=False`` gives the ``_unweighted`` variants,
+        :math:`F_n v_n` instead of :math:`w F_n v_n`).  The caller guarantees what the public
+        method checks: vectors shaped like the inputs in their namespace, device and
+        dtype; indices as tuples of in-range ints; a ``coefficient_mode`` from
+        ``COEFFICIENT_MODES``; targets as returned by validation, or ``None`` for the
+        construction-time targets.
+        """
+        return self._kernels_class(self)
 
     @property
     def dtype(self):
@@ -244,10 +396,10 @@ class LossFunction(abc.ABC):
     def _with_inputs(self, inputs):
         """Build the same loss around new parameter dependants."""
 
-    # -- validation helpers ----------------------------------------------------------------
+    # -- validation (static always, value checks on eager arrays) --------------------------
     def _namespace(self, func, **arrays):
-        return namespace_of(func, **{f"input{i}": x for i, x in
-                                     enumerate(self.parameter_dependants)}, **arrays)
+        deps = dict(zip(self._dependant_names, self.parameter_dependants, strict=True))
+        return namespace_of(func, **deps, **_arrays_only(weight=self._weight), **arrays)
 
     def _check_vector(self, func, vector):
         """A tuple of arrays shaped like the parameter dependants, in their dtype."""
@@ -299,21 +451,17 @@ class LossFunction(abc.ABC):
         host[int(np.ravel_multi_index(index, event_shape))] = 1.0
         return asarray_like(np.reshape(host, (1, *event_shape)), self.parameter_dependants[0])
 
-    def _coefficient(self, func, coefficient_mode):
-        check_option(func, "coefficient_mode", coefficient_mode, COEFFICIENT_MODES)
-        if coefficient_mode == "regular":
-            return self.weight
-        if coefficient_mode == "sqrt":
-            return math.sqrt(self.weight)
-        return 1.0
+    def _check_mode(self, func, coefficient_mode):
+        return check_option(func, "coefficient_mode", coefficient_mode, COEFFICIENT_MODES)
 
     def _resolve_targets(self, func, targets):
+        """Validated targets, or ``None`` for the construction-time ones (which must exist)."""
         if targets is None:
             if self.targets is None:
                 raise KFACValueError(
                     f"{func}: targets must be given (the loss was built without targets); "
                     f"got None.")
-            return self.targets
+            return None
         return self._check_targets(func, targets)
 
     @abc.abstractmethod
@@ -345,9 +493,8 @@ class LossFunction(abc.ABC):
             No targets at all, targets of wrong shape or out of range, unknown mode.
         """
         func = self._fname("evaluate")
-        c = self._coefficient(func, coefficient_mode)
-        y = self._resolve_targets(func, targets)
-        return self._evaluate(y) * c
+        mode = self._check_mode(func, coefficient_mode)
+        return self.kernels.evaluate(self._resolve_targets(func, targets), mode)
 
     def grad_of_evaluate(self, targets=None, coefficient_mode="regular"):
         r"""Gradient of :math:`\sum_n c\,\ell_n(y_n)` with respect to each input.
@@ -370,9 +517,8 @@ class LossFunction(abc.ABC):
             One per parameter dependant, of its shape.
         """
         func = self._fname("grad_of_evaluate")
-        c = self._coefficient(func, coefficient_mode)
-        y = self._resolve_targets(func, targets)
-        return _scaled(self._grad(y), c)
+        mode = self._check_mode(func, coefficient_mode)
+        return self.kernels.grad_of_evaluate(self._resolve_targets(func, targets), mode)
 
     @abc.abstractmethod
     def _evaluate(self, targets):
@@ -396,12 +542,12 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        vector = self._check_vector(self._fname("multiply_ggn"), vector)
-        return _scaled(self._ggn_vp(vector), self.weight)
+        return self.kernels.multiply_ggn(self._check_vector(self._fname("multiply_ggn"), vector))
 
     def multiply_ggn_unweighted(self, vector):
         r""":math:`G_n v_n` (``multiply_ggn`` without the weight)."""
-        return self._ggn_vp(self._check_vector(self._fname("multiply_ggn_unweighted"), vector))
+        vector = self._check_vector(self._fname("multiply_ggn_unweighted"), vector)
+        return self.kernels.multiply_ggn(vector, weighted=False)
 
     def multiply_ggn_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = G_n`.
@@ -418,13 +564,13 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("multiply_ggn_factor")
         vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return _scaled(self._ggn_factor_vp(vector), math.sqrt(self.weight))
+        return self.kernels.multiply_ggn_factor(vector)
 
     def multiply_ggn_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (``multiply_ggn_factor`` without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_unweighted")
-        return self._ggn_factor_vp(
-            self._check_factor_vector(func, vector, self.ggn_factor_inner_shape))
+        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
+        return self.kernels.multiply_ggn_factor(vector, weighted=False)
 
     def multiply_ggn_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -440,12 +586,13 @@ class LossFunction(abc.ABC):
             Of shape ``ggn_factor_inner_shape`` (a single array, not a tuple).
         """
         vector = self._check_vector(self._fname("multiply_ggn_factor_transpose"), vector)
-        return self._ggn_factor_t_vp(vector) * math.sqrt(self.weight)
+        return self.kernels.multiply_ggn_factor_transpose(vector)
 
     def multiply_ggn_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_transpose_unweighted")
-        return self._ggn_factor_t_vp(self._check_vector(func, vector))
+        return self.kernels.multiply_ggn_factor_transpose(self._check_vector(func, vector),
+                                                          weighted=False)
 
     def multiply_ggn_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -465,20 +612,21 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("multiply_ggn_factor_replicated_one_hot")
         index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return _scaled(self._ggn_one_hot(index), math.sqrt(self.weight))
+        return self.kernels.multiply_ggn_factor_replicated_one_hot(index)
 
     def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_replicated_one_hot_unweighted")
-        return self._ggn_one_hot(self._check_index(func, index, self.ggn_factor_inner_shape))
+        index = self._check_index(func, index, self.ggn_factor_inner_shape)
+        return self.kernels.multiply_ggn_factor_replicated_one_hot(index, weighted=False)
 
     def ggn_matrix(self):
         r"""Dense per-example GGN :math:`w\,G_n`, shape ``[N, D, D]`` (see module docstring)."""
-        return self._ggn_dense() * self.weight
+        return self.kernels.ggn_matrix()
 
     def ggn_factor_matrix(self):
         r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
-        return self._ggn_factor_dense() * math.sqrt(self.weight)
+        return self.kernels.ggn_factor_matrix()
 
     @abc.abstractmethod
     def _ggn_vp(self, vector): ...
@@ -514,13 +662,17 @@ class NegativeLogProbLoss(LossFunction):
 
     Parameters
     ----------
-    weight : float
+    weight : float or 0-D array
         Non-negative scalar :math:`w`.
 
     References
     ----------
     kfac-jax ``NegativeLogProbLoss``; TF K-FAC ``NegativeLogProbLoss``.
     """
+
+    _kernels_class = _NegativeLogProbKernels
+    _hessian_uses_targets = True
+    """Whether the Hessian of the loss depends on the targets (false for natural params)."""
 
     @property
     def parameter_dependants(self) -> tuple:
@@ -550,8 +702,7 @@ class NegativeLogProbLoss(LossFunction):
         array
             Targets in the form ``evaluate`` accepts.
         """
-        check_rng(self._fname("sample"), "rng", rng)
-        return self._sample(rng)
+        return self.kernels.sample(check_rng(self._fname("sample"), "rng", rng))
 
     @abc.abstractmethod
     def _sample(self, rng): ...
@@ -569,8 +720,8 @@ class NegativeLogProbLoss(LossFunction):
         """
         func = self._fname("grad_of_evaluate_on_sample")
         check_rng(func, "rng", rng)
-        c = self._coefficient(func, coefficient_mode)
-        return _scaled(self._grad(self._sample(rng)), c)
+        mode = self._check_mode(func, coefficient_mode)
+        return self.kernels.grad_of_evaluate_on_sample(rng, mode)
 
     # -- Fisher products ----------------------------------------------------------------------
     def multiply_fisher(self, vector):
@@ -587,12 +738,12 @@ class NegativeLogProbLoss(LossFunction):
             Shaped like ``params``.
         """
         vector = self._check_vector(self._fname("multiply_fisher"), vector)
-        return _scaled(self._fisher_vp(vector), self.weight)
+        return self.kernels.multiply_fisher(vector)
 
     def multiply_fisher_unweighted(self, vector):
         r""":math:`F_n v_n` (without the weight)."""
-        return self._fisher_vp(
-            self._check_vector(self._fname("multiply_fisher_unweighted"), vector))
+        vector = self._check_vector(self._fname("multiply_fisher_unweighted"), vector)
+        return self.kernels.multiply_fisher(vector, weighted=False)
 
     def multiply_fisher_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = F_n`.
@@ -609,13 +760,13 @@ class NegativeLogProbLoss(LossFunction):
         """
         func = self._fname("multiply_fisher_factor")
         vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return _scaled(self._fisher_factor_vp(vector), math.sqrt(self.weight))
+        return self.kernels.multiply_fisher_factor(vector)
 
     def multiply_fisher_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_unweighted")
-        return self._fisher_factor_vp(
-            self._check_factor_vector(func, vector, self.fisher_factor_inner_shape))
+        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
+        return self.kernels.multiply_fisher_factor(vector, weighted=False)
 
     def multiply_fisher_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -631,12 +782,13 @@ class NegativeLogProbLoss(LossFunction):
             Of shape ``fisher_factor_inner_shape`` (a single array, not a tuple).
         """
         vector = self._check_vector(self._fname("multiply_fisher_factor_transpose"), vector)
-        return self._fisher_factor_t_vp(vector) * math.sqrt(self.weight)
+        return self.kernels.multiply_fisher_factor_transpose(vector)
 
     def multiply_fisher_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_transpose_unweighted")
-        return self._fisher_factor_t_vp(self._check_vector(func, vector))
+        return self.kernels.multiply_fisher_factor_transpose(self._check_vector(func, vector),
+                                                             weighted=False)
 
     def multiply_fisher_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -656,34 +808,40 @@ class NegativeLogProbLoss(LossFunction):
         """
         func = self._fname("multiply_fisher_factor_replicated_one_hot")
         index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return _scaled(self._fisher_one_hot(index), math.sqrt(self.weight))
+        return self.kernels.multiply_fisher_factor_replicated_one_hot(index)
 
     def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_replicated_one_hot_unweighted")
-        return self._fisher_one_hot(
-            self._check_index(func, index, self.fisher_factor_inner_shape))
+        index = self._check_index(func, index, self.fisher_factor_inner_shape)
+        return self.kernels.multiply_fisher_factor_replicated_one_hot(index, weighted=False)
 
     def fisher_matrix(self):
         r"""Dense per-example Fisher :math:`w\,F_n`, shape ``[N, D, D]``."""
-        return self._fisher_dense() * self.weight
+        return self.kernels.fisher_matrix()
 
     def fisher_factor_matrix(self):
         r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
-        return self._fisher_factor_dense() * math.sqrt(self.weight)
+        return self.kernels.fisher_factor_matrix()
 
     def hessian_matrix(self, targets=None):
         r"""Dense per-example Hessian :math:`w\,\nabla^2_{f}\ell_n(y_n)`, shape ``[N, D, D]``.
 
-        For natural parameters this is the Fisher and does not depend on the targets; for
+        For natural parameters this is the Fisher and does not depend on the targets (given
+        targets are validated, then not used); for
         :class:`~kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss` it does, and it is
         indefinite in general (only its expectation over :math:`y` is the Fisher).
         """
         func = self._fname("hessian_matrix")
-        return self._hessian_dense(func, targets) * self.weight
+        if self._hessian_uses_targets:
+            targets = self._resolve_targets(func, targets)
+        elif targets is not None:
+            targets = self._check_targets(func, targets)
+        return self.kernels.hessian_matrix(targets)
 
     @abc.abstractmethod
-    def _hessian_dense(self, func, targets): ...
+    def _hessian_dense(self, targets):
+        """Unweighted per-example Hessian [N, D, D] at validated targets."""
 
     @abc.abstractmethod
     def _fisher_vp(self, vector): ...
@@ -747,9 +905,9 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
     ``NaturalParamsNegativeLogProbLoss``.
     """
 
-    def _hessian_dense(self, func, targets):
-        if targets is not None:  # validated for the caller's sake, not used (y-free)
-            self._check_targets(func, targets)
+    _hessian_uses_targets = False
+
+    def _hessian_dense(self, targets):
         return self._fisher_dense()
 
 
@@ -761,11 +919,13 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     .. math::
 
-        p = \mathrm{softmax}(z),\qquad \ell(y) = -\log p_y = \log\textstyle\sum_j e^{z_j} - z_y,
-        \qquad \nabla_z \ell = p - e_y,
-
-        F = G = \nabla^2_z \ell = \mathrm{diag}(p) - p p^\top,\qquad
-        B = \mathrm{diag}(\sqrt p) - p\,\sqrt{p}^{\,\top},\qquad B B^\top = F
+        \begin{aligned}
+        p &= \mathrm{softmax}(z), \\
+        \ell(y) &= -\log p_y = \log\textstyle\sum_j e^{z_j} - z_y, \\
+        \nabla_z \ell &= p - e_y, \\
+        F = G = \nabla^2_z \ell &= \mathrm{diag}(p) - p p^\top, \\
+        B &= \mathrm{diag}(\sqrt p) - p\,\sqrt{p}^{\,\top}, \qquad B B^\top = F
+        \end{aligned}
 
     (the last identity uses :math:`\sqrt p^{\,\top}\sqrt p = 1`).  :math:`F` is singular
     (:math:`F\mathbf 1 = 0`: adding a constant to all logits changes nothing), and so is
@@ -808,23 +968,25 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     """
 
     _layout = "[N, k]"
+    _dependant_names = ("logits",)
 
     def __init__(self, logits, targets=None, mask=None, weight=1.0):
         func = self._fname("__init__")
-        namespace_of(func, logits=logits, targets=targets, mask=mask)
+        self._ns = namespace_of(func, logits=logits, targets=targets, mask=mask,
+                                **_arrays_only(weight=weight))
         check_array(func, "logits", logits, ndim=2, layout=self._layout)
         if logits.shape[1] == 0:  # softmax over no classes: log Σ_j e^{z_j} = -inf
             raise KFACValueError(f"{func}: logits must have at least one class (k >= 1); got "
                                  f"{describe(logits)}.")
-        super().__init__(weight)
         self._logits = logits
+        self._set_weight(func, weight)
         self._targets = None if targets is None else self._check_targets(func, targets)
         self._mask_in = mask
         self._mask = None if mask is None else self._check_mask(func, mask)
 
     # -- inputs ---------------------------------------------------------------------------
     def _check_mask(self, func, mask):
-        xp = namespace_of(func, logits=self._logits, mask=mask)
+        xp = self._ns
         n = self._logits.shape[0]
         check_array(func, "mask", mask, shape=(n,), dtype=None, layout="[N] of 0/1")
         if not (xp.isdtype(mask.dtype, "bool") or xp.isdtype(mask.dtype, "numeric")) or \
@@ -833,17 +995,17 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
                                 f"got {describe(mask)}.")
         m = xp.astype(mask, self._logits.dtype)
         bad = ~((m == 0.0) | (m == 1.0))
-        if bool(xp.any(bad)):
+        if checks_values(mask) and any_true(xp, bad):
             raise KFACValueError(f"{func}: mask must hold only 0 and 1; got "
                                  f"{int(xp.sum(xp.astype(bad, xp.int32)))} other value(s).")
         return m
 
     def _check_targets(self, func, targets):
-        xp = namespace_of(func, logits=self._logits, targets=targets)
+        xp = self._namespace(func, targets=targets)
         n, k = self._logits.shape
         check_array(func, "targets", targets, shape=(n,), dtype="integral",
                     layout="[N] of class indices")
-        if n and bool(xp.any((targets < 0) | (targets >= k))):
+        if n and checks_values(targets) and any_true(xp, (targets < 0) | (targets >= k)):
             raise KFACValueError(
                 f"{func}: targets must be class indices in [0, {k}); got values in "
                 f"[{int(xp.min(targets))}, {int(xp.max(targets))}].")
@@ -882,7 +1044,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     # -- formulas -------------------------------------------------------------------------
     @property
     def _xp(self):
-        return namespace_of(self._fname("formula"), logits=self._logits)
+        return self._ns
 
     def _log_probs(self):
         return _log_softmax(self._xp, self._logits)
@@ -970,8 +1132,11 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
 
     .. math::
 
-        \ell(y) = -\sum_c y_c \log p_c,\qquad y\in\{e_1,\dots,e_k\},\qquad
-        F = G = \mathrm{diag}(p) - p p^\top,\quad B = \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
+        \begin{aligned}
+        \ell(y) &= -\sum_c y_c \log p_c, \qquad y\in\{e_1,\dots,e_k\}, \\
+        F = G &= \mathrm{diag}(p) - p p^\top, \\
+        B &= \mathrm{diag}(\sqrt p) - p\sqrt p^{\,\top}.
+        \end{aligned}
 
     Identical to :class:`~kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss` (same
     Fisher, factors and mask semantics) except that targets and samples are one-hot rows
@@ -997,7 +1162,7 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
     """
 
     def _check_targets(self, func, targets):
-        xp = namespace_of(func, logits=self._logits, targets=targets)
+        xp = self._namespace(func, targets=targets)
         n, k = self._logits.shape
         check_array(func, "targets", targets, shape=(n, k), dtype=None,
                     layout="[N, k] of one-hot rows")
@@ -1006,8 +1171,8 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
             raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
                                 f"array; got {describe(targets)}.")
         y = xp.astype(targets, self._logits.dtype)
-        if n and k and (bool(xp.any(~((y == 0.0) | (y == 1.0))))
-                        or bool(xp.any(xp.sum(y, axis=-1) != 1.0))):
+        if n and k and checks_values(targets) and (any_true(xp, ~((y == 0.0) | (y == 1.0)))
+                                                   or any_true(xp, xp.sum(y, axis=-1) != 1.0)):
             raise KFACValueError(f"{func}: targets must be one-hot rows (entries 0/1, exactly "
                                  f"one 1 per row); got {describe(targets)} that is not.")
         return y
@@ -1066,16 +1231,19 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     kfac-jax / TF K-FAC ``MultiBernoulliNegativeLogProbLoss``.
     """
 
+    _dependant_names = ("logits",)
+
     def __init__(self, logits, targets=None, weight=1.0):
         func = self._fname("__init__")
-        namespace_of(func, logits=logits, targets=targets)
+        self._ns = namespace_of(func, logits=logits, targets=targets,
+                                **_arrays_only(weight=weight))
         check_array(func, "logits", logits, min_ndim=2, layout="[N, ...]")
-        super().__init__(weight)
         self._logits = logits
+        self._set_weight(func, weight)
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        xp = namespace_of(func, logits=self._logits, targets=targets)
+        xp = self._namespace(func, targets=targets)
         check_array(func, "targets", targets, shape=tuple(self._logits.shape), dtype=None,
                     layout="like logits, values in [0, 1]")
         if xp.isdtype(targets.dtype, "real floating"):
@@ -1084,7 +1252,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
             raise KFACTypeError(f"{func}: targets must be a bool, integer or real floating "
                                 f"array; got {describe(targets)}.")
         y = xp.astype(targets, self._logits.dtype)
-        if size_of(y) and bool(xp.any((y < 0.0) | (y > 1.0))):
+        if size_of(y) and checks_values(targets) and any_true(xp, (y < 0.0) | (y > 1.0)):
             raise KFACValueError(f"{func}: targets must lie in [0, 1]; got values in "
                                  f"[{float(xp.min(y))}, {float(xp.max(y))}].")
         return y
@@ -1115,7 +1283,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     @property
     def _xp(self):
-        return namespace_of(self._fname("formula"), logits=self._logits)
+        return self._ns
 
     def _log_variance(self):
         xp = self._xp
@@ -1208,24 +1376,26 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     References
     ----------
-    kfac-jax ``NormalMeanNegativeLogProbLoss``; FORMULAS.md §5 (variance conventions).
+    kfac-jax ``NormalMeanNegativeLogProbLoss``; the docs page *Losses: output curvature and
+    its factors* (variance conventions); curvlinops issue #82.
     """
+
+    _dependant_names = ("mean",)
 
     def __init__(self, mean, targets=None, variance=0.5, weight=1.0, normalize_log_prob=True):
         func = self._fname("__init__")
-        namespace_of(func, mean=mean, targets=targets)
+        self._ns = namespace_of(func, mean=mean, targets=targets,
+                                **_arrays_only(variance=variance, weight=weight))
         check_array(func, "mean", mean, min_ndim=2, layout="[N, ...]")
-        super().__init__(weight)
         self._mean = mean
+        self._set_weight(func, weight)
         self._variance = check_scalar(func, "variance", variance, positive=True)
-        if not isinstance(normalize_log_prob, bool):
-            raise KFACTypeError(f"{func}: normalize_log_prob must be a bool; got "
-                                f"{describe(normalize_log_prob)}.")
-        self._normalize = normalize_log_prob
+        self._sqrt_variance = _sqrt(self._ns, self._variance)
+        self._normalize = check_bool(func, "normalize_log_prob", normalize_log_prob)
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        namespace_of(func, mean=self._mean, targets=targets)
+        self._namespace(func, targets=targets)
         check_array(func, "targets", targets, shape=tuple(self._mean.shape),
                     layout="like mean")
         self._check_dtype(func, "targets", targets)
@@ -1237,8 +1407,8 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return self._mean
 
     @property
-    def variance(self) -> float:
-        """The fixed scalar variance :math:`v`."""
+    def variance(self):
+        """The fixed scalar variance :math:`v` (a float, or the 0-D array given)."""
         return self._variance
 
     @property
@@ -1268,14 +1438,14 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     @property
     def _xp(self):
-        return namespace_of(self._fname("formula"), mean=self._mean)
+        return self._ns
 
     def _evaluate(self, targets):
         xp = self._xp
         r = _flat(xp, targets - self._mean)
         value = xp.sum(r * r, axis=-1) / (2.0 * self._variance)
         if self._normalize:
-            value = value + 0.5 * r.shape[1] * (_LOG_2PI + math.log(self._variance))
+            value = value + 0.5 * r.shape[1] * (_LOG_2PI + _log(xp, self._variance))
         return value
 
     def _grad(self, targets):
@@ -1283,22 +1453,22 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 
     def _sample(self, rng):
         z = host_draw(rng, self._mean, lambda r: r.standard_normal(self._mean.shape))
-        return self._mean + math.sqrt(self._variance) * z
+        return self._mean + self._sqrt_variance * z
 
     def _fisher_vp(self, vector):
         return (vector[0] / self._variance,)
 
     def _fisher_factor_vp(self, vector):
-        return (vector / math.sqrt(self._variance),)
+        return (vector / self._sqrt_variance,)
 
     def _fisher_factor_t_vp(self, vector):
-        return vector[0] / math.sqrt(self._variance)
+        return vector[0] / self._sqrt_variance
 
     def _fisher_one_hot(self, index):
         xp = self._xp
         e = self._one_hot_event(index, tuple(self._mean.shape[1:]))
         ones = xp.ones_like(self._mean)
-        return (ones * e / math.sqrt(self._variance),)
+        return (ones * e / self._sqrt_variance,)
 
     def _identity_batch(self):
         xp = self._xp
@@ -1309,7 +1479,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return self._identity_batch() / self._variance
 
     def _fisher_factor_dense(self):
-        return self._identity_batch() / math.sqrt(self._variance)
+        return self._identity_batch() / self._sqrt_variance
 
 
 # --------------------------------------------------------------------------------------
@@ -1322,12 +1492,13 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     .. math::
 
-        \ell = \sum_j \Big[\frac{r_j^2}{2v_j} + \tfrac12\log(2\pi v_j)\Big],\qquad
-        \nabla_{\mu_j}\ell = -\frac{r_j}{v_j},\qquad
-        \nabla_{v_j}\ell = \frac{1}{2v_j} - \frac{r_j^2}{2v_j^2},
-
-        F = \mathrm{diag}\Big(\frac1{v},\ \frac{1}{2v^2}\Big),\qquad
-        B = B^\top = \mathrm{diag}\Big(\frac{1}{\sqrt v},\ \frac{1}{\sqrt2\,v}\Big)
+        \begin{aligned}
+        \ell &= \sum_j \Big[\frac{r_j^2}{2v_j} + \tfrac12\log(2\pi v_j)\Big], \\
+        \nabla_{\mu_j}\ell &= -\frac{r_j}{v_j}, \qquad
+        \nabla_{v_j}\ell = \frac{1}{2v_j} - \frac{r_j^2}{2v_j^2}, \\
+        F &= \mathrm{diag}\Big(\frac1{v},\ \frac{1}{2v^2}\Big), \\
+        B &= B^\top = \mathrm{diag}\Big(\frac{1}{\sqrt v},\ \frac{1}{\sqrt2\,v}\Big)
+        \end{aligned}
 
     in the ``[mean, variance]`` parameterisation (the inner shape of the factor is
     ``[N, 2d]``, mean coordinates first, as in kfac-jax).
@@ -1377,19 +1548,18 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
     §9 (GGN = Fisher at the natural parameters).
     """
 
+    _dependant_names = ("mean", "variance")
+
     def __init__(self, mean, variance, targets=None, weight=1.0):
         func = self._fname("__init__")
-        namespace_of(func, mean=mean, variance=variance, targets=targets)
+        xp = self._ns = namespace_of(func, mean=mean, variance=variance, targets=targets,
+                                     **_arrays_only(weight=weight))
         check_array(func, "mean", mean, ndim=2, layout="[N, d]")
         check_array(func, "variance", variance, shape=tuple(mean.shape),
                     layout="[N, d] like mean")
-        super().__init__(weight)
-        if variance.dtype != mean.dtype:
-            raise KFACTypeError(f"{func}: variance must be of the mean's dtype {mean.dtype}; "
-                                f"got {describe(variance)}.")
-        xp = namespace_of(func, mean=mean)
         self._mean = mean
-        if size_of(variance) and not bool(xp.all(variance > 0.0)):
+        self._set_weight(func, weight)
+        if size_of(variance) and checks_values(variance) and any_true(xp, ~(variance > 0.0)):
             raise KFACValueError(
                 f"{func}: variance must be strictly positive; got minimum "
                 f"{float(xp.min(variance))!r}.")
@@ -1397,7 +1567,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        namespace_of(func, mean=self._mean, targets=targets)
+        self._namespace(func, targets=targets)
         check_array(func, "targets", targets, shape=tuple(self._mean.shape),
                     layout="[N, d] like mean")
         self._check_dtype(func, "targets", targets)
@@ -1435,7 +1605,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     @property
     def _xp(self):
-        return namespace_of(self._fname("formula"), mean=self._mean)
+        return self._ns
 
     def _factor_diagonals(self):
         xp = self._xp
@@ -1487,9 +1657,9 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         a, c = self._factor_diagonals()
         return _diag_embed(xp, xp.concat([a, c], axis=-1))
 
-    def _hessian_dense(self, func, targets):
+    def _hessian_dense(self, targets):
         xp = self._xp
-        y = self._resolve_targets(func, targets)
+        y = targets
         v = self._variance
         r = y - self._mean
         h_mm = _diag_embed(xp, 1.0 / v)

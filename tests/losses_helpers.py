@@ -96,8 +96,9 @@ def oracle_fisher(case):
 
 
 def oracle_factor(case):
-    """Dense per-example factor [N, D, K] of FORMULAS.md §5 (kfac-jax's / TF's choice of B with
-    B Bᵀ = F; unweighted, masked).  B Bᵀ = F alone leaves B free up to B Q, Q orthogonal."""
+    """Dense per-example factor [N, D, K] as on the docs page *Losses: output curvature and its
+    factors* (kfac-jax's / TF's choice of B with B Bᵀ = F; unweighted, masked).  B Bᵀ = F
+    alone leaves B free up to B Q, Q orthogonal."""
     if case.name in ("categorical", "categorical_masked", "onehot"):
         p = softmax(case.inputs[0], axis=-1)
         b = np.stack([np.diag(np.sqrt(pi)) - np.outer(pi, np.sqrt(pi)) for pi in p])

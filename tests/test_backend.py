@@ -205,3 +205,46 @@ def test_kernel_of_registers_the_unchecked_kernel():
     assert public.kernel is _kernel and public(1) == 2
 
 
+
+
+def test_namespace_of_treats_an_unknown_device_as_compatible(monkeypatch):
+    """A traced array's device is unknown (None); it may sit next to any known device, and
+    the known devices must still agree."""
+    xs = pytest.importorskip("array_api_strict")
+    a = xs.ones(2, dtype=xs.float64)
+    b = xs.ones(2, dtype=xs.float64, device=xs.Device("device1"))
+    unknown = xs.ones(2, dtype=xs.float64)
+    real = B.array_api_compat.device
+    monkeypatch.setattr(B.array_api_compat, "device",
+                        lambda x: None if x is unknown else real(x))
+    assert B.namespace_of("f", x=unknown, y=a) is B.namespace_of("f", y=a)
+    assert B.namespace_of("f", x=unknown, y=b) is B.namespace_of("f", y=b)
+    with pytest.raises(KFACTypeError, match="f: all arrays must live on one device; y is on"):
+        B.namespace_of("f", x=unknown, y=a, z=b)
+
+
+def test_any_true_reads_eager_flags_and_passes_staged_out_ones():
+    assert B.any_true(np, np.array([False, True]))
+    assert not B.any_true(np, np.array([False, False]))
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    concrete = jnp.asarray([True])  # closed over: its reduction is staged out under jit
+    seen = []
+    jax.jit(lambda x: seen.append(B.any_true(jnp, concrete)) or x)(jnp.ones(1))
+    assert seen == [False]
+
+
+def test_check_eager_names_function_and_argument():
+    B.check_eager("f", "reason", x=np.ones(2), y=None)
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    def f(x):
+        B.check_eager("report", "it returns floats", x=x)
+        return x
+
+    with pytest.raises(KFACTypeError, match=r"^report: cannot run under jax.jit or on lazy "
+                                            r"arrays \(it returns floats\); x must be an "
+                                            r"eager array; got a lazy"):
+        jax.jit(f)(jnp.ones(2))

@@ -54,8 +54,9 @@ def test_ggn_equals_fisher(xp, case):
 
 
 def test_dense_factor_matches_textbook_factor(xp, case):
-    """The factor itself, not only B Bᵀ: categorical B = diag(√p) − p√pᵀ etc. (FORMULAS §5,
-    kfac-jax's columns, which multiply_fisher_factor_replicated_one_hot returns)."""
+    """The factor itself, not only B Bᵀ: categorical B = diag(√p) − p√pᵀ etc. (the docs page
+    *Losses: output curvature and its factors*; kfac-jax's columns, which
+    multiply_fisher_factor_replicated_one_hot returns)."""
     xp.assert_close(case.loss.fisher_factor_matrix(), np.sqrt(WEIGHT) * oracle_factor(case))
 
 

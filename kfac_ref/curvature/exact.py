@@ -15,10 +15,10 @@ flattened row-major) and the per-example matrices of the loss (which include :ma
 
 .. math::
 
-    G &= \frac1N \sum_n J_n^\top\, G_n\, J_n \quad\text{(GGN)}, &
-    F &= \frac1N \sum_n J_n^\top\, F_n\, J_n \quad\text{(Fisher)},\\
-    \mathrm{EF} &= \frac1N \sum_n \nabla\ell_n \nabla\ell_n^\top \quad\text{(empirical Fisher)}, &
-    H &= \nabla^2_\theta \mathcal L \quad\text{(Hessian)}.
+    G &= \frac1N \sum_n J_n^\top\, G_n\, J_n \quad \text{(GGN)}, \\
+    F &= \frac1N \sum_n J_n^\top\, F_n\, J_n \quad \text{(Fisher)}, \\
+    \mathrm{EF} &= \frac1N \sum_n \nabla\ell_n \nabla\ell_n^\top \quad \text{(empirical Fisher)}, \\
+    H &= \nabla^2_\theta \mathcal L \quad \text{(Hessian)}.
 
 Parameters are flat vectors of length :math:`P` in the canonical order of
 :meth:`kfac_ref.nn.Sequential.flatten` (layers in forward order, ``[W; b]`` row-major, bias last).
@@ -33,6 +33,17 @@ example (so a mean-variance normal takes ``(outputs[:, :d], outputs[:, d:])``).
 
 Every computation is batched over examples (Jacobians by one backward pass per output
 coordinate, not per example).
+
+Validation
+----------
+Each public function validates its arguments once — the network, the parameters, the batch
+and its own vectors — and builds the loss object through ``loss_fn`` (whose constructor
+validates the outputs and the targets); every product with the loss then runs through the
+loss's unchecked ``loss.kernels``, and the second moments through
+``kfac_ref.linalg.compute_cov.kernel``.  For modules that reuse the dense matrices
+(``kfac_ref.curvature.report``), ``evaluate_batch`` does the validation in the name of
+the caller and ``ggn_matrix.kernel(b)``, ``fisher_matrix.kernel(b)`` and
+``empirical_fisher_matrix.kernel(b, normalization)`` compute from its result.
 
 References
 ----------
@@ -49,12 +60,15 @@ import numpy as np  # host-side random draws only (Rademacher signs via host_dra
 from .._backend import (
     KFACTypeError,
     KFACValueError,
+    any_true,
     check_array,
     check_int,
     check_option,
     check_rng,
+    checks_values,
     device_of,
     host_draw,
+    kernel_of,
     namespace_of,
 )
 from ..linalg import compute_cov
@@ -125,8 +139,8 @@ class _Batch:
             )
         self.dep_sizes = sizes
         self.func = func
-        if self.loss is not None and not bool(self.xp.all(
-                self.flat(deps) == self.xp.reshape(self.out, (self.n, self.d)))):
+        if self.loss is not None and checks_values(self.out) and any_true(
+                self.xp, self.flat(deps) != self.xp.reshape(self.out, (self.n, self.d))):
             raise KFACValueError(
                 f"{func}: loss_fn must pass the network outputs to the loss unchanged (split "
                 f"into its inputs in order, each flattened per example); got loss inputs that "
@@ -172,6 +186,19 @@ class _Batch:
         return xp.stack(cols, axis=1)
 
 
+def evaluate_batch(func, net, loss_fn, params, batch):
+    """Validate ``(net, loss_fn, params, batch)`` once, in the name of the public function
+    ``func``, run the forward pass and build the loss on its output: the evaluated batch that
+    the kernels of this module take (``ggn_matrix.kernel(b)`` ...).  Internal API of
+    :mod:`kfac_ref.curvature`."""
+    return _Batch(func, net, loss_fn, params, batch)
+
+
+def unpack_batch(func, batch):
+    """``(inputs, targets)`` of a batch pair, or a clear error naming ``func``."""
+    return _unpack_batch(func, batch)
+
+
 def _unpack_batch(func, batch):
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
         raise KFACValueError(f"{func}: batch must be a pair (inputs, targets) (targets may be "
@@ -212,8 +239,8 @@ def _check_vec(func, b, v, name="vector"):
 
 def _factor_columns(b, kind):
     """Per-example factor columns as flat vectors: [N, D, K] (weight included, sqrt w)."""
-    mat = b.loss.fisher_factor_matrix() if kind == "fisher" else b.loss.ggn_factor_matrix()
-    return mat
+    k = b.loss.kernels
+    return k.fisher_factor_matrix() if kind == "fisher" else k.ggn_factor_matrix()
 
 
 # ------------------------------------------------------------------------------------------
@@ -300,27 +327,25 @@ def loss_value_and_grad(net, loss_fn, params, batch):
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
     xp = b.xp
-    value = xp.sum(b.loss.evaluate()) / b.n
-    g = b.flat(b.loss.grad_of_evaluate()) / b.n
+    value = xp.sum(b.loss.kernels.evaluate()) / b.n
+    g = b.flat(b.loss.kernels.grad_of_evaluate()) / b.n
     return value, b.vjp(g)
 
 
-def _second_moment(rows, normalizer):
+def _second_moment(xp, rows, normalizer):
     """(1/normalizer) Σ_rows r rᵀ for rows [R, P]: the one uncentred second-moment formula,
     :func:`kfac_ref.linalg.compute_cov` (symmetrised, so the result is exactly symmetric)."""
-    return compute_cov(rows, normalizer=normalizer)
+    return compute_cov.kernel(xp, rows, None, normalizer)
 
 
-def _factor_based(func, net, loss_fn, params, batch, kind):
-    b = _Batch(func, net, loss_fn, params, batch)
-    if kind == "fisher":
-        _need_nll(func, b, "the Fisher")
+def _factor_based(b, kind):
+    net = b.net
     xp = b.xp
     jac = b.jacobian()  # [N, D, P]
     fac = _factor_columns(b, kind)  # [N, D, K]
     c = xp.permute_dims(fac, (0, 2, 1)) @ jac  # [N, K, P]  (B_nᵀ J_n)
     c = xp.reshape(c, (-1, net.num_params))
-    return _second_moment(c, b.n)
+    return _second_moment(xp, c, b.n)
 
 
 def ggn_matrix(net, loss_fn, params, batch):
@@ -345,7 +370,12 @@ def ggn_matrix(net, loss_fn, params, batch):
     -------
     array [P, P], symmetric PSD
     """
-    return _factor_based("ggn_matrix", net, loss_fn, params, batch, "ggn")
+    return ggn_matrix.kernel(_Batch("ggn_matrix", net, loss_fn, params, batch))
+
+
+@kernel_of(ggn_matrix)
+def _ggn_matrix(b):
+    return _factor_based(b, "ggn")
 
 
 def fisher_matrix(net, loss_fn, params, batch):
@@ -364,7 +394,15 @@ def fisher_matrix(net, loss_fn, params, batch):
     -------
     array [P, P]
     """
-    return _factor_based("fisher_matrix", net, loss_fn, params, batch, "fisher")
+    func = "fisher_matrix"
+    b = _Batch(func, net, loss_fn, params, batch)
+    _need_nll(func, b, "the Fisher")
+    return fisher_matrix.kernel(b)
+
+
+@kernel_of(fisher_matrix)
+def _fisher_matrix(b):
+    return _factor_based(b, "fisher")
 
 
 def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
@@ -378,7 +416,7 @@ def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
 
     ``"mean"`` (default) is TF K-FAC's and curvlinops' scale; ``"kfac_jax"`` reproduces
     kfac-jax's ``fisher_empirical``, whose back-propagated vectors are divided by
-    :math:`\sqrt N` (FORMULAS.md §5).
+    :math:`\sqrt N` (see the docs page *Estimation modes*).
 
     Raises
     ------
@@ -389,9 +427,14 @@ def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
     check_option(func, "normalization", normalization, EMPIRICAL_FISHER_NORMALIZATIONS)
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
-    g = b.vjp(b.flat(b.loss.grad_of_evaluate()), per_example=True)  # [N, P]
+    return empirical_fisher_matrix.kernel(b, normalization)
+
+
+@kernel_of(empirical_fisher_matrix)
+def _empirical_fisher_matrix(b, normalization):
+    g = b.vjp(b.flat(b.loss.kernels.grad_of_evaluate()), per_example=True)  # [N, P]
     scale = b.n if normalization == "mean" else b.n * b.n
-    return _second_moment(g, scale)
+    return _second_moment(b.xp, g, scale)
 
 
 def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
@@ -399,9 +442,11 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
 
     .. math::
 
-        \hat F = \frac{1}{NM}\sum_{n=1}^N\sum_{m=1}^M \hat g_{nm}\hat g_{nm}^\top,\qquad
-        \hat g_{nm} = J_n^\top \sqrt{w}\,\nabla_f \ell_n(\tilde y_{nm}),\quad
+        \begin{aligned}
+        \hat F &= \frac{1}{NM}\sum_{n=1}^N\sum_{m=1}^M \hat g_{nm}\hat g_{nm}^\top, \\
+        \hat g_{nm} &= J_n^\top \sqrt{w}\,\nabla_f \ell_n(\tilde y_{nm}), \qquad
         \tilde y_{nm} \sim p(\cdot\mid f_n),
+        \end{aligned}
 
     so :math:`\mathbb E\hat F = F` (:func:`fisher_matrix`) and each entry's standard deviation
     falls like :math:`1/\sqrt{NM}`.  This is :func:`estimated_matrix` with
@@ -426,9 +471,11 @@ def hessian_matrix(net, loss_fn, params, batch):
 
     .. math::
 
-        H e_p = \nabla^2_\theta \mathcal L\, e_p \quad (p = 1..P), \qquad
-        H = G + \frac1N\sum_n \sum_d \frac{\partial (w\ell_n)}{\partial f_{n,d}}\,
+        \begin{aligned}
+        H e_p &= \nabla^2_\theta \mathcal L\, e_p \qquad (p = 1..P), \\
+        H &= G + \frac1N\sum_n \sum_d \frac{\partial (w\ell_n)}{\partial f_{n,d}}\,
         \nabla^2_\theta f_{n,d},
+        \end{aligned}
 
     each column by the R-operator pass of :func:`hessian_vector_product`.  The result is
     symmetrised, :math:`(H + H^\top)/2`, which only removes rounding.
@@ -456,7 +503,8 @@ def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
     if kind == "fisher":
         _need_nll(func, b, "the Fisher")
     jv = b.as_tuple(b.jvp_flat(vector))
-    prod = b.loss.multiply_fisher(jv) if kind == "fisher" else b.loss.multiply_ggn(jv)
+    k = b.loss.kernels
+    prod = k.multiply_fisher(jv) if kind == "fisher" else k.multiply_ggn(jv)
     return b.vjp(b.flat(prod)) / b.n
 
 
@@ -508,15 +556,15 @@ def empirical_fisher_vector_product(net, loss_fn, params, batch, vector, normali
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
     _check_vec(func, b, vector)
-    g = b.vjp(b.flat(b.loss.grad_of_evaluate()), per_example=True)
+    g = b.vjp(b.flat(b.loss.kernels.grad_of_evaluate()), per_example=True)
     scale = b.n if normalization == "mean" else b.n * b.n
     return (g.T @ (g @ vector)) / scale
 
 
 def _hvp(b, vector):
     xp = b.xp
-    grad = b.flat(b.loss.grad_of_evaluate()) / b.n  # [N, D]
-    hess = b.loss.hessian_matrix() / b.n  # [N, D, D]
+    grad = b.flat(b.loss.kernels.grad_of_evaluate()) / b.n  # [N, D]
+    hess = b.loss.kernels.hessian_matrix() / b.n  # [N, D, D]
 
     def cot(out, f_dot):
         fd = xp.reshape(f_dot, (b.n, b.d, 1))
@@ -558,8 +606,9 @@ def _factor_t(func, net, loss_fn, params, batch, vector, kind):
     if kind == "fisher":
         _need_nll(func, b, "the Fisher factor")
     jv = b.as_tuple(b.jvp_flat(vector))
-    out = (b.loss.multiply_fisher_factor_transpose(jv) if kind == "fisher"
-           else b.loss.multiply_ggn_factor_transpose(jv))
+    k = b.loss.kernels
+    out = (k.multiply_fisher_factor_transpose(jv) if kind == "fisher"
+           else k.multiply_ggn_factor_transpose(jv))
     return out / math.sqrt(b.n)
 
 
@@ -567,9 +616,13 @@ def _factor(func, net, loss_fn, params, batch, inner, kind):
     b = _Batch(func, net, loss_fn, params, batch)
     if kind == "fisher":
         _need_nll(func, b, "the Fisher factor")
+    shape = (b.loss.fisher_factor_inner_shape if kind == "fisher"
+             else b.loss.ggn_factor_inner_shape)
     namespace_of(func, x=b.out, loss_inner_vectors=inner)
-    out = (b.loss.multiply_fisher_factor(inner) if kind == "fisher"
-           else b.loss.multiply_ggn_factor(inner))
+    check_array(func, "loss_inner_vectors", inner, shape=tuple(shape),
+                layout="like the loss's factor inner shape")
+    k = b.loss.kernels
+    out = k.multiply_fisher_factor(inner) if kind == "fisher" else k.multiply_ggn_factor(inner)
     return b.vjp(b.flat(out)) / math.sqrt(b.n)
 
 
@@ -646,27 +699,28 @@ def _estimation_vectors(func, b, mode, rng, num_samples, empirical_normalization
         check_rng(func, "rng", rng)
     if mode == "fisher_empirical":
         _need_targets(func, b)
-        g = b.flat(loss.grad_of_evaluate(None, "regular"))
+        g = b.flat(loss.kernels.grad_of_evaluate(None, "regular"))
         if empirical_normalization == "kfac_jax":
             g = g / math.sqrt(b.n)
         return [g]
     if mode in ("fisher_exact", "ggn_exact"):
         inner = (loss.fisher_factor_inner_shape if mode == "fisher_exact"
                  else loss.ggn_factor_inner_shape)[1:]
-        one_hot = (loss.multiply_fisher_factor_replicated_one_hot if mode == "fisher_exact"
-                   else loss.multiply_ggn_factor_replicated_one_hot)
+        one_hot = (loss.kernels.multiply_fisher_factor_replicated_one_hot
+                   if mode == "fisher_exact"
+                   else loss.kernels.multiply_ggn_factor_replicated_one_hot)
         return [b.flat(one_hot(tuple(int(i) for i in idx))) for idx in np.ndindex(*inner)]
     scale = 1.0 / math.sqrt(num_samples)
     out = []
     for _ in range(num_samples):
         if mode == "fisher_gradients":
-            u = b.flat(loss.grad_of_evaluate_on_sample(rng, "sqrt"))
+            u = b.flat(loss.kernels.grad_of_evaluate_on_sample(rng, "sqrt"))
         elif mode == "fisher_curvature_prop":
             sign = _rademacher(rng, b.out, loss.fisher_factor_inner_shape)
-            u = b.flat(loss.multiply_fisher_factor(sign))
+            u = b.flat(loss.kernels.multiply_fisher_factor(sign))
         else:
             sign = _rademacher(rng, b.out, loss.ggn_factor_inner_shape)
-            u = b.flat(loss.multiply_ggn_factor(sign))
+            u = b.flat(loss.kernels.multiply_ggn_factor(sign))
         out.append(u * scale if num_samples > 1 else u)
     return out
 
@@ -740,5 +794,5 @@ def _estimated(func, b, mode, rng, num_samples, empirical_fisher_normalization):
     rows = [b.vjp(u, per_example=True)
             for u in _estimation_vectors(func, b, mode, rng, num_samples,
                                          empirical_fisher_normalization)]
-    return _second_moment(b.xp.concat(rows, axis=0), b.n)
+    return _second_moment(b.xp, b.xp.concat(rows, axis=0), b.n)
 

@@ -16,40 +16,74 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from .._backend import KFACTypeError, KFACValueError, check_array, check_option, namespace_of
-from . import exact as E
+from .._backend import (
+    KFACTypeError,
+    KFACValueError,
+    check_array,
+    check_eager,
+    check_option,
+    device_of,
+    kernel_of,
+    namespace_of,
+    size_of,
+)
+from ..blocks.kfac_jax import NaiveDiagonal, NaiveFull
 from .estimators import BlockDiagonalCurvature
+from .exact import (
+    empirical_fisher_matrix,
+    evaluate_batch,
+    fisher_matrix,
+    ggn_matrix,
+    unpack_batch,
+)
 
 __all__ = ["approximation_report", "relative_frobenius_error", "default_approximations"]
 
-_CURVATURES = {"ggn": ("ggn_exact", E.ggn_matrix),
-               "fisher": ("fisher_exact", E.fisher_matrix),
-               "empirical_fisher": ("fisher_empirical", E.empirical_fisher_matrix)}
+_CURVATURES = {"ggn": ("ggn_exact", ggn_matrix),
+               "fisher": ("fisher_exact", fisher_matrix),
+               "empirical_fisher": ("fisher_empirical", empirical_fisher_matrix)}
 
 
 def relative_frobenius_error(approx, exact):
-    r"""Relative Frobenius error as a Python float.
+    r"""Relative Frobenius error, as a 0-D array.
 
     .. math::
 
         e = \frac{\|\hat C - C\|_F}{\|C\|_F}\quad(0 \text{ if both vanish, } \infty
         \text{ if only } C \text{ does}).
 
+    Both norms are taken of the arrays divided by :math:`s = \max(\max|\hat C - C|,
+    \max|C|)`, which leaves the ratio unchanged and keeps the sums of squares from
+    overflowing or underflowing.  The result is a 0-D array in the inputs' namespace,
+    device and dtype (``float(e)`` reads it), so the function runs under ``jax.jit``.
+
     Raises
     ------
     KFACValueError, KFACTypeError
         Arrays of different shapes (no broadcasting), non-floating or non-finite entries,
-        mixed namespaces or devices.
+        mixed namespaces, devices or precisions.
     """
     func = "relative_frobenius_error"
     xp = namespace_of(func, approx=approx, exact=exact)
     check_array(func, "exact", exact, min_ndim=1)
     check_array(func, "approx", approx, shape=tuple(exact.shape))
-    num = math.sqrt(float(xp.sum((approx - exact) ** 2)))
-    den = math.sqrt(float(xp.sum(exact**2)))
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
+    return relative_frobenius_error.kernel(xp, approx, exact)
+
+
+@kernel_of(relative_frobenius_error)
+def _relative_frobenius_error(xp, approx, exact):
+    zero = xp.zeros((), dtype=exact.dtype, device=device_of(exact))
+    if size_of(exact) == 0:
+        return zero
+    diff = approx - exact
+    s = xp.maximum(xp.max(xp.abs(diff)), xp.max(xp.abs(exact)))
+    s = xp.where(s > zero, s, xp.ones_like(s))
+    num = xp.sqrt(xp.sum((diff / s) ** 2))
+    den = xp.sqrt(xp.sum((exact / s) ** 2))
+    vanishes = den == zero
+    ratio = num / xp.where(vanishes, xp.ones_like(den), den)
+    only_exact = xp.where(num == zero, zero, xp.full_like(den, math.inf))
+    return xp.where(vanishes, only_exact, ratio)
 
 
 def default_approximations(net, input_shape):
@@ -66,11 +100,9 @@ def default_approximations(net, input_shape):
     ``"diagonal"`` and ``"full"`` feed per-example parameter gradients to ``NaiveDiagonal`` /
     ``NaiveFull``, which makes them the exact diagonal and the exact block.
     """
-    from ..blocks import kfac_jax as B
-
     kinds = {layer.kind for layer in net.layers}
-    diag = {k: B.NaiveDiagonal for k in kinds}
-    full = {k: B.NaiveFull for k in kinds}
+    diag = {k: NaiveDiagonal for k in kinds}
+    full = {k: NaiveFull for k in kinds}
     out = {"kfac": {}, "diagonal": {"layer_to_block": diag},
            "full": {"layer_to_block": full}}
     shape = tuple(input_shape)
@@ -120,7 +152,11 @@ def approximation_report(net, loss_fn, params, batch, approximations=None, curva
     func = "approximation_report"
     check_option(func, "curvature", curvature, tuple(_CURVATURES))
     mode, dense_fn = _CURVATURES[curvature]
-    E._unpack_batch(func, batch)
+    x, y = unpack_batch(func, batch)
+    leaves = {f"params[{i}][{j}]": a for i, p in enumerate(params or ())
+              for j, a in enumerate(p if isinstance(p, (tuple, list)) else (p,))}
+    check_eager(func, "it builds estimators and returns Python floats",
+                **leaves, **{"batch[0]": x, "batch[1]": y})
     if approximations is None:
         approximations = default_approximations(net, tuple(batch[0].shape))
     if not isinstance(approximations, Mapping) or not all(
@@ -130,7 +166,9 @@ def approximation_report(net, loss_fn, params, batch, approximations=None, curva
     if not approximations:
         raise KFACValueError(f"{func}: approximations must name at least one approximation; "
                              f"got an empty mapping.")
-    dense = dense_fn(net, loss_fn, params, batch)
+    b = evaluate_batch(func, net, loss_fn, params, batch)
+    dense = (dense_fn.kernel(b, "mean") if curvature == "empirical_fisher"
+             else dense_fn.kernel(b))
     slices = net.layer_slices()
     exact = {net.names[i]: dense[slices[i], slices[i]] for i in net.parametric_layers}
     n = int(batch[0].shape[0])
@@ -143,5 +181,7 @@ def approximation_report(net, loss_fn, params, batch, approximations=None, curva
         for i, block in zip(net.parametric_layers, est.to_diagonal_block_dense_matrix(state),
                             strict=True):
             lname = net.names[i]
-            report[lname][aname] = relative_frobenius_error(block, exact[lname])
+            xp = namespace_of(func, block=block, exact=exact[lname])
+            report[lname][aname] = float(relative_frobenius_error.kernel(xp, block,
+                                                                        exact[lname]))
     return report
