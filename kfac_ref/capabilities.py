@@ -90,8 +90,9 @@ class Support:
 # jax float64/float32, cupy where a GPU is present).
 _EAGER = Support({b: "yes" for b in EAGER_BACKENDS})
 
-# Overrides, by dotted name of the object where it is documented.  The jit, vmap and dask
-# columns say "yes" only where tests/test_jit.py and tests/test_dask.py run the object.
+# Overrides, by dotted name of the object where it is documented: a state, or ("no",
+# reason).  The jit, vmap and dask columns say "yes" only where tests/test_jit.py,
+# tests/test_transforms.py and tests/test_dask.py run the object.
 _DECLARED: dict[str, dict] = {
     "kfac_ref.linalg.compute_cov": {"jit": "yes", "vmap": "yes", "dask": "yes"},
     "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes"},
@@ -107,9 +108,19 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
     "kfac_ref.factors.conv.conv_input_kronecker_factor": {"dask": "yes"},
     "kfac_ref.factors.conv.conv_output_kronecker_factor": {"dask": "yes"},
-    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"dask": "yes"},
-    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"dask": "yes"},
-    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"dask": "yes"},
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.curvature.exact.ggn_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.fisher_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.ggn_matrix": {"jit": "yes"},
+    "kfac_ref.curvature.exact.fisher_factor_transpose_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.hessian_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.report.relative_frobenius_error": {"jit": "yes"},
+    "kfac_ref.curvature.report.approximation_report": {
+        "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
 }
 
 
@@ -156,9 +167,11 @@ def support_table() -> dict[str, Support]:
     global _TABLE
     if _TABLE is None:
         table = {dotted: _EAGER for dotted, _ in sorted(_canonical_names().values())}
-        for dotted, states in _DECLARED.items():
+        for dotted, declared in _DECLARED.items():
             if dotted in table:  # a stale name is reported by unknown_declarations()
-                table[dotted] = table[dotted].with_states(**states)
+                states = {c: v if isinstance(v, str) else v[0] for c, v in declared.items()}
+                reasons = {c: v[1] for c, v in declared.items() if not isinstance(v, str)}
+                table[dotted] = table[dotted].with_states(reasons, **states)
         _TABLE = table
     return _TABLE
 

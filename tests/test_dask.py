@@ -24,6 +24,25 @@ from dask.callbacks import Callback  # noqa: E402
 
 RTOL = 1e-12
 
+# What this module runs on Dask arrays, by the names of kfac_ref.capabilities (the
+# declarations' "dask" column must equal it).
+DASK_EXERCISED = {
+    "kfac_ref.linalg.compute_cov",
+    "kfac_ref.factors.dense.fully_connected_kronecker_factor",
+    "kfac_ref.factors.conv.conv_input_kronecker_factor",
+    "kfac_ref.factors.conv.conv_output_kronecker_factor",
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss",
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss",
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss",
+}
+
+
+def test_declarations_are_what_is_exercised():
+    from kfac_ref import capabilities
+
+    declared = {n for n, s in capabilities.support_table().items() if s.state("dask") == "yes"}
+    assert declared == DASK_EXERCISED
+
 
 class _LargestResult(Callback):
     """Records the size in bytes of the largest intermediate result of a computation."""

@@ -243,3 +243,22 @@ def test_approximation_report_says_it_cannot_run_under_jit(rng):
         jax.jit(lambda x: C.approximation_report(
             net, L.CategoricalLogitsNegativeLogProbLoss, params, (x, jnp.asarray(y))))(
             jnp.asarray(x))
+
+
+# What this module runs under jax.jit, by the names of kfac_ref.capabilities (the
+# declarations' "jit" column is checked against these and tests/test_transforms.py).
+JIT_EXERCISED = {
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss",
+    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss",
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss",
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss",
+    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss",
+    "kfac_ref.curvature.exact.ggn_vector_product",
+    "kfac_ref.curvature.exact.fisher_vector_product",
+    "kfac_ref.curvature.exact.ggn_matrix",
+    "kfac_ref.curvature.exact.fisher_factor_transpose_product",
+    "kfac_ref.curvature.exact.hessian_vector_product",
+    "kfac_ref.curvature.report.relative_frobenius_error",
+}
+JIT_REFUSED = {"kfac_ref.curvature.report.approximation_report"}
+
