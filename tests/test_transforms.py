@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import test_jit as jit_tests
 
 import kfac_ref
-import test_jit as jit_tests
 from kfac_ref import averaging, capabilities, factors, linalg
 
 jax = pytest.importorskip("jax")
