@@ -75,7 +75,10 @@ def make_backend(name):
     if name == "torch":
         import torch
 
-        return Backend("torch", torch.asarray, lambda a: a.detach().cpu().numpy())
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        return Backend(f"torch-{dev}", lambda a: torch.asarray(a, device=dev),
+                       lambda a: a.detach().cpu().numpy(), sync)
     if name == "cupy":
         import cupy
 
