@@ -6,6 +6,7 @@
     nox -s docs                                   # Sphinx, warnings as errors, offline
     nox -s conformance                            # the conformance run on the kfac_ref adapter
     nox -s conformance-kfac_jax                   # one peer in its own environment (see below)
+    nox -s bench                                  # the benchmark suite (python -m benchmarks)
 """
 
 from __future__ import annotations
@@ -81,6 +82,14 @@ def docs(session: nox.Session) -> None:
     fails when a public symbol is undocumented or its docstring has no formula."""
     session.install("-e", ".[docs]")
     session.run("bash", "docs/build.sh", external=True)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The benchmark suite: kfac_ref against hand-written NumPy, JSON and Markdown in
+    ./benchmark-results/ (pass options after ``--``, e.g. ``nox -s bench -- --quick``)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "benchmarks", *session.posargs)
 
 
 # --------------------------------------------------------------------------------------

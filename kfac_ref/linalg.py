@@ -35,11 +35,28 @@ eigenvalues too.  Under factored damping each damped Kronecker factor is tested 
 :math:`p` and :math:`q`); under exact damping :math:`A \otimes B + \lambda I` is tested as one
 matrix of order :math:`pq`.  This is a value check: it is skipped for lazy arrays and under
 ``kfac_ref.value_checks(False)`` (the result is then whatever the arithmetic gives).
+
+One inverse: Cholesky, not ``eigh``
+-----------------------------------
+A single damped inverse :math:`(M + \lambda I)^{-1}` is computed from the Cholesky factor
+:math:`L L^\top = M + \lambda I` and the backend's triangular kernels (LAPACK ``potri`` for
+NumPy through SciPy when it is installed, ``torch.cholesky_inverse``, triangular solves for
+CuPy and JAX; the array API itself has no triangular solve, so other namespaces, e.g.
+array-api-strict, solve :math:`L X = I` with the general ``linalg.solve``).  This is TF
+K-FAC's rule: Cholesky when one power :math:`-1` is needed, the eigendecomposition only when
+other powers (or exact damping, which needs both factors' eigenbases) are requested.
+:func:`damped_matpower` with ``exp = -1`` takes the Cholesky path only when eigenvalue
+clipping provably changes nothing beyond rounding: the Cholesky factorisation of
+:math:`M - (c - \delta) I`, :math:`\delta = n\,\varepsilon \max_i |M_{ii}|`, must succeed,
+i.e. every eigenvalue of :math:`M` exceeds :math:`c - \delta`; otherwise, and for lazy
+arrays, it clips through ``eigh`` as for every other power.
 """
 
 from __future__ import annotations
 
 import math
+
+import array_api_compat
 
 from ._backend import (
     KFACValueError,
@@ -288,8 +305,12 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
         \qquad M = Q\,\mathrm{diag}(s)\,Q^\top .
 
     For :math:`p = 1` the result is computed directly as :math:`M + \lambda I` (no
-    eigendecomposition, no clipping), as TF K-FAC does.  Every other exponent, integer or
-    fractional, goes through :func:`clipped_eigh`.  A negative power of a numerically
+    eigendecomposition, no clipping), as TF K-FAC does.  For :math:`p = -1` it is the
+    Cholesky inverse :math:`L^{-\top}L^{-1}`, :math:`LL^\top = M + \lambda I`, whenever
+    clipping changes nothing beyond rounding (every eigenvalue of :math:`M` above
+    :math:`c - n\varepsilon\max_i|M_{ii}|`, tested by a Cholesky factorisation; see the
+    module docstring).  Every other exponent, integer or fractional, and an inverse that
+    clipping would change, goes through :func:`clipped_eigh`.  A negative power of a numerically
     singular damped matrix raises (the rule is in the module docstring).
 
     Parameters
@@ -321,9 +342,36 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
 def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower"):
     if exp == 1.0:
         return matrix + damping * eye_like(matrix, matrix.shape[0])
+    if exp == -1.0 and _clipping_is_void(xp, matrix, threshold):
+        try:
+            return _damped_inverse(xp, matrix, damping, func=func)
+        except KFACValueError:
+            pass  # near-singular by the pivots: let the eigenvalues decide (and word the error)
     s, q = _clipped_eigh(xp, matrix, threshold)
     powers = power_of_eigenvalues(xp, s + damping, exp, func=func)
     return (q * powers) @ q.T
+
+
+def _cholesky_succeeds(xp, matrix):
+    """Whether ``matrix`` has a finite Cholesky factor (backends raise or return NaN)."""
+    try:
+        low = xp.linalg.cholesky(matrix)
+    except Exception:  # backends raise their own LinAlgError types
+        return False
+    return bool(xp.all(xp.isfinite(xp.linalg.diagonal(low))))
+
+
+def _clipping_is_void(xp, matrix, threshold):
+    """Whether clipping the eigenvalues of ``matrix`` at ``threshold`` changes it by at most
+    rounding: ``matrix − (threshold − δ) I`` is positive definite, ``δ = n·eps·max|M_ii|``
+    (see the module docstring).  Always False for lazy arrays (no value-dependent branch)."""
+    n = matrix.shape[0]
+    if n == 0 or not checks_values(matrix):
+        return False
+    diag = xp.linalg.diagonal(matrix)
+    delta = n * xp.finfo(matrix.dtype).eps * float(xp.max(xp.abs(diag)))
+    shifted = matrix - (threshold - delta) * eye_like(matrix, n)
+    return _cholesky_succeeds(xp, (shifted + shifted.T) / 2.0)
 
 
 def damped_inverse(matrix, damping=0.0):
@@ -346,8 +394,74 @@ def damped_inverse(matrix, damping=0.0):
 
 @kernel_of(damped_inverse)
 def _damped_inverse(xp, matrix, damping=0.0, *, func="damped_inverse"):
-    linv = _damped_cholesky_inverse(xp, matrix, damping, func=func)
-    return linv.T @ linv
+    return _inverse_from_cholesky(xp, _damped_cholesky(xp, matrix, damping, func=func))
+
+
+def _triangular_kernels(xp):
+    """The backend's name for its triangular kernels: ``"scipy"``, ``"torch"``, ``"cupy"``,
+    ``"jax"`` or ``None`` (the array API has no triangular solve)."""
+    if array_api_compat.is_numpy_namespace(xp):
+        try:
+            import scipy.linalg  # noqa: F401
+        except ImportError:
+            return None
+        return "scipy"
+    for name in ("torch", "cupy", "jax"):
+        if getattr(array_api_compat, f"is_{name}_namespace")(xp):
+            return name
+    return None
+
+
+def _lower_inverse(xp, l_factor):
+    """``L⁻¹`` of a lower triangular ``L`` (lower triangular)."""
+    n = l_factor.shape[0]
+    kind = _triangular_kernels(xp)
+    if kind == "scipy":
+        from scipy.linalg import lapack
+
+        (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
+        inv, _ = trtri(l_factor, lower=True)
+        return xp.tril(xp.asarray(inv))
+    eye = eye_like(l_factor, n)
+    if kind == "torch":
+        import torch
+
+        return torch.linalg.solve_triangular(l_factor, eye, upper=False)
+    if kind == "cupy":
+        from cupyx.scipy.linalg import solve_triangular
+
+        return solve_triangular(l_factor, eye, lower=True)
+    if kind == "jax":
+        from jax.scipy.linalg import solve_triangular
+
+        return solve_triangular(l_factor, eye, lower=True)
+    # No triangular solve in the array API: a general solve against I (exact enough for the
+    # well-conditioned damped factors K-FAC works with, and it stays on device).
+    return xp.tril(xp.linalg.solve(l_factor, eye))
+
+
+def _inverse_from_cholesky(xp, l_factor):
+    """``(L Lᵀ)⁻¹`` from the lower Cholesky factor, exactly symmetric."""
+    kind = _triangular_kernels(xp)
+    if kind == "scipy":
+        from scipy.linalg import lapack
+
+        (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
+        inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
+        low = xp.asarray(inv)
+        return xp.tril(low) + xp.matrix_transpose(xp.tril(low, k=-1))
+    if kind == "torch":
+        import torch
+
+        out = torch.cholesky_inverse(l_factor, upper=False)
+        return (out + out.mT) / 2.0
+    if kind == "jax":
+        from jax.scipy.linalg import cho_solve
+
+        out = cho_solve((l_factor, True), eye_like(l_factor, l_factor.shape[0]))
+        return (out + out.T) / 2.0
+    linv = _lower_inverse(xp, l_factor)
+    return xp.matrix_transpose(linv) @ linv
 
 
 def _check_cholesky_args(func, matrix, damping):
@@ -422,11 +536,7 @@ def damped_cholesky_inverse(matrix, damping=0.0):
 
 @kernel_of(damped_cholesky_inverse)
 def _damped_cholesky_inverse(xp, matrix, damping=0.0, *, func="damped_cholesky_inverse"):
-    l_factor = _damped_cholesky(xp, matrix, damping, func=func)
-    # The standard has no triangular solve; a general solve against I is exact enough
-    # for the well-conditioned damped factors K-FAC works with, and stays on device.
-    linv = xp.linalg.solve(l_factor, eye_like(matrix, matrix.shape[0]))
-    return xp.tril(linv)
+    return _lower_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
 
 
 # --------------------------------------------------------------------------------------

@@ -145,6 +145,67 @@ def test_damped_cholesky_and_inverse(xp, rng):
 
 
 # --------------------------------------------------------------------------------------
+# One inverse through Cholesky (TF K-FAC's rule), the others through eigh
+# --------------------------------------------------------------------------------------
+def eigh_inverse(m, damping, threshold=0.0):
+    """Oracle: (max(s, c) + λ)^-1 in the eigenbasis, host float64 (NumPy's eigh)."""
+    s, q = np.linalg.eigh(m)
+    return (q / (np.maximum(s, threshold) + damping)) @ q.T
+
+
+@pytest.mark.parametrize("rank", [None, 2])  # positive definite, and PSD of low rank
+def test_damped_matpower_inverse_cholesky_path_agrees_with_eigh(xp, rng, rank):
+    n = 7
+    m = xp.round_host(random_spd(rng, n, 0.5, 5.0) if rank is None else random_psd(rng, n, rank))
+    a = xp.asarray(m)
+    assert K.linalg._clipping_is_void(xp.xp, a, 0.0)
+    got = K.damped_matpower(a, -1, 0.3)
+    xp.check(got)
+    # both are backward stable: they agree to κ(M + λI)·eps, κ <= 50 here
+    xp.assert_close(got, eigh_inverse(m, 0.3))
+    xp.assert_close(K.damped_inverse(a, 0.3), eigh_inverse(m, 0.3))
+    h = xp.to_numpy(K.damped_inverse(a, 0.3))
+    np.testing.assert_array_equal(h, h.T)  # exactly symmetric by construction
+
+
+def test_damped_matpower_inverse_still_clips_an_indefinite_matrix(xp, rng):
+    # eigenvalues (-0.3, 1, 2): clipping at 0 changes the inverse, so eigh decides
+    q, _ = np.linalg.qr(rng.standard_normal((3, 3)))
+    m = xp.round_host((q * np.array([-0.3, 1.0, 2.0])) @ q.T)
+    m = (m + m.T) / 2
+    a = xp.asarray(m)
+    assert not K.linalg._clipping_is_void(xp.xp, a, 0.0)
+    xp.assert_close(K.damped_matpower(a, -1, 0.5), eigh_inverse(m, 0.5))
+    # a threshold above the smallest eigenvalue of a positive definite matrix clips too
+    spd = xp.round_host(random_spd(rng, 4, 0.5, 2.0))
+    assert not K.linalg._clipping_is_void(xp.xp, xp.asarray(spd), 1.0)
+    xp.assert_close(K.damped_matpower(xp.asarray(spd), -1, 0.1, 1.0),
+                    eigh_inverse(spd, 0.1, 1.0))
+
+
+def test_damped_matpower_inverse_of_singular_matrix_still_raises(xp):
+    m = xp.asarray(np.diag([1.0, 0.0]))
+    with pytest.raises(KFACValueError, match="damped_matpower: matrix \\+ damping·I must be "
+                       "positive definite for the negative exponent -1"):
+        K.damped_matpower(m, -1)
+
+
+def test_cholesky_kernels_match_the_fallback(rng):
+    """The backend kernels (LAPACK potri/trtri through SciPy for NumPy) and the array-API
+    fallback (a general solve against I) give the same inverses to rounding."""
+    import array_api_strict as xs
+
+    m = random_spd(rng, 9, 0.2, 4.0)
+    fast = K.damped_inverse(m, 0.1)
+    slow = np.asarray(K.damped_inverse(xs.asarray(m), 0.1))
+    assert_allclose_normwise(fast, slow, 1e-12)
+    assert_allclose_normwise(K.damped_cholesky_inverse(m, 0.1),
+                             np.asarray(K.damped_cholesky_inverse(xs.asarray(m), 0.1)), 1e-12)
+    assert K.linalg._triangular_kernels(K._backend.namespace_of("t", m=m)) == "scipy"
+    assert K.linalg._triangular_kernels(xs) is None
+
+
+# --------------------------------------------------------------------------------------
 # Norms and π
 # --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("norm_type", K.FACTOR_NORMS)

@@ -1,0 +1,79 @@
+"""The benchmark suite runs end to end: ``python -m benchmarks --quick`` writes a JSON file and a
+Markdown table with the documented schema, and every hand baseline agreed with kfac_ref.
+
+Nothing here times anything or asserts on speed: the figures of a quick run mean nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMED_OPS = {"update", "inverses", "cached_product"}
+SUMMARY_KEYS = {"median_s", "q1_s", "q3_s", "min_s", "max_s", "times_s"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return out, proc.stdout
+
+
+def test_quick_run_writes_json_and_markdown(quick_run):
+    out, stdout = quick_run
+    result = json.loads((out / "bench-numpy-quick.json").read_text())
+    md = (out / "bench-numpy-quick.md").read_text()
+    assert md in stdout  # the table is printed as well as written
+    meta = result["meta"]
+    assert meta["schema_version"] == 1 and meta["quick"] is True
+    assert meta["backend"] == "numpy" and meta["checks_passed"] is True
+    assert set(meta["workloads"]) == {"mlp", "cnn"}
+    rows = result["rows"]
+    timed = [r for r in rows if r["op"] in TIMED_OPS]
+    # every estimation mode, the inverses and the cached product, per workload and dtype
+    from kfac_ref.curvature.exact import ESTIMATION_MODES
+
+    for wl in ("mlp", "cnn"):
+        for dtype in ("float32", "float64"):
+            mine = [r for r in timed if r["workload"] == wl and r["dtype"] == dtype]
+            assert {r["mode"] for r in mine if r["op"] == "update"} == set(ESTIMATION_MODES)
+            assert {r["op"] for r in mine} == TIMED_OPS
+    for r in timed:
+        assert set(r["kfac_ref"]) == SUMMARY_KEYS and set(r["hand"]) == SUMMARY_KEYS
+        assert len(r["kfac_ref"]["times_s"]) >= 1
+        assert r["ratio"] > 0
+        assert r["row"] in md
+    mem = [r for r in rows if r["op"] == "conv_memory"]
+    assert len(mem) == 4 and len({r["batch"] for r in mem}) == 2
+    assert all(r["kfac_ref_peak_bytes"] > 0 and r["hand_peak_bytes"] > 0 for r in mem)
+    assert {r["peer"] for r in rows if r["op"] == "peer"} == {"curvlinops", "kfac_jax"}
+
+
+def test_every_baseline_agreed_with_kfac_ref(quick_run):
+    out, _ = quick_run
+    result = json.loads((out / "bench-numpy-quick.json").read_text())
+    checked = [r for r in result["rows"] if "check" in r]
+    assert len(checked) == 2 * 2 * 8 + 4
+    for r in checked:
+        c = r["check"]
+        assert c["ok"] and 0 <= c["max_rel_err"] <= c["tol"], r["row"]
+        # the tolerance is a rounding bound, not a loophole: far below an O(1) disagreement
+        assert c["tol"] < 1e-2, r["row"]
+
+
+def test_wrong_baseline_fails_the_check():
+    """A baseline off by a factor is caught by the agreement check (exit status 1 path)."""
+    import numpy as np
+
+    from benchmarks import suite
+
+    want = np.eye(3)
+    assert not suite._check(suite.rel_err(2 * want, want), suite.Runner.tol(np.float32, 1e4))["ok"]
+    assert suite._check(suite.rel_err(want, want), suite.Runner.tol(np.float64))["ok"]
