@@ -4,7 +4,9 @@ This is the one module of :mod:`kfac_ref` that talks to ``array_api_compat`` dir
 Everything else receives the namespace ``xp`` of its inputs from :func:`namespace_of` and
 calls only the array API standard through it.  NumPy is imported by library code only for
 host-side work — random draws (:func:`host_draw`) and index arithmetic (patch indices,
-permutations) — and each such import says so.
+permutations) — and each such import says so.  Where the standard lacks an operation that
+every library has — triangular solves — the library's own kernel is called here
+(:func:`lower_triangular_inverse`, :func:`cholesky_inverse`), with a standard fallback.
 
 Validation policy
 -----------------
@@ -78,6 +80,8 @@ __all__ = [
     "ones_like_shape",
     "asarray_like",
     "host_draw",
+    "lower_triangular_inverse",
+    "cholesky_inverse",
 ]
 
 
@@ -326,6 +330,79 @@ def namespace_of(func: str, **arrays: Any):
                 "of them explicitly."
             )
     return xp0
+
+
+# --------------------------------------------------------------------------------------
+# Triangular kernels: the array API standard has none, so each library's own is used
+# --------------------------------------------------------------------------------------
+def _triangular_kernels(xp):
+    """The backend's name for its triangular kernels: ``"scipy"``, ``"torch"``, ``"cupy"``,
+    ``"jax"`` or ``None`` (the array API has no triangular solve)."""
+    if array_api_compat.is_numpy_namespace(xp):
+        try:
+            import scipy.linalg  # noqa: F401
+        except ImportError:
+            return None
+        return "scipy"
+    for name in ("torch", "cupy", "jax"):
+        if getattr(array_api_compat, f"is_{name}_namespace")(xp):
+            return name
+    return None
+
+
+def lower_triangular_inverse(xp, l_factor):
+    """``L⁻¹`` of a lower triangular ``L`` (lower triangular), with the backend's
+    triangular kernel where it has one (the array API has no triangular solve)."""
+    n = l_factor.shape[0]
+    kind = _triangular_kernels(xp)
+    if kind == "scipy":
+        from scipy.linalg import lapack
+
+        (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
+        inv, _ = trtri(l_factor, lower=True)
+        return xp.tril(xp.asarray(inv))
+    eye = eye_like(l_factor, n)
+    if kind == "torch":
+        import torch
+
+        return torch.linalg.solve_triangular(l_factor, eye, upper=False)
+    if kind == "cupy":
+        from cupyx.scipy.linalg import solve_triangular
+
+        return solve_triangular(l_factor, eye, lower=True)
+    if kind == "jax":
+        from jax.scipy.linalg import solve_triangular
+
+        return solve_triangular(l_factor, eye, lower=True)
+    # No triangular solve in the array API: a general solve against I (exact enough for the
+    # well-conditioned damped factors K-FAC works with, and it stays on device).
+    return xp.tril(xp.linalg.solve(l_factor, eye))
+
+
+def cholesky_inverse(xp, l_factor):
+    """``(L Lᵀ)⁻¹`` from the lower Cholesky factor, exactly symmetric, with the backend's
+    kernel where it has one (LAPACK ``potri`` through SciPy, ``torch.cholesky_inverse``,
+    ``jax.scipy.linalg.cho_solve``)."""
+    kind = _triangular_kernels(xp)
+    if kind == "scipy":
+        from scipy.linalg import lapack
+
+        (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
+        inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
+        low = xp.asarray(inv)
+        return xp.tril(low) + xp.matrix_transpose(xp.tril(low, k=-1))
+    if kind == "torch":
+        import torch
+
+        out = torch.cholesky_inverse(l_factor, upper=False)
+        return (out + out.mT) / 2.0
+    if kind == "jax":
+        from jax.scipy.linalg import cho_solve
+
+        out = cho_solve((l_factor, True), eye_like(l_factor, l_factor.shape[0]))
+        return (out + out.T) / 2.0
+    linv = lower_triangular_inverse(xp, l_factor)
+    return xp.matrix_transpose(linv) @ linv
 
 
 # --------------------------------------------------------------------------------------

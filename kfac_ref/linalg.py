@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import math
 
-import array_api_compat
-
 from ._backend import (
     KFACValueError,
     check_array,
@@ -66,8 +64,10 @@ from ._backend import (
     check_square,
     check_symmetric,
     checks_values,
+    cholesky_inverse,
     eye_like,
     kernel_of,
+    lower_triangular_inverse,
     namespace_of,
     ones_like_shape,
 )
@@ -394,74 +394,7 @@ def damped_inverse(matrix, damping=0.0):
 
 @kernel_of(damped_inverse)
 def _damped_inverse(xp, matrix, damping=0.0, *, func="damped_inverse"):
-    return _inverse_from_cholesky(xp, _damped_cholesky(xp, matrix, damping, func=func))
-
-
-def _triangular_kernels(xp):
-    """The backend's name for its triangular kernels: ``"scipy"``, ``"torch"``, ``"cupy"``,
-    ``"jax"`` or ``None`` (the array API has no triangular solve)."""
-    if array_api_compat.is_numpy_namespace(xp):
-        try:
-            import scipy.linalg  # noqa: F401
-        except ImportError:
-            return None
-        return "scipy"
-    for name in ("torch", "cupy", "jax"):
-        if getattr(array_api_compat, f"is_{name}_namespace")(xp):
-            return name
-    return None
-
-
-def _lower_inverse(xp, l_factor):
-    """``L⁻¹`` of a lower triangular ``L`` (lower triangular)."""
-    n = l_factor.shape[0]
-    kind = _triangular_kernels(xp)
-    if kind == "scipy":
-        from scipy.linalg import lapack
-
-        (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
-        inv, _ = trtri(l_factor, lower=True)
-        return xp.tril(xp.asarray(inv))
-    eye = eye_like(l_factor, n)
-    if kind == "torch":
-        import torch
-
-        return torch.linalg.solve_triangular(l_factor, eye, upper=False)
-    if kind == "cupy":
-        from cupyx.scipy.linalg import solve_triangular
-
-        return solve_triangular(l_factor, eye, lower=True)
-    if kind == "jax":
-        from jax.scipy.linalg import solve_triangular
-
-        return solve_triangular(l_factor, eye, lower=True)
-    # No triangular solve in the array API: a general solve against I (exact enough for the
-    # well-conditioned damped factors K-FAC works with, and it stays on device).
-    return xp.tril(xp.linalg.solve(l_factor, eye))
-
-
-def _inverse_from_cholesky(xp, l_factor):
-    """``(L Lᵀ)⁻¹`` from the lower Cholesky factor, exactly symmetric."""
-    kind = _triangular_kernels(xp)
-    if kind == "scipy":
-        from scipy.linalg import lapack
-
-        (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
-        inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
-        low = xp.asarray(inv)
-        return xp.tril(low) + xp.matrix_transpose(xp.tril(low, k=-1))
-    if kind == "torch":
-        import torch
-
-        out = torch.cholesky_inverse(l_factor, upper=False)
-        return (out + out.mT) / 2.0
-    if kind == "jax":
-        from jax.scipy.linalg import cho_solve
-
-        out = cho_solve((l_factor, True), eye_like(l_factor, l_factor.shape[0]))
-        return (out + out.T) / 2.0
-    linv = _lower_inverse(xp, l_factor)
-    return xp.matrix_transpose(linv) @ linv
+    return cholesky_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
 
 
 def _check_cholesky_args(func, matrix, damping):
@@ -536,7 +469,7 @@ def damped_cholesky_inverse(matrix, damping=0.0):
 
 @kernel_of(damped_cholesky_inverse)
 def _damped_cholesky_inverse(xp, matrix, damping=0.0, *, func="damped_cholesky_inverse"):
-    return _lower_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
+    return lower_triangular_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
 
 
 # --------------------------------------------------------------------------------------

@@ -201,8 +201,8 @@ def test_cholesky_kernels_match_the_fallback(rng):
     assert_allclose_normwise(fast, slow, 1e-12)
     assert_allclose_normwise(K.damped_cholesky_inverse(m, 0.1),
                              np.asarray(K.damped_cholesky_inverse(xs.asarray(m), 0.1)), 1e-12)
-    assert K.linalg._triangular_kernels(K._backend.namespace_of("t", m=m)) == "scipy"
-    assert K.linalg._triangular_kernels(xs) is None
+    assert K._backend._triangular_kernels(K._backend.namespace_of("t", m=m)) == "scipy"
+    assert K._backend._triangular_kernels(xs) is None
 
 
 # --------------------------------------------------------------------------------------
