@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from .._backend import (
     KFACTypeError,
@@ -51,6 +50,12 @@ from .._backend import (
     zeros_like_shape,
 )
 from ..averaging import WeightedMovingAverage
+from ..blocks.kfac_jax import (
+    CurvatureBlock,
+    default_layer_to_block,
+    layer_block,
+    registered_layer_blocks,
+)
 from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
 from . import exact as E
 
@@ -440,47 +445,11 @@ class ExplicitExactCurvature(_EstimatorBase):
 # ------------------------------------------------------------------------------------------
 # Block-diagonal curvature
 # ------------------------------------------------------------------------------------------
-def _blocks():
-    from ..blocks import kfac_jax as B
-
-    return B
-
-
-def default_layer_to_block():
-    r"""The default layer-kind → block-class map (kfac-jax's defaults).
-
-    .. math::
-
-        \text{dense} \mapsto A\otimes G,\quad \text{conv2d} \mapsto |T|\,\Omega\otimes\Gamma,
-        \quad \text{scale\_and\_shift},\ \text{embedding} \mapsto \text{diagonal}.
-
-    ``{"dense": DenseTwoKroneckerFactored, "conv2d": Conv2DTwoKroneckerFactored,
-    "scale_and_shift": ScaleAndShiftDiagonal, "embedding": NaiveDiagonal}`` (kfac-jax maps
-    its "generic" tag to ``NaiveDiagonal``; here it is fed per-example gradients, so it is the
-    exact diagonal of the per-example second moment).
-    """
-    B = _blocks()
-    return {"dense": B.DenseTwoKroneckerFactored, "conv2d": B.Conv2DTwoKroneckerFactored,
-            "scale_and_shift": B.ScaleAndShiftDiagonal, "embedding": B.NaiveDiagonal}
-
-
 @dataclass(frozen=True)
 class BlockDiagonalState:
     """State of :class:`BlockDiagonalCurvature`: one block state per parametric layer."""
 
     blocks_states: tuple
-
-
-def _is_sub(cls, name):
-    B = _blocks()
-    base = getattr(B, name, None)
-    return base is not None and isinstance(cls, type) and issubclass(cls, base)
-
-
-def _block_uses(block):
-    """Which estimation_data a block reads: "layer" (inputs/outputs_grad) or "grads"."""
-    return "grads" if (_is_sub(type(block), "NaiveDiagonal") or _is_sub(type(block), "NaiveFull")
-                       or type(block).__name__ in ("Full", "Diagonal")) else "layer"
 
 
 class BlockDiagonalCurvature(_EstimatorBase):
@@ -614,47 +583,27 @@ class BlockDiagonalCurvature(_EstimatorBase):
         return self.weight_sharing.get(name, "expand")
 
     def _make_block(self, i, input_shape):
-        B = _blocks()
         layer, name = self.net.layers[i], self.net.names[i]
         ctor = self.layer_to_block.get(name, self.layer_to_block.get(layer.kind))
-        if ctor is None:
-            ctor = default_layer_to_block().get(layer.kind)
-        if ctor is None:
-            raise KFACValueError(f"BlockDiagonalCurvature: layer_to_block must give a block for "
-                                 f"layer {name!r} of kind {layer.kind!r}; got none.")
-        kw = dict(self.block_kwargs)
-        kw.setdefault("name", name)
-        if not isinstance(ctor, type):
+        if ctor is None or isinstance(ctor, str):
+            try:
+                ctor = layer_block(layer.kind, ctor)
+            except KFACValueError:
+                raise KFACValueError(
+                    f"BlockDiagonalCurvature: layer_to_block must give a block for layer "
+                    f"{name!r} of kind {layer.kind!r} (a block class, a factory or one of "
+                    f"{tuple(registered_layer_blocks().get(layer.kind, {}))}); got "
+                    f"{ctor!r}.") from None
+        if isinstance(ctor, type) and issubclass(ctor, CurvatureBlock):
+            kw = dict(self.block_kwargs)
+            kw.setdefault("name", name)
+            return ctor.from_layer(layer, tuple(input_shape),
+                                   weight_sharing=self._sharing(name), **kw)
+        if callable(ctor) and not isinstance(ctor, type):
             return ctor(layer, input_shape)
-        shapes = list(layer.param_shapes())
-        if layer.kind == "dense" and any(_is_sub(ctor, c) for c in (
-                "DenseTwoKroneckerFactored", "DenseFull", "DenseDiagonal")):
-            if len(input_shape) == 3 and self._sharing(name) == "expand" and _is_sub(
-                    ctor, "DenseTwoKroneckerFactored"):
-                return _repeated(ctor, input_shape[1])(layer.d_in, layer.d_out,
-                                                       has_bias=layer.use_bias, **kw)
-            return ctor(layer.d_in, layer.d_out, has_bias=layer.use_bias, **kw)
-        if (layer.kind == "conv2d" and _is_sub(ctor, "Conv2DTwoKroneckerFactored")
-                and self._sharing(name) == "reduce"):
-            # KFAC-reduce for a convolution: a dense Kronecker block on location-averaged
-            # patches and location-summed output gradients (same flat order: HWIO kernel
-            # row-major = [kh·kw·C_in, C_out], bias last)
-            return B.DenseTwoKroneckerFactored(layer.patch_size, layer.c_out,
-                                               has_bias=layer.use_bias, **kw)
-        if layer.kind == "conv2d" and any(_is_sub(ctor, c) for c in (
-                "Conv2DTwoKroneckerFactored", "Conv2DFull", "Conv2DDiagonal")):
-            return ctor(tuple(input_shape), layer.filter_shape, layer.stride,
-                        layer._padding_arg(), layer.dilation, layer.data_format,
-                        has_bias=layer.use_bias, **kw)
-        if layer.kind == "scale_and_shift" and any(_is_sub(ctor, c) for c in (
-                "ScaleAndShiftDiagonal", "ScaleAndShiftFull")):
-            c = (layer.num_channels,)
-            return ctor(tuple(input_shape[1:]), c if layer.has_scale else None,
-                        c if layer.has_shift else None, **kw)
-        if isinstance(ctor, type) and issubclass(ctor, B.CurvatureBlock):
-            return ctor(shapes, **kw)
         raise KFACTypeError(f"BlockDiagonalCurvature: the block for layer {name!r} must be a "
-                            f"kfac_ref.blocks.kfac_jax block class or a factory; got {ctor!r}.")
+                            f"kfac_ref.blocks.kfac_jax block class, a registered name or a "
+                            f"factory; got {ctor!r}.")
 
     # -- state ------------------------------------------------------------------------------------
     def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None,
@@ -680,28 +629,6 @@ class BlockDiagonalCurvature(_EstimatorBase):
         return BlockDiagonalState(tuple(
             b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
             for b in self._blocks))
-
-    def _layer_data(self, k, block, x, g, grads, n):
-        """estimation_data and row count for block k."""
-        i = self.layer_indices[k]
-        layer, name = self.net.layers[i], self.net.names[i]
-        if _block_uses(block) == "grads":
-            # per-example parameter gradients as the block's sources: (1/N) Σ_n t_n t_nᵀ
-            return {"params_grads": tuple(grads)}, n
-        xp = namespace_of("BlockDiagonalCurvature", x=g)
-        if layer.kind == "dense" and x.ndim == 3:
-            if self._sharing(name) == "expand":
-                t = x.shape[1]
-                return {"inputs": xp.reshape(x, (n * t, -1)),
-                        "outputs_grad": xp.reshape(g, (n * t, -1))}, n * t
-            return {"inputs": xp.mean(x, axis=1), "outputs_grad": xp.sum(g, axis=1)}, n
-        if layer.kind == "conv2d" and _is_sub(type(block), "DenseTwoKroneckerFactored"):
-            # KFAC-reduce: mean patch over locations, output gradient summed over locations
-            patches = layer.patches(x)  # [N, Ho, Wo, K]
-            gl = g if layer.data_format == "NHWC" else xp.permute_dims(g, (0, 2, 3, 1))
-            return {"inputs": xp.mean(xp.reshape(patches, (n, -1, layer.patch_size)), axis=1),
-                    "outputs_grad": xp.sum(xp.reshape(gl, (n, -1, layer.c_out)), axis=1)}, n
-        return {"inputs": x, "outputs_grad": g}, n
 
     def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,
                                          func_args, estimation_mode=None):
@@ -736,14 +663,16 @@ class BlockDiagonalCurvature(_EstimatorBase):
             root = 1.0  # stochastic vectors already carry 1/sqrt(M): undo it, average by EMA
             vectors = [v * math.sqrt(c) for v in vectors]
         states = list(state.blocks_states)
-        need_grads = any(_block_uses(bl) == "grads" for bl in self._blocks)
+        need_grads = any(bl.uses_params_grads for bl in self._blocks)
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
                                              per_example=need_grads)
             old = ema_old if j == 0 else 1.0
             for k, (i, block) in enumerate(zip(self.layer_indices, self._blocks, strict=True)):
-                data, rows = self._layer_data(k, block, b.inputs[i], cots[i], grads[i], b.n)
+                data, rows = block.layer_estimation_data(
+                    self.net.layers[i], b.inputs[i], cots[i], grads[i], b.n,
+                    self._sharing(self.net.names[i]))
                 states[k] = block.update_curvature_matrix_estimate(states[k], data, old,
                                                                    ema_new / c, rows)
         return BlockDiagonalState(tuple(states))
@@ -873,22 +802,3 @@ def block_diag(blocks):
         rows.append(xp.concat(parts, axis=1))
         start += s
     return xp.concat(rows, axis=0)
-
-
-_REPEATED_CACHE: dict[Any, type] = {}
-
-
-def _repeated(base, repeats):
-    r"""``base`` (a dense Kronecker block) with ``fixed_scale() = T`` for KFAC-expand.
-
-    .. math:: C = T \cdot A \otimes G
-    """
-    key = (base, int(repeats))
-    if key not in _REPEATED_CACHE:
-        def fixed_scale(self):
-            return float(self.num_repeats)
-
-        _REPEATED_CACHE[key] = type(f"Repeated{base.__name__}", (base,), {
-            "num_repeats": int(repeats), "fixed_scale": fixed_scale,
-            "__doc__": f"{base.__name__} with fixed_scale() = T = {int(repeats)} (KFAC-expand)."})
-    return _REPEATED_CACHE[key]
