@@ -523,7 +523,8 @@ def normalize_damping(damping, num_replications, normalize_damping_power=1.0):
 
     with :math:`\rho = 0` meaning no normalisation.  For a block :math:`k\,(A\otimes G)`
     (:math:`k = |T|` conv locations, :math:`T` time steps) factored damping with
-    :math:`\lambda_k` gives :math:`k A\otimes G + \lambda I` + a residual (FORMULAS §1.4).
+    :math:`\lambda_k` gives :math:`k A\otimes G + \lambda I` + a residual (see the docs
+    page *Convolutions: KFC, KFAC-expand and KFAC-reduce*; Grosse & Martens 2016).
     """
     func = "normalize_damping"
     damping = check_scalar(func, "damping", damping, nonnegative=True)
@@ -728,8 +729,8 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
 
     Damping: factored Tikhonov damping with the trace-norm π of each *diagonal* pair,
     :math:`A_i + \pi_i\sqrt\lambda I`, :math:`G_i + \sqrt\lambda/\pi_i I`, used everywhere
-    (in :math:`\Psi` and :math:`\Sigma`); the off-diagonal factors stay undamped (FORMULAS
-    §1.5, a reading of M&G §6.3).
+    (in :math:`\Psi` and :math:`\Sigma`); the off-diagonal factors stay undamped (a reading
+    of Martens & Grosse 2015, §6.3).
 
     Parameters
     ----------

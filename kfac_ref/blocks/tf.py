@@ -711,7 +711,7 @@ class FullyConnectedMultiIndepFB(KroneckerProductFB):
 
         \tilde F = T\,(A + \pi\sqrt{\lambda/T} I) \otimes (G + \sqrt{\lambda/T}/\pi\, I),
 
-    with :math:`A, G` averaged over uses and examples (``c = k = T``; FORMULAS §3.1).
+    with :math:`A, G` averaged over uses and examples (``c = k = T``; Martens, Ba & Johnson 2018).
     """
 
     def __init__(self, input_factor, output_factor, damping, num_uses, has_bias=False,
@@ -736,7 +736,7 @@ class ConvKFCBasicFB(KroneckerProductFB):
         \tilde F = |T|\,(\Omega + \pi\sqrt{\lambda/|T|}\,I) \otimes
         (\Gamma + \sqrt{\lambda/|T|}/\pi\, I),
 
-    :math:`\Omega, \Gamma` normalised by :math:`N|T|` (``c = k = |T|``; FORMULAS §2.2).
+    :math:`\Omega, \Gamma` normalised by :math:`N|T|` (``c = k = |T|``; Grosse & Martens 2016).
 
     Parameters
     ----------
@@ -943,9 +943,10 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
         return back(series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
 
     def full_fisher_block(self):
-        r"""Not defined by TF (``_renorm_coeff`` asserts); raises.
+        r"""Not defined by TF (``_renorm_coeff`` asserts); raises.  The block exists only
+        through its inverse,
 
-        .. math:: \text{n/a}
+        .. math:: F_T^{-1} = V_0^{-1/2}\,\gamma_T(\hat\Psi)\,V_0^{-1/2}
         """
         raise KFACValueError(f"{type(self).__name__}.full_fisher_block: the series block has "
                              "no Kronecker form (TF asserts); use multiply_inverse.")
