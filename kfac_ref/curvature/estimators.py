@@ -55,3 +55,9 @@ __all__ = [
     "WEIGHT_SHARING_MODES",
     "default_layer_to_block",
 ]
+
+# Documented (and pickled, and shown in reprs) under this module, where they always lived.
+for _obj in (ImplicitExactCurvature, ExplicitExactCurvature, ExplicitState,
+             BlockDiagonalCurvature, BlockDiagonalState, block_diag):
+    _obj.__module__ = __name__
+del _obj

@@ -25,7 +25,7 @@ def register_layer_block(kind, approximation, block_class, *, default=False):
     estimator builds it with its ``from_layer`` classmethod.  ``default=True`` makes it the
     block of ``kind`` when ``layer_to_block`` names none.  Registering a name again replaces
     the entry.  Returns ``block_class`` (usable as a class decorator through
-    :func:`functools.partial`).
+    ``functools.partial``).
     """
     func = "register_layer_block"
     for name, v in (("kind", kind), ("approximation", approximation)):
