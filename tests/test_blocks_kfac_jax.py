@@ -209,7 +209,8 @@ def test_cache_is_a_snapshot_of_the_statistics(xp, rng, name):
 
 
 def test_norm_scaled_identity_weight_reaches_the_cache(xp, rng):
-    """The kfac-jax fault (PEERS.md): update_cache ignores the per-block norm scaling.  Here the
+    """The kfac-jax fault (block_diagonal.py):
+    update_cache ignores the per-block norm scaling.  Here the
     cached inverse equals the uncached one built with λ = w·‖B‖ and differs from λ = w."""
     block, state, _, _ = make_state(xp, rng, "DenseTwoKroneckerFactored",
                                     approx_powers_to_cache=[-1.0])

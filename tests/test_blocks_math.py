@@ -85,7 +85,7 @@ def test_kronecker_matches_linalg_primitive(xp, rng, power, method):
 
 
 def test_conv_scale_bookkeeping(xp, rng):
-    """|T|·kron(A, G) with λ/|T| split by π of the normalised factors (FORMULAS §2.2)."""
+    """|T|·kron(A, G) with λ/|T| split by π of the normalised factors (Grosse & Martens 2016)."""
     T, lam = 9, 0.4
     a, g = random_spd(rng, 5, 0.5, 2.0), random_spd(rng, 2, 0.5, 2.0)
     x = rng.standard_normal((5, 2))
@@ -96,7 +96,7 @@ def test_conv_scale_bookkeeping(xp, rng):
     d = np.sqrt(lam / T)
     expected = T * (ah + pi * d * np.eye(5)) @ xh @ (gh + d / pi * np.eye(2))
     xp.assert_close(got, expected)
-    # expansion: T A⊗G + λ I + residual (FORMULAS D9)
+    # expansion: T A⊗G + λ I + residual (Grosse & Martens 2016)
     resid = T * (pi * d * xh @ gh + d / pi * ah @ xh)
     assert_allclose_normwise(xp.to_numpy(got), T * ah @ xh @ gh + lam * xh + resid, xp.rtol)
 
@@ -227,7 +227,7 @@ def test_normalize_damping():
 
 
 # --------------------------------------------------------------------------------------
-# Series (RNN) block: option 1 and option 2 against the defining dense systems (FORMULAS §3)
+# Series (RNN) block: option 1 and option 2 against the defining dense systems (MBJ 2018)
 # --------------------------------------------------------------------------------------
 def _sym_inv_sqrt(m):
     s, q = np.linalg.eigh(m)
@@ -270,7 +270,7 @@ def test_series_option1_vs_dense(xp, rng, delta):
     x = rng.standard_normal((p, q))
     got = series_option1_multiply_inverse(*(xp.asarray(v) for v in (l_a, psi_a, l_g, psi_g)), T,
                                           xp.asarray(x))
-    # Dense F_T = T V0 + Σ_d (T−d)(Ψ^d V0 + V0 Ψ^{dT}), Ψ = V1 V0⁻¹ (FORMULAS §3.1).
+    # Dense F_T = T V0 + Σ_d (T−d)(Ψ^d V0 + V0 Ψ^{dT}), Ψ = V1 V0⁻¹ (Martens, Ba & Johnson 2018).
     v0, v1 = np.kron(a0d, g0d), np.kron(a1s, g1s)
     psi = v1 @ np.linalg.inv(v0)
     f = T * v0
@@ -299,7 +299,7 @@ def test_series_option2_vs_dense(xp, rng, delta):
     x = rng.standard_normal((p, q))
     got = series_option2_multiply_inverse(
         *(xp.asarray(v) for v in (p_a, k_a, mu_a, p_g, k_g, mu_g)), T, xp.asarray(x))
-    # Dense F_∞ = T (I−P)⁻¹ (V0 − P V0 Pᵀ) (I−Pᵀ)⁻¹ with P = P_A ⊗ P_G (FORMULAS §3.1, R4).
+    # Dense F_∞ = T (I−P)⁻¹ (V0 − P V0 Pᵀ) (I−Pᵀ)⁻¹ with P = P_A ⊗ P_G (Martens, Ba & Johnson 2018).
     v0, pk = np.kron(a0d, g0d), np.kron(p_a, p_g)
     eye = np.eye(p * q)
     ip = np.linalg.inv(eye - pk)
@@ -358,7 +358,7 @@ def test_power_composition_property(xp, seed, p, q, exact, lam, scale):
 
 
 # --------------------------------------------------------------------------------------
-# Block-tridiagonal inverse (FORMULAS §1.5) against the dense Ξᵀ Λ Ξ
+# Block-tridiagonal inverse (Martens & Grosse 2015, §4.3) against the dense Ξᵀ Λ Ξ
 # --------------------------------------------------------------------------------------
 def _chain_stats(rng, dims, n=200):
     """Jointly sampled vectors of neighbouring layers ⇒ consistent A_ii, A_{i,i+1}."""
@@ -407,7 +407,7 @@ def test_block_tridiagonal_inverse_vs_dense(xp, rng, damping):
             sigma = F[i][i]
         lam[s, s] = np.linalg.inv(sigma)
     fhat_inv = xi.T @ lam @ xi
-    # the oracle itself: F̂ agrees with F̃ on the tridiagonal blocks (FORMULAS check T3)
+    # the oracle itself: F̂ agrees with F̃ on the tridiagonal blocks (Martens & Grosse 2015, §4.3)
     fhat = np.linalg.inv(fhat_inv)
     for i in range(L):
         si = slice(offs[i], offs[i + 1])

@@ -209,7 +209,7 @@ def _series_data(rng, steps, batch, n, rho=0.5):
 @pytest.mark.parametrize("option", [1, 2])
 def test_series_block_vs_dense_system(xp, rng, option):
     """FullyConnectedSeriesFB against F_T (option 1, signed eigenvalues) and F_∞ (option 2)
-    built densely from the damped statistics (FORMULAS §3)."""
+    built densely from the damped statistics (Martens, Ba & Johnson 2018)."""
     steps, batch, lam = 5, 30, 0.2
     xa = _series_data(rng, steps, batch, 2)
     xg = _series_data(rng, steps, batch, 2)

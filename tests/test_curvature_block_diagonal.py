@@ -1,5 +1,5 @@
 """BlockDiagonalCurvature: exact modes with Full blocks reproduce the dense block-diagonal GGN /
-Fisher / empirical Fisher; the exactness facts of PEERS.md / FORMULAS.md §1.3, §2.3 with the
+Fisher / empirical Fisher; the exactness facts (Eschenhagen et al. 2023) with the
 default Kronecker blocks at tight tolerances; negative controls (the settings where K-FAC is
 not exact must show an error); stochastic modes agree draw-for-draw with the dense estimate
 (whose convergence rate is tested in test_curvature_exact.py); products, cache, eigenvalues.
@@ -152,7 +152,7 @@ def test_single_example_every_layer_exact(xp, rng):
     for g, e in zip(got, exp, strict=True):
         xp.assert_close(g, e, rtol=tol(xp))
     # negative controls: with N = 3 neither is exact, and K-FAC-empirical is not the EF block
-    # even for a deep linear network with squared error (FORMULAS.md §1.3, check X6)
+    # even for a deep linear network with squared error (Martens & Grosse 2015, §3)
     got, exp = kfac_vs_exact(xp, rng, net, ce, 3, (3,))
     assert rel_err(xp.to_numpy(got[0]), exp[0]) > 1e-3
     got, exp = kfac_vs_exact(xp, rng, mlp("identity"), sq, 3, (3,), "fisher_empirical",

@@ -19,14 +19,31 @@ Conventions
   ``normalize_damping`` with ``NORMALIZE_DAMPING_POWER = 1``, kfac-jax's
   ``identity_weight / scale``).
 
-Private ``_prepare_*`` / ``_apply_*`` pairs split each product into the part that depends only
-on the statistics (what a cache stores) and the part that touches the vector, so a cached
-product and an uncached one run the same arithmetic.
+Internal API
+------------
+The block classes of :mod:`kfac_ref.blocks.kfac_jax` and :mod:`kfac_ref.blocks.tf` call these
+unchecked helpers (not in ``__all__``; their arguments are validated by the public method the
+user called):
+
+* ``prepare_*`` / ``apply_*`` pairs split each product into the part that depends only on the
+  statistics (what a cache stores) and the part that touches the vector, so a cached product
+  and an uncached one run the same arithmetic;
+* :func:`kron_product_path` decides, once for every Kronecker product, which of the three
+  paths (direct power 1, eigenbasis, factored π damping) a product takes;
+* ``to_mat2d`` / ``from_mat2d`` and ``flatten`` / ``unflatten`` are the vector maps
+  ``(kernel, bias)`` ↔ ``[W; b]`` and tuple of arrays ↔ flat vector shared by all blocks;
+* ``check_factor`` validates a Kronecker factor;
+* ``validated_internals()`` is the context in which a public block method, after validating
+  its inputs once, runs functions of :mod:`kfac_ref.factors` and
+  :mod:`kfac_ref.averaging` (they still run their static checks, but no second scan of data
+  already checked).
 """
 
 from __future__ import annotations
 
 import math
+
+from array_api_compat import array_namespace as xp_of
 
 from .._backend import (
     KFACTypeError,
@@ -39,6 +56,7 @@ from .._backend import (
     eye_like,
     namespace_of,
     size_of,
+    value_checks,
 )
 from ..linalg import (
     FACTOR_NORMS,
@@ -79,7 +97,13 @@ factors are damped with :math:`\\sqrt\\lambda` each) or ``"identity"`` (kfac-jax
 # --------------------------------------------------------------------------------------
 # Validation helpers
 # --------------------------------------------------------------------------------------
-def _check_factor(func, name, f):
+def validated_internals():
+    """Context for the computation after a public method validated its inputs (see the
+    module docstring)."""
+    return value_checks(False)
+
+
+def check_factor(func, name, f):
     """A Kronecker factor: symmetric [n, n] or a diagonal [n]."""
     check_array(func, name, f, ndim=(1, 2), layout="[n, n] or diagonal [n]")
     if f.ndim == 2:
@@ -104,31 +128,32 @@ def _factor_norm_is_zero(f, norm_type):
     # The norm that sets π (kfac-jax tests the same norms for its zero-factor special case);
     # kfac_ref.linalg.factor_norm is the one home of the factor norms.  For a PSD factor every
     # one of them is zero exactly when the factor is zero.
-    return factor_norm(f, "avg_diag" if norm_type == "off" else norm_type) == 0.0
+    return bool(factor_norm.kernel(xp_of(f), f, "avg_diag" if norm_type == "off"
+                                   else norm_type) == 0.0)
 
 
 # --------------------------------------------------------------------------------------
 # Kronecker-factored blocks
 # --------------------------------------------------------------------------------------
-def _prepare_kron_eigen(func, xp, a, g, threshold):
+def prepare_kron_eigen(func, xp, a, g, threshold):
     """Eigendecompositions of both factors (a diagonal factor is its own eigenbasis)."""
     out = []
     for f in (a, g):
         if f.ndim == 1:
             out.append((xp.clip(f, min=threshold), None))
         else:
-            out.append(clipped_eigh(f, threshold))
+            out.append(clipped_eigh.kernel(xp, f, threshold))
     return out[0][0], out[0][1], out[1][0], out[1][1]
 
 
-def _apply_kron_eigen(func, xp, eig, x, power, damping, scale):
+def apply_kron_eigen(func, xp, eig, x, power, damping, scale):
     r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
     s_a, q_a, s_g, q_g = eig
     return kron_eigenbasis_matpower.kernel(xp, s_a, q_a, s_g, q_g, x, power, damping, scale,
                                             func=func)
 
 
-def _apply_kron_exact_one(xp, a, g, x, damping, scale):
+def apply_kron_direct(xp, a, g, x, damping, scale):
     """``(s·A⊗G + λI) vec_r(X) = vec_r(s·A X Gᵀ + λX)`` (power 1, no eigendecomposition)."""
     left = a[:, None] * x if a.ndim == 1 else a @ x
     prod = left * g[None, :] if g.ndim == 1 else left @ xp.matrix_transpose(g)
@@ -146,7 +171,7 @@ def _factor_power(func, xp, f, power, delta, threshold):
                              f"{power} ({exc}). Add damping.") from None
 
 
-def _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
                            threshold):
     r"""Factor powers of the π-damped block.
 
@@ -173,7 +198,7 @@ def _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zer
     return a_pow, g_pow, scale**power
 
 
-def _apply_kron_factored(xp, prepared, x):
+def apply_kron_factored(xp, prepared, x):
     a_pow, g_pow, coeff = prepared
     if a_pow is None:
         return coeff * x
@@ -182,10 +207,91 @@ def _apply_kron_factored(xp, prepared, x):
     return coeff * prod
 
 
+KRON_PATHS = ("direct", "eigen", "factored")
+"""The three ways a Kronecker product is computed (see :func:`kron_product_path`)."""
+
+
+def kron_product_path(power, exact, approx_power_one="factored"):
+    r"""Which computation a Kronecker product :math:`(sA\otimes G + \lambda I)^p` takes.
+
+    .. math::
+
+        \begin{aligned}
+        \text{direct}: &\quad p = 1 \text{ and (exact or power-one exact)}:
+            \ s A X G^\top + \lambda X,\\
+        \text{eigen}: &\quad \text{exact otherwise (both eigendecompositions)},\\
+        \text{factored}: &\quad \text{approximate otherwise (π-damped factor powers)}.
+        \end{aligned}
+
+    The one place the path is chosen: :func:`kronecker_block_matpower` and the Kronecker
+    blocks (cached or not) all call it.
+    """
+    if power == 1.0 and (exact or approx_power_one == "exact"):
+        return "direct"
+    return "eigen" if exact else "factored"
+
+
+def prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+                 threshold):
+    """The statistics-only part of a Kronecker product on ``path`` (None for "direct")."""
+    if path == "direct":
+        return None
+    if path == "eigen":
+        return prepare_kron_eigen(func, xp, a, g, threshold)
+    return prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
+                                 zero_factor_fallback, threshold)
+
+
+def apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale):
+    """The vector part of a Kronecker product on ``path`` (``prepared`` from
+    :func:`prepare_kron`, computed now or read from a cache)."""
+    if path == "direct":
+        return apply_kron_direct(xp, a, g, x, damping, scale)
+    if path == "eigen":
+        return apply_kron_eigen(func, xp, prepared, x, power, damping, scale)
+    return apply_kron_factored(xp, prepared, x)
+
+
+# --------------------------------------------------------------------------------------
+# Vector maps shared by the blocks
+# --------------------------------------------------------------------------------------
+def to_mat2d(xp, kernel, bias, q):
+    r"""``(kernel, bias)`` → ``[W; b]`` of shape ``[K (+1), q]``: the kernel reshaped
+    row-major to ``[-1, q]``, the bias (or None) appended as the last row."""
+    mat = xp.reshape(kernel, (-1, q))
+    if bias is None:
+        return mat
+    return xp.concat([mat, xp.reshape(bias, (1, q))], axis=0)
+
+
+def from_mat2d(xp, mat, kernel_shape, has_bias):
+    """``[W; b]`` → ``(kernel, bias)`` (bias None without a bias row); inverse of
+    :func:`to_mat2d`."""
+    k = math.prod(kernel_shape[:-1])
+    kernel = xp.reshape(mat[:k, :], tuple(kernel_shape))
+    return kernel, (mat[k, :] if has_bias else None)
+
+
+def flatten(xp, arrays):
+    """A tuple of arrays → their row-major flattenings, concatenated (TF's
+    ``tensors_to_column``, the flat order of the kfac-jax blocks)."""
+    return xp.concat([xp.reshape(v, (-1,)) for v in arrays])
+
+
+def unflatten(xp, flat, shapes):
+    """A flat vector → a tuple of arrays of ``shapes``; inverse of :func:`flatten`."""
+    out, i = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(xp.reshape(flat[i:i + n], tuple(shape)))
+        i += n
+    return tuple(out)
+
+
 def _check_kron_inputs(func, a, g, x):
     xp = namespace_of(func, a=a, g=g, x=x)
-    _check_factor(func, "a", a)
-    _check_factor(func, "g", g)
+    check_factor(func, "a", a)
+    check_factor(func, "g", g)
     p, q = a.shape[0], g.shape[0]
     check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}] (row-major [W; b])")
     return xp
@@ -264,14 +370,10 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
                                              eigenvalue_clipping_threshold)
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
-    if exact:
-        if power == 1.0:
-            return _apply_kron_exact_one(xp, a, g, x, damping, scale)
-        eig = _prepare_kron_eigen(func, xp, a, g, c)
-        return _apply_kron_eigen(func, xp, eig, x, power, damping, scale)
-    prepared = _prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
-                                      zero_factor_fallback, c)
-    return _apply_kron_factored(xp, prepared, x)
+    path = kron_product_path(power, exact)
+    prepared = prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type,
+                            zero_factor_fallback, c)
+    return apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale)
 
 
 def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshold=0.0):
@@ -286,22 +388,22 @@ def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshol
     """
     func = "kronecker_block_eigenvalues"
     xp = namespace_of(func, a=a, g=g)
-    _check_factor(func, "a", a)
-    _check_factor(func, "g", g)
+    check_factor(func, "a", a)
+    check_factor(func, "g", g)
     scale = check_scalar(func, "scale", scale, positive=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    s_a, _, s_g, _ = _prepare_kron_eigen(func, xp, a, g, c)
-    return _kron_spectrum(xp, s_a, s_g, scale)
+    s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, c)
+    return kron_spectrum(xp, s_a, s_g, scale)
 
 
-def _kron_spectrum(xp, s_a, s_g, scale):
+def kron_spectrum(xp, s_a, s_g, scale):
     return xp.reshape(scale * (s_a[:, None] * s_g[None, :]), (-1,))
 
 
 # --------------------------------------------------------------------------------------
 # Diagonal, full and scaled-identity blocks
 # --------------------------------------------------------------------------------------
-def _apply_diagonal(func, xp, diagonal, x, power, damping, scale):
+def apply_diagonal(func, xp, diagonal, x, power, damping, scale):
     return _elementwise_power(func, xp, scale * diagonal + damping, power) * x
 
 
@@ -331,14 +433,22 @@ def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
     check_array(func, "diagonal", diagonal)
     check_array(func, "x", x, shape=tuple(diagonal.shape))
     power, damping, scale, _ = _check_common(func, power, damping, scale)
-    return _apply_diagonal(func, xp, diagonal, x, power, damping, scale)
+    return apply_diagonal(func, xp, diagonal, x, power, damping, scale)
 
 
-def _prepare_full(func, xp, matrix, threshold):
-    return clipped_eigh(matrix, threshold)
+def prepare_full(func, xp, matrix, threshold):
+    """Clipped eigendecomposition of a full block (what its cache stores)."""
+    return clipped_eigh.kernel(xp, matrix, threshold)
 
 
-def _apply_full_eigen(func, xp, eig, x, power, damping, scale):
+def apply_full(func, xp, matrix, eig, x, power, damping, scale):
+    """``(sF + λI)^p x``: directly for :math:`p = 1`, else from the eigendecomposition."""
+    if power == 1.0:
+        return scale * (matrix @ x) + damping * x
+    return apply_full_eigen(func, xp, eig, x, power, damping, scale)
+
+
+def apply_full_eigen(func, xp, eig, x, power, damping, scale):
     s, q = eig
     coeff = _elementwise_power(func, xp, scale * s + damping, power)
     return q @ (coeff * (xp.matrix_transpose(q) @ x))
@@ -376,10 +486,8 @@ def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
     check_array(func, "x", x, ndim=1, shape=(n,), layout=f"[{n}]")
     power, damping, scale, c = _check_common(func, power, damping, scale,
                                              eigenvalue_clipping_threshold)
-    if power == 1.0:
-        return scale * (matrix @ x) + damping * x
-    return _apply_full_eigen(func, xp, _prepare_full(func, xp, matrix, c), x, power, damping,
-                             scale)
+    eig = None if power == 1.0 else prepare_full(func, xp, matrix, c)
+    return apply_full(func, xp, matrix, eig, x, power, damping, scale)
 
 
 def scaled_identity_matpower(x, power, damping=0.0, *, scale=1.0):
@@ -415,7 +523,8 @@ def normalize_damping(damping, num_replications, normalize_damping_power=1.0):
 
     with :math:`\rho = 0` meaning no normalisation.  For a block :math:`k\,(A\otimes G)`
     (:math:`k = |T|` conv locations, :math:`T` time steps) factored damping with
-    :math:`\lambda_k` gives :math:`k A\otimes G + \lambda I` + a residual (FORMULAS §1.4).
+    :math:`\lambda_k` gives :math:`k A\otimes G + \lambda I` + a residual (see the docs
+    page *Convolutions: KFC, KFAC-expand and KFAC-reduce*; Grosse & Martens 2016).
     """
     func = "normalize_damping"
     damping = check_scalar(func, "damping", damping, nonnegative=True)
@@ -620,8 +729,8 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
 
     Damping: factored Tikhonov damping with the trace-norm π of each *diagonal* pair,
     :math:`A_i + \pi_i\sqrt\lambda I`, :math:`G_i + \sqrt\lambda/\pi_i I`, used everywhere
-    (in :math:`\Psi` and :math:`\Sigma`); the off-diagonal factors stay undamped (FORMULAS
-    §1.5, a reading of M&G §6.3).
+    (in :math:`\Psi` and :math:`\Sigma`); the off-diagonal factors stay undamped (a reading
+    of Martens & Grosse 2015, §6.3).
 
     Parameters
     ----------

@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import math
 
+from .. import factors
 from .._backend import (
     KFACTypeError,
     KFACValueError,
     check_array,
+    check_bool,
     check_int,
     check_option,
     check_scalar,
@@ -44,8 +46,22 @@ from .._backend import (
     namespace_of,
 )
 from ..linalg import FACTOR_NORMS, kron, pi_adjusted_damping, pi_tracenorm
-from . import _math as M
-from ._math import normalize_damping
+from ._conv import check_conv_outputs_grad, conv_locations, is_channels_first
+from ._math import (
+    ZERO_FACTOR_FALLBACKS,
+    check_factor,
+    diagonal_block_matpower,
+    flatten,
+    from_mat2d,
+    full_block_matpower,
+    kronecker_block_matpower,
+    normalize_damping,
+    series_option1_multiply_inverse,
+    series_option2_multiply_inverse,
+    to_mat2d,
+    unflatten,
+    validated_internals,
+)
 
 __all__ = [
     "PI_TYPES",
@@ -71,12 +87,6 @@ __all__ = [
 
 PI_TYPES = ("tracenorm", "off", *FACTOR_NORMS)
 """TF's ``PI_TYPE`` values (``"tracenorm"``, ``"off"``) plus kfac-jax's factor norms."""
-
-
-def _factors():
-    from .. import factors  # lazy: written concurrently, sits below blocks
-
-    return factors
 
 
 def _norm_of_pi_type(pi_type):
@@ -145,6 +155,44 @@ def _damping(func, damping):
     return check_scalar(func, "damping", value, nonnegative=True)
 
 
+def _check_rows_data(func, **arrays):
+    """One batch's arrays, given as ``name=(array, ndim)``: arrays of that rank in one
+    namespace with one number of rows, each scanned once."""
+    for name, (x, ndim) in arrays.items():
+        check_array(func, name, x, ndim=ndim)
+    namespace_of(func, **{name: x for name, (x, _) in arrays.items()})
+    rows = {name: x.shape[0] for name, (x, _) in arrays.items()}
+    if len(set(rows.values())) > 1:
+        raise KFACValueError(f"{func}: {' and '.join(rows)} must have one number of rows "
+                             f"(examples); got {rows}.")
+
+
+def _check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
+                     dilation_rate, data_format):
+    """One conv batch: ``inputs`` 4-D, ``outputs_grad`` on the output grid; returns |T|."""
+    _check_rows_data(func, inputs=(inputs, 4), outputs_grad=(outputs_grad, 4))
+    if not isinstance(filter_shape, (list, tuple)) or len(filter_shape) != 4:
+        raise KFACValueError(f"{func}: filter_shape must be [kh, kw, C_in, C_out]; got "
+                             f"{describe(filter_shape)}.")
+    t, grid = conv_locations(tuple(inputs.shape), filter_shape, strides, padding, dilation_rate,
+                             data_format)
+    check_conv_outputs_grad(func, outputs_grad, inputs.shape[0], grid, int(filter_shape[-1]),
+                            is_channels_first(data_format))
+    return t
+
+
+def _grads_tuple(func, params_grads):
+    """``params_grads`` as an array or a non-empty tuple of arrays, each checked once."""
+    parts = (params_grads,) if is_array(params_grads) else params_grads
+    if not isinstance(parts, (list, tuple)) or not parts:
+        raise KFACTypeError(f"{func}: params_grads must be an array or a sequence of arrays; "
+                            f"got {describe(params_grads)}.")
+    for i, g in enumerate(parts):
+        check_array(func, f"params_grads[{i}]", g)
+    namespace_of(func, **{f"params_grads[{i}]": g for i, g in enumerate(parts)})
+    return params_grads if is_array(params_grads) else tuple(parts)
+
+
 class FisherBlock:
     r"""Base class of the TF-named blocks: powers of the damped block times a vector.
 
@@ -187,24 +235,19 @@ class _FlatVector:
         if not isinstance(parts, (list, tuple)) or not parts:
             raise KFACTypeError(f"{func}: vector must be an array or a tuple of arrays; got "
                                 f"{describe(vector)}.")
-        xp = namespace_of(func, like=like, **{f"vector[{i}]": v for i, v in enumerate(parts)})
         for i, v in enumerate(parts):
             check_array(func, f"vector[{i}]", v)
+        xp = namespace_of(func, like=like, **{f"vector[{i}]": v for i, v in enumerate(parts)})
         shapes = tuple(tuple(v.shape) for v in parts)
         if self.params_shapes is not None and shapes != self.params_shapes:
             raise KFACValueError(f"{func}: vector must have the parameter shapes "
                                  f"{self.params_shapes}; got {shapes}.")
-        flat = xp.concat([xp.reshape(v, (-1,)) for v in parts])
 
         def back(y):
-            out, i = [], 0
-            for s in shapes:
-                n = math.prod(s)
-                out.append(xp.reshape(y[i:i + n], s))
-                i += n
-            return out[0] if single else tuple(out)
+            out = unflatten(xp, y, shapes)
+            return out[0] if single else out
 
-        return xp, flat, back
+        return xp, flatten(xp, parts), back
 
 
 def _params_shapes(func, params_shapes):
@@ -250,7 +293,7 @@ class FullFB(_FlatVector, FisherBlock):
         """
         func = f"{type(self).__name__}.multiply_matpower"
         xp, flat, back = self._flat(func, vector, self._cov)
-        return back(M.full_block_matpower(self._cov, flat, self._exp(exp), self.damping))
+        return back(full_block_matpower(self._cov, flat, self._exp(exp), self.damping))
 
     def full_fisher_block(self):
         r"""The undamped block :math:`F` (TF's ``full_fisher_block``).
@@ -273,9 +316,10 @@ class NaiveFullFB(FullFB):
 
         .. math:: F = \hat g \hat g^\top / N
         """
-        shapes = [tuple(g.shape) for g in ((params_grads,) if is_array(params_grads)
-                                           else params_grads)]
-        return cls(_factors().full_factor(params_grads, batch_size), damping, shapes)
+        grads = _grads_tuple(f"{cls.__name__}.from_grads", params_grads)
+        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        with validated_internals():
+            return cls(factors.full_factor(grads, batch_size), damping, shapes)
 
 
 class DiagonalFB(_FlatVector, FisherBlock):
@@ -313,7 +357,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
         if flat.shape != self._diag.shape:
             raise KFACValueError(f"{func}: vector must have {self._diag.shape[0]} entries in "
                                  f"all; got {flat.shape[0]}.")
-        return back(M.diagonal_block_matpower(self._diag, flat, self._exp(exp), self.damping))
+        return back(diagonal_block_matpower(self._diag, flat, self._exp(exp), self.damping))
 
     def full_fisher_block(self):
         r"""The undamped block :math:`\mathrm{diag}(d)` as a dense matrix.
@@ -336,9 +380,10 @@ class NaiveDiagonalFB(DiagonalFB):
 
         .. math:: d = \hat g^{\odot 2} / N
         """
-        shapes = [tuple(g.shape) for g in ((params_grads,) if is_array(params_grads)
-                                           else params_grads)]
-        return cls(_factors().naive_diagonal_factor(params_grads, batch_size), damping, shapes)
+        grads = _grads_tuple(f"{cls.__name__}.from_grads", params_grads)
+        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        with validated_internals():
+            return cls(factors.naive_diagonal_factor(grads, batch_size), damping, shapes)
 
 
 # --------------------------------------------------------------------------------------
@@ -353,6 +398,8 @@ class _Mat2d:
         if not isinstance(parts, (list, tuple)) or len(parts) not in (1, 2):
             raise KFACTypeError(f"{func}: vector must be a kernel array or a (kernel, bias) "
                                 f"tuple; got {describe(vector)}.")
+        for i, v in enumerate(parts):
+            check_array(func, f"vector[{i}]", v)
         xp = namespace_of(func, like=like, **{f"vector[{i}]": v for i, v in enumerate(parts)})
         expected = (self.kernel_shape,) + (((self.kernel_shape[-1],),) if self.has_bias else ())
         shapes = tuple(tuple(v.shape) for v in parts)
@@ -360,19 +407,13 @@ class _Mat2d:
             raise KFACValueError(f"{func}: vector must have the parameter shapes {expected} "
                                  f"({'kernel, bias' if self.has_bias else 'kernel'}); got "
                                  f"{shapes}.")
-        for i, v in enumerate(parts):
-            check_array(func, f"vector[{i}]", v)
-        q = self.kernel_shape[-1]
-        mat = xp.reshape(parts[0], (-1, q))
-        if self.has_bias:
-            mat = xp.concat([mat, xp.reshape(parts[1], (1, q))], axis=0)
-        k = mat.shape[0] - (1 if self.has_bias else 0)
+        mat = to_mat2d(xp, parts[0], parts[1] if self.has_bias else None, self.kernel_shape[-1])
 
         def back(y):
-            w = xp.reshape(y[:k, :], self.kernel_shape)
+            w, b = from_mat2d(xp, y, self.kernel_shape, self.has_bias)
             if not self.has_bias:
                 return w if single else (w,)
-            return (w, y[k, :])
+            return (w, b)
 
         return xp, mat, back
 
@@ -398,7 +439,7 @@ class FullyConnectedDiagonalFB(_Mat2d, FisherBlock):
         func = type(self).__name__
         self._diag = _cov(func, "factor", factor)
         check_array(func, "factor", self._diag, ndim=2, layout="[in (+1), out]")
-        self.has_bias = bool(has_bias)
+        self.has_bias = check_bool(func, "has_bias", has_bias)
         rows, out = self._diag.shape
         self.kernel_shape = (rows - (1 if self.has_bias else 0), out)
         self._damping_arg = damping
@@ -410,8 +451,12 @@ class FullyConnectedDiagonalFB(_Mat2d, FisherBlock):
 
         .. math:: D = \tfrac1N(\bar a\odot\bar a)^\top(g\odot g)
         """
-        return cls(_factors().fully_connected_diagonal_factor(inputs, outputs_grad, has_bias),
-                   damping, has_bias)
+        func = f"{cls.__name__}.from_data"
+        _check_rows_data(func, inputs=(inputs, 2), outputs_grad=(outputs_grad, 2))
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            return cls(factors.fully_connected_diagonal_factor(inputs, outputs_grad, has_bias),
+                       damping, has_bias)
 
     @property
     def damping(self):
@@ -428,7 +473,7 @@ class FullyConnectedDiagonalFB(_Mat2d, FisherBlock):
         """
         func = f"{type(self).__name__}.multiply_matpower"
         xp, mat, back = self._to_mat2d(func, vector, self._diag)
-        return back(M.diagonal_block_matpower(self._diag, mat, self._exp(exp),
+        return back(diagonal_block_matpower(self._diag, mat, self._exp(exp),
                                               self._effective_damping()))
 
     def full_fisher_block(self):
@@ -478,6 +523,26 @@ class ConvDiagonalFB(FullyConnectedDiagonalFB):
         self.num_locations = check_int(func, "num_locations", num_locations, minimum=1)
         self.normalize_damping_power = check_scalar(func, "normalize_damping_power",
                                                     normalize_damping_power)
+
+    @classmethod
+    def from_data(cls, inputs, outputs_grad, damping, filter_shape, padding, strides=None,
+                  dilation_rate=None, data_format="NHWC", has_bias=False,
+                  normalize_damping_power=1.0):
+        r"""Block from one conv batch (:func:`kfac_ref.factors.conv_diagonal_factor`).
+
+        .. math:: D = \frac1N\sum_n \Big(\sum_t \bar p_{n,t} g_{n,t}^\top\Big)^{\odot 2}
+
+        ``inputs`` ``[N, H, W, C]`` (NHWC) or ``[N, C, H, W]`` (NCHW), ``outputs_grad`` on the
+        convolution's output grid; ``num_locations`` is computed from the geometry.
+        """
+        func = f"{cls.__name__}.from_data"
+        t = _check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
+                             dilation_rate, data_format)
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            diag = factors.conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides,
+                                                padding, data_format, dilation_rate, has_bias)
+        return cls(diag, damping, filter_shape, has_bias, t, normalize_damping_power)
 
     def _effective_damping(self):
         t = self.num_locations
@@ -529,9 +594,9 @@ class KroneckerProductFB(_Mat2d, FisherBlock):
         self._a = _cov(func, "input_factor", input_factor)
         self._g = _cov(func, "output_factor", output_factor)
         namespace_of(func, input_factor=self._a, output_factor=self._g)
-        M._check_factor(func, "input_factor", self._a)
-        M._check_factor(func, "output_factor", self._g)
-        self.has_bias = bool(has_bias)
+        check_factor(func, "input_factor", self._a)
+        check_factor(func, "output_factor", self._g)
+        self.has_bias = check_bool(func, "has_bias", has_bias)
         self.kernel_shape = tuple(check_int(func, "kernel_shape entry", k, minimum=1)
                                   for k in kernel_shape)
         p, q = self._a.shape[0], self._g.shape[0]
@@ -549,7 +614,7 @@ class KroneckerProductFB(_Mat2d, FisherBlock):
         self.normalize_damping_power = check_scalar(func, "normalize_damping_power",
                                                     normalize_damping_power)
         self.zero_factor_fallback = check_option(func, "zero_factor_fallback",
-                                                 zero_factor_fallback, M.ZERO_FACTOR_FALLBACKS)
+                                                 zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
         self._damping_arg = damping
         _damping(func, damping)
 
@@ -576,7 +641,7 @@ class KroneckerProductFB(_Mat2d, FisherBlock):
 
         .. math:: (\delta_A, \delta_G) = (\pi\sqrt{\lambda_k},\ \sqrt{\lambda_k}/\pi)
         """
-        return compute_pi_adjusted_damping(self._a, self._g, math.sqrt(self.damping),
+        return compute_pi_adjusted_damping(self._a, self._g, self.damping ** 0.5,
                                            self.pi_type)
 
     def multiply_matpower(self, vector, exp):
@@ -587,7 +652,7 @@ class KroneckerProductFB(_Mat2d, FisherBlock):
         func = f"{type(self).__name__}.multiply_matpower"
         xp, mat, back = self._to_mat2d(func, vector, self._a)
         c = self.renorm_coeff
-        out = M.kronecker_block_matpower(
+        out = kronecker_block_matpower(
             self._a, self._g, mat, self._exp(exp), c * self.damping, scale=c, exact=False,
             norm_type=_norm_of_pi_type(self.pi_type),
             zero_factor_fallback=self.zero_factor_fallback)
@@ -621,7 +686,7 @@ class FullyConnectedKFACBasicFB(KroneckerProductFB):
         g = _cov(func, "output_factor", output_factor)
         check_array(func, "input_factor", a, ndim=(1, 2))
         check_array(func, "output_factor", g, ndim=(1, 2))
-        kernel = (a.shape[0] - (1 if has_bias else 0), g.shape[0])
+        kernel = (a.shape[0] - (1 if check_bool(func, "has_bias", has_bias) else 0), g.shape[0])
         super().__init__(a, g, damping, kernel, has_bias, **kwargs)
 
     @classmethod
@@ -630,9 +695,13 @@ class FullyConnectedKFACBasicFB(KroneckerProductFB):
 
         .. math:: A = \tfrac1N \bar a^\top \bar a,\ G = \tfrac1N g^\top g
         """
-        f = _factors()
-        return cls(f.fully_connected_kronecker_factor(inputs, has_bias),
-                   f.fully_connected_kronecker_factor(outputs_grad), damping, has_bias, **kwargs)
+        func = f"{cls.__name__}.from_data"
+        _check_rows_data(func, inputs=(inputs, 2), outputs_grad=(outputs_grad, 2))
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            return cls(factors.fully_connected_kronecker_factor(inputs, has_bias),
+                       factors.fully_connected_kronecker_factor(outputs_grad), damping,
+                       has_bias, **kwargs)
 
 
 class FullyConnectedMultiIndepFB(KroneckerProductFB):
@@ -642,7 +711,7 @@ class FullyConnectedMultiIndepFB(KroneckerProductFB):
 
         \tilde F = T\,(A + \pi\sqrt{\lambda/T} I) \otimes (G + \sqrt{\lambda/T}/\pi\, I),
 
-    with :math:`A, G` averaged over uses and examples (``c = k = T``; FORMULAS §3.1).
+    with :math:`A, G` averaged over uses and examples (``c = k = T``; Martens, Ba & Johnson 2018).
     """
 
     def __init__(self, input_factor, output_factor, damping, num_uses, has_bias=False,
@@ -653,7 +722,7 @@ class FullyConnectedMultiIndepFB(KroneckerProductFB):
         g = _cov(func, "output_factor", output_factor)
         check_array(func, "input_factor", a, ndim=(1, 2))
         check_array(func, "output_factor", g, ndim=(1, 2))
-        kernel = (a.shape[0] - (1 if has_bias else 0), g.shape[0])
+        kernel = (a.shape[0] - (1 if check_bool(func, "has_bias", has_bias) else 0), g.shape[0])
         self.num_uses = t
         super().__init__(a, g, damping, kernel, has_bias, renorm_coeff=float(t),
                          normalization=float(t), **kwargs)
@@ -667,7 +736,7 @@ class ConvKFCBasicFB(KroneckerProductFB):
         \tilde F = |T|\,(\Omega + \pi\sqrt{\lambda/|T|}\,I) \otimes
         (\Gamma + \sqrt{\lambda/|T|}/\pi\, I),
 
-    :math:`\Omega, \Gamma` normalised by :math:`N|T|` (``c = k = |T|``; FORMULAS §2.2).
+    :math:`\Omega, \Gamma` normalised by :math:`N|T|` (``c = k = |T|``; Grosse & Martens 2016).
 
     Parameters
     ----------
@@ -695,28 +764,16 @@ class ConvKFCBasicFB(KroneckerProductFB):
 
         .. math:: \Omega = \tfrac{1}{N|T|}[[A]]_H^\top[[A]]_H,\ \Gamma = \tfrac{1}{N|T|}DS^\top DS
         """
-        from .. import patches
-
-        f = _factors()
         func = f"{cls.__name__}.from_data"
-        t = patches.num_conv_locations(tuple(inputs.shape), filter_shape, strides, padding,
-                                       dilation_rate, data_format)
-        # The gradient must live on this convolution's output grid: on another grid Γ would be
-        # normalised by a |T| other than the block's.
-        grid = tuple(patches.conv_output_spatial_shape(tuple(inputs.shape), filter_shape,
-                                                       strides, padding, dilation_rate,
-                                                       data_format))
-        c_out = int(tuple(filter_shape)[-1])
-        if data_format is not None and str(data_format).upper().startswith("NC"):
-            check_array(func, "outputs_grad", outputs_grad, shape=(inputs.shape[0], c_out, *grid),
-                        layout="[N, C_out, H_out, W_out] (NCHW)")
-        else:
-            check_array(func, "outputs_grad", outputs_grad, shape=(inputs.shape[0], *grid, c_out),
-                        layout="[N, H_out, W_out, C_out] (NHWC)")
-        return cls(f.conv_input_kronecker_factor(inputs, filter_shape, padding, strides,
-                                                 dilation_rate, data_format, has_bias),
-                   f.conv_output_kronecker_factor(outputs_grad, data_format), damping,
-                   filter_shape, t, has_bias, **kwargs)
+        t = _check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
+                             dilation_rate, data_format)
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            return cls(factors.conv_input_kronecker_factor(inputs, filter_shape, padding,
+                                                           strides, dilation_rate, data_format,
+                                                           has_bias),
+                       factors.conv_output_kronecker_factor(outputs_grad, data_format), damping,
+                       filter_shape, t, has_bias, **kwargs)
 
 
 class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
@@ -762,10 +819,13 @@ class EmbeddingKFACFB(KroneckerProductFB):
 
         .. math:: d = \text{counts}/N,\ G = \tfrac1N g^\top g
         """
-        f = _factors()
-        return cls(f.embedding_input_kronecker_factor(input_ids, vocab_size,
-                                                      dtype=outputs_grad.dtype),
-                   f.fully_connected_kronecker_factor(outputs_grad), damping, **kwargs)
+        func = f"{cls.__name__}.from_data"
+        check_array(func, "outputs_grad", outputs_grad, ndim=2, layout="[N, out]")
+        with validated_internals():
+            return cls(factors.embedding_input_kronecker_factor(input_ids, vocab_size,
+                                                                dtype=outputs_grad.dtype),
+                       factors.fully_connected_kronecker_factor(outputs_grad), damping,
+                       **kwargs)
 
 
 # --------------------------------------------------------------------------------------
@@ -826,21 +886,21 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
         namespace_of(func, input_factor=self._a0, output_factor=self._g0,
                      input_cov_dt1=self._a1, output_cov_dt1=self._g1)
         for name, m in (("input_factor", self._a0), ("output_factor", self._g0)):
-            M._check_factor(func, name, m)
+            check_factor(func, name, m)
             if m.ndim != 2:
                 raise KFACValueError(f"{func}: {name} must be a 2-D matrix; got "
                                      f"{describe(m)}.")
         check_array(func, "input_cov_dt1", self._a1, shape=tuple(self._a0.shape))
         check_array(func, "output_cov_dt1", self._g1, shape=tuple(self._g0.shape))
         self.num_uses = check_int(func, "num_uses", num_uses, minimum=1)
-        self.has_bias = bool(has_bias)
+        self.has_bias = check_bool(func, "has_bias", has_bias)
         self.kernel_shape = (self._a0.shape[0] - (1 if self.has_bias else 0), self._g0.shape[0])
         if option not in (1, 2):
             raise KFACValueError(f"{func}: option must be 1 or 2 (SeriesFBApproximation); got "
                                  f"{option!r}.")
         self.option = option
         self.option1_eig_method = check_option(func, "option1_eig_method", option1_eig_method,
-                                               _factors().OPTION1_EIG_METHODS)
+                                               factors.OPTION1_EIG_METHODS)
         self.pi_type = check_option(func, "pi_type", pi_type, PI_TYPES)
         self._damping_arg = damping
         _damping(func, damping)
@@ -856,7 +916,7 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
 
         .. math:: (\delta_A, \delta_G) = (\pi\sqrt{\lambda/T},\ \sqrt{\lambda/T}/\pi)
         """
-        return compute_pi_adjusted_damping(self._a0, self._g0, math.sqrt(self.damping),
+        return compute_pi_adjusted_damping(self._a0, self._g0, self.damping ** 0.5,
                                            self.pi_type)
 
     def multiply_matpower(self, vector, exp):
@@ -870,24 +930,23 @@ class FullyConnectedSeriesFB(_Mat2d, FisherBlock):
             raise KFACValueError(f"{func}: exp must be -1 (FullyConnectedSeriesFB only supports "
                                  f"inverse multiplications); got {exp}.")
         xp, mat, back = self._to_mat2d(func, vector, self._a0)
-        # The series quantities take host-scalar dampings (TF's Python-float damping).
-        d_a, d_g = (float(d) for d in self.factor_dampings())
-        f = _factors()
+        d_a, d_g = self.factor_dampings()
         t = self.num_uses
         if self.option == 1:
-            l_a, psi_a = f.series_option1_quantities(self._a0, self._a1, d_a,
+            l_a, psi_a = factors.series_option1_quantities(self._a0, self._a1, d_a,
                                                      self.option1_eig_method)
-            l_g, psi_g = f.series_option1_quantities(self._g0, self._g1, d_g,
+            l_g, psi_g = factors.series_option1_quantities(self._g0, self._g1, d_g,
                                                      self.option1_eig_method)
-            return back(M.series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, t, mat))
-        p_a, k_a, mu_a = f.series_option2_quantities(self._a0, self._a1, d_a)
-        p_g, k_g, mu_g = f.series_option2_quantities(self._g0, self._g1, d_g)
-        return back(M.series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
+            return back(series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, t, mat))
+        p_a, k_a, mu_a = factors.series_option2_quantities(self._a0, self._a1, d_a)
+        p_g, k_g, mu_g = factors.series_option2_quantities(self._g0, self._g1, d_g)
+        return back(series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
 
     def full_fisher_block(self):
-        r"""Not defined by TF (``_renorm_coeff`` asserts); raises.
+        r"""Not defined by TF (``_renorm_coeff`` asserts); raises.  The block exists only
+        through its inverse,
 
-        .. math:: \text{n/a}
+        .. math:: F_T^{-1} = V_0^{-1/2}\,\gamma_T(\hat\Psi)\,V_0^{-1/2}
         """
         raise KFACValueError(f"{type(self).__name__}.full_fisher_block: the series block has "
                              "no Kronecker form (TF asserts); use multiply_inverse.")

@@ -1,0 +1,547 @@
+r"""The base of the kfac-jax-named blocks: :class:`BlockState` and :class:`CurvatureBlock`.
+
+:class:`CurvatureBlock` validates the arguments of every public method once and then calls
+the hooks a block family implements (each an :func:`abc.abstractmethod`, contract in
+:class:`CurvatureBlock`'s docstring).  The hooks receive validated arguments and call
+unchecked kernels (:mod:`kfac_ref.blocks._math`, the ``.kernel`` of :mod:`kfac_ref.linalg`).
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from ..._backend import (
+    KFACTypeError,
+    KFACValueError,
+    check_array,
+    check_bool,
+    check_int,
+    check_option,
+    check_scalar,
+    describe,
+    namespace_of,
+    zeros_like_shape,
+)
+from ...averaging import WeightedMovingAverage
+from ...linalg import FACTOR_NORMS
+from .._math import flatten, unflatten, validated_internals
+
+__all__ = ["BlockState", "CurvatureBlock"]
+
+
+@dataclass(frozen=True)
+class BlockState:
+    r"""Immutable state of a curvature block.
+
+    .. math::
+
+        \text{statistics}_i = \text{WeightedMovingAverage of the block's statistics},
+
+    Attributes
+    ----------
+    statistics : tuple of WeightedMovingAverage
+        Kronecker blocks: ``(A, G)`` (kfac-jax ``factors``); diagonal blocks: one diagonal per
+        parameter (``diagonal_factors``); full blocks: ``(matrix,)``; scaled identity: ``()``.
+    cache : Mapping
+        Read-only snapshot written by :meth:`CurvatureBlock.update_cache` (see the module
+        docstring of :mod:`kfac_ref.blocks.kfac_jax`); empty until then.
+    like : array
+        A 0-D array fixing the namespace, device and dtype of the block.
+    """
+
+    statistics: tuple
+    cache: Mapping = field(default_factory=lambda: MappingProxyType({}))
+    like: Any = None
+
+    @property
+    def factors(self):
+        """kfac-jax's name for the Kronecker factors' averages."""
+        return self.statistics
+
+    @property
+    def diagonal_factors(self):
+        """kfac-jax's name for the diagonal blocks' averages."""
+        return self.statistics
+
+    @property
+    def matrix(self):
+        """kfac-jax's name for the full block's average."""
+        return self.statistics[0]
+
+
+def powers_set(func, name, powers):
+    """A power, a sequence of powers or None as a sorted tuple of floats."""
+    if powers is None:
+        return ()
+    if isinstance(powers, (int, float)) and not isinstance(powers, bool):
+        powers = (powers,)
+    if not isinstance(powers, Sequence):
+        raise KFACTypeError(f"{func}: {name} must be a number, a sequence of numbers or None; "
+                            f"got {describe(powers)}.")
+    return tuple(sorted({check_scalar(func, name, p) for p in powers}))
+
+
+def _check_norm(func, norm_type):
+    if norm_type is None or norm_type == "none":
+        return None
+    return check_option(func, "norm_to_scale_identity_weight", norm_type,
+                        (*FACTOR_NORMS, "none"))
+
+
+def check_rows(func, state, arrays, batch_size):
+    """Static checks of the ``estimation_data`` arrays: one namespace with the state, at
+    least 1-D, ``batch_size`` rows.  Returns the flat ``{name: array}`` mapping."""
+    flat = {}
+    for k, v in arrays.items():
+        if isinstance(v, (list, tuple)):
+            for i, a in enumerate(v):
+                flat[f"{k}[{i}]"] = a
+        else:
+            flat[k] = v
+    namespace_of(func, like=state.like, **flat)
+    for k, v in flat.items():
+        check_array(func, k, v, min_ndim=1, finite=False)
+        if v.shape[0] != batch_size:
+            raise KFACValueError(f"{func}: {k} must have batch_size = {batch_size} rows "
+                                 f"(axis 0); got shape {tuple(v.shape)}.")
+    return flat
+
+
+class CurvatureBlock(abc.ABC):
+    r"""Base class: a curvature block over a group of parameters, kfac-jax API.
+
+    .. math::
+
+        \begin{aligned}
+        \texttt{multiply\_matpower}(v) &= (s\,B + \lambda I)^{p} v,\\
+        s &= \texttt{fixed\_scale} \cdot \texttt{state\_dependent\_scale},\\
+        \lambda &= w \cdot \|s B\|_{\text{norm}} \ \text{(or } w\text{)}.
+        \end{aligned}
+
+    The public methods validate their arguments once and call the hooks below, which a
+    block family implements.  A hook receives validated arguments (``func``: the name of
+    the public method, for error messages; ``xp``: the namespace of the state) and must not
+    validate them again.
+
+    * ``_statistics_shapes()``: shapes of the statistics in :attr:`BlockState.statistics`.
+    * ``_batch_statistics(xp, data, batch_size)``: one batch's statistics (a tuple matching
+      ``_statistics_shapes``) from ``data``, the output of ``_check_estimation_arrays``;
+      :meth:`update_curvature_matrix_estimate` averages them into the state.
+    * ``_multiply_fresh(func, xp, state, vector, lam, power, exact)`` and
+      ``_multiply_cached(...)``: :math:`(sB + \lambda I)^p v` for a tuple ``vector`` of
+      parameter-shaped arrays, from the statistics or from the snapshot of
+      ``_build_cache``; both run the same product code.
+    * ``_build_cache(func, xp, state, lam, exact, approx, eigenvalues)``: the mapping the
+      cached products need (powers in ``exact``/``approx``, ``lam`` the effective weight).
+    * ``_eigenvalues(func, xp, state)``: :math:`\operatorname{spec}(sB)`, length :attr:`dim`.
+    * ``_dense_unscaled(xp, state)``: :math:`B` as a ``[dim, dim]`` array.
+    * ``_norm_unscaled(xp, state, norm_type)``: :math:`\|B\|` as a 0-D array or a number.
+
+    Optional hooks: ``_check_estimation_arrays`` (the checks of ``estimation_data``),
+    ``_check_approx_power``, :meth:`from_layer` and :meth:`layer_estimation_data`.
+
+    Parameters
+    ----------
+    parameters_shapes : sequence of tuple of int
+        Shapes of the block's parameters, in vector order.
+    name : str, optional
+    eigenvalue_clipping_threshold : float
+        Eigenvalues are clipped below at this value before powers (kfac-jax ``safe_psd_eigh``
+        clips at 0).
+    strict_cache : bool
+        Raise when a cached product is asked for an identity weight other than the one it was
+        cached with (default); ``False`` uses the cached weight as kfac-jax does.
+    """
+
+    estimation_keys = ("inputs", "outputs_grad")
+    """The keys of ``estimation_data`` the block reads."""
+
+    def __init__(self, parameters_shapes, *, name=None, eigenvalue_clipping_threshold=0.0,
+                 strict_cache=True):
+        func = type(self).__name__
+        if not isinstance(parameters_shapes, Sequence) or not parameters_shapes:
+            raise KFACTypeError(f"{func}: parameters_shapes must be a non-empty sequence of "
+                                f"shapes; got {describe(parameters_shapes)}.")
+        shapes = []
+        for s in parameters_shapes:
+            if not isinstance(s, Sequence) or isinstance(s, str):
+                raise KFACTypeError(f"{func}: parameters_shapes entries must be sequences of "
+                                    f"int; got {describe(s)}.")
+            shapes.append(tuple(check_int(func, "parameters_shapes entry", d, minimum=1)
+                                for d in s))
+        self.parameters_shapes = tuple(shapes)
+        self.name = name if name is not None else func
+        self.eigenvalue_clipping_threshold = check_scalar(
+            func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+        self.strict_cache = check_bool(func, "strict_cache", strict_cache)
+
+    # -- construction from a layer -------------------------------------------------------
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
+        r"""The block of this class for a :mod:`kfac_ref.nn` layer.
+
+        .. math:: \text{block} = \texttt{cls}(\text{layer's parameter shapes})
+
+        ``input_shape`` is the layer's input shape (batch axis first) and ``weight_sharing``
+        the KFAC-expand/-reduce choice of :class:`kfac_ref.curvature.BlockDiagonalCurvature`;
+        the layer families override this (a dense, conv or scale-and-shift block reads the
+        layer's sizes and options).  ``kwargs`` go to the constructor.
+        """
+        return cls(layer.param_shapes(), **kwargs)
+
+    def layer_estimation_data(self, layer, inputs, outputs_grad, params_grads, batch_size,
+                              weight_sharing="expand"):
+        r"""``(estimation_data, rows)`` of this block from one layer's batch quantities.
+
+        .. math::
+
+            \text{data} = \{\texttt{inputs}: x,\ \texttt{outputs\_grad}: g\}
+            \ \text{or}\ \{\texttt{params\_grads}: (\nabla_{\theta} \ell_n)_n\}
+
+        ``inputs``/``outputs_grad`` are the layer input and the back-propagated vector at its
+        output, ``params_grads`` the per-example parameter gradients (or None when no block
+        of the estimator reads them).  Dense and conv blocks override this for weight
+        sharing (KFAC-expand feeds :math:`NT` rows).
+        """
+        if self.uses_params_grads:
+            return {"params_grads": tuple(params_grads)}, batch_size
+        return {"inputs": inputs, "outputs_grad": outputs_grad}, batch_size
+
+    @property
+    def uses_params_grads(self):
+        """Whether :meth:`layer_estimation_data` needs per-example parameter gradients."""
+        return "params_grads" in self.estimation_keys
+
+    # -- sizes and scales ----------------------------------------------------------------
+    @property
+    def number_of_parameters(self):
+        """Number of parameter arrays."""
+        return len(self.parameters_shapes)
+
+    @property
+    def dim(self):
+        r"""Number of scalar parameters, :math:`\sum_i \prod \text{shape}_i`."""
+        return sum(math.prod(s) for s in self.parameters_shapes)
+
+    def fixed_scale(self):
+        """Constant pre-factor of the block (1; :math:`|T|` for conv Kronecker blocks)."""
+        return 1.0
+
+    def state_dependent_scale(self, state):
+        """Pre-factor computed from the state (1 for every block here)."""
+        return 1.0
+
+    def scale(self, state, use_cache=False):
+        r"""Total pre-factor :math:`s`: the cached snapshot's when ``use_cache``."""
+        if use_cache:
+            return self._cache_get(state, "scale", "update_cache")
+        return float(self.fixed_scale()) * float(self.state_dependent_scale(state))
+
+    # -- hooks ---------------------------------------------------------------------------
+    @abc.abstractmethod
+    def _statistics_shapes(self):
+        """Shapes of the statistics (see the class docstring)."""
+
+    @abc.abstractmethod
+    def _batch_statistics(self, xp, data, batch_size):
+        """One batch's statistics from validated ``data`` (see the class docstring)."""
+
+    @abc.abstractmethod
+    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+        """:math:`(sB + \\lambda I)^p v` from the statistics."""
+
+    @abc.abstractmethod
+    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+        """:math:`(sB + \\lambda I)^p v` from the cache snapshot."""
+
+    @abc.abstractmethod
+    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+        """The cache entries of this family."""
+
+    @abc.abstractmethod
+    def _eigenvalues(self, func, xp, state):
+        """:math:`\\operatorname{spec}(sB)`."""
+
+    @abc.abstractmethod
+    def _dense_unscaled(self, xp, state):
+        """The unscaled block as a dense matrix."""
+
+    @abc.abstractmethod
+    def _norm_unscaled(self, xp, state, norm_type):
+        """The norm of the unscaled block."""
+
+    def _check_estimation_arrays(self, func, state, arrays, batch_size):
+        """Validate ``estimation_data`` (static checks, then one finiteness scan each)."""
+        flat = check_rows(func, state, arrays, batch_size)
+        for k, v in flat.items():
+            check_array(func, k, v)
+        return arrays
+
+    def _check_approx_power(self, func, power):
+        return power
+
+    # -- state ---------------------------------------------------------------------------
+    def init(self, like, exact_powers_to_cache=None, approx_powers_to_cache=None,
+             cache_eigenvalues=False):
+        r"""Initial state: zero statistics, empty cache.
+
+        .. math::
+
+            S_0 = 0, \quad W_0 = 0 .
+
+        ``like`` (any array) fixes namespace, device and floating dtype (kfac-jax's ``rng``
+        has no use here: nothing is random).  The powers to cache are recorded and checked
+        by :meth:`update_cache`.
+        """
+        func = f"{type(self).__name__}.init"
+        namespace_of(func, like=like)
+        check_array(func, "like", like)
+        like0 = zeros_like_shape(like, ())
+        exact = powers_set(func, "exact_powers_to_cache", exact_powers_to_cache)
+        approx = powers_set(func, "approx_powers_to_cache", approx_powers_to_cache)
+        for p in approx:
+            self._check_approx_power(func, p)
+        cache_eigenvalues = check_bool(func, "cache_eigenvalues", cache_eigenvalues)
+        stats = tuple(WeightedMovingAverage.zeros_like(zeros_like_shape(like, shape))
+                      for shape in self._statistics_shapes())
+        cache = {"declared": (exact, approx, cache_eigenvalues)}
+        return BlockState(stats, MappingProxyType(cache), like0)
+
+    def _check_state(self, func, state):
+        if not isinstance(state, BlockState):
+            raise KFACTypeError(f"{func}: state must be a BlockState from {type(self).__name__}"
+                                f".init; got {describe(state)}.")
+        shapes = tuple(tuple(s.raw.shape) for s in state.statistics)
+        if shapes != tuple(self._statistics_shapes()):
+            raise KFACValueError(f"{func}: state must hold statistics of shapes "
+                                 f"{tuple(self._statistics_shapes())}; got {shapes}.")
+        return namespace_of(func, like=state.like)
+
+    def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new,
+                                         batch_size):
+        r"""Average one batch's statistics into the state (kfac-jax's weighted average).
+
+        .. math::
+
+            S \leftarrow \texttt{ema\_old}\,S + \texttt{ema\_new}\,\hat S(\text{data}),\qquad
+            W \leftarrow \texttt{ema\_old}\,W + \texttt{ema\_new}
+
+        with :math:`\hat S` the family's batch statistic (see the class's docstring).
+        ``estimation_data`` holds :attr:`estimation_keys` (see the module docstring of
+        :mod:`kfac_ref.blocks.kfac_jax`); every array is checked once.
+        """
+        func = f"{type(self).__name__}.update_curvature_matrix_estimate"
+        xp = self._check_state(func, state)
+        keys = self.estimation_keys
+        if keys and (not isinstance(estimation_data, Mapping)
+                     or any(k not in estimation_data for k in keys)):
+            if not isinstance(estimation_data, Mapping):
+                raise KFACTypeError(f"{func}: estimation_data must be a mapping with keys "
+                                    f"{keys}; got {describe(estimation_data)}.")
+            raise KFACValueError(f"{func}: estimation_data must have the keys {keys}; got "
+                                 f"keys {tuple(estimation_data)}.")
+        batch_size = check_int(func, "batch_size", batch_size, minimum=1)
+        ema_old = check_scalar(func, "ema_old", ema_old, nonnegative=True)
+        ema_new = check_scalar(func, "ema_new", ema_new, nonnegative=True)
+        if not self._statistics_shapes():
+            return state
+        data = self._check_estimation_arrays(func, state, {k: estimation_data[k] for k in keys},
+                                             batch_size)
+        with validated_internals():
+            new = self._batch_statistics(xp, data, batch_size)
+            stats = tuple(s.update(x, ema_old, ema_new)
+                          for s, x in zip(state.statistics, new, strict=True))
+        return BlockState(stats, state.cache, state.like)
+
+    # -- vectors -------------------------------------------------------------------------
+    def _check_vector(self, func, state, vector):
+        if not isinstance(vector, (list, tuple)):
+            raise KFACTypeError(
+                f"{func}: vector must be a tuple of {self.number_of_parameters} arrays of shapes "
+                f"{self.parameters_shapes}; got {describe(vector)}.")
+        if len(vector) != self.number_of_parameters:
+            raise KFACValueError(
+                f"{func}: vector must have {self.number_of_parameters} arrays of shapes "
+                f"{self.parameters_shapes}; got {len(vector)}.")
+        namespace_of(func, like=state.like, **{f"vector[{i}]": v for i, v in enumerate(vector)})
+        for i, (v, shape) in enumerate(zip(vector, self.parameters_shapes, strict=True)):
+            check_array(func, f"vector[{i}]", v, shape=shape)
+        return tuple(vector)
+
+    def _flatten(self, xp, vector):
+        return flatten(xp, vector)
+
+    def _unflatten(self, xp, flat):
+        return unflatten(xp, flat, self.parameters_shapes)
+
+    # -- damping -------------------------------------------------------------------------
+    def effective_identity_weight(self, state, identity_weight, norm_to_scale_identity_weight=None,
+                                  use_cached=False):
+        r"""The :math:`\lambda` actually added: :math:`w` or :math:`w\,\|sB\|`.
+
+        .. math::
+
+            \lambda = \begin{cases} w & \text{norm} = \text{None (TF; kfac-jax default)} \\
+            w \cdot \texttt{norm}(\text{state}, \text{norm}) &
+            \text{kfac-jax } \texttt{norm\_to\_scale\_identity\_weight\_per\_block}
+            \end{cases}
+
+        With ``use_cached`` the norm is the cached snapshot's, so a cached product and the
+        :meth:`update_cache` call that built it agree by construction.
+        """
+        func = f"{type(self).__name__}.effective_identity_weight"
+        xp = self._check_state(func, state)
+        return self._effective_weight(func, xp, state, identity_weight,
+                                      norm_to_scale_identity_weight, use_cached)
+
+    def _effective_weight(self, func, xp, state, identity_weight, norm_type, use_cached):
+        w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        norm_type = _check_norm(func, norm_type)
+        if norm_type is None:
+            return w
+        if use_cached:
+            cached = self._cache_get(state, "norms", "update_cache")
+            if norm_type not in cached:
+                raise KFACValueError(
+                    f"{func}: norm_to_scale_identity_weight must be one the cache was built "
+                    f"with ({tuple(cached)}); got {norm_type!r}. Call update_cache with it.")
+            return w * cached[norm_type]
+        return w * self._norm(xp, state, norm_type)
+
+    # -- products ------------------------------------------------------------------------
+    def multiply_matpower(self, state, vector, identity_weight, power, exact_power, use_cached,
+                          norm_to_scale_identity_weight=None):
+        r""":math:`(s B + \lambda I)^{p}\, v` for a parameter-shaped vector.
+
+        .. math::
+
+            (s B + \lambda I)^{p} v ,
+
+        exact (eigendecompositions) or approximate (block-dependent: factored π damping for
+        Kronecker blocks; diagonal and full blocks are always exact).  ``use_cached`` runs the
+        same arithmetic on the snapshot of the last :meth:`update_cache`.
+
+        Raises
+        ------
+        KFACValueError, KFACTypeError
+            A vector whose structure differs from ``parameters_shapes``, a power the block
+            cannot do approximately, an unknown norm name, a cached product that was not
+            cached, a negative power of a singular damped block.
+        """
+        func = f"{type(self).__name__}.multiply_matpower"
+        xp = self._check_state(func, state)
+        vector = self._check_vector(func, state, vector)
+        power = check_scalar(func, "power", power)
+        exact = check_bool(func, "exact_power", exact_power)
+        use_cached = check_bool(func, "use_cached", use_cached)
+        if not exact:
+            self._check_approx_power(func, power)
+        lam = self._effective_weight(func, xp, state, identity_weight,
+                                     norm_to_scale_identity_weight, use_cached)
+        if use_cached:
+            return self._multiply_cached(func, xp, state, vector, lam, power, exact)
+        return self._multiply_fresh(func, xp, state, vector, lam, power, exact)
+
+    def multiply(self, state, vector, identity_weight, exact_power, use_cached,
+                 norm_to_scale_identity_weight=None):
+        r""":math:`(sB + \lambda I)\, v` (:meth:`multiply_matpower` with :math:`p = 1`).
+
+        .. math:: (sB + \lambda I)\, v
+        """
+        return self.multiply_matpower(state, vector, identity_weight, 1.0, exact_power,
+                                      use_cached, norm_to_scale_identity_weight)
+
+    def multiply_inverse(self, state, vector, identity_weight, exact_power, use_cached,
+                         norm_to_scale_identity_weight=None):
+        r""":math:`(sB + \lambda I)^{-1} v` (:meth:`multiply_matpower` with :math:`p = -1`).
+
+        .. math:: (sB + \lambda I)^{-1} v
+        """
+        return self.multiply_matpower(state, vector, identity_weight, -1.0, exact_power,
+                                      use_cached, norm_to_scale_identity_weight)
+
+    # -- cache ---------------------------------------------------------------------------
+    def _cache_get(self, state, key, what):
+        if key not in state.cache:
+            raise KFACValueError(
+                f"{type(self).__name__}: the cache must hold {key!r} for this call; got a cache "
+                f"without it. Declare the power in init and call {what} first.")
+        return state.cache[key]
+
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
+                     norm_to_scale_identity_weight=None):
+        r"""Snapshot the quantities the cached products need.
+
+        .. math::
+
+            \text{cache} = \{ s,\ \|sB\|,\ \text{eigendecompositions},\
+            (\lambda, \text{damped factor powers})_{p \in \text{approx}} \}
+
+        with :math:`\lambda` from :meth:`effective_identity_weight` (the same method the
+        uncached product uses).  Powers must have been declared in :meth:`init`.
+        """
+        func = f"{type(self).__name__}.update_cache"
+        xp = self._check_state(func, state)
+        exact = powers_set(func, "exact_powers", exact_powers)
+        approx = powers_set(func, "approx_powers", approx_powers)
+        eigenvalues = check_bool(func, "eigenvalues", eigenvalues)
+        d_exact, d_approx, _ = state.cache.get("declared", ((), (), False))
+        for p in exact:
+            if p not in d_exact:
+                raise KFACValueError(f"{func}: exact_powers must be declared in init "
+                                     f"({d_exact}); got {p}.")
+        for p in approx:
+            self._check_approx_power(func, p)
+            if p not in d_approx:
+                raise KFACValueError(f"{func}: approx_powers must be declared in init "
+                                     f"({d_approx}); got {p}.")
+        norm_type = _check_norm(func, norm_to_scale_identity_weight)
+        w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        cache = {"declared": state.cache.get("declared", ((), (), False)),
+                 "scale": self.scale(state, False), "norms": {}}
+        lam = w
+        if norm_type is not None:
+            cache["norms"] = {norm_type: self._norm(xp, state, norm_type)}
+            lam = w * cache["norms"][norm_type]
+        cache.update(self._build_cache(func, xp, state, lam, exact, approx, eigenvalues))
+        return BlockState(state.statistics, MappingProxyType(cache), state.like)
+
+    def eigenvalues(self, state, use_cached=False):
+        r"""Eigenvalues of :math:`sB` (length :attr:`dim`).
+
+        .. math:: \operatorname{spec}(s B)
+        """
+        func = f"{type(self).__name__}.eigenvalues"
+        xp = self._check_state(func, state)
+        if check_bool(func, "use_cached", use_cached):
+            return self._cache_get(state, "eigenvalues", "update_cache(eigenvalues=True)")
+        return self._eigenvalues(func, xp, state)
+
+    def to_dense_matrix(self, state):
+        r"""Dense :math:`sB` in the module's flat parameter order.
+
+        .. math:: s B \in \mathbb{R}^{\dim \times \dim}
+        """
+        xp = self._check_state(f"{type(self).__name__}.to_dense_matrix", state)
+        return self.scale(state, False) * self._dense_unscaled(xp, state)
+
+    def norm(self, state, norm_type):
+        r"""Norm of :math:`sB` (:func:`kfac_ref.linalg.factor_norm` names).
+
+        .. math::
+
+            \|sB\| = s\,\|B\|, \qquad \|A \otimes G\| = \|A\|\,\|G\|
+            \ \text{(all four norms are multiplicative over } \otimes).
+        """
+        func = f"{type(self).__name__}.norm"
+        xp = self._check_state(func, state)
+        check_option(func, "norm_type", norm_type, FACTOR_NORMS)
+        return self._norm(xp, state, norm_type)
+
+    def _norm(self, xp, state, norm_type):
+        return self.scale(state, False) * self._norm_unscaled(xp, state, norm_type)

@@ -1,0 +1,185 @@
+r"""The full block family: one dense symmetric PSD matrix over the block's parameters
+(kfac-jax ``Full`` and its layer blocks)."""
+
+from __future__ import annotations
+
+from ... import factors
+from ..._backend import check_option
+from ...linalg import append_homog, clipped_eigh, compute_cov, factor_norm
+from .._math import apply_full, prepare_full
+from ._base import CurvatureBlock
+from ._layers import (
+    SOURCE_REDUCTIONS,
+    ConvLayer,
+    DenseLayer,
+    ParamsGradsSources,
+    ScaleAndShiftLayer,
+)
+from ._registry import register_layer_block
+
+__all__ = ["Full", "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull"]
+
+
+class Full(CurvatureBlock):
+    r"""Full (dense) blocks (kfac-jax ``Full``): one symmetric PSD matrix.
+
+    .. math::
+
+        (sF + \lambda I)^{p} v = Q\,(s\sigma + \lambda)^{\odot p} \odot Q^\top v,
+        \qquad F = Q\,\mathrm{diag}(\sigma)\,Q^\top
+
+    (:func:`~kfac_ref.blocks.full_block_matpower`); exact and approximate coincide, any power.
+    The cache stores the eigendecomposition, so the identity weight is applied at product time
+    (kfac-jax caches damped inverses below its eigendecomposition threshold instead).
+    Abstract: a subclass gives the batch statistic (``_batch_statistics``).
+    """
+
+    def _statistics_shapes(self):
+        return ((self.dim, self.dim),)
+
+    def _product(self, func, xp, matrix, eig, vector, lam, power, s):
+        out = apply_full(func, xp, matrix, eig, self._flatten(xp, vector), power, lam, s)
+        return self._unflatten(xp, out)
+
+    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+        matrix = state.statistics[0].value
+        eig = None if power == 1.0 else prepare_full(func, xp, matrix,
+                                                     self.eigenvalue_clipping_threshold)
+        return self._product(func, xp, matrix, eig, vector, lam, power, self.scale(state, False))
+
+    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+        matrix = self._cache_get(state, "matrix", "update_cache")
+        eig = None if power == 1.0 else self._cache_get(
+            state, "eigen", "update_cache with a power declared in init")
+        return self._product(func, xp, matrix, eig, vector, lam, power,
+                             self._cache_get(state, "scale", "update_cache"))
+
+    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+        matrix = state.statistics[0].value
+        out = {"matrix": matrix}
+        if exact or approx or eigenvalues:
+            out["eigen"] = prepare_full(func, xp, matrix, self.eigenvalue_clipping_threshold)
+        if eigenvalues:
+            out["eigenvalues"] = self.scale(state, False) * out["eigen"][0]
+        return out
+
+    def _eigenvalues(self, func, xp, state):
+        s, _ = clipped_eigh.kernel(xp, state.statistics[0].value,
+                                   self.eigenvalue_clipping_threshold)
+        return self.scale(state, False) * s
+
+    def _dense_unscaled(self, xp, state):
+        return state.statistics[0].value
+
+    def _norm_unscaled(self, xp, state, norm_type):
+        return factor_norm.kernel(xp, state.statistics[0].value, norm_type)
+
+
+class NaiveFull(ParamsGradsSources, Full):
+    r"""kfac-jax ``NaiveFull`` / TF ``NaiveFullFB``: rank-one "square of the sum" estimate.
+
+    .. math::
+
+        \begin{aligned}
+        F &= \frac1N \sum_s \hat g_s \hat g_s^\top
+            &&\text{(per\_source, default; TF, and kfac-jax's extra leading axis)},\\
+        F &= \frac1N \Big(\sum_s \hat g_s\Big)\Big(\sum_s \hat g_s\Big)^\top
+            &&\text{(summed)},
+        \end{aligned}
+
+    with ``estimation_data["params_grads"]`` as in :class:`NaiveDiagonal`
+    (:func:`kfac_ref.factors.full_factor`).
+    """
+
+    def __init__(self, parameters_shapes, source_reduction="per_source", **kwargs):
+        super().__init__(parameters_shapes, **kwargs)
+        self.source_reduction = check_option(type(self).__name__, "source_reduction",
+                                             source_reduction, SOURCE_REDUCTIONS)
+
+    def _batch_statistics(self, xp, sources, batch_size):
+        return (self._naive_statistic(sources, batch_size, factors.full_factor),)
+
+
+class DenseFull(DenseLayer, Full):
+    r"""kfac-jax ``DenseFull``: exact second moment of a dense layer's per-example gradients.
+
+    .. math::
+
+        F = \frac1N \sum_n \mathrm{vec}_r(\bar a_n g_n^\top)\,
+            \mathrm{vec}_r(\bar a_n g_n^\top)^\top,
+        \qquad \mathrm{vec}_r(\bar a g^\top) = \bar a \otimes g,
+
+    ordered as ``(kernel [d_in, d_out] row-major, bias [d_out])``
+    (:func:`kfac_ref.linalg.compute_cov` of the per-example tangents).
+
+    Parameters
+    ----------
+    input_size, output_size : int
+    has_bias : bool
+    """
+
+    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
+        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
+                                          has_bias), **kwargs)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        a, g = data["inputs"], data["outputs_grad"]
+        if self.has_bias:
+            a = append_homog.kernel(xp, a)
+        tangents = xp.reshape(a[:, :, None] * g[:, None, :], (a.shape[0], -1))
+        return (compute_cov.kernel(xp, tangents),)
+
+
+class Conv2DFull(ConvLayer, Full):
+    r"""kfac-jax ``Conv2DFull``: exact second moment of a conv layer's per-example gradients.
+
+    .. math::
+
+        \begin{aligned}
+        F &= \frac1N \sum_n \mathrm{vec}_r(DW_n)\,\mathrm{vec}_r(DW_n)^\top,\\
+        DW_n &= \sum_t \bar p_{n,t}\, g_{n,t}^\top \in \mathbb{R}^{(K+1)\times C_{out}},
+        \end{aligned}
+
+    patches from :func:`kfac_ref.factors.conv_patch_matrix`, ordered (kernel row-major, bias).
+    Parameters as :class:`Conv2DDiagonal`.
+    """
+
+    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
+                 data_format="NHWC", has_bias=True, **kwargs):
+        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
+                                         strides, padding, dilation_rate, data_format,
+                                         has_bias), **kwargs)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        tangents = self._per_example_grads(xp, data["inputs"], data["outputs_grad"])
+        return (compute_cov.kernel(xp, tangents),)
+
+
+class ScaleAndShiftFull(ScaleAndShiftLayer, Full):
+    r"""kfac-jax ``ScaleAndShiftFull`` / TF ``ScaleAndShiftFullFB``.
+
+    .. math::
+
+        \begin{aligned}
+        F &= \frac1N\sum_n t_n t_n^\top,\\
+        t_n &= \Big[\mathrm{vec}_r\big(\textstyle\sum_{\text{bcast}} x_n\odot g_n\big);\
+            \mathrm{vec}_r\big(\textstyle\sum_{\text{bcast}} g_n\big)\Big]
+        \end{aligned}
+
+    (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="full"``).  Parameters as
+    :class:`ScaleAndShiftDiagonal`.
+    """
+
+    def __init__(self, inputs_shape, scale_shape=None, shift_shape=None, **kwargs):
+        super().__init__(self._init_sas(type(self).__name__, inputs_shape, scale_shape,
+                                        shift_shape), **kwargs)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        return (self._statistic(xp, data, "full"),)
+
+
+for _kind in ("dense", "conv2d", "scale_and_shift", "embedding"):
+    register_layer_block(_kind, "naive_full", NaiveFull)
+register_layer_block("dense", "full", DenseFull)
+register_layer_block("conv2d", "full", Conv2DFull)
+register_layer_block("scale_and_shift", "full", ScaleAndShiftFull)

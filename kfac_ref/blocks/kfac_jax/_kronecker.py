@@ -1,0 +1,308 @@
+r"""The Kronecker-factored block family: :math:`s\,A\otimes G` on the row-major ``[W; b]``
+matrix (kfac-jax ``TwoKroneckerFactored`` and its layer blocks)."""
+
+from __future__ import annotations
+
+import math
+from types import MappingProxyType
+from typing import Any
+
+from ... import factors
+from ..._backend import KFACValueError, check_bool, check_option
+from ...linalg import append_homog, compute_cov, factor_norm, kron
+from .._math import (
+    PI_NORMS,
+    ZERO_FACTOR_FALLBACKS,
+    apply_kron,
+    from_mat2d,
+    kron_product_path,
+    kron_spectrum,
+    prepare_kron,
+    prepare_kron_eigen,
+    to_mat2d,
+)
+from ._base import CurvatureBlock
+from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
+from ._registry import register_layer_block
+
+__all__ = ["TwoKroneckerFactored", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
+           "ReducedConv2DTwoKroneckerFactored"]
+
+KFAC_JAX_APPROX_POWERS = (-1.0, -0.5, 0.5, 1.0)
+"""Powers kfac-jax's Kronecker blocks compute approximately (π-damped factors)."""
+
+
+class TwoKroneckerFactored(CurvatureBlock):
+    r"""Kronecker-factored blocks (kfac-jax ``TwoKroneckerFactored``), :math:`s\,A\otimes G`.
+
+    .. math::
+
+        \begin{aligned}
+        \text{exact: }&(sA\otimes G + \lambda I)^{p},\\
+        \text{approximate: }&\big(s(A + \pi\sqrt{\lambda/s}\,I)\otimes
+            (G + \sqrt{\lambda/s}/\pi\,I)\big)^{p}
+        \end{aligned}
+
+    (:func:`~kfac_ref.blocks.kronecker_block_matpower`) on the row-major ``[W; b]`` matrix
+    ``[K (+1), C_out]`` built from the vector ``(kernel, bias)``.  Abstract: a subclass gives
+    the batch statistics (``_batch_statistics``).
+
+    Options where TF and kfac-jax differ (defaults are kfac-jax's, except ``symmetrize``):
+
+    * ``approx_power_one``: ``"factored"`` (kfac-jax and TF: the approximate power 1 is the
+      π-damped product) or ``"exact"`` (:math:`sA\otimes G + \lambda I`);
+    * ``restrict_approx_powers``: ``True`` allows only kfac-jax's approximate powers
+      (−1, −0.5, 0.5, 1) and raises for others; ``False`` allows any real power (TF);
+    * ``zero_factor_fallback``: ``"identity"`` (kfac-jax: damped block :math:`\lambda I`) or
+      ``"pi_one"`` (TF: π = 1);
+    * ``pi_norm``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
+      ``PI_TYPE="off"``);
+    * ``symmetrize``: statistics symmetrised (TF; the default here) or not (kfac-jax); they
+      differ by rounding only.
+    """
+
+    def __init__(self, parameters_shapes, *, approx_power_one="factored",
+                 restrict_approx_powers=True, zero_factor_fallback="identity",
+                 pi_norm="avg_diag", symmetrize=True, **kwargs):
+        super().__init__(parameters_shapes, **kwargs)
+        func = type(self).__name__
+        self.approx_power_one = check_option(func, "approx_power_one", approx_power_one,
+                                             ("factored", "exact"))
+        self.restrict_approx_powers = check_bool(func, "restrict_approx_powers",
+                                                 restrict_approx_powers)
+        self.zero_factor_fallback = check_option(func, "zero_factor_fallback",
+                                                 zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
+        self.pi_norm = check_option(func, "pi_norm", pi_norm, PI_NORMS)
+        self.symmetrize = check_bool(func, "symmetrize", symmetrize)
+        kernel = self.parameters_shapes[0]
+        self.output_size = kernel[-1]
+        self.input_size = math.prod(kernel[:-1]) + (1 if len(self.parameters_shapes) == 2 else 0)
+        if len(self.parameters_shapes) == 2 and self.parameters_shapes[1] != (kernel[-1],):
+            raise KFACValueError(f"{func}: the bias shape must be ({kernel[-1]},) for a kernel "
+                                 f"of shape {kernel}; got {self.parameters_shapes[1]}.")
+
+    def _statistics_shapes(self):
+        return ((self.input_size, self.input_size), (self.output_size, self.output_size))
+
+    def _check_approx_power(self, func, power):
+        if self.restrict_approx_powers and power not in KFAC_JAX_APPROX_POWERS:
+            raise KFACValueError(
+                f"{func}: power must be one of {KFAC_JAX_APPROX_POWERS} for an approximate "
+                f"(exact_power=False) Kronecker power (kfac-jax); got {power}. Use "
+                f"exact_power=True or restrict_approx_powers=False.")
+        return power
+
+    # -- the one product path ------------------------------------------------------------
+    def _prepare(self, path, func, xp, a, g, power, lam, s):
+        return prepare_kron(path, func, xp, a, g, power, lam, s, self.pi_norm,
+                            self.zero_factor_fallback, self.eigenvalue_clipping_threshold)
+
+    def _product(self, path, func, xp, a, g, prepared, vector, lam, power, s):
+        has_bias = len(self.parameters_shapes) == 2
+        x = to_mat2d(xp, vector[0], vector[1] if has_bias else None, self.output_size)
+        y = apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
+        kernel, bias = from_mat2d(xp, y, self.parameters_shapes[0], has_bias)
+        return (kernel, bias) if has_bias else (kernel,)
+
+    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+        a, g = (f.value for f in state.statistics)
+        s = self.scale(state, False)
+        path = kron_product_path(power, exact, self.approx_power_one)
+        prepared = self._prepare(path, func, xp, a, g, power, lam, s)
+        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+
+    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+        a, g = self._cache_get(state, "factors", "update_cache")
+        s = self._cache_get(state, "scale", "update_cache")
+        path = kron_product_path(power, exact, self.approx_power_one)
+        prepared = None
+        if path == "eigen":
+            prepared = self._cache_get(state, "eigen", "update_cache with exact_powers")
+        elif path == "factored" and power == 1.0:
+            prepared = self._prepare(path, func, xp, a, g, power, lam, s)
+        elif path == "factored":
+            approx = self._cache_get(state, "approx", "update_cache with approx_powers")
+            if power not in approx:
+                raise KFACValueError(
+                    f"{func}: power must be one of the cached approximate powers "
+                    f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
+            lam_cached, prepared = approx[power]
+            if self.strict_cache and lam_cached != lam:
+                raise KFACValueError(
+                    f"{func}: identity_weight (effective {lam!r}) must equal the one the "
+                    f"cached approximate power {power} was built with ({lam_cached!r}); call "
+                    f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
+                    f"(cached weight used).")
+        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+
+    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+        a, g = (f.value for f in state.statistics)
+        s = self.scale(state, False)
+        out = {"factors": (a, g)}
+        if exact or eigenvalues:
+            out["eigen"] = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+        if eigenvalues:
+            out["eigenvalues"] = kron_spectrum(xp, out["eigen"][0], out["eigen"][2], s)
+        out["approx"] = MappingProxyType({
+            p: (lam, self._prepare("factored", func, xp, a, g, p, lam, s)) for p in approx})
+        return out
+
+    def _eigenvalues(self, func, xp, state):
+        a, g = (f.value for f in state.statistics)
+        s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+        return kron_spectrum(xp, s_a, s_g, self.scale(state, False))
+
+    def _dense_unscaled(self, xp, state):
+        a, g = (f.value for f in state.statistics)
+        return kron.kernel(xp, a, g)
+
+    def _norm_unscaled(self, xp, state, norm_type):
+        a, g = (f.value for f in state.statistics)
+        return factor_norm.kernel(xp, a, norm_type) * factor_norm.kernel(xp, g, norm_type)
+
+    def _second_moment(self, xp, x):
+        """:math:`X^\\top X / n` of rows, symmetrised (TF) or not (kfac-jax)."""
+        if self.symmetrize:
+            return compute_cov.kernel(xp, x)
+        return compute_cov.kernel(xp, x, x)
+
+
+class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):
+    r"""kfac-jax ``DenseTwoKroneckerFactored`` (TF ``FullyConnectedKFACBasicFB`` statistics).
+
+    .. math::
+
+        A = \frac1N \sum_n \bar a_n \bar a_n^\top, \qquad G = \frac1N \sum_n g_n g_n^\top,
+        \qquad B = A \otimes G \ \text{on } \mathrm{vec}_r([W; b])
+
+    (:func:`kfac_ref.factors.fully_connected_kronecker_factor`; with ``symmetrize=False`` the
+    unsymmetrised :func:`kfac_ref.linalg.compute_cov` cross form).  From a layer on
+    ``[N, T, d]`` inputs with KFAC-expand the block is :math:`T\,A\otimes G` (``fixed_scale()
+    = T``, Eschenhagen et al. 2023).
+
+    Parameters
+    ----------
+    input_size, output_size : int
+    has_bias : bool
+    **kwargs
+        Options of :class:`TwoKroneckerFactored`.
+    """
+
+    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
+        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
+                                          has_bias), **kwargs)
+
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
+        """The block of a dense layer; :math:`T\\,A\\otimes G` for KFAC-expand on
+        ``[N, T, d]`` inputs."""
+        block_cls = cls
+        if len(input_shape) == 3 and weight_sharing == "expand":
+            block_cls = _repeated(cls, input_shape[1])
+        return super(DenseTwoKroneckerFactored, block_cls).from_layer(layer, input_shape,
+                                                                      **kwargs)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        a, g = data["inputs"], data["outputs_grad"]
+        if self.symmetrize:
+            return (factors.fully_connected_kronecker_factor(a, has_bias=self.has_bias),
+                    factors.fully_connected_kronecker_factor(g))
+        return (self._second_moment(xp, append_homog.kernel(xp, a) if self.has_bias else a),
+                self._second_moment(xp, g))
+
+
+_REPEATED: dict[Any, type] = {}
+
+
+def _repeated(base, repeats):
+    """``base`` (a dense Kronecker block class) with ``fixed_scale() = T`` (KFAC-expand)."""
+    key = (base, int(repeats))
+    if key not in _REPEATED:
+        def fixed_scale(self):
+            return float(self.num_repeats)
+
+        _REPEATED[key] = type(f"Repeated{base.__name__}", (base,), {
+            "num_repeats": int(repeats), "fixed_scale": fixed_scale, "__module__": __name__,
+            "__doc__": f"{base.__name__} with fixed_scale() = T = {int(repeats)} (KFAC-expand)."})
+    return _REPEATED[key]
+
+
+class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
+    r"""kfac-jax ``Conv2DTwoKroneckerFactored`` (TF ``ConvKFCBasicFB``): KFC.
+
+    .. math::
+
+        \begin{aligned}
+        B &= |T|\,(\Omega \otimes \Gamma),\\
+        \Omega &= \frac{1}{N|T|}\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top,\qquad
+        \Gamma = \frac{1}{N|T|}\sum_{n,t} g_{n,t}g_{n,t}^\top,
+        \end{aligned}
+
+    ``fixed_scale() = |T|`` (``num_locations``), so factored damping splits
+    :math:`\lambda/|T|` (Grosse & Martens 2016, §3.1).  Statistics:
+    :func:`kfac_ref.factors.conv_input_kronecker_factor`,
+    :func:`kfac_ref.factors.conv_output_kronecker_factor`.  Layer parameters as
+    :class:`Conv2DDiagonal`, options as :class:`TwoKroneckerFactored`.  From a layer with
+    ``weight_sharing="reduce"`` the block is KFAC-reduce: a dense Kronecker block on the
+    location-averaged patches and location-summed output gradients.
+    """
+
+    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
+                 data_format="NHWC", has_bias=True, **kwargs):
+        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
+                                         strides, padding, dilation_rate, data_format,
+                                         has_bias), **kwargs)
+
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
+        """The KFC block of a conv layer, or its KFAC-reduce block (``"reduce"``)."""
+        if weight_sharing != "reduce":
+            return super().from_layer(layer, input_shape, **kwargs)
+        check_layer_kind(cls, layer, "conv2d")
+        # same flat order: HWIO kernel row-major = [kh·kw·C_in, C_out], bias last
+        return ReducedConv2DTwoKroneckerFactored(layer.patch_size, layer.c_out,
+                                                 has_bias=layer.use_bias, **kwargs)
+
+    def fixed_scale(self):
+        return float(self.num_locations)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        x, g = data["inputs"], data["outputs_grad"]
+        if self.symmetrize:
+            return (factors.conv_input_kronecker_factor(x, self.kernel_shape, self.padding,
+                                                        self.strides, self.dilation_rate,
+                                                        self.data_format, self.has_bias),
+                    factors.conv_output_kronecker_factor(g, self.data_format))
+        gl = self._grads_channels_last(xp, g)
+        return (self._second_moment(xp, self._patches(x)),
+                self._second_moment(xp, xp.reshape(gl, (-1, gl.shape[-1]))))
+
+
+class ReducedConv2DTwoKroneckerFactored(DenseTwoKroneckerFactored):
+    r"""KFAC-reduce for a convolution (Eschenhagen et al. 2023): a dense Kronecker block on
+    :math:`\bar{\bar p}_n = \frac1{|T|}\sum_t \bar p_{n,t}` and :math:`\hat g_n = \sum_t g_{n,t}`.
+
+    .. math::
+
+        B = \Big(\frac1N\sum_n \bar{\bar p}_n\bar{\bar p}_n^\top\Big)\otimes
+        \Big(\frac1N\sum_n \hat g_n\hat g_n^\top\Big)
+
+    Built by :meth:`Conv2DTwoKroneckerFactored.from_layer` with ``weight_sharing="reduce"``;
+    parameters as :class:`DenseTwoKroneckerFactored` with ``input_size = kh·kw·C_in``.
+    """
+
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="reduce", **kwargs):
+        """The KFAC-reduce block of a conv layer."""
+        return Conv2DTwoKroneckerFactored.from_layer(layer, input_shape, weight_sharing="reduce",
+                                                     **kwargs)
+
+    def layer_estimation_data(self, layer, inputs, outputs_grad, params_grads, batch_size,
+                              weight_sharing="reduce"):
+        """Location-averaged patches and location-summed output gradients, N rows."""
+        return pooled_conv_data(layer, inputs, outputs_grad, batch_size), batch_size
+
+
+register_layer_block("dense", "kronecker", DenseTwoKroneckerFactored, default=True)
+register_layer_block("conv2d", "kronecker", Conv2DTwoKroneckerFactored, default=True)
+register_layer_block("conv2d", "kronecker_reduce", ReducedConv2DTwoKroneckerFactored)

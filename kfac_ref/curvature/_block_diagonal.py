@@ -1,0 +1,389 @@
+r"""The block-diagonal K-FAC estimator (kfac-jax ``BlockDiagonalCurvature``); documented in
+:mod:`kfac_ref.curvature.estimators`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .._backend import (
+    KFACTypeError,
+    KFACValueError,
+    check_int,
+    check_option,
+    check_scalar,
+    namespace_of,
+    zeros_like_shape,
+)
+from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
+from . import exact as E
+from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
+
+__all__ = ["WEIGHT_SHARING_MODES", "BlockDiagonalState", "BlockDiagonalCurvature", "block_diag"]
+
+WEIGHT_SHARING_MODES = ("expand", "reduce")
+"""KFAC-expand and KFAC-reduce (Eschenhagen et al. 2023) for dense layers on ``[N, T, d]``."""
+
+
+# ------------------------------------------------------------------------------------------
+# Block-diagonal curvature
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockDiagonalState:
+    """State of :class:`BlockDiagonalCurvature`: one block state per parametric layer."""
+
+    blocks_states: tuple
+
+
+class BlockDiagonalCurvature(EstimatorBase):
+    r"""Block-diagonal curvature estimator (kfac-jax ``BlockDiagonalCurvature``).
+
+    .. math::
+
+        C \approx \mathrm{diag}(C_1, \dots, C_L), \qquad
+        C_l = \text{block}_l\big(\{x_{l-1,n}\}, \{g_{l,c,n}\}\big),\quad
+        g_{l,c,n} = \frac{\partial}{\partial s_l} \langle u_{c,n}, f(\theta, x_n)\rangle,
+
+    where :math:`x_{l-1}` is layer :math:`l`'s input, :math:`s_l` its output and
+    :math:`u_{c,n}` the output vectors of the estimation mode
+    (:func:`kfac_ref.curvature.exact.estimation_output_vectors`).  When a mode has several
+    vectors (``*_exact``: one per output coordinate; ``num_samples > 1``) every block is
+    updated once per vector with the vectors scaled by :math:`\sqrt C` and the weight
+    ``ema_new / C`` (``ema_old`` only on the first), as kfac-jax does for its exact modes:
+    input statistics are averaged over the vectors, output statistics summed.  For
+    ``num_samples = M > 1`` the same weighting averages the M samples; kfac-jax's sample loop
+    instead adds every sample with the full ``ema_new``, which agrees when ``ema_old = 0`` and
+    otherwise gives the new batch M times the weight.
+
+    Dense layers on ``[N, T, d]`` inputs (weight sharing) use KFAC-expand or KFAC-reduce
+    (Eschenhagen et al. 2023), chosen by ``weight_sharing``:
+
+    .. math::
+
+        \text{expand: } T\cdot\Big(\frac{1}{NT}\sum_{n,t}\bar x_{n,t}\bar x_{n,t}^\top\Big)
+        \otimes\Big(\frac{1}{NT}\sum_{n,t} g_{n,t}g_{n,t}^\top\Big),\qquad
+        \text{reduce: } \Big(\frac1N\sum_n \bar{\bar x}_n\bar{\bar x}_n^\top\Big)\otimes
+        \Big(\frac1N\sum_n \hat g_n\hat g_n^\top\Big),
+
+    with :math:`\bar{\bar x}_n = [\frac1T\sum_t x_{n,t}; 1]` and :math:`\hat g_n=\sum_t g_{n,t}`.
+    Expand is fed to the block as :math:`NT` rows with the scale :math:`T` carried by the
+    block (like KFC's :math:`|T|`); reduce as :math:`N` pooled rows.  ``DenseFull`` /
+    ``DenseDiagonal`` on ``[N, T, d]`` inputs see the same rows (an approximation, without the
+    :math:`T` scale); ``NaiveFull`` / ``NaiveDiagonal`` receive per-example gradients and are
+    exact in every case.  Convolutions use KFC (= KFAC-expand) by default; with
+    ``weight_sharing="reduce"`` (for that layer) a ``Conv2DTwoKroneckerFactored`` entry becomes
+    a dense Kronecker block on the location-averaged patches :math:`\frac1{|T|}\sum_t \bar p_{n,t}`
+    and the location-summed gradients :math:`\sum_t g_{n,t}` (KFAC-reduce).
+
+    Parameters
+    ----------
+    net : kfac_ref.nn.Sequential
+    loss_fn : loss class or callable ``(outputs, targets) -> LossFunction``
+    default_estimation_mode : str, optional
+        ``"ggn_curvature_prop"`` when None (kfac-jax's default).
+    layer_to_block : mapping, optional
+        Overrides of :func:`default_layer_to_block`, keyed by layer name (first) or layer
+        kind; values are block classes of :mod:`kfac_ref.blocks.kfac_jax` or factories
+        ``factory(layer, input_shape) -> block``.  ``Naive*`` / ``Full`` / ``Diagonal`` blocks
+        receive per-example parameter gradients as their sources, which makes ``NaiveFull``
+        the exact block.
+    weight_sharing : {"expand", "reduce"} or mapping name -> mode
+        For dense layers on ``[N, T, d]`` inputs and convolutions (default ``"expand"``).
+    num_samples : int
+        Samples per example for the stochastic modes.
+    empirical_fisher_normalization : {"mean", "kfac_jax"}
+        ``"mean"`` (default): the empirical Fisher :math:`\frac1N\sum g g^\top`; ``"kfac_jax"``:
+        kfac-jax's extra :math:`1/N`.
+    block_kwargs : mapping, optional
+        Extra keyword arguments for every block constructor (e.g. ``symmetrize=False``).
+    """
+
+    def __init__(self, net, loss_fn, default_estimation_mode=None, layer_to_block=None,
+                 weight_sharing="expand", num_samples=1, empirical_fisher_normalization="mean",
+                 block_kwargs=None):
+        func = "BlockDiagonalCurvature"
+        self.net, self.loss_fn = net, loss_fn
+        self.default_estimation_mode = check_option(
+            func, "default_estimation_mode", default_estimation_mode or "ggn_curvature_prop",
+            E.ESTIMATION_MODES)
+        self.layer_to_block = dict(layer_to_block or {})
+        if isinstance(weight_sharing, str):
+            check_option(func, "weight_sharing", weight_sharing, WEIGHT_SHARING_MODES)
+        elif isinstance(weight_sharing, Mapping):
+            for k, v in weight_sharing.items():
+                check_option(func, f"weight_sharing[{k!r}]", v, WEIGHT_SHARING_MODES)
+        else:
+            raise KFACTypeError(f"{func}: weight_sharing must be 'expand', 'reduce' or a "
+                                f"mapping layer name -> mode; got {type(weight_sharing).__name__}.")
+        self.weight_sharing = weight_sharing
+        self.num_samples = check_int(func, "num_samples", num_samples, minimum=1)
+        self.empirical_fisher_normalization = check_option(
+            func, "empirical_fisher_normalization", empirical_fisher_normalization,
+            E.EMPIRICAL_FISHER_NORMALIZATIONS)
+        self.block_kwargs = dict(block_kwargs or {})
+        self._blocks = None
+        self._input_shapes = None
+
+    # -- structure ------------------------------------------------------------------------------
+    @property
+    def layer_indices(self):
+        r"""Indices (in ``net.layers``) of the layers that own a block, in forward order.
+
+        .. math:: \{l : P_l > 0\}
+        """
+        return self.net.parametric_layers
+
+    @property
+    def blocks(self):
+        r"""The block objects (after :meth:`init`).
+
+        .. math:: (\text{block}_l)_{l : P_l > 0}
+        """
+        if self._blocks is None:
+            raise KFACValueError("BlockDiagonalCurvature: blocks must be created by init "
+                                 "first; got an estimator that was not initialised.")
+        return self._blocks
+
+    @property
+    def block_dims(self):
+        r"""Number of parameters of each block.
+
+        .. math:: (P_l)_{l : P_l > 0}
+        """
+        return tuple(self.net.layer_sizes[i] for i in self.layer_indices)
+
+    @property
+    def dim(self):
+        r"""Number of parameters.
+
+        .. math:: P
+        """
+        return self.net.num_params
+
+    def _sharing(self, name):
+        if isinstance(self.weight_sharing, str):
+            return self.weight_sharing
+        return self.weight_sharing.get(name, "expand")
+
+    def _make_block(self, i, input_shape):
+        layer, name = self.net.layers[i], self.net.names[i]
+        ctor = self.layer_to_block.get(name, self.layer_to_block.get(layer.kind))
+        if ctor is None or isinstance(ctor, str):
+            try:
+                ctor = layer_block(layer.kind, ctor)
+            except KFACValueError:
+                raise KFACValueError(
+                    f"BlockDiagonalCurvature: layer_to_block must give a block for layer "
+                    f"{name!r} of kind {layer.kind!r} (a block class, a factory or one of "
+                    f"{tuple(registered_layer_blocks().get(layer.kind, {}))}); got "
+                    f"{ctor!r}.") from None
+        if isinstance(ctor, type) and issubclass(ctor, CurvatureBlock):
+            kw = dict(self.block_kwargs)
+            kw.setdefault("name", name)
+            return ctor.from_layer(layer, tuple(input_shape),
+                                   weight_sharing=self._sharing(name), **kw)
+        if callable(ctor) and not isinstance(ctor, type):
+            return ctor(layer, input_shape)
+        raise KFACTypeError(f"BlockDiagonalCurvature: the block for layer {name!r} must be a "
+                            f"kfac_ref.blocks.kfac_jax block class, a registered name or a "
+                            f"factory; got {ctor!r}.")
+
+    # -- state ------------------------------------------------------------------------------------
+    def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None,
+             cache_eigenvalues=False):
+        r"""Create the blocks from the layers' input shapes and return zero statistics.
+
+        .. math:: C_{l,0} = 0 \quad \text{for every block}
+
+        ``rng`` is accepted for kfac-jax parity and unused.
+        """
+        func = "BlockDiagonalCurvature.init"
+        params, batch = unpack_func_args(func, func_args)
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        params = self.net.check_params(func, params)
+        self.net.check_input(func, x, self.net._like(params))
+        shapes, shape = [], tuple(x.shape)
+        for layer in self.net.layers:
+            shapes.append(shape)
+            shape = layer.output_shape(shape)
+        self._input_shapes = tuple(shapes)
+        self._blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
+        like = params[self.layer_indices[0]][0]
+        return BlockDiagonalState(tuple(
+            b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
+            for b in self._blocks))
+
+    def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,
+                                         func_args, estimation_mode=None):
+        r"""Update every block from one batch (kfac-jax semantics, see the class docstring).
+
+        .. math::
+
+            C_l \leftarrow \text{EMA}\Big(C_l,\ \frac1C\sum_{c=1}^{C}
+            \text{stat}_l\big(x, \sqrt C\, g_c\big)\Big)
+        """
+        func = "BlockDiagonalCurvature.update_curvature_matrix_estimate"
+        mode = self._check_mode(func, estimation_mode)
+        ema_old, ema_new = self._check_ema(func, ema_old, ema_new)
+        params, batch = unpack_func_args(func, func_args)
+        if self._blocks is None:
+            raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
+                                 f"got an uninitialised estimator.")
+        self._check_state(func, state)
+        b = E._Batch(func, self.net, self.loss_fn, params, batch)
+        self._check_batch_size(func, batch_size, b.n)
+        for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
+            got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
+            if got != want:
+                raise KFACValueError(
+                    f"{func}: func_args must give layer {self.net.names[i]!r} the per-example "
+                    f"input shape it had at init {want} (its block depends on it); got {got}.")
+        vectors = E._estimation_vectors(func, b, mode, rng, self.num_samples,
+                                        self.empirical_fisher_normalization)
+        c = len(vectors)
+        root = math.sqrt(c)
+        if c > 1 and mode not in ("fisher_exact", "ggn_exact"):
+            root = 1.0  # stochastic vectors already carry 1/sqrt(M): undo it, average by EMA
+            vectors = [v * math.sqrt(c) for v in vectors]
+        states = list(state.blocks_states)
+        need_grads = any(bl.uses_params_grads for bl in self._blocks)
+        for j, u in enumerate(vectors):
+            u = u * root if root != 1.0 else u
+            grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
+                                             per_example=need_grads)
+            old = ema_old if j == 0 else 1.0
+            for k, (i, block) in enumerate(zip(self.layer_indices, self._blocks, strict=True)):
+                data, rows = block.layer_estimation_data(
+                    self.net.layers[i], b.inputs[i], cots[i], grads[i], b.n,
+                    self._sharing(self.net.names[i]))
+                states[k] = block.update_curvature_matrix_estimate(states[k], data, old,
+                                                                   ema_new / c, rows)
+        return BlockDiagonalState(tuple(states))
+
+    def _check_state(self, func, state):
+        if not isinstance(state, BlockDiagonalState) or len(state.blocks_states) != len(
+                self.blocks):
+            raise KFACTypeError(f"{func}: state must be a BlockDiagonalState from init with "
+                                f"{len(self.blocks)} blocks; got {type(state).__name__}.")
+
+    def _weights(self, func, identity_weight):
+        if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
+            if len(identity_weight) != len(self.blocks):
+                raise KFACValueError(f"{func}: identity_weight must be a scalar or one value per "
+                                     f"block ({len(self.blocks)}); got {len(identity_weight)}.")
+            return tuple(check_scalar(func, "identity_weight", w, nonnegative=True)
+                         for w in identity_weight)
+        w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        return (w,) * len(self.blocks)
+
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
+                     pmap_axis_name=None, norm_to_scale_identity_weight_per_block=None):
+        r"""Update every block's cache with its (possibly norm-scaled) identity weight.
+
+        .. math:: \lambda_l = w_l \ \text{or}\ w_l\,\|C_l\|_{\text{norm}}
+
+        Unlike kfac-jax (its ``block_diagonal.py`` ``update_cache`` drops the per-block norm
+        scaling; docs page *Findings*), the
+        norm scaling is passed to the blocks, so cached and uncached products agree.
+        """
+        func = "BlockDiagonalCurvature.update_cache"
+        self._check_state(func, state)
+        ws = self._weights(func, identity_weight)
+        return BlockDiagonalState(tuple(
+            bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
+                            norm_to_scale_identity_weight_per_block)
+            for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
+
+    def _split(self, xp, flat):
+        """Flat [P] -> per block, a tuple of arrays of the block's ``parameters_shapes``."""
+        out = []
+        for i, bl in zip(self.layer_indices, self.blocks, strict=True):
+            start = self.net.layer_slices()[i].start
+            arrays = []
+            for shape in bl.parameters_shapes:
+                size = math.prod(shape)
+                arrays.append(xp.reshape(flat[start:start + size], shape))
+                start += size
+            out.append(tuple(arrays))
+        return out
+
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
+                          exact_power, use_cached, pmap_axis_name=None,
+                          norm_to_scale_identity_weight_per_block=None):
+        r"""Block-wise :math:`(C_l + \lambda_l I)^p v_l`.
+
+        .. math:: \big[(C_l + \lambda_l I)^{p} v_l\big]_l
+
+        ``identity_weight`` is a scalar or one value per block; with
+        ``norm_to_scale_identity_weight_per_block`` each is multiplied by its block's norm.
+        """
+        func = "BlockDiagonalCurvature.multiply_matpower"
+        self._check_state(func, state)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector)
+        xp = namespace_of(func, vector=flat)
+        ws = self._weights(func, identity_weight)
+        outs = []
+        for bl, st, v, w in zip(self.blocks, state.blocks_states, self._split(xp, flat), ws,
+                                strict=True):
+            r = bl.multiply_matpower(st, v, w, power, exact_power, use_cached,
+                                     norm_to_scale_identity_weight_per_block)
+            outs.append(xp.concat([xp.reshape(a, (-1,)) for a in r]))
+        return back(xp.concat(outs))
+
+    def block_eigenvalues(self, state, use_cached=False):
+        r"""Eigenvalues of each block, in block order.
+
+        .. math:: (\operatorname{spec} C_l)_l
+        """
+        self._check_state("BlockDiagonalCurvature.block_eigenvalues", state)
+        return tuple(bl.eigenvalues(st, use_cached)
+                     for bl, st in zip(self.blocks, state.blocks_states, strict=True))
+
+    def eigenvalues(self, state, use_cached=False):
+        r"""All eigenvalues, block after block (not sorted globally).
+
+        .. math:: \operatorname{spec}\,\mathrm{diag}(C_1,\dots,C_L)
+        """
+        ev = self.block_eigenvalues(state, use_cached)
+        xp = namespace_of("BlockDiagonalCurvature.eigenvalues", e=ev[0])
+        return xp.concat([xp.reshape(e, (-1,)) for e in ev])
+
+    def to_diagonal_block_dense_matrix(self, state):
+        r"""Dense matrix of each block (flat order: the layer's canonical order).
+
+        .. math:: (C_1, \dots, C_L)
+        """
+        self._check_state("BlockDiagonalCurvature.to_diagonal_block_dense_matrix", state)
+        return tuple(bl.to_dense_matrix(st)
+                     for bl, st in zip(self.blocks, state.blocks_states, strict=True))
+
+    def to_dense_matrix(self, state):
+        r"""The block-diagonal matrix over all parameters (canonical order; parameter-free
+        layers own no rows).
+
+        .. math:: \mathrm{diag}(C_1, \dots, C_L) \in \mathbb R^{P\times P}
+        """
+        return block_diag(self.to_diagonal_block_dense_matrix(state))
+
+
+def block_diag(blocks):
+    r"""Block-diagonal matrix from square blocks (array-API concatenation, no mutation).
+
+    .. math:: \mathrm{diag}(B_1, \dots, B_L)
+    """
+    func = "block_diag"
+    xp = namespace_of(func, **{f"b{i}": b for i, b in enumerate(blocks)})
+    sizes = [int(b.shape[0]) for b in blocks]
+    total = sum(sizes)
+    rows, start = [], 0
+    for b, s in zip(blocks, sizes, strict=True):
+        parts = []
+        if start:
+            parts.append(zeros_like_shape(b, (s, start)))
+        parts.append(b)
+        if total - start - s:
+            parts.append(zeros_like_shape(b, (s, total - start - s)))
+        rows.append(xp.concat(parts, axis=1))
+        start += s
+    return xp.concat(rows, axis=0)

@@ -1,0 +1,189 @@
+r"""The dense exact estimator (kfac-jax ``ExplicitExactCurvature``); documented in
+:mod:`kfac_ref.curvature.estimators`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .._backend import (
+    KFACValueError,
+    check_int,
+    check_option,
+    check_scalar,
+    device_of,
+    namespace_of,
+    zeros_like_shape,
+)
+from ..averaging import WeightedMovingAverage
+from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
+from . import exact as E
+from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
+
+__all__ = ["ExplicitState", "ExplicitExactCurvature"]
+
+
+# ------------------------------------------------------------------------------------------
+# Explicit exact curvature
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExplicitState:
+    """State of :class:`ExplicitExactCurvature`: the dense average and a cache snapshot."""
+
+    matrix: WeightedMovingAverage
+    cache: Mapping
+
+
+class ExplicitExactCurvature(EstimatorBase):
+    r"""Dense curvature over all parameters (kfac-jax ``ExplicitExactCurvature``).
+
+    .. math::
+
+        C \leftarrow \text{EMA}\Big(C,\ \frac1N\sum_c\sum_n (J_n^\top u_{c,n})
+        (J_n^\top u_{c,n})^\top\Big),
+
+    with the vectors of the estimation mode
+    (:func:`kfac_ref.curvature.exact.estimation_output_vectors`); ``fisher_exact`` (the
+    default, as kfac-jax) and ``ggn_exact`` give the exact Fisher / GGN.  kfac-jax loops over
+    examples; here the per-example Jacobian products are batched (same numbers).
+
+    Parameters
+    ----------
+    net, loss_fn
+        As :class:`ImplicitExactCurvature`.
+    default_estimation_mode : str, optional
+        ``"fisher_exact"`` when None.
+    num_samples : int
+        Samples per example for the stochastic modes.
+    empirical_fisher_normalization : {"mean", "kfac_jax"}
+        See :data:`kfac_ref.curvature.exact.EMPIRICAL_FISHER_NORMALIZATIONS`.
+    eigenvalue_clipping_threshold : float
+    """
+
+    def __init__(self, net, loss_fn, default_estimation_mode=None, num_samples=1,
+                 empirical_fisher_normalization="mean", eigenvalue_clipping_threshold=0.0):
+        func = "ExplicitExactCurvature"
+        self.net, self.loss_fn = net, loss_fn
+        self.default_estimation_mode = check_option(
+            func, "default_estimation_mode", default_estimation_mode or "fisher_exact",
+            E.ESTIMATION_MODES)
+        self.num_samples = check_int(func, "num_samples", num_samples, minimum=1)
+        self.empirical_fisher_normalization = check_option(
+            func, "empirical_fisher_normalization", empirical_fisher_normalization,
+            E.EMPIRICAL_FISHER_NORMALIZATIONS)
+        self.eigenvalue_clipping_threshold = check_scalar(
+            func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+
+    @property
+    def dim(self):
+        r"""Number of parameters.
+
+        .. math:: P
+        """
+        return self.net.num_params
+
+    def init(self, rng, func_args, exact_powers_to_cache=None, approx_powers_to_cache=None,
+             cache_eigenvalues=False):
+        r"""Zero state :math:`C_0 = 0` (``rng`` is unused: nothing is random at init).
+
+        .. math:: C_0 = 0 \in \mathbb R^{P\times P}
+        """
+        func = "ExplicitExactCurvature.init"
+        params, _ = unpack_func_args(func, func_args)
+        params = self.net.check_params(func, params)
+        like = params[self.net.parametric_layers[0]][0]
+        zero = zeros_like_shape(like, (self.dim, self.dim))
+        return ExplicitState(WeightedMovingAverage.zeros_like(zero), {})
+
+    def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,
+                                         func_args, estimation_mode=None):
+        r"""Average one batch's dense estimate into the state.
+
+        .. math:: C \leftarrow \frac{\texttt{ema\_old}\,S + \texttt{ema\_new}\,\hat C}
+                  {\texttt{ema\_old}\,W + \texttt{ema\_new}}
+        """
+        func = "ExplicitExactCurvature.update_curvature_matrix_estimate"
+        mode = self._check_mode(func, estimation_mode)
+        ema_old, ema_new = self._check_ema(func, ema_old, ema_new)
+        params, batch = unpack_func_args(func, func_args)
+        self._check_batch_size(func, batch_size, int(batch[0].shape[0]))
+        est = E.estimated_matrix(self.net, self.loss_fn, params, batch, mode, rng,
+                                 self.num_samples, self.empirical_fisher_normalization)
+        return ExplicitState(state.matrix.update(est, ema_old, ema_new), {})
+
+    def to_dense_matrix(self, state):
+        r"""The dense estimate ([P, P], canonical order).
+
+        .. math:: C
+        """
+        return state.matrix.value
+
+    def to_diagonal_block_dense_matrix(self, state):
+        r"""``(C,)``: kfac-jax's explicit estimator has a single block.
+
+        .. math:: (C,)
+        """
+        return (state.matrix.value,)
+
+    def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
+                     pmap_axis_name=None, norm_to_scale_identity_weight_per_block=None):
+        r"""Cache the clipped eigendecomposition of :math:`C` (powers are applied at product
+        time, so every power and identity weight can use it).
+
+        .. math:: C = Q\,\mathrm{diag}(\max(s, c))\,Q^\top
+        """
+        s, q = clipped_eigh(state.matrix.value, self.eigenvalue_clipping_threshold)
+        return ExplicitState(state.matrix, {"eigen": (s, q)})
+
+    def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
+                          exact_power=True, use_cached=False, pmap_axis_name=None,
+                          norm_to_scale_identity_weight_per_block=None):
+        r""":math:`(C + \lambda I)^p v` (always exact).
+
+        .. math:: (C + \lambda I)^{p} v = Q\,(\max(s,c) + \lambda)^{\odot p} \odot Q^\top v
+
+        The cached path applies the power through
+        :func:`kfac_ref.linalg.kron_eigenbasis_matpower` (with a trivial ``1 × 1`` second
+        factor), the uncached one through :func:`kfac_ref.linalg.damped_matpower`: one
+        eigenvalue-power formula, the same error for a negative power of a singular
+        :math:`C + \lambda I`.
+
+        Raises
+        ------
+        KFACValueError
+            ``use_cached`` before :meth:`update_cache`; a negative power of a singular
+            :math:`C + \lambda I`; a negative ``identity_weight``.
+        """
+        func = "ExplicitExactCurvature.multiply_matpower"
+        lam = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        p = check_scalar(func, "power", power)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector)
+        if use_cached:
+            if "eigen" not in state.cache:
+                raise KFACValueError(f"{func}: use_cached needs update_cache first; got an "
+                                     f"empty cache.")
+            s, q = state.cache["eigen"]
+            xp = namespace_of(func, vector=flat, q=q)
+            one = xp.ones((1,), dtype=s.dtype, device=device_of(s))
+            out = kron_eigenbasis_matpower(s, q, one, None, xp.reshape(flat, (-1, 1)), p, lam)
+            return back(xp.reshape(out, (-1,)))
+        mat = damped_matpower(state.matrix.value, p, lam, self.eigenvalue_clipping_threshold)
+        return back(mat @ flat)
+
+    def eigenvalues(self, state, use_cached=False):
+        r"""Eigenvalues of :math:`C` (clipped, ascending).
+
+        .. math:: \operatorname{spec}(C)
+        """
+        if use_cached and "eigen" in state.cache:
+            return state.cache["eigen"][0]
+        return clipped_eigh(state.matrix.value, self.eigenvalue_clipping_threshold)[0]
+
+    def block_eigenvalues(self, state, use_cached=False):
+        r"""``(eigenvalues,)`` (one block).
+
+        .. math:: (\operatorname{spec} C,)
+        """
+        return (self.eigenvalues(state, use_cached),)
+
+
