@@ -320,7 +320,7 @@ def readme_tables() -> dict:
     from .adapters import mutants
     from .catalogue import capabilities
     from .conventions import CANONICAL, FIELDS
-    from .diagnosis import PITFALLS
+    from .diagnosis import DOCS, DOCS_PAGES, PITFALLS
 
     caps = ["| capability | what the adapter returns | inputs / params | conventions |",
             "|---|---|---|---|"]
@@ -331,9 +331,11 @@ def readme_tables() -> dict:
     for k, (allowed, meaning) in FIELDS.items():
         vals = ", ".join(repr(a) for a in allowed) if allowed else "None or a number"
         conv.append(f"| `{k}` | {vals} | `{getattr(CANONICAL, k)!r}` | {meaning} |")
-    pits = ["| id | pitfall | evidence |", "|---|---|---|"]
+    pits = ["| id | pitfall | formula (docs page › section) | evidence |", "|---|---|---|---|"]
     for k, (title, text, ref) in PITFALLS.items():
-        pits.append(f"| `{k}` | {title}: {text} | {ref} |")
+        page, section = DOCS.get(k, ("", ""))
+        where = f"{DOCS_PAGES[page]} › {section}" if page else ""
+        pits.append(f"| `{k}` | {title}: {text} | {where} | {ref} |")
     muts = ["| mutant | pitfall built in | capability → expected diagnosis |", "|---|---|---|"]
     for n in sorted(mutants()):
         a = load_adapter(n)

@@ -34,6 +34,9 @@ class Conventions:
     ema_style: str = "zero_debias"
     empirical_fisher_scale: str = "per_example"
     empirical_fisher_unit: str = "example"
+    damping_per_factor: str = "sqrt"
+    ema_init: str = "zero"
+    ema_weight: str = "given"
 
     def __post_init__(self):
         for f in fields(self):
@@ -147,6 +150,31 @@ FIELDS = {
         "'loss_term' (curvlinops' EFLinearOperator) (1/N)Σ_{n,s}∇ℓ_{ns}∇ℓ_{ns}ᵀ over every "
         "loss term (n, s) of a per-position loss. They differ only for outputs with "
         "positions ([N, S, C]).",
+    ),
+    "damping_per_factor": (
+        ("sqrt", "lambda"),
+        "How the damping λ an implementation is given reaches the two factors: 'sqrt' "
+        "(reference, TF, kfac-jax) λ is the block's damping, each factor receives √λ "
+        "(scaled by π and 1/π): (A + π√λ I)⊗(G + √λ/π I); 'lambda' the value given is each "
+        "factor's damping: (A + πλ I)⊗(G + λ/π I) (or A + λI, G + λI without π) — the "
+        "reference with damping λ². The suite converts the reference's split (×√λ) and the "
+        "factored damped products (a stored reference alternative computed with λ²).",
+    ),
+    "ema_init": (
+        ("zero", "first"),
+        "Start of a moving average: 'zero' (reference, TF, kfac-jax) S₀ = 0 (then debiased "
+        "or raw, see ema_style); 'first' the average is initialised at the first statistic, "
+        "m₁ = X₁, m_k = decay·m_{k−1} + w·X_k, with no debiasing (equal to the debiased "
+        "average after one update only). The suite recomputes the declared recursion from "
+        "the statistics behind the reference's values (averaging.ema).",
+    ),
+    "ema_weight": (
+        ("given", "one_minus_decay"),
+        "Weight w of the new statistic in a moving average: 'given' (reference, TF "
+        "ema_weight, kfac-jax ema_new) the value the caller passes; 'one_minus_decay' w is "
+        "tied to 1 − decay whatever is passed (PyTorch-style running averages). A zero-"
+        "debiased average does not depend on w; raw sums and averages started at the first "
+        "statistic do (averaging.ema).",
     ),
 }
 

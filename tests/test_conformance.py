@@ -401,7 +401,8 @@ def test_declared_conventions_pass_and_are_reported(live):
 def test_exactness_cases_hold_in_the_reference(live):
     """K-FAC equals the block diagonal of the exact curvature in the exactness settings
     (N = 1; deep linear + squared error; weight sharing with the matching expand/reduce),
-    and not in the others (FORMULAS §1.3, §2.3; PEERS.md "Exactness facts")."""
+    and not in the others (Martens & Grosse 2015; Eschenhagen et al. 2023; the docs page
+    *K-FAC for dense layers*, "When it is exact")."""
     cases, _ = live
     kfac = [c for c in cases if c.capability == "networks.kfac"]
     if not kfac:

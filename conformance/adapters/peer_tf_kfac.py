@@ -17,7 +17,7 @@ Factors: ``FullyConnectedKroneckerFactor`` / ``FullyConnectedMultiKF`` (also ``c
 for ``averaging.ema``.  Linear algebra: ``fisher_factors.compute_cov`` and ``append_homog``,
 ``fisher_blocks.compute_pi_tracenorm`` / ``compute_pi_adjusted_damping``.
 
-Declared conventions: the canonical ones (TF is the seed of the reference's layouts).
+Declared conventions: the canonical ones (the reference uses TF's layouts).
 Damping, EMA decay and weight are passed as float64 tensors, so TF's float32 cast of
 Python-float hyper-parameters (1.2e-8 relative with a Python-float damping, measured in
 ``repro_tf_kfac.py``) does not apply and ``hyperparameter_rtol`` stays 0.

@@ -41,7 +41,7 @@ def family_status(family) -> tuple[bool, str]:
     for req in getattr(mod, "REQUIRES", ()):
         try:
             importlib.import_module(req)
-        except Exception as exc:  # ImportError or an error inside a half-written module
+        except Exception as exc:  # ImportError, or an error raised while importing
             return False, f"{req} is not importable ({type(exc).__name__}: {exc})"
     return True, ""
 

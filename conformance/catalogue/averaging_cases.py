@@ -24,11 +24,27 @@ def _total_weights(k, decay, weight):
 
 
 def _ema_output(arr, case, conv):
-    if conv.ema_style == "raw":
-        # S_k = value_k · W_k with the total weight W_k = δ W_{k-1} + w (host arithmetic).
-        w = _total_weights(arr.shape[0], case.params["decay"], case.params["weight"])
-        return arr * w.reshape((-1,) + (1,) * (arr.ndim - 1))
-    return arr
+    decay, weight = case.params["decay"], case.params["weight"]
+    if conv.ema_init == "zero" and conv.ema_style == "zero_debias":
+        return arr  # S_k/W_k does not depend on the weight of the new statistic
+    # the statistics behind the (zero-debiased) values: S_k = value_k·W_k and
+    # X_k = (S_k − δ S_{k−1}) / w (host arithmetic)
+    k = arr.shape[0]
+    w_tot = _total_weights(k, decay, weight).reshape((-1,) + (1,) * (arr.ndim - 1))
+    s = arr * w_tot
+    xs = np.concatenate([s[:1], s[1:] - decay * s[:-1]]) / weight
+    w = weight if conv.ema_weight == "given" else 1.0 - decay
+    out, m, tot = [], np.zeros_like(xs[0]), 0.0
+    for i, x in enumerate(xs):
+        if conv.ema_init == "first" and i == 0:
+            m, tot = x, 1.0
+        else:
+            m, tot = decay * m + w * x, decay * tot + w
+        if conv.ema_init == "first" or conv.ema_style == "raw":
+            out.append(m)
+        else:
+            out.append(m / tot)
+    return np.stack(out)
 
 
 CAPABILITIES = [
@@ -39,7 +55,7 @@ CAPABILITIES = [
         "([k, d, d]) — S/W when zero-debiased (TF ZERO_DEBIAS, kfac-jax ema_old=decay, "
         "ema_new=weight).",
         "inputs: xs [k, d, d]; params: decay, weight",
-        ("ema_style",),
+        ("ema_style", "ema_init", "ema_weight"),
         convert_output=_ema_output,
     ),
 ]

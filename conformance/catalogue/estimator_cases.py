@@ -5,7 +5,8 @@ several batches, and its estimation modes.
 ``ema_old = params["decay"]``, ``ema_new = 1``: every factor becomes the zero-debiased average
 ``(d·F(batch 0) + F(batch 1)) / (d + 1)`` and the K-FAC matrix is built from the averaged
 factors — *not* the average of the two batches' K-FAC matrices (a different matrix: a
-Kronecker product does not commute with averaging, FORMULAS P15).
+Kronecker product does not commute with averaging; see the docs page *K-FAC for dense
+layers*, "Statistics across steps").
 
 Inputs: the network parameters as in :mod:`networks_cases` plus two batches ``x0, targets0,
 x1, targets1``.  Tolerance: as for ``networks.kfac``, ×2 for the two updates.

@@ -44,6 +44,22 @@ def _vector_inputs(inputs, case, conv):
     return out
 
 
+def _damping_split(arr, case, conv):
+    if conv.damping_per_factor == "lambda":
+        # [π√λ, √λ/π] with λ² in place of λ: the reference's split times √λ
+        return arr * math.sqrt(case.params["damping"])
+    return arr
+
+
+def _damped_vector(arr, case, conv):
+    if conv.damping_per_factor == "lambda":
+        if arr is not case.expected:
+            raise NotImplementedError("damping_per_factor='lambda' is only available for the "
+                                      "expected value")
+        arr = case.alternatives["_damping_lambda"]
+    return _kron_vector(arr, case, conv)
+
+
 def _homog_cov(arr, case, conv):
     idx = a_index(arr.shape[0], conv.bias_position, True)
     return arr[np.ix_(idx, idx)]
@@ -105,14 +121,16 @@ CAPABILITIES = [
         "linalg.pi_adjusted_damping",
         "Factored Tikhonov damping split [π√λ, √λ/π] (array [2]) for (A + π√λ I)⊗(G + √λ/π I).",
         "inputs: a [p, p], g [q, q]; params: damping",
+        ("damping_per_factor",),
+        convert_output=_damping_split,
     ),
     Capability(
         "linalg.factored_damped_inverse_matvec",
         "[(A + π√λ I)⁻¹ ⊗ (G + √λ/π I)⁻¹] v, trace-norm π, flat [p·q].",
         "inputs: a [p, p], g [q, q], v [p·q]; params: damping",
-        ("kron_order",),
+        ("kron_order", "damping_per_factor"),
         convert_inputs=_vector_inputs,
-        convert_output=_kron_vector,
+        convert_output=_damped_vector,
     ),
     Capability(
         "linalg.exact_damped_inverse_matvec",
@@ -126,9 +144,9 @@ CAPABILITIES = [
         "linalg.factored_damped_matpower_matvec",
         "[(A + π√λ I)^p ⊗ (G + √λ/π I)^p] v, trace-norm π, flat [p·q].",
         "inputs: a [p, p], g [q, q], v [p·q]; params: exp, damping",
-        ("kron_order",),
+        ("kron_order", "damping_per_factor"),
         convert_inputs=_vector_inputs,
-        convert_output=_kron_vector,
+        convert_output=_damped_vector,
     ),
     Capability(
         "linalg.factor_norm",
@@ -137,6 +155,13 @@ CAPABILITIES = [
         "inputs: m [n, n]; params: norm_type",
     ),
 ]
+
+
+def _operator(fn, n):
+    """The linear map ``v ↦ fn(v)`` as an [n, n] matrix (canonical layout), stored as the
+    conversion data ``_operator``: the diagnosis applies it in another Kronecker order's
+    layout to the vector an implementation was handed (code written for the other order)."""
+    return np.stack([to_np(fn(e)) for e in np.eye(n)], axis=1)
 
 
 def _case(cid, cap, inputs, params, expected, tol, meta=None, alts=None, desc=""):
@@ -189,7 +214,9 @@ def build_cases() -> list[Case]:
                            Tolerance(SAFETY * (p + q),
                                      f"two GEMMs of lengths p, q: work = {p + q}, κ = 1"),
                            {"p": p, "q": q},
-                           {"kron_order_swapped": L.kron_matvec(g, a, v)}))
+                           {"kron_order_swapped": L.kron_matvec(g, a, v),
+                            "_operator": _operator(lambda e, a=a, g=g: L.kron_matvec(a, g, e),
+                                                   p * q)}))
 
     # damped matrix functions ------------------------------------------------------------
     n = 5
@@ -272,7 +299,11 @@ def build_cases() -> list[Case]:
                       f"damped factors' condition numbers = {k_fact:.3g}"), meta,
             {"pi_without_dimensions": split(pi_nd * root, root / pi_nd),
              "unsplit_damping": split(lam, lam), "pi_off": split(root, root),
-             "exact_damping": exact}))
+             "exact_damping": exact,
+             "_damping_lambda": L.kron_damped_inverse_matvec(a, g, v, lam ** 2,
+                                                             damping_method="factored"),
+             "_operator": _operator(lambda e, a=a, g=g, lam=lam: L.kron_damped_inverse_matvec(
+                 a, g, e, lam, damping_method="factored"), p * q)}))
         cases.append(_case(
             f"linalg.exact_damped_inverse_matvec/p{p}_q{q}_damping{lam:g}",
             "linalg.exact_damped_inverse_matvec", {"a": a, "g": g, "v": v},
@@ -280,7 +311,9 @@ def build_cases() -> list[Case]:
             Tolerance(SAFETY * (p + q) * k_exact,
                       f"eigh of both factors and GEMMs: work = {p + q}, κ = cond(A⊗G + λI) "
                       f"= {k_exact:.3g}"), meta,
-            {"factored_damping": fact, "unsplit_damping": split(lam, lam)}))
+            {"factored_damping": fact, "unsplit_damping": split(lam, lam),
+             "_operator": _operator(lambda e, a=a, g=g, lam=lam: L.kron_damped_inverse_matvec(
+                 a, g, e, lam, damping_method="exact"), p * q)}))
         exp = -0.5
         powv = L.kron_damped_matpower_matvec(a, g, v, exp, lam, damping_method="factored")
         cases.append(_case(
@@ -290,7 +323,12 @@ def build_cases() -> list[Case]:
             Tolerance(SAFETY * (p + q) * k_fact,
                       f"two damped powers and GEMMs: work = {p + q}, κ = {k_fact:.3g}"), meta,
             {"pi_without_dimensions": split(pi_nd * root, root / pi_nd, exp),
-             "unsplit_damping": split(lam, lam, exp), "pi_off": split(root, root, exp)}))
+             "unsplit_damping": split(lam, lam, exp), "pi_off": split(root, root, exp),
+             "_damping_lambda": L.kron_damped_matpower_matvec(a, g, v, exp, lam ** 2,
+                                                              damping_method="factored"),
+             "_operator": _operator(
+                 lambda e, a=a, g=g, exp=exp, lam=lam: L.kron_damped_matpower_matvec(
+                     a, g, e, exp, lam, damping_method="factored"), p * q)}))
 
     # factor norms ---------------------------------------------------------------------
     m = spd(rng_for("linalg.factor_norm"), 4)

@@ -508,7 +508,8 @@ def build_cases() -> list[Case]:
                 alts[f"{other_sharing}_instead_of_{sharing}"] = kfac_matrix(
                     params, inputs, sharing=other_sharing)
             alts.update(styled["kfac"])
-            # exactness theorems (FORMULAS §1.3, §2.3): K-FAC equals the block diagonal of the
+            # exactness (docs pages *K-FAC for dense layers*, "When it is exact", and
+            # *Convolutions*, "KFAC-expand and KFAC-reduce"): K-FAC equals the block diagonal of the
             # exact curvature; build_catalogue's finalize() then lists exact_block_diagonal
             # in insensitive_to, which tests/test_conformance.py checks.
             m = dict(meta, exact=bool(exact and true_mode) or (

@@ -4,9 +4,9 @@ Everything here is NumPy on the host plus :mod:`kfac_ref.linalg` (``compute_cov`
 ``append_homog``, ``kron``, ``pi_tracenorm``, ``kron_damped_inverse_matvec``).  The per-example
 activations ``a`` and back-propagated vectors ``g`` are computed by hand (explicit chain rule
 for a tanh MLP and a conv → tanh → dense net), so the reference factors do not depend on any
-framework's autodiff and do not depend on the kfac_ref modules still being written.
+framework's autodiff.
 
-Canonical conventions (DESIGN.md "Canonical conventions"): TF/JAX layouts (``s = a @ W + b``,
+Canonical conventions (the docs page *Conventions*): TF/JAX layouts (``s = a @ W + b``,
 W [d_in, d_out], conv NHWC/HWIO, patch order (kh, kw, C_in) with C_in fastest), homogeneous
 coordinate last, ``A = (1/N) Σ ā āᵀ``, ``G = (1/N) Σ g gᵀ`` for the curvature of the MEAN loss
 with per-example loss ``ℓ_n``: squared error ``½‖f − y‖²`` (unit variance) or softmax

@@ -259,7 +259,7 @@ def run_faults(rep):
                 g,
                 g_ref,
                 TOL,
-                note="known fault in PEERS.md",
+                note="known fault, see conformance/peers/FINDINGS.md (ASDL)",
             )
             rep.diagnose(
                 f"3-D output ({loss}) fisher_exact A",

@@ -4,7 +4,7 @@ Run inside the ``torchpeers`` environment (recipe ``torchpeers.txt``), from the 
 
     python -m conformance.peers.repro_curvlinops [--json out.json]
 
-Conventions applied to the reference before comparing (PEERS.md, curvlinops docs):
+Conventions applied to the reference before comparing (curvlinops' docs and curvlinops/kfac.py):
 PyTorch weight [out, in] flattened row-major, so the weight block is ``kron(G, A)``; the
 dense-matrix parameter order is ``[W.flatten(), b]`` per layer (NOT ``vec_r([W b])``: the bias
 is a trailing segment); ``separate_weight_and_bias=True`` (default) gives a weight block
@@ -278,7 +278,8 @@ def run_conv(rep):
             TOL,
             "exactness",
         )
-    # known fault (PEERS.md): MSE on a conv output in NCHW takes the last axis as the event axis
+    # known fault (FINDINGS.md, curvlinops): MSE on a conv output in NCHW takes the last axis
+    # as the event axis
     model1 = torch.nn.Sequential(torch.nn.Conv2d(c_in, c_out, (kh, kw))).double()
     with torch.no_grad():
         model1[0].weight.copy_(T.t(np.transpose(p["K"], (3, 2, 0, 1))))

@@ -161,7 +161,8 @@ def _check_inverse(rep, tag, est, st, params, ref):
             TOL_INV,
             "exact damping" if exact else "factored π-split damping",
         )
-    # power 1 with the approximate path: PEERS.md says it is π-adjusted even for power 1
+    # power 1 with the approximate path: kfac-jax's approximate path is π-adjusted even for
+    # power 1 (kfac_jax/_src/curvature_blocks)
     out = est.multiply_matpower(
         st,
         vj,
@@ -397,7 +398,7 @@ def run_repeated_dense(rep):
 
 
 def run_update_cache(rep):
-    """PEERS.md: ``update_cache`` ignores ``norm_to_scale_identity_weight_per_block``.
+    """Known fault: ``update_cache`` ignores ``norm_to_scale_identity_weight_per_block``.
 
     The uncached ``multiply_matpower`` scales λ by the block norm; a cached inverse built by
     ``update_cache`` with the same option should give the same product."""
@@ -444,7 +445,7 @@ def run_update_cache(rep):
         flat(cached),
         flat(fresh),
         TOL_INV,
-        note="known fault in PEERS.md",
+        note="known fault, see conformance/peers/FINDINGS.md (kfac-jax)",
     )
     plain = est.multiply_matpower(
         st,

@@ -173,7 +173,7 @@ def run_conv(rep):
 
 
 def run_faults(rep):
-    """PEERS.md: with the default dtype float32, a float64 model crashes or gives float32
+    """Known fault: with the default dtype float32, a float64 model crashes or gives float32
     factors, and a failure leaves hooks on the model."""
     p = C.mlp_problem()
     x = T.inputs(p)

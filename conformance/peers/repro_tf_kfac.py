@@ -10,7 +10,7 @@ row last — the reference's canonical layout), losses with ``register_squared_e
 0.5)`` (½‖f−y‖²) or ``register_softmax_cross_entropy_loss``; one covariance update through
 ``FisherEstimatorRoundRobin`` (zero-debiased EMA: after one update the factor is the batch
 statistic), then the inverse updates and ``multiply_inverse``.  Damping is passed as a float64
-tensor (a Python float goes through float32, PEERS.md).
+tensor (a Python float goes through float32).
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def run_mlp(rep):
                         TOL_INV,
                         "factored π-split damping",
                     )
-    # Python-float damping passes through float32 (PEERS.md): measure the error it adds
+    # Python-float damping passes through float32: measure the error it adds
     loss = "ce"
     vec = [
         rng.standard_normal(s) for s in (p["W1"].shape, p["b1"].shape, p["W2"].shape, p["b2"].shape)
@@ -298,7 +298,7 @@ def run_conv(rep):
 
 
 def run_cov(rep):
-    """compute_cov symmetrises; with tensor_right it does not (PEERS.md)."""
+    """compute_cov symmetrises; with tensor_right it does not (kfac/python/ops/utils.py)."""
     from kfac.python.ops import utils  # noqa: F401
     from kfac.python.ops.fisher_factors import compute_cov
 

@@ -1,0 +1,231 @@
+"""Mutants for the diagnosis itself: the other Kronecker order in a declared layout, a small
+epsilon on top of a pitfall, structural ratios, compositions of two and three pitfalls, a
+different fault per layer, the damping and moving-average conventions, and a fault that no
+pitfall explains (which must stay ``unexplained``).
+
+``EXPECTED`` maps each broken capability to its pitfall id(s); ``EXPECTED_CASES`` (case-id
+pattern -> pitfall id, or ``"pass"``) pins the exact diagnosis case by case where a mutant's
+fault shows differently in different cases (e.g. a factor 1/N² that is 1 when N = 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..adapter import implements
+from ..conventions import Conventions
+from .linalg_mutants import _inv_pow, _Mutant
+
+_M = "conformance.mutants.diagnosis_mutants"
+
+
+class KronSwappedDeclaredGA(_Mutant):
+    name = "mutant_kron_swapped_ga"
+    pitfall = ("code written for kron(A, G) on the [d_in+1, d_out] layout, declared as the "
+               "PyTorch layout kron_order='GA' (p ≠ q)")
+    conventions = Conventions(kron_order="GA")
+    EXPECTED = {c: "kron_order_swapped" for c in (
+        "linalg.kron", "linalg.kron_matvec", "linalg.factored_damped_inverse_matvec",
+        "linalg.exact_damped_inverse_matvec", "linalg.factored_damped_matpower_matvec")}
+
+
+def _pi_eps(a, g, eps=1e-8):
+    return math.sqrt(float(np.trace(a)) / float(np.trace(g)) + eps)
+
+
+class PiWithoutDimensionsEpsilon(_Mutant):
+    name = "mutant_pi_without_dimensions_eps"
+    pitfall = "π = sqrt(tr A / tr G + 1e-8): no dimension normalisation, plus a safety epsilon"
+    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
+                "linalg.pi_adjusted_damping": "pi_without_dimensions",
+                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions"}
+
+    @implements("linalg.pi_tracenorm")
+    def pi_tracenorm(self, inputs, params):
+        return np.asarray(_pi_eps(inputs["a"], inputs["g"]))
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        pi, root = _pi_eps(inputs["a"], inputs["g"]), math.sqrt(params["damping"])
+        return np.array([pi * root, root / pi])
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        a, g, v = inputs["a"], inputs["g"], inputs["v"]
+        pi, root = _pi_eps(a, g), math.sqrt(params["damping"])
+        return np.kron(_inv_pow(a, -1.0, pi * root), _inv_pow(g, -1.0, root / pi)) @ v
+
+
+class ConvInputKernelAverage(_Mutant):
+    name = "mutant_conv_input_kernel_average"
+    pitfall = "conv input factor averaged over the kernel offsets (divided by k_h·k_w)"
+    EXPECTED = {"factors.conv_input": "scale:1/kernel"}
+    # a 3×3 kernel divides by 9 = N²: the numbers cannot tell the two apart, and the
+    # diagnosis names the more common cause first
+    EXPECTED_CASES = {"factors.conv_input/same_*": "scale:1/N^2"}
+
+    @implements("factors.conv_input")
+    def conv_input(self, inputs, params):
+        k = params["filter_shape"][0] * params["filter_shape"][1]
+        return np.asarray(super().conv_input(inputs, params)) / k
+
+
+def _kfac(self, inputs, params, mode=None):
+    return np.asarray(super(type(self), self).net_kfac(
+        inputs, dict(params, mode=mode or params["mode"])))
+
+
+class EmpiricalMeanLoss(_Mutant):
+    name = "mutant_empirical_mean_loss"
+    pitfall = ("K-FAC from the data labels with gradients of the mean loss as per-example "
+               "gradients: empirical Fisher and 1/N² together")
+    EXPECTED = {"networks.kfac": "empirical_fisher+scale:1/N^2"}
+    EXPECTED_CASES = {"networks.kfac/*_fisher_empirical": "pass",
+                      "networks.kfac/mlp_tanh_n1_ce_*": "empirical_fisher"}
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        if params["mode"] == "fisher_empirical":
+            return _kfac(self, inputs, params)
+        n = inputs["x"].shape[0]
+        return _kfac(self, inputs, params, "fisher_empirical") / n ** 2
+
+
+class EmpiricalMeanLossTorchLayout(_Mutant):
+    name = "mutant_empirical_mean_loss_torch_layout"
+    pitfall = ("empirical Fisher, 1/N² and the PyTorch parameter layout (kron(G, A)) while "
+               "declaring the reference's: three pitfalls together")
+    EXPECTED = {"networks.kfac": "empirical_fisher+kron_order_swapped+scale:1/N^2"}
+    EXPECTED_CASES = {"networks.kfac/mlp_tanh_n1_ce_fisher_empirical": "kron_order_swapped",
+                      "networks.kfac/mlp_tanh_n1_ce_*": "empirical_fisher+kron_order_swapped",
+                      "networks.kfac/*_fisher_empirical": "kron_order_swapped+scale:1/N^2"}
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        from ..catalogue.networks_cases import _param_index
+
+        n = inputs["x"].shape[0]
+        k = _kfac(self, inputs, params, "fisher_empirical") / n ** 2
+        idx = _param_index(params["net"], Conventions(kron_order="GA"))
+        return k[np.ix_(idx, idx)]
+
+
+class PerLayerScales(_Mutant):
+    name = "mutant_per_layer_scales"
+    pitfall = ("true-Fisher K-FAC with per-example gradients of the mean loss (1/N²) in every "
+               "block, and the conv block normalised by |T| once more: conv × 1/(N²·|T|) next "
+               "to dense × 1/N²")
+    EXPECTED = {"networks.kfac": "scale:1/N^2"}
+    EXPECTED_CASES = {
+        "networks.kfac/*_fisher_empirical": "pass",
+        "networks.kfac/cnn_pool_n3_mse_*": "per_layer:0=scale:1/N^2+scale:1/T,1=scale:1/N^2",
+        "networks.kfac/mlp_tanh_n1_ce_*": "pass"}
+
+    @implements("networks.kfac")
+    def net_kfac(self, inputs, params):
+        from ..catalogue.networks_cases import _layer_geometry
+
+        k = _kfac(self, inputs, params).copy()
+        if params["mode"] == "fisher_empirical":
+            return k  # (there the extra 1/N would also read as kfac-jax's empirical scale)
+        n = inputs["x"].shape[0]
+        specs = [s for s in params["net"] if s["kind"] in ("dense", "conv2d")]
+        for s, (off, p, q, _, _) in zip(specs, _layer_geometry(params["net"]), strict=True):
+            sl = slice(off, off + p * q)
+            f = 1.0 / n ** 2
+            if s["kind"] == "conv2d":
+                x = inputs["x"]
+                kh, kw = s["kernel"]
+                f /= (x.shape[1] - kh + 1) * (x.shape[2] - kw + 1)  # |T| of a VALID conv
+            k[sl, :] *= math.sqrt(f)
+            k[:, sl] *= math.sqrt(f)
+        return k
+
+
+class UnexplainedFactor(_Mutant):
+    name = "mutant_unexplained"
+    pitfall = ("a wrong input factor (A + 0.01·E for a fixed E): no known pitfall explains it, "
+               "so the diagnosis must not name one")
+    EXPECTED = {"linalg.kron": "unexplained", "linalg.kron_matvec": "unexplained"}
+
+    @staticmethod
+    def _bad(a):
+        e = np.cos(np.arange(a.size, dtype=np.float64)).reshape(a.shape)
+        return a + 0.01 * (e + e.T)
+
+    @implements("linalg.kron")
+    def kron(self, inputs, params):
+        return np.kron(self._bad(inputs["a"]), inputs["g"])
+
+    @implements("linalg.kron_matvec")
+    def kron_matvec(self, inputs, params):
+        return np.kron(self._bad(inputs["a"]), inputs["g"]) @ inputs["v"]
+
+
+class DampingPerFactor(_Mutant):
+    name = "mutant_damping_per_factor"
+    pitfall = "the damping given is added to each factor (π·λ, λ/π) where √λ is declared"
+    EXPECTED = {"linalg.pi_adjusted_damping": "damping_parameterisation",
+                "linalg.factored_damped_inverse_matvec": "damping_parameterisation",
+                "linalg.factored_damped_matpower_matvec": "damping_parameterisation"}
+
+    def _sq(self, fn, inputs, params):
+        return fn(inputs, dict(params, damping=params["damping"] ** 2))
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        return self._sq(super().pi_adjusted_damping, inputs, params)
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        return self._sq(super().factored_inverse, inputs, params)
+
+    @implements("linalg.factored_damped_matpower_matvec")
+    def factored_matpower(self, inputs, params):
+        return self._sq(super().factored_matpower, inputs, params)
+
+
+def _running_average(xs, decay, weight, first):
+    out, m = [], np.zeros_like(xs[0])
+    for i, x in enumerate(xs):
+        m = x if first and i == 0 else decay * m + weight * x
+        out.append(m)
+    return np.stack(out)
+
+
+class EmaFirstStatistic(_Mutant):
+    name = "mutant_ema_first_statistic"
+    pitfall = ("running average m₁ = X₁, m ← δm + (1 − δ)X (PyTorch style), declared as the "
+               "zero-debiased average")
+    EXPECTED = {"averaging.ema": "ema_first_statistic+ema_weight_tied"}
+    EXPECTED_CASES = {"averaging.ema/k5_decay0.95_weight0.05": "ema_first_statistic",
+                      "averaging.ema/k3_decay0_weight1": "pass"}
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        d = params["decay"]
+        return _running_average(inputs["xs"], d, 1.0 - d, True)
+
+
+class EmaWeightTied(_Mutant):
+    name = "mutant_ema_weight_tied"
+    pitfall = ("raw moving sum declared (ema_style='raw') but the new statistic weighted by "
+               "1 − δ instead of the weight passed")
+    conventions = Conventions(ema_style="raw")
+    EXPECTED = {"averaging.ema": "ema_weight_tied"}
+    EXPECTED_CASES = {"averaging.ema/k4_decay0.9_weight1": "ema_weight_tied",
+                      "averaging.ema/k5_decay0.95_weight0.05": "pass",
+                      "averaging.ema/k3_decay0_weight1": "pass"}
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        d = params["decay"]
+        return _running_average(inputs["xs"], d, 1.0 - d, False)
+
+
+MUTANTS = [KronSwappedDeclaredGA, PiWithoutDimensionsEpsilon, ConvInputKernelAverage,
+           EmpiricalMeanLoss, EmpiricalMeanLossTorchLayout, PerLayerScales, UnexplainedFactor,
+           DampingPerFactor, EmaFirstStatistic, EmaWeightTied]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
