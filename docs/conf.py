@@ -40,6 +40,7 @@ kfac_api_modules = [
     "kfac_ref.linalg",
     "kfac_ref.averaging",
     "kfac_ref.patches",
+    "kfac_ref.conv_geometry",
     "kfac_ref.factors",
     "kfac_ref.factors.base",
     "kfac_ref.factors.dense",

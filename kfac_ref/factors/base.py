@@ -137,23 +137,27 @@ def check_equal_batches(func, name, arrays, axis=0):
 
 
 # --------------------------------------------------------------------------------------
-# Damping registrations
+# Damping registrations (internal API of the factor modules)
 # --------------------------------------------------------------------------------------
-def _damping_key(func, damping):
+def damping_key(func, damping):
+    """Registration key of a damping: ``("value", λ)`` for a checked non-negative number,
+    ``("func", f)`` for a zero-argument callable (keyed by identity)."""
     if callable(damping):
         return ("func", damping)
     v = check_scalar(func, "damping", damping, nonnegative=True)
     return ("value", v)
 
 
-def _damping_value(func, key):
+def damping_value(func, key):
+    """The damping of a registration key (a callable is evaluated and checked now)."""
     kind, d = key
     if kind == "func":
         return check_scalar(func, "damping_func()", d(), nonnegative=True)
     return d
 
 
-def _exp_value(func, exp):
+def exp_value(func, exp):
+    """A checked real exponent."""
     return check_scalar(func, "exp", exp)
 
 
@@ -361,10 +365,10 @@ class DenseSquareMatrixFactor(FisherFactor):
         ``exp == 1`` is not cached (it is served fresh), as in TF.
         """
         func = f"{self.name}.register_matpower"
-        exp = _exp_value(func, exp)
+        exp = exp_value(func, exp)
         if exp == 1.0:
             return self
-        key = (exp, _damping_key(func, damping))
+        key = (exp, damping_key(func, damping))
         if key in self._matpower_regs:
             return self
         return self._evolve(_matpower_regs=(*self._matpower_regs, key))
@@ -375,14 +379,14 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     def register_cholesky(self, damping):
         r"""Return a factor that also maintains :math:`L`, :math:`L L^\top = C + \lambda I`."""
-        key = _damping_key(f"{self.name}.register_cholesky", damping)
+        key = damping_key(f"{self.name}.register_cholesky", damping)
         if key in self._cholesky_regs:
             return self
         return self._evolve(_cholesky_regs=(*self._cholesky_regs, key))
 
     def register_cholesky_inverse(self, damping):
         r"""Return a factor that also maintains :math:`L^{-1}`."""
-        key = _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        key = damping_key(f"{self.name}.register_cholesky_inverse", damping)
         if key in self._cholesky_inverse_regs:
             return self
         return self._evolve(_cholesky_inverse_regs=(*self._cholesky_inverse_regs, key))
@@ -407,15 +411,15 @@ class DenseSquareMatrixFactor(FisherFactor):
         if self.uses_eigendecomposition:
             for exp, key in self._matpower_regs:
                 cache[("matpower", exp, key)] = damped_matpower(
-                    cov, exp, _damping_value(func, key), self.eigenvalue_clipping_threshold)
+                    cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold)
         else:
             for exp, key in self._matpower_regs:
-                cache[("matpower", exp, key)] = damped_inverse(cov, _damping_value(func, key))
+                cache[("matpower", exp, key)] = damped_inverse(cov, damping_value(func, key))
         for key in self._cholesky_regs:
-            cache[("cholesky", None, key)] = damped_cholesky(cov, _damping_value(func, key))
+            cache[("cholesky", None, key)] = damped_cholesky(cov, damping_value(func, key))
         for key in self._cholesky_inverse_regs:
             cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse(
-                cov, _damping_value(func, key))
+                cov, damping_value(func, key))
         return cache
 
     def update_inverses(self):
@@ -449,11 +453,11 @@ class DenseSquareMatrixFactor(FisherFactor):
         r""":math:`(C + \lambda I)^{p}`: fresh for :math:`p = 1`, else the cached (possibly
         stale) value of the last :meth:`update_inverses`."""
         func = f"{self.name}.get_matpower"
-        exp = _exp_value(func, exp)
-        key = _damping_key(func, damping)
+        exp = exp_value(func, exp)
+        key = damping_key(func, damping)
         if exp == 1.0:
             cov = self.cov
-            return cov + _damping_value(func, key) * eye_like(cov, cov.shape[0])
+            return cov + damping_value(func, key) * eye_like(cov, cov.shape[0])
         return self._cached(func, "matpower", exp, key, self._matpower_regs, (exp, key))
 
     def get_inverse(self, damping):
@@ -463,13 +467,13 @@ class DenseSquareMatrixFactor(FisherFactor):
     def get_cholesky(self, damping):
         r"""The cached lower Cholesky factor of :math:`C + \lambda I`."""
         func = f"{self.name}.get_cholesky"
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         return self._cached(func, "cholesky", None, key, self._cholesky_regs, key)
 
     def get_cholesky_inverse(self, damping):
         r"""The cached inverse of the lower Cholesky factor of :math:`C + \lambda I`."""
         func = f"{self.name}.get_cholesky_inverse"
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         return self._cached(func, "cholesky_inverse", None, key, self._cholesky_inverse_regs,
                             key)
 
@@ -506,8 +510,8 @@ class DiagonalFactor(FisherFactor):
 
     def register_matpower(self, exp, damping):
         """No-op (diagonal powers are served fresh)."""
-        _exp_value(f"{self.name}.register_matpower", exp)
-        _damping_key(f"{self.name}.register_matpower", damping)
+        exp_value(f"{self.name}.register_matpower", exp)
+        damping_key(f"{self.name}.register_matpower", damping)
         return self
 
     def register_inverse(self, damping):
@@ -516,12 +520,12 @@ class DiagonalFactor(FisherFactor):
 
     def register_cholesky(self, damping):
         """No-op."""
-        _damping_key(f"{self.name}.register_cholesky", damping)
+        damping_key(f"{self.name}.register_cholesky", damping)
         return self
 
     def register_cholesky_inverse(self, damping):
         """No-op."""
-        _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        damping_key(f"{self.name}.register_cholesky_inverse", damping)
         return self
 
     def update_inverses(self):
@@ -533,8 +537,8 @@ class DiagonalFactor(FisherFactor):
     def get_matpower(self, exp, damping):
         r""":math:`(d + \lambda)^{p}` elementwise, from the current diagonal."""
         func = f"{self.name}.get_matpower"
-        exp = _exp_value(func, exp)
-        lam = _damping_value(func, _damping_key(func, damping))
+        exp = exp_value(func, exp)
+        lam = damping_value(func, damping_key(func, damping))
         cov = self.cov
         xp = namespace_of(func, cov=cov)
         damped = cov + lam

@@ -16,38 +16,38 @@ import math
 from .._backend import (
     KFACValueError,
     check_array,
+    check_bool,
     check_int,
+    check_option,
     check_rng,
     check_scalar,
     check_symmetric,
+    kernel_of,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_inverse, kron
 from ..patches import (
-    _channels_last,
-    _check_filter_shape,
-    _explicit_padding,
-    _padding_kind,
-    _spatial_ints,
-    _validate_conv_inputs,
+    ConvGeometry,
+    check_subsample_factor,
     extract_convolution_patches,
-    extract_image_patches,
     extract_pointwise_conv2d_patches,
+    is_channels_last,
     num_subsampled_inputs,
     num_subsampled_patches,
     subsample_rows,
+    to_channels_last,
 )
 from .base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
     as_towers,
-    check_bool,
     check_equal_batches,
+    damping_key,
+    damping_value,
+    exp_value,
 )
-from .base import _damping_key as _base_damping_key
-from .base import _damping_value as _base_damping_value
 
 __all__ = [
     "EXTRACT_PATCHES_FNS",
@@ -72,45 +72,38 @@ EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
 """TF's ``extract_patches_fn`` choices (``None`` means the first)."""
 
 
-def _check_extract_patches_fn(func, extract_patches_fn):
-    if extract_patches_fn is not None and extract_patches_fn not in EXTRACT_PATCHES_FNS:
-        raise KFACValueError(
-            f"{func}: extract_patches_fn must be None or one of "
-            f"{', '.join(repr(f) for f in EXTRACT_PATCHES_FNS)}; got {extract_patches_fn!r}."
-        )
-
-
-def _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format, *,
-                        dilation_name="dilation_rate", extract_patches_fn=None,
-                        patch_mask=None):
-    """Validate a convolution's geometry options without data (host integers only), so that
-    classes reject bad options at construction and formula functions before any draw."""
-    filter_shape = _check_filter_shape(func, filter_shape)
-    rank = len(filter_shape) - 2
-    channels_last = _channels_last(func, data_format, None)
-    if data_format is not None and len(data_format) != rank + 2:
-        raise KFACValueError(
-            f"{func}: data_format {data_format!r} describes {len(data_format) - 2}-D "
-            f"convolutions; got a filter_shape with {rank} spatial dimensions {filter_shape}."
-        )
-    _spatial_ints(func, "strides", strides, rank, channels_last, 1)
-    _spatial_ints(func, dilation_name, dilation_rate, rank, channels_last, 1)
-    if _padding_kind(func, padding) == "EXPLICIT":
-        _explicit_padding(func, padding, rank, channels_last)
-    _check_extract_patches_fn(func, extract_patches_fn)
+def _check_extract_options(func, filter_shape, extract_patches_fn, patch_mask):
+    """The patch options that need no data: TF's ``extract_patches_fn`` switch and the
+    ``patch_mask`` (checked, with its one finiteness scan, here)."""
+    if extract_patches_fn is not None:
+        check_option(func, "extract_patches_fn", extract_patches_fn, EXTRACT_PATCHES_FNS)
+    if extract_patches_fn == "extract_image_patches" and len(filter_shape) != 4:
+        raise KFACValueError(f"{func}: extract_patches_fn='extract_image_patches' needs a 2-D "
+                             f"convolution (4-D inputs); got filter_shape {filter_shape}.")
+    if (extract_patches_fn == "extract_pointwise_conv2d_patches"
+            and (len(filter_shape) != 4 or tuple(filter_shape[:2]) != (1, 1))):
+        raise KFACValueError(f"{func}: extract_patches_fn='extract_pointwise_conv2d_patches' "
+                             f"needs filter_shape [1, 1, C_in, C_out]; got {filter_shape}.")
     if patch_mask is not None:
         check_array(func, "patch_mask", patch_mask, shape=tuple(filter_shape[:-1]),
                     layout="[k_1, ..., k_r, C_in]")
-    return filter_shape
 
 
-def _check_patch_mask(func, xp, patch_mask, filter_shape, like):
-    if patch_mask is None:
-        return None
-    namespace_of(func, inputs=like, patch_mask=patch_mask)
-    check_array(func, "patch_mask", patch_mask, shape=tuple(filter_shape[:-1]),
-                layout="[k_1, ..., k_r, C_in]")
-    return patch_mask
+def _check_extract_geometry(func, geo, extract_patches_fn):
+    """The patch options that need the geometry (unit strides of the pointwise variant)."""
+    if (extract_patches_fn == "extract_pointwise_conv2d_patches"
+            and any(v != 1 for v in geo.strides)):
+        raise KFACValueError(f"{func}: extract_pointwise_conv2d_patches needs unit strides; got "
+                             f"{geo.strides}.")
+
+
+def _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, data_format, *,
+                     dilation_name="dilation_rate"):
+    """Check ``inputs`` (its one finiteness scan) and build the convolution's geometry."""
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    return ConvGeometry.build(func, tuple(inputs.shape), filter_shape, strides=strides,
+                              padding=padding, dilation=dilation, data_format=data_format,
+                              dilation_name=dilation_name)
 
 
 def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate=None,
@@ -151,36 +144,28 @@ def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate
     """
     func = "conv_patch_matrix"
     xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
-    channels_last = _channels_last(func, data_format, inputs.ndim)
-    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation_rate,
+                           data_format)
     check_bool(func, "has_bias", has_bias)
-    _validate_conv_inputs(func, inputs, filter_shape, data_format)
-    _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format,
-                        extract_patches_fn=extract_patches_fn)
-    patch_mask = _check_patch_mask(func, xp, patch_mask, filter_shape, inputs)
-    if extract_patches_fn in (None, "extract_convolution_patches"):
-        patches = extract_convolution_patches(inputs, filter_shape, padding, strides,
-                                              dilation_rate, data_format)
-    elif extract_patches_fn == "extract_image_patches":
-        if inputs.ndim != 4:
-            raise KFACValueError(f"{func}: extract_image_patches needs 4-D inputs; got "
-                                 f"{inputs.ndim}-D.")
-        patches = extract_image_patches(inputs, filter_shape[:2], strides,
-                                        dilation_rate, padding, data_format)
-    else:
-        rank = inputs.ndim - 2
-        s = _spatial_ints(func, "strides", strides, rank, channels_last, 1)
-        if any(v != 1 for v in s):
-            raise KFACValueError(f"{func}: extract_pointwise_conv2d_patches needs unit "
-                                 f"strides; got {s}.")
-        patches = extract_pointwise_conv2d_patches(inputs, filter_shape, data_format)
-    flat = math.prod(filter_shape[:-1])
-    patches = xp.reshape(patches, (-1, flat))
+    _check_extract_options(func, geo.filter_shape, extract_patches_fn, patch_mask)
+    _check_extract_geometry(func, geo, extract_patches_fn)
+    return _conv_patch_matrix(xp, inputs, geo, has_bias, extract_patches_fn=extract_patches_fn,
+                              patch_mask=patch_mask)
+
+
+@kernel_of(conv_patch_matrix)
+def _conv_patch_matrix(xp, inputs, geo, has_bias=False, *, extract_patches_fn=None,
+                       patch_mask=None):
+    """Unchecked kernel: ``inputs`` in ``geo``'s layout (any batch size) -> ``[[A]]_H``."""
+    if extract_patches_fn == "extract_pointwise_conv2d_patches":
+        patches = extract_pointwise_conv2d_patches.kernel(xp, inputs, geo)
+    else:  # the image variant gives the same patches as the general one
+        patches = extract_convolution_patches.kernel(xp, inputs, geo)
+    patches = xp.reshape(patches, (-1, geo.patch_size))
     if patch_mask is not None:
-        patches = patches * xp.reshape(patch_mask, (flat,))
+        patches = patches * xp.reshape(patch_mask, (geo.patch_size,))
     if has_bias:
-        patches = append_homog(patches)
+        patches = append_homog.kernel(xp, patches)
     return patches
 
 
@@ -251,45 +236,69 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     Grosse & Martens (2016), §3.1; TF K-FAC ``ConvInputKroneckerFactor``.
     """
     func = "conv_input_kronecker_factor"
-    namespace_of(func, inputs=inputs, patch_mask=patch_mask)
+    xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
     # Everything is validated before the generator is drawn from or patches are built.
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation_rate,
+                           data_format)
     check_bool(func, "has_bias", has_bias)
+    _check_extract_options(func, geo.filter_shape, extract_patches_fn, patch_mask)
+    _check_extract_geometry(func, geo, extract_patches_fn)
+    subsampling = _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng,
+                                     inputs_to_extract_patches_factor, max_num_patches,
+                                     max_num_patches_per_dimension)
+    geo.check_nonempty(func)
+    return _conv_input_kronecker_factor(xp, inputs, geo, has_bias,
+                                        extract_patches_fn=extract_patches_fn,
+                                        patch_mask=patch_mask, **subsampling)
+
+
+def _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng, factor,
+                       max_num_patches, max_num_patches_per_dimension):
+    """TF's subsampling options, checked before any draw; the kernel's keyword arguments."""
     check_bool(func, "sub_sample_inputs", sub_sample_inputs)
     check_bool(func, "sub_sample_patches", sub_sample_patches)
-    _validate_conv_inputs(func, inputs, filter_shape, data_format)
-    _check_conv_options(func, filter_shape, padding, strides, dilation_rate, data_format,
-                        extract_patches_fn=extract_patches_fn, patch_mask=patch_mask)
     if sub_sample_inputs or sub_sample_patches:
         check_rng(func, "rng", rng)
-    if sub_sample_patches:  # the constants, before any draw
-        num_subsampled_patches(0, 1, max_num_patches, max_num_patches_per_dimension)
     if sub_sample_inputs:
-        inputs = subsample_rows(
-            inputs, num_subsampled_inputs(inputs.shape[0], inputs_to_extract_patches_factor),
-            rng)
-    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilation_rate,
-                                data_format, False, extract_patches_fn=extract_patches_fn,
-                                patch_mask=patch_mask)
-    if patches.shape[0] == 0:
-        raise KFACValueError(f"{func}: the convolution must have at least one example and one "
-                             f"output location; got {patches.shape[0]} patch rows.")
+        factor = check_subsample_factor(func, "inputs_to_extract_patches_factor", factor)
     if sub_sample_patches:
-        keep = num_subsampled_patches(patches.shape[0], patches.shape[1], max_num_patches,
-                                      max_num_patches_per_dimension)
+        max_num_patches = check_int(func, "max_num_patches", max_num_patches, minimum=1)
+        max_num_patches_per_dimension = float(check_scalar(
+            func, "max_num_patches_per_dimension", max_num_patches_per_dimension,
+            positive=True))
+    return dict(sub_sample_inputs=sub_sample_inputs, sub_sample_patches=sub_sample_patches,
+                rng=rng, inputs_to_extract_patches_factor=factor,
+                max_num_patches=max_num_patches,
+                max_num_patches_per_dimension=max_num_patches_per_dimension)
+
+
+@kernel_of(conv_input_kronecker_factor)
+def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_patches_fn=None,
+                                 patch_mask=None, sub_sample_inputs=False,
+                                 sub_sample_patches=False, rng=None,
+                                 inputs_to_extract_patches_factor=0.2,
+                                 max_num_patches=10_000_000, max_num_patches_per_dimension=3.0):
+    """Unchecked kernel of :func:`conv_input_kronecker_factor` (options normalised)."""
+    if sub_sample_inputs:
+        keep = num_subsampled_inputs.kernel(inputs.shape[0], inputs_to_extract_patches_factor)
+        inputs = subsample_rows.kernel(xp, inputs, keep, rng)
+    patches = _conv_patch_matrix(xp, inputs, geo, False, extract_patches_fn=extract_patches_fn,
+                                 patch_mask=patch_mask)
+    if sub_sample_patches:
+        keep = num_subsampled_patches.kernel(patches.shape[0], patches.shape[1],
+                                             max_num_patches, max_num_patches_per_dimension)
         if keep < patches.shape[0]:
-            patches = subsample_rows(patches, keep, rng)
+            patches = subsample_rows.kernel(xp, patches, keep, rng)
     if has_bias:
-        patches = append_homog(patches)
-    return compute_cov(patches)
+        patches = append_homog.kernel(xp, patches)
+    return compute_cov.kernel(xp, patches)
 
 
-def _grads_channels_last(func, xp, outputs_grad, data_format):
-    check_array(func, "outputs_grad", outputs_grad, min_ndim=2, layout="[N, *spatial, C_out]")
-    channels_last = _channels_last(func, data_format, outputs_grad.ndim)
-    if channels_last:
-        return outputs_grad
-    return xp.permute_dims(outputs_grad, (0, *range(2, outputs_grad.ndim), 1))
+def _check_outputs_grad(func, outputs_grad, data_format, *, name="outputs_grad",
+                        layout="[N, *spatial, C_out]"):
+    """Check an output-shaped array and its layout; return True for channels last."""
+    check_array(func, name, outputs_grad, min_ndim=2, layout=layout)
+    return is_channels_last(func, data_format, outputs_grad.ndim)
 
 
 def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
@@ -324,13 +333,18 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
     """
     func = "conv_output_kronecker_factor"
     xp = namespace_of(func, outputs_grad=outputs_grad)
-    g = _grads_channels_last(func, xp, outputs_grad, data_format)
-    c_out = g.shape[-1]
-    ds = xp.reshape(g, (-1, c_out))
-    if ds.shape[0] == 0:
+    channels_last = _check_outputs_grad(func, outputs_grad, data_format)
+    if math.prod(outputs_grad.shape) == 0:
         raise KFACValueError(f"{func}: outputs_grad must have at least one location; got shape "
                              f"{tuple(outputs_grad.shape)}.")
-    return compute_cov(ds)
+    return _conv_output_kronecker_factor(xp, outputs_grad, channels_last)
+
+
+@kernel_of(conv_output_kronecker_factor)
+def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True):
+    """Unchecked kernel: ``DSᵀDS / (N|T|)`` of an output-shaped array."""
+    g = to_channels_last(xp, outputs_grad, channels_last)
+    return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])))
 
 
 def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
@@ -354,46 +368,38 @@ def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padd
     array [N, D, C_out]
         With ``D = kh·kw·C_in`` (plus one with ``has_bias``).
     """
-    return _per_example_gradients("conv_per_example_gradients", inputs, outputs_grad,
-                                  filter_shape, strides, padding, data_format, dilations,
-                                  has_bias, patch_mask)
+    func = "conv_per_example_gradients"
+    xp, geo = _check_conv_pair(func, inputs, outputs_grad, filter_shape, strides, padding,
+                               data_format, dilations, has_bias, patch_mask)
+    return _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias,
+                                       patch_mask=patch_mask)
 
 
-def _per_example_gradients(func, inputs, outputs_grad, filter_shape, strides, padding,
-                           data_format, dilations, has_bias, patch_mask):
+def _check_conv_pair(func, inputs, outputs_grad, filter_shape, strides, padding, data_format,
+                     dilations, has_bias, patch_mask):
+    """Validate (inputs, outputs_grad) of one convolution once: each array scanned once."""
     xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad, patch_mask=patch_mask)
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilations, data_format,
+                           dilation_name="dilations")
     check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim,
                 layout="[N, *out_spatial, C_out]")
-    filter_shape = _check_filter_shape(func, filter_shape, inputs.ndim - 2)
+    geo.check_output_grid(func, "outputs_grad", outputs_grad.shape)
     check_bool(func, "has_bias", has_bias)
-    _validate_conv_inputs(func, inputs, filter_shape, data_format)
-    _check_conv_options(func, filter_shape, padding, strides, dilations, data_format,
-                        dilation_name="dilations")
-    g = _grads_channels_last(func, xp, outputs_grad, data_format)
-    if g.shape[-1] != filter_shape[-1]:
-        raise KFACValueError(
-            f"{func}: outputs_grad and filter_shape must agree on out_channels; outputs_grad "
-            f"has {g.shape[-1]} but filter_shape is {filter_shape}."
-        )
-    if g.shape[0] != inputs.shape[0]:
-        raise KFACValueError(f"{func}: inputs and outputs_grad must have the same batch size; "
-                             f"got {inputs.shape[0]} and {g.shape[0]}.")
-    patches = conv_patch_matrix(inputs, filter_shape, padding, strides, dilations, data_format,
-                                has_bias, patch_mask=patch_mask)
+    _check_extract_options(func, geo.filter_shape, None, patch_mask)
+    geo.check_nonempty(func)
+    return xp, geo
+
+
+@kernel_of(conv_per_example_gradients)
+def _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias=False, *,
+                                patch_mask=None):
+    r"""Unchecked kernel, the one home of :math:`DW_n = \sum_t \bar p_{n,t} g_{n,t}^\top`:
+    ``inputs`` and ``outputs_grad`` in ``geo``'s layout -> ``[N, D(+1), C_out]``."""
     n = inputs.shape[0]
-    out_spatial = tuple(g.shape[1:-1])
-    t = patches.shape[0] // n if n else 0
-    if math.prod(out_spatial) != t:
-        raise KFACValueError(
-            f"{func}: outputs_grad must have the convolution's output grid ({t} locations); got "
-            f"spatial shape {out_spatial}."
-        )
-    if n == 0:
-        raise KFACValueError(f"{func}: inputs must have at least one example; got shape "
-                             f"{tuple(inputs.shape)}.")
-    p = xp.reshape(patches, (n, t, patches.shape[1]))
-    gg = xp.reshape(g, (n, t, g.shape[-1]))
+    patches = _conv_patch_matrix(xp, inputs, geo, has_bias, patch_mask=patch_mask)
+    g = geo.to_channels_last(xp, outputs_grad)
+    p = xp.reshape(patches, (n, geo.num_locations, patches.shape[1]))
+    gg = xp.reshape(g, (n, geo.num_locations, geo.out_channels))
     return xp.matrix_transpose(p) @ gg  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
 
 
@@ -442,10 +448,17 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     ----------
     TF K-FAC ``ConvDiagonalFactor`` (einsum ``bijk,bijl->bkl``).
     """
-    per_example = _per_example_gradients("conv_diagonal_factor", inputs, outputs_grad,
-                                         filter_shape, strides, padding, data_format, dilations,
-                                         has_bias, patch_mask)
-    xp = namespace_of("conv_diagonal_factor", per_example=per_example)
+    func = "conv_diagonal_factor"
+    xp, geo = _check_conv_pair(func, inputs, outputs_grad, filter_shape, strides, padding,
+                               data_format, dilations, has_bias, patch_mask)
+    return _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias, patch_mask=patch_mask)
+
+
+@kernel_of(conv_diagonal_factor)
+def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patch_mask=None):
+    """Unchecked kernel: mean over examples of the squared per-example gradients."""
+    per_example = _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias,
+                                              patch_mask=patch_mask)
     return xp.sum(per_example * per_example, axis=0) / float(per_example.shape[0])
 
 
@@ -479,9 +492,10 @@ class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
                  sub_sample_inputs=False, sub_sample_patches=False, patch_mask=None, **kwargs):
         super().__init__(**kwargs)
         func = type(self).__name__
-        filter_shape = _check_conv_options(func, filter_shape, padding, strides, dilation_rate,
-                                           data_format, extract_patches_fn=extract_patches_fn,
-                                           patch_mask=patch_mask)
+        filter_shape = ConvGeometry.check_options(func, filter_shape, strides=strides,
+                                                  padding=padding, dilation=dilation_rate,
+                                                  data_format=data_format)
+        _check_extract_options(func, filter_shape, extract_patches_fn, patch_mask)
         self._set(filter_shape=filter_shape, padding=padding,
                   strides=strides, dilation_rate=dilation_rate, data_format=data_format,
                   extract_patches_fn=extract_patches_fn,
@@ -494,13 +508,19 @@ class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
         func = f"{self.name}.update_cov"
         towers = as_towers(func, "inputs", inputs)
         check_equal_batches(func, "inputs", towers)
-        return (tuple(
-            conv_input_kronecker_factor(
-                x, self.filter_shape, self.padding, self.strides, self.dilation_rate,
-                self.data_format, self.has_bias, extract_patches_fn=self.extract_patches_fn,
-                patch_mask=self.patch_mask, sub_sample_inputs=self.sub_sample_inputs,
-                sub_sample_patches=self.sub_sample_patches, rng=rng)
-            for x in towers),)
+        subsampling = _check_subsampling(func, self.sub_sample_inputs, self.sub_sample_patches,
+                                         rng, 0.2, 10_000_000, 3.0)
+        covs = []
+        for x in towers:
+            xp = namespace_of(func, inputs=x, patch_mask=self.patch_mask)
+            geo = _inputs_geometry(func, x, self.filter_shape, self.padding, self.strides,
+                                   self.dilation_rate, self.data_format)
+            _check_extract_geometry(func, geo, self.extract_patches_fn)
+            geo.check_nonempty(func)
+            covs.append(_conv_input_kronecker_factor(
+                xp, x, geo, self.has_bias, extract_patches_fn=self.extract_patches_fn,
+                patch_mask=self.patch_mask, **subsampling))
+        return (tuple(covs),)
 
 
 class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
@@ -518,7 +538,7 @@ class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
 
     def __init__(self, data_format="NHWC", **kwargs):
         super().__init__(**kwargs)
-        _channels_last(type(self).__name__, data_format, None)
+        is_channels_last(type(self).__name__, data_format)
         self._set(data_format=data_format)
 
     def _contributions(self, outputs_grads):
@@ -526,8 +546,19 @@ class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
         st = as_sources_towers(func, "outputs_grads", outputs_grads)
         for src in st:
             check_equal_batches(func, "outputs_grads", src)
-        return tuple(tuple(conv_output_kronecker_factor(g, self.data_format) for g in src)
-                     for src in st)
+        out = []
+        for src in st:
+            covs = []
+            for g in src:
+                xp = namespace_of(func, outputs_grads=g)
+                channels_last = _check_outputs_grad(func, g, self.data_format,
+                                                    name="outputs_grads")
+                if math.prod(g.shape) == 0:
+                    raise KFACValueError(f"{func}: outputs_grads must have at least one "
+                                         f"location; got shape {tuple(g.shape)}.")
+                covs.append(_conv_output_kronecker_factor(xp, g, channels_last))
+            out.append(tuple(covs))
+        return tuple(out)
 
 
 class ConvDiagonalFactor(DiagonalFactor):
@@ -547,9 +578,11 @@ class ConvDiagonalFactor(DiagonalFactor):
                  has_bias=False, patch_mask=None, **kwargs):
         super().__init__(**kwargs)
         func = type(self).__name__
-        filter_shape = _check_conv_options(func, filter_shape, padding, strides, dilations,
-                                           data_format, dilation_name="dilations",
-                                           patch_mask=patch_mask)
+        filter_shape = ConvGeometry.check_options(func, filter_shape, strides=strides,
+                                                  padding=padding, dilation=dilations,
+                                                  data_format=data_format,
+                                                  dilation_name="dilations")
+        _check_extract_options(func, filter_shape, None, patch_mask)
         self._set(filter_shape=filter_shape, strides=strides,
                   padding=padding, data_format=data_format, dilations=dilations,
                   has_bias=check_bool(func, "has_bias", has_bias), patch_mask=patch_mask)
@@ -564,13 +597,25 @@ class ConvDiagonalFactor(DiagonalFactor):
                 f"got {len(st[0])}."
             )
         check_equal_batches(func, "inputs", towers)
-        return tuple(
-            tuple(conv_diagonal_factor(x, g, self.filter_shape, self.strides, self.padding,
-                                       self.data_format, self.dilations, self.has_bias,
-                                       patch_mask=self.patch_mask)
-                  for x, g in zip(towers, src, strict=True))
-            for src in st
-        )
+        geos = []  # each input tower checked once, whatever the number of sources
+        for x in towers:
+            namespace_of(func, inputs=x, patch_mask=self.patch_mask)
+            geos.append(_inputs_geometry(func, x, self.filter_shape, self.padding, self.strides,
+                                         self.dilations, self.data_format,
+                                         dilation_name="dilations"))
+        out = []
+        for src in st:
+            diags = []
+            for x, g, geo in zip(towers, src, geos, strict=True):
+                xp = namespace_of(func, inputs=x, outputs_grads=g)
+                check_array(func, "outputs_grads", g, ndim=x.ndim,
+                            layout="[N, *out_spatial, C_out]")
+                geo.check_output_grid(func, "outputs_grads", g.shape)
+                geo.check_nonempty(func)
+                diags.append(_conv_diagonal_factor(xp, x, g, geo, self.has_bias,
+                                                   patch_mask=self.patch_mask))
+            out.append(tuple(diags))
+        return tuple(out)
 
 
 class ConvInputMultiKF(ConvInputKroneckerFactor):
@@ -651,14 +696,26 @@ def conv_input_sua_statistics(inputs, data_format="NHWC", subtract_mean=True):
     """
     func = "conv_input_sua_statistics"
     xp = namespace_of(func, inputs=inputs)
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C]")
+    channels_last = _check_sua_inputs(func, inputs, data_format)
     check_bool(func, "subtract_mean", subtract_mean)
-    x = _grads_channels_last(func, xp, inputs, data_format)
-    pixels = xp.reshape(x, (-1, x.shape[-1]))
-    if pixels.shape[0] == 0:
-        raise KFACValueError(f"{func}: inputs must have at least one pixel; got shape "
+    return _conv_input_sua_statistics(xp, inputs, channels_last, subtract_mean)
+
+
+def _check_sua_inputs(func, inputs, data_format, name="inputs"):
+    check_array(func, name, inputs, min_ndim=3, layout="[N, *spatial, C]")
+    channels_last = is_channels_last(func, data_format, inputs.ndim)
+    if math.prod(inputs.shape) == 0:
+        raise KFACValueError(f"{func}: {name} must have at least one pixel; got shape "
                              f"{tuple(inputs.shape)}.")
-    c = compute_cov(append_homog(pixels))
+    return channels_last
+
+
+@kernel_of(conv_input_sua_statistics)
+def _conv_input_sua_statistics(xp, inputs, channels_last=True, subtract_mean=True):
+    """Unchecked kernel: ``(Σ, μ)`` from the homogeneous pixels of ``inputs``."""
+    x = to_channels_last(xp, inputs, channels_last)
+    pixels = xp.reshape(x, (-1, x.shape[-1]))
+    c = compute_cov.kernel(xp, append_homog.kernel(xp, pixels))
     mu = c[:-1, -1]
     sigma = c[:-1, :-1]
     if subtract_mean:
@@ -679,24 +736,20 @@ def _sua_mean_vector(xp, mu, k, has_bias, order, homog_value=1.0):
 def _sua_block(xp, block, k, order):
     eye_k = xp.eye(k, dtype=block.dtype, device=block.device)
     # channel_fastest: I_K ⊗ B; TF's order: B ⊗ I_K (the one Kronecker product, linalg.kron)
-    return kron(eye_k, block) if order == "channel_fastest" else kron(block, eye_k)
+    if order == "channel_fastest":
+        return kron.kernel(xp, eye_k, block)
+    return kron.kernel(xp, block, eye_k)
 
 
 def _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order):
     xp = namespace_of(func, sigma=sigma, mu=mu)
-    check_array(func, "sigma", sigma, ndim=2)
-    if sigma.shape[0] != sigma.shape[1]:
-        raise KFACValueError(f"{func}: sigma must be square [C, C]; got shape "
-                             f"{tuple(sigma.shape)}.")
     check_symmetric(func, "sigma", sigma)  # a covariance; a transposed/garbled one is an error
     if mu is not None:
         check_array(func, "mu", mu, shape=(sigma.shape[0],), layout="[C]")
     num_offsets = check_int(func, "num_offsets", num_offsets, minimum=1)
     check_bool(func, "has_bias", has_bias)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
-    if order not in SUA_ORDERS:
-        raise KFACValueError(f"{func}: order must be one of {', '.join(map(repr, SUA_ORDERS))}; "
-                             f"got {order!r}.")
+    check_option(func, "order", order, SUA_ORDERS)
     return xp, num_offsets, damping
 
 
@@ -739,16 +792,21 @@ def conv_input_sua_factor(sigma, mu, num_offsets, has_bias=False, damping=0.0,
     """
     func = "conv_input_sua_factor"
     xp, k, damping = _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order)
+    return _conv_input_sua_factor(xp, sigma, mu, k, has_bias, damping, order)
+
+
+@kernel_of(conv_input_sua_factor)
+def _conv_input_sua_factor(xp, sigma, mu, k, has_bias=False, damping=0.0,
+                           order="channel_fastest"):
+    """Unchecked kernel of :func:`conv_input_sua_factor`."""
     c = sigma.shape[0]
     block = _sua_block(xp, sigma + damping * xp.eye(c, dtype=sigma.dtype, device=sigma.device),
                        k, order)
     if has_bias:
-        dim = k * c + 1
         col = xp.zeros((k * c, 1), dtype=sigma.dtype, device=sigma.device)
         corner = damping * xp.ones((1, 1), dtype=sigma.dtype, device=sigma.device)
         block = xp.concat([xp.concat([block, col], axis=1),
                            xp.concat([col.T, corner], axis=1)], axis=0)
-        assert block.shape == (dim, dim)
     if mu is None:
         return block
     m = _sua_mean_vector(xp, mu, k, has_bias, order)
@@ -787,7 +845,7 @@ def conv_input_sua_inverse(sigma, mu, num_offsets, has_bias=False, damping=0.0,
     if has_bias and damping <= 0:
         raise KFACValueError(f"{func}: damping must be positive when has_bias (the bias block "
                              f"of B is δ); got {damping}.")
-    sigma_inv = damped_inverse((sigma + sigma.T) / 2.0, damping)
+    sigma_inv = damped_inverse.kernel(xp, (sigma + sigma.T) / 2.0, damping, func=func)
     return _sua_inverse_from_parts(xp, sigma_inv, mu, k, has_bias, damping, order)
 
 
@@ -844,11 +902,9 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
                  order="channel_fastest", **kwargs):
         super().__init__(**kwargs)
         func = type(self).__name__
-        filter_shape = _check_filter_shape(func, filter_shape)
-        _channels_last(func, data_format, len(filter_shape))
-        if order not in SUA_ORDERS:
-            raise KFACValueError(f"{func}: order must be one of "
-                                 f"{', '.join(map(repr, SUA_ORDERS))}; got {order!r}.")
+        filter_shape = ConvGeometry.check_options(func, filter_shape)
+        is_channels_last(func, data_format, len(filter_shape))
+        check_option(func, "order", order, SUA_ORDERS)
         self._set(filter_shape=filter_shape, num_offsets=math.prod(filter_shape[:-2]),
                   in_channels=filter_shape[-2], has_bias=check_bool(func, "has_bias", has_bias),
                   data_format=data_format,
@@ -866,11 +922,13 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
                     or self.subtract_mean_contrib_from_cov)
         stats = []
         for x in towers:
-            c = _grads_channels_last(func, namespace_of(func, inputs=x), x, self.data_format)
-            if c.shape[-1] != self.in_channels:
+            xp = namespace_of(func, inputs=x)
+            channels_last = _check_sua_inputs(func, x, self.data_format)
+            c = x.shape[-1] if channels_last else x.shape[1]
+            if c != self.in_channels:
                 raise KFACValueError(f"{func}: inputs and filter_shape must agree on "
-                                     f"in_channels; got {c.shape[-1]} and {self.filter_shape}.")
-            stats.append(conv_input_sua_statistics(x, self.data_format, subtract))
+                                     f"in_channels; got {c} and {self.filter_shape}.")
+            stats.append(_conv_input_sua_statistics(xp, x, channels_last, subtract))
         return stats
 
     def _contributions(self, inputs):
@@ -908,7 +966,7 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
 
     def register_matpower(self, exp, damping):
         """Only ``exp = -1`` (and the uncached 1) are supported."""
-        if float(exp) not in (1.0, -1.0):
+        if exp_value(f"{self.name}.register_matpower", exp) not in (1.0, -1.0):
             raise KFACValueError(f"{self.name}.register_matpower: exp must be -1 (SUA supports "
                                  f"only inverses); got {exp}.")
         return super().register_matpower(exp, damping)
@@ -931,20 +989,22 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         func = f"{self.name}.update_inverses"
         cache = {}
         for exp, key in self._matpower_regs:
-            lam = _base_damping_value(func, key)
-            cache[("matpower", exp, key)] = (damped_inverse(self.cov, lam), self.mu, lam)
+            lam = damping_value(func, key)
+            cov = self.cov
+            sigma_inv = damped_inverse.kernel(namespace_of(func, cov=cov), cov, lam, func=func)
+            cache[("matpower", exp, key)] = (sigma_inv, self.mu, lam)
         return cache
 
     def get_matpower(self, exp, damping):
         r"""Dense :math:`\Omega_{\text{SUA}} + \delta I` (power 1, fresh) or its cached
         Sherman–Morrison inverse (power −1)."""
         func = f"{self.name}.get_matpower"
-        xp = namespace_of(func, cov=self.cov)
-        if float(exp) == 1.0:
-            return conv_input_sua_factor(self.cov, self.mu, self.num_offsets, self.has_bias,
-                                         _base_damping_value(func, _base_damping_key(func,
-                                                                                     damping)),
-                                         self.order)
+        cov = self.cov
+        xp = namespace_of(func, cov=cov)
+        if exp_value(func, exp) == 1.0:
+            lam = damping_value(func, damping_key(func, damping))
+            return _conv_input_sua_factor(xp, cov, self.mu, self.num_offsets, self.has_bias,
+                                          lam, self.order)
         cached = super().get_matpower(exp, damping)
         if not isinstance(cached, tuple):  # registered but never updated: zeros
             dim = self.num_offsets * self.in_channels + self.has_bias

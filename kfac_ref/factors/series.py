@@ -28,7 +28,7 @@ from .._backend import (
 )
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_matpower
-from .base import _damping_key, _damping_value, as_sources_towers, check_bool, check_equal_batches
+from .base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
 from .dense import FullyConnectedKroneckerFactor, _fold_uses
 
 __all__ = [
@@ -332,14 +332,14 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
 
     def register_option1quants(self, damping):
         """Return a factor that maintains :func:`series_option1_quantities` for ``damping``."""
-        key = _damping_key(f"{self.name}.register_option1quants", damping)
+        key = damping_key(f"{self.name}.register_option1quants", damping)
         if key in self._option1_regs:
             return self
         return self._evolve(_option1_regs=(*self._option1_regs, key))
 
     def register_option2quants(self, damping):
         """Return a factor that maintains :func:`series_option2_quantities` for ``damping``."""
-        key = _damping_key(f"{self.name}.register_option2quants", damping)
+        key = damping_key(f"{self.name}.register_option2quants", damping)
         if key in self._option2_regs:
             return self
         return self._evolve(_option2_regs=(*self._option2_regs, key))
@@ -355,15 +355,15 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
             cov, c1 = self.cov, self.cov_dt1
             for key in self._option1_regs:
                 cache[("option1", None, key)] = series_option1_quantities(
-                    cov, c1, _damping_value(func, key), self.option1_eig_method,
+                    cov, c1, damping_value(func, key), self.option1_eig_method,
                     self.eigenvalue_clipping_threshold)
             for key in self._option2_regs:
                 cache[("option2", None, key)] = series_option2_quantities(
-                    cov, c1, _damping_value(func, key), self.eigenvalue_clipping_threshold)
+                    cov, c1, damping_value(func, key), self.eigenvalue_clipping_threshold)
         return cache
 
     def _get_quants(self, func, kind, damping, regs):
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         if key not in regs:
             raise KFACValueError(f"{func}: the damping must be registered first; got an "
                                  f"unregistered damping {key[1]!r}.")
