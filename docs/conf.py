@@ -45,6 +45,8 @@ kfac_api_modules = [
     "kfac_ref.factors.base",
     "kfac_ref.factors.dense",
     "kfac_ref.factors.conv",
+    "kfac_ref.factors.conv_kfc",
+    "kfac_ref.factors.conv_sua",
     "kfac_ref.factors.diagonal",
     "kfac_ref.factors.embedding",
     "kfac_ref.factors.series",
