@@ -406,20 +406,24 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     def _inverse_cache(self):
         func = f"{self.name}.update_inverses"
-        cov = self.cov
+        cov = self.cov  # the factor's own statistic: already checked, kernels only
+        xp = namespace_of(func, cov=cov)
         cache = {}
         if self.uses_eigendecomposition:
             for exp, key in self._matpower_regs:
-                cache[("matpower", exp, key)] = damped_matpower(
-                    cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold)
+                cache[("matpower", exp, key)] = damped_matpower.kernel(
+                    xp, cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold,
+                    func=func)
         else:
             for exp, key in self._matpower_regs:
-                cache[("matpower", exp, key)] = damped_inverse(cov, damping_value(func, key))
+                cache[("matpower", exp, key)] = damped_inverse.kernel(
+                    xp, cov, damping_value(func, key), func=func)
         for key in self._cholesky_regs:
-            cache[("cholesky", None, key)] = damped_cholesky(cov, damping_value(func, key))
+            cache[("cholesky", None, key)] = damped_cholesky.kernel(
+                xp, cov, damping_value(func, key), func=func)
         for key in self._cholesky_inverse_regs:
-            cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse(
-                cov, damping_value(func, key))
+            cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse.kernel(
+                xp, cov, damping_value(func, key), func=func)
         return cache
 
     def update_inverses(self):
@@ -480,7 +484,9 @@ class DenseSquareMatrixFactor(FisherFactor):
     def get_eigendecomp(self):
         r"""Fresh clipped eigendecomposition :math:`(\max(e, c), V)` of the current
         :attr:`cov` (TF computes it from the current covariance, never cached)."""
-        return clipped_eigh(self.cov, self.eigenvalue_clipping_threshold)
+        cov = self.cov
+        return clipped_eigh.kernel(namespace_of(f"{self.name}.get_eigendecomp", cov=cov), cov,
+                                   self.eigenvalue_clipping_threshold)
 
 
 class DiagonalFactor(FisherFactor):

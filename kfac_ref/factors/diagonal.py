@@ -17,6 +17,7 @@ from .._backend import (
     check_array,
     check_scalar,
     describe,
+    kernel_of,
     namespace_of,
 )
 from .base import (
@@ -112,7 +113,13 @@ def naive_diagonal_factor(params_grads, batch_size):
     func = "naive_diagonal_factor"
     v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
-    return v * v / n
+    return _naive_diagonal_factor(namespace_of(func, params_grads=v), v, n)
+
+
+@kernel_of(naive_diagonal_factor)
+def _naive_diagonal_factor(xp, vector, batch_size):
+    """Unchecked kernel on the flat gradient vector."""
+    return vector * vector / batch_size
 
 
 def full_factor(params_grads, batch_size):
@@ -144,7 +151,13 @@ def full_factor(params_grads, batch_size):
     func = "full_factor"
     v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
-    return v[:, None] * v[None, :] / n
+    return _full_factor(namespace_of(func, params_grads=v), v, n)
+
+
+@kernel_of(full_factor)
+def _full_factor(xp, vector, batch_size):
+    """Unchecked kernel on the flat gradient vector."""
+    return vector[:, None] * vector[None, :] / batch_size
 
 
 def _sources(func, params_grads):
@@ -184,8 +197,11 @@ class NaiveDiagonalFactor(DiagonalFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        srcs = _sources(f"{self.name}.update_cov", params_grads)
-        return tuple((naive_diagonal_factor(src, self.batch_size),) for src in srcs)
+        func = f"{self.name}.update_cov"
+        srcs = _sources(func, params_grads)
+        vecs = [_to_vector(func, src) for src in srcs]
+        return tuple((_naive_diagonal_factor(namespace_of(func, params_grads=v), v,
+                                             self.batch_size),) for v in vecs)
 
 
 class FullFactor(DenseSquareMatrixFactor):
@@ -204,8 +220,11 @@ class FullFactor(DenseSquareMatrixFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        srcs = _sources(f"{self.name}.update_cov", params_grads)
-        return tuple((full_factor(src, self.batch_size),) for src in srcs)
+        func = f"{self.name}.update_cov"
+        srcs = _sources(func, params_grads)
+        vecs = [_to_vector(func, src) for src in srcs]
+        return tuple((_full_factor(namespace_of(func, params_grads=v), v, self.batch_size),)
+                     for v in vecs)
 
 
 NaiveFullFactor = FullFactor
