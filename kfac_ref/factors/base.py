@@ -7,10 +7,12 @@ immutable objects: every "update" returns a new factor and leaves the old one un
 
 .. math::
 
-    \text{new\_cov} = \frac{1}{n_{\text{towers}}}
-        \sum_{\text{sources } s} \sum_{\text{towers } t} C(s, t), \qquad
-    S \leftarrow \delta S + w\,\text{new\_cov},\ W \leftarrow \delta W + w,\
-    \text{cov} = S / W \ (\text{zero-debiased}).
+    \begin{aligned}
+    \text{new\_cov} &= \frac{1}{n_{\text{towers}}}
+        \sum_{\text{sources } s} \sum_{\text{towers } t} C(s, t), \\
+    S &\leftarrow \delta S + w\,\text{new\_cov}, \qquad W \leftarrow \delta W + w, \\
+    \text{cov} &= S / W \quad (\text{zero-debiased}).
+    \end{aligned}
 
 Life cycle (TF name → kfac_ref method)
 
@@ -70,7 +72,8 @@ __all__ = [
 
 EIGENVALUE_DECOMPOSITION_THRESHOLD = 4
 """TF K-FAC master's threshold: with at least this many registered inverses (or any other
-registered power) the inverses come from one eigendecomposition (the contrib-era seed used 2)."""
+registered power) the inverses come from one eigendecomposition (TF K-FAC's older
+``tf.contrib.kfac`` used 2)."""
 
 EIGENVALUE_CLIPPING_THRESHOLD = 0.0
 """Eigenvalues below this are raised to it before powers are taken (TF K-FAC's value)."""
@@ -169,9 +172,11 @@ class FisherFactor:
 
     .. math::
 
-        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t} C(s, t),
-        \qquad \text{cov} = \frac{\sum_k \delta^{K-k} w_k\, \text{new\_cov}_k}
-                                 {\sum_k \delta^{K-k} w_k}\ (\text{zero\_debias}),
+        \begin{aligned}
+        \text{new\_cov} &= \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t} C(s, t), \\
+        \text{cov} &= \frac{\sum_k \delta^{K-k} w_k\, \text{new\_cov}_k}
+                           {\sum_k \delta^{K-k} w_k} \quad (\text{zero\_debias}),
+        \end{aligned}
 
     i.e. statistics of different *sources* (e.g. several sampled targets) are summed and
     those of different *towers* (data shards) are averaged, then fed to
@@ -266,7 +271,7 @@ class FisherFactor:
         ema_decay : float
             :math:`\delta \ge 0`.
         ema_weight : float
-            :math:`w \ge 0`; TF K-FAC's estimator passes 1 (the contrib-era factor used
+            :math:`w \ge 0`; TF K-FAC's estimator passes 1 (``tf.contrib.kfac``'s factor used
             :math:`1 - \delta`; with zero-debiasing both give the same value).
         """
         new_cov = self.compute_new_cov(*data, **kwargs)
@@ -309,15 +314,17 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     .. math::
 
-        (C + \lambda I)^{p} = V\,\mathrm{diag}\big((\max(e, c) + \lambda)^{p}\big)\,V^\top
-        \ \text{(eigen path)}, \qquad
-        (C + \lambda I)^{-1} = L^{-\top} L^{-1} \ \text{(Cholesky path)},
+        \begin{aligned}
+        (C + \lambda I)^{p} &= V\,\mathrm{diag}\big((\max(e, c) + \lambda)^{p}\big)\,V^\top
+            && \text{(eigen path)}, \\
+        (C + \lambda I)^{-1} &= L^{-\top} L^{-1} && \text{(Cholesky path)},
+        \end{aligned}
 
     with :math:`C = V \mathrm{diag}(e) V^\top` and clipping threshold :math:`c`.
 
     **Eigendecomposition rule** (TF K-FAC): the eigen path is used when any power other
     than :math:`-1` is registered, or when at least ``eigenvalue_decomposition_threshold``
-    inverses are registered (4 in TF master, 2 in the contrib-era seed), or when a subclass
+    inverses are registered (4 in TF master, 2 in ``tf.contrib.kfac``), or when a subclass
     needs the eigendecomposition anyway (the series quantities of
     :class:`~kfac_ref.factors.FullyConnectedMultiKF`); otherwise each inverse is a Cholesky
     solve.  Cholesky factors and their inverses are always computed by Cholesky.
@@ -494,8 +501,10 @@ class DiagonalFactor(FisherFactor):
 
     .. math::
 
-        (D + \lambda I)^{p} = \mathrm{diag}\big((d + \lambda)^{p}\big), \qquad
-        \text{Cholesky} = p = \tfrac12, \quad \text{Cholesky inverse} = p = -\tfrac12 .
+        \begin{aligned}
+        (D + \lambda I)^{p} &= \mathrm{diag}\big((d + \lambda)^{p}\big), \\
+        \text{Cholesky} &: p = \tfrac12, \qquad \text{Cholesky inverse}: p = -\tfrac12 .
+        \end{aligned}
 
     Nothing is cached: every power is computed from the current diagonal (TF's
     ``DiagonalFactor``), so the ``register_*`` methods and :meth:`update_inverses` return the

@@ -255,13 +255,11 @@ def _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng, factor,
     check_bool(func, "sub_sample_patches", sub_sample_patches)
     if sub_sample_inputs or sub_sample_patches:
         check_rng(func, "rng", rng)
-    if sub_sample_inputs:
-        factor = check_subsample_factor(func, "inputs_to_extract_patches_factor", factor)
-    if sub_sample_patches:
-        max_num_patches = check_int(func, "max_num_patches", max_num_patches, minimum=1)
-        max_num_patches_per_dimension = float(check_scalar(
-            func, "max_num_patches_per_dimension", max_num_patches_per_dimension,
-            positive=True))
+    # the constants are checked whether or not subsampling is on (a bad value is a bug)
+    factor = check_subsample_factor(func, "inputs_to_extract_patches_factor", factor)
+    max_num_patches = check_int(func, "max_num_patches", max_num_patches, minimum=1)
+    max_num_patches_per_dimension = float(check_scalar(
+        func, "max_num_patches_per_dimension", max_num_patches_per_dimension, positive=True))
     return dict(sub_sample_inputs=sub_sample_inputs, sub_sample_patches=sub_sample_patches,
                 rng=rng, inputs_to_extract_patches_factor=factor,
                 max_num_patches=max_num_patches,

@@ -160,7 +160,8 @@ def conv_input_sua_factor(sigma, mu, num_offsets, has_bias=False, damping=0.0,
     ``ASSUME_ZERO_MEAN_ACTIVATIONS``).  With ``order="tf"`` the channel index is the slow
     one (:math:`(\Sigma + \delta I) \otimes I_{|\Delta|}`, :math:`\mu \otimes \mathbf 1`), as TF
     master builds it; that does not match the ``(k_h, k_w, C_{in})`` patch layout of the
-    kernel (FORMULAS §2.2, pitfall P14), so TF's SUA block permutes the rows.
+    kernel (see the theory page *Convolutions: KFC, KFAC-expand and KFAC-reduce*), so TF's
+    SUA block permutes the rows.
 
     Parameters
     ----------

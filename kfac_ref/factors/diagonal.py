@@ -5,7 +5,8 @@ These take the gradient of the *summed* (sampled) loss with respect to the param
 :math:`\hat g \hat g^\top / N`.  For targets sampled from the model the per-example
 gradients have zero mean and are independent, so the estimator is unbiased; its variance
 does not shrink with :math:`N`.  With data targets (empirical Fisher) it is biased by
-:math:`(N-1)\,\bar g \bar g^\top` (FORMULAS §4).  kfac-jax's ``NaiveDiagonal``/``NaiveFull``
+:math:`(N-1)\,\bar g \bar g^\top` (see the theory page *Diagonal, naive and embedding
+estimators*).  kfac-jax's ``NaiveDiagonal``/``NaiveFull``
 use the same batch-summed gradient.
 """
 
@@ -98,8 +99,9 @@ def naive_diagonal_factor(params_grads, batch_size):
     Returns
     -------
     array [Σ sizes]
-        The diagonal, flattened as :func:`params_grads_to_vector` (TF's seed returns it as a
-        column ``[size, 1]``; TF master keeps the parameter's shape for a single parameter).
+        The diagonal, flattened as :func:`params_grads_to_vector` (``tf.contrib.kfac``
+        returns it as a column ``[size, 1]``; TF master keeps the parameter's shape for a
+        single parameter).
 
     Raises
     ------

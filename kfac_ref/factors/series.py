@@ -11,7 +11,8 @@ as ``[T, B, d]``.  With the homogeneous coordinate appended (``has_bias``):
 
 :math:`C_1` is normalised by :math:`TB`, not :math:`(T-1)B`: that is zero padding at the
 sequence ends, which keeps the implied block-Toeplitz Fisher PSD (Martens, Ba & Johnson 2018,
-App. B.2).  See FORMULAS §3 for how the block uses :math:`(L, \psi)` and :math:`(P, K, \mu)`.
+App. B.2).  See the theory page *Layers used many times: recurrent networks* for how the
+block uses :math:`(L, \psi)` and :math:`(P, K, \mu)`.
 """
 
 from __future__ import annotations
@@ -137,11 +138,13 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
 
     .. math::
 
-        C_{0,\delta}^{-1/2} = V \mathrm{diag}\big((\max(e,c) + \delta)^{-1/2}\big) V^\top,
-        \quad C_1^{s} = \tfrac12 (C_1 + C_1^\top), \quad
-        \hat\Psi = C_{0,\delta}^{-1/2}\, C_1^{s}\, C_{0,\delta}^{-1/2}
-        = U \mathrm{diag}(\psi) U^\top,
-        \quad L = C_{0,\delta}^{-1/2} U,
+        \begin{aligned}
+        C_{0,\delta}^{-1/2} &= V \mathrm{diag}\big((\max(e,c) + \delta)^{-1/2}\big) V^\top,
+            \qquad C_1^{s} = \tfrac12 (C_1 + C_1^\top), \\
+        \hat\Psi &= C_{0,\delta}^{-1/2}\, C_1^{s}\, C_{0,\delta}^{-1/2}
+            = U \mathrm{diag}(\psi) U^\top, \\
+        L &= C_{0,\delta}^{-1/2} U,
+        \end{aligned}
 
     so that :math:`L^\top (C_0 + \delta I) L = I` and
     :math:`L^\top C_1^{s} L = \mathrm{diag}(\psi)`.
@@ -151,7 +154,7 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
     Choices, as TF: :math:`C_1` is symmetrised (option 1 assumes :math:`V_1` symmetric);
     with ``eig_method="self_adjoint"`` (TF's default ``posdef_eig``) the returned
     :math:`\psi` are the **absolute values** of the eigenvalues, which differs from the
-    option-1 math when :math:`\hat\Psi` is indefinite (FORMULAS §3.3, check R1b);
+    option-1 math when :math:`\hat\Psi` is indefinite (Martens, Ba & Johnson 2018, §3.5);
     ``"eigh"`` keeps the signs; ``"svd"`` is TF's alternative (singular values, left
     singular vectors).
 
@@ -208,10 +211,12 @@ def series_option2_quantities(cov, cov_dt1, damping, eigenvalue_clipping_thresho
 
     .. math::
 
-        \hat\Psi = C_{0,\delta}^{-1/2} C_1 C_{0,\delta}^{-1/2} = W \mathrm{diag}(\sqrt\mu) E^\top
-        \ (\text{SVD}),\quad
-        \mu \leftarrow \min(\mu, 1),\quad
-        P = C_1^\top C_{0,\delta}^{-1},\quad K = C_{0,\delta}^{-1/2} E,
+        \begin{aligned}
+        \hat\Psi &= C_{0,\delta}^{-1/2} C_1 C_{0,\delta}^{-1/2}
+            = W \mathrm{diag}(\sqrt\mu) E^\top \quad (\text{SVD}), \qquad
+            \mu \leftarrow \min(\mu, 1), \\
+        P &= C_1^\top C_{0,\delta}^{-1}, \qquad K = C_{0,\delta}^{-1/2} E,
+        \end{aligned}
 
     so that :math:`K^\top (C_0 + \delta I) K = I` and
     :math:`K^\top C_1^\top (C_0 + \delta I)^{-1} C_1 K = \mathrm{diag}(\mu)` (before

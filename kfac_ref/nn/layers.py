@@ -15,7 +15,7 @@ and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the or
   :math:`\dot\theta, \dot x, \dot g` (``rg``).  This is the second-order piece that turns a
   backward pass into an exact Hessian-vector product.
 
-Conventions (see the project's DESIGN.md): batch axis first; dense kernels ``W`` are
+Conventions (see the docs page *Conventions*): batch axis first; dense kernels ``W`` are
 ``[d_in, d_out]`` with ``y = x W + b``; convolution kernels are HWIO; the bias is the last
 parameter of a layer.  A ``None`` tangent or cotangent stands for zero.
 
