@@ -29,6 +29,7 @@ from .base import (
 )
 from .conv import (
     EXTRACT_PATCHES_FNS,
+    MAX_TEMPORARY_BYTES,
     SUA_ORDERS,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
@@ -84,6 +85,7 @@ __all__ = [
     "EIGENVALUE_CLIPPING_THRESHOLD",
     "EIGENVALUE_DECOMPOSITION_THRESHOLD",
     "EXTRACT_PATCHES_FNS",
+    "MAX_TEMPORARY_BYTES",
     "OPTION1_EIG_METHODS",
     "FisherFactor",
     "DenseSquareMatrixFactor",

@@ -12,6 +12,7 @@ and the SUA input factor (:mod:`~kfac_ref.factors.conv_sua`), re-exported under 
 
 from .conv_kfc import (
     EXTRACT_PATCHES_FNS,
+    MAX_TEMPORARY_BYTES,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
     ConvInputMultiKF,
@@ -33,6 +34,7 @@ from .conv_sua import (
 
 __all__ = [
     "EXTRACT_PATCHES_FNS",
+    "MAX_TEMPORARY_BYTES",
     "conv_patch_matrix",
     "conv_per_example_gradients",
     "conv_input_kronecker_factor",

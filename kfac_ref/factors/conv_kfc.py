@@ -61,7 +61,27 @@ __all__ = [
     "ConvDiagonalFactor",
     "ConvInputMultiKF",
     "ConvOutputMultiKF",
+    "MAX_TEMPORARY_BYTES",
 ]
+
+MAX_TEMPORARY_BYTES = 64 * 2**20
+"""Default bound (64 MiB) on the patch temporaries of one chunk of examples in
+:func:`conv_input_kronecker_factor`, :func:`conv_output_kronecker_factor` and
+:func:`conv_diagonal_factor` (keyword ``max_temporary_bytes``)."""
+
+
+def _chunks(xp, n, entries_per_example, max_temporary_bytes, dtype):
+    """``range`` of chunk starts and the chunk size: as many examples per chunk as keep the
+    chunk's temporaries within ``max_temporary_bytes`` (at least one example)."""
+    itemsize = xp.finfo(dtype).bits // 8
+    size = max(1, min(n, max_temporary_bytes // max(1, entries_per_example * itemsize)))
+    return range(0, n, size), size
+
+
+def _rows(x, start, size):
+    """Examples ``start:start + size`` (the stop clipped: the standard leaves it open)."""
+    return x[start:min(start + size, x.shape[0]), ...]
+
 
 EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
                        "extract_pointwise_conv2d_patches")
@@ -170,7 +190,8 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
                                 patch_mask=None, sub_sample_inputs=False,
                                 sub_sample_patches=False, rng=None,
                                 inputs_to_extract_patches_factor=0.2,
-                                max_num_patches=10_000_000, max_num_patches_per_dimension=3.0):
+                                max_num_patches=10_000_000, max_num_patches_per_dimension=3.0,
+                                max_temporary_bytes=MAX_TEMPORARY_BYTES):
     r"""KFC input factor :math:`\Omega`: second moment of the patch vectors over examples
     *and* locations.
 
@@ -185,9 +206,13 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     This is TF K-FAC's normalisation, :math:`\hat\Omega/|T|` in the KFC paper's notation;
     the block multiplies by :math:`|T|`.
 
-    Memory: the patch matrix :math:`[[A]]_H` is materialised, :math:`N\,|T|\,k_h k_w C_{in}`
-    entries (times the dtype size) at peak, then reduced by one GEMM.  Subsampling bounds
-    it (below); a memory-bounded variant is future work.
+    Memory: the examples are processed in chunks of :math:`B` examples, the most for which
+    the chunk's patch matrix, :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries times the dtype
+    size, stays within ``max_temporary_bytes`` (at least one example per chunk); each chunk
+    is one GEMM, accumulated as :math:`\Omega = \sum_c [[A]]_c^\top [[A]]_c / (N|T|)`, so the
+    chunked and the one-shot result agree to rounding.  The loop runs over chunks only.
+    With ``sub_sample_patches`` the whole patch matrix is materialised (rows are drawn from
+    all of it, as TF does).
 
     Subsampling (TF's ``_SUB_SAMPLE_INPUTS`` / ``_SUB_SAMPLE_PATCHES``, both off by default)
     draws from the explicit generator ``rng`` on the host (:func:`kfac_ref.patches.subsample_rows`):
@@ -215,6 +240,9 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
         Required when subsampling.
     inputs_to_extract_patches_factor, max_num_patches, max_num_patches_per_dimension
         TF's constants (0.2, 1e7, 3.0).
+    max_temporary_bytes : int
+        Bound on the patch temporaries of one chunk (default :data:`MAX_TEMPORARY_BYTES`,
+        64 MiB).
 
     Returns
     -------
@@ -242,10 +270,13 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     subsampling = _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng,
                                      inputs_to_extract_patches_factor, max_num_patches,
                                      max_num_patches_per_dimension)
+    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                    minimum=1)
     geo.check_nonempty(func)
     return _conv_input_kronecker_factor(xp, inputs, geo, has_bias,
                                         extract_patches_fn=extract_patches_fn,
-                                        patch_mask=patch_mask, **subsampling)
+                                        patch_mask=patch_mask,
+                                        max_temporary_bytes=max_temporary_bytes, **subsampling)
 
 
 def _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng, factor,
@@ -271,11 +302,24 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
                                  patch_mask=None, sub_sample_inputs=False,
                                  sub_sample_patches=False, rng=None,
                                  inputs_to_extract_patches_factor=0.2,
-                                 max_num_patches=10_000_000, max_num_patches_per_dimension=3.0):
+                                 max_num_patches=10_000_000, max_num_patches_per_dimension=3.0,
+                                 max_temporary_bytes=MAX_TEMPORARY_BYTES):
     """Unchecked kernel of :func:`conv_input_kronecker_factor` (options normalised)."""
     if sub_sample_inputs:
         keep = num_subsampled_inputs.kernel(inputs.shape[0], inputs_to_extract_patches_factor)
         inputs = subsample_rows.kernel(xp, inputs, keep, rng)
+    if not sub_sample_patches:  # chunks of examples, one GEMM each
+        n = inputs.shape[0]
+        starts, size = _chunks(xp, n, geo.num_locations * (geo.patch_size + has_bias),
+                               max_temporary_bytes, inputs.dtype)
+        total = None
+        for start in starts:
+            p = _conv_patch_matrix(xp, _rows(inputs, start, size), geo, has_bias,
+                                   extract_patches_fn=extract_patches_fn,
+                                   patch_mask=patch_mask)
+            c = compute_cov.kernel(xp, p, None, n * geo.num_locations)
+            total = c if total is None else total + c
+        return total
     patches = _conv_patch_matrix(xp, inputs, geo, False, extract_patches_fn=extract_patches_fn,
                                  patch_mask=patch_mask)
     if sub_sample_patches:
@@ -295,7 +339,8 @@ def _check_outputs_grad(func, outputs_grad, data_format, *, name="outputs_grad",
     return is_channels_last(func, data_format, outputs_grad.ndim)
 
 
-def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
+def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
+                                 max_temporary_bytes=MAX_TEMPORARY_BYTES):
     r"""KFC output factor :math:`\Gamma`: second moment of the back-propagated vectors over
     examples and locations.
 
@@ -311,6 +356,9 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
     data_format : str or None
         ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
         ``None`` (channels last, any rank ≥ 2).
+    max_temporary_bytes : int
+        Bound on the temporaries of one chunk of examples (a channels-first input is
+        transposed chunk by chunk); default :data:`MAX_TEMPORARY_BYTES`.
 
     Returns
     -------
@@ -331,14 +379,26 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC"):
     if math.prod(outputs_grad.shape) == 0:
         raise KFACValueError(f"{func}: outputs_grad must have at least one location; got shape "
                              f"{tuple(outputs_grad.shape)}.")
-    return _conv_output_kronecker_factor(xp, outputs_grad, channels_last)
+    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                    minimum=1)
+    return _conv_output_kronecker_factor(xp, outputs_grad, channels_last,
+                                         max_temporary_bytes=max_temporary_bytes)
 
 
 @kernel_of(conv_output_kronecker_factor)
-def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True):
-    """Unchecked kernel: ``DSᵀDS / (N|T|)`` of an output-shaped array."""
-    g = to_channels_last(xp, outputs_grad, channels_last)
-    return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])))
+def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
+                                  max_temporary_bytes=MAX_TEMPORARY_BYTES):
+    """Unchecked kernel: ``DSᵀDS / (N|T|)`` of an output-shaped array, by chunks."""
+    n = outputs_grad.shape[0]
+    per_example = math.prod(outputs_grad.shape[1:])
+    rows = math.prod(outputs_grad.shape) // outputs_grad.shape[-1 if channels_last else 1]
+    starts, size = _chunks(xp, n, per_example, max_temporary_bytes, outputs_grad.dtype)
+    total = None
+    for start in starts:
+        g = to_channels_last(xp, _rows(outputs_grad, start, size), channels_last)
+        c = compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)
+        total = c if total is None else total + c
+    return total
 
 
 def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
@@ -399,7 +459,7 @@ def _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias=False, *
 
 def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
                          data_format="NHWC", dilations=None, has_bias=False, *,
-                         patch_mask=None):
+                         patch_mask=None, max_temporary_bytes=MAX_TEMPORARY_BYTES):
     r"""Exact diagonal of the per-example second moment of a convolution's gradient.
 
     .. math::
@@ -424,13 +484,16 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     dilations : int, sequence or None
     has_bias : bool
     patch_mask : array [k_1, ..., k_r, C_in], optional
+    max_temporary_bytes : int
+        Bound on the temporaries of one chunk of :math:`B` examples — its patch tensor and
+        per-example gradients, :math:`B\,(|T| + C_{out})(|\Delta| C_{in} + 1)` entries
+        (at least one example per chunk); default :data:`MAX_TEMPORARY_BYTES`.
 
     Returns
     -------
     array ``[|Δ|·C_in (+1), C_out]``
-        In the shape of the kernel reshaped to 2-D with the bias row last; peak memory is
-        the patch tensor, :math:`N\,|T|\,|\Delta|\,C_{in}` entries, plus
-        :math:`N (|\Delta| C_{in} + 1) C_{out}` for the per-example gradients.
+        In the shape of the kernel reshaped to 2-D with the bias row last; the squares are
+        summed chunk by chunk (one batched GEMM per chunk, no loop over examples).
 
     Raises
     ------
@@ -445,15 +508,28 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     func = "conv_diagonal_factor"
     xp, geo = _check_conv_pair(func, inputs, outputs_grad, filter_shape, strides, padding,
                                data_format, dilations, has_bias, patch_mask)
-    return _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias, patch_mask=patch_mask)
+    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                    minimum=1)
+    return _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias, patch_mask=patch_mask,
+                                 max_temporary_bytes=max_temporary_bytes)
 
 
 @kernel_of(conv_diagonal_factor)
-def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patch_mask=None):
-    """Unchecked kernel: mean over examples of the squared per-example gradients."""
-    per_example = _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias,
-                                              patch_mask=patch_mask)
-    return xp.sum(per_example * per_example, axis=0) / float(per_example.shape[0])
+def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patch_mask=None,
+                          max_temporary_bytes=MAX_TEMPORARY_BYTES):
+    """Unchecked kernel: mean over examples of the squared per-example gradients, by chunks."""
+    n = inputs.shape[0]
+    d = geo.patch_size + has_bias
+    starts, size = _chunks(xp, n, (geo.num_locations + geo.out_channels) * d,
+                           max_temporary_bytes, inputs.dtype)
+    total = None
+    for start in starts:
+        per_example = _conv_per_example_gradients(
+            xp, _rows(inputs, start, size), _rows(outputs_grad, start, size), geo,
+            has_bias, patch_mask=patch_mask)
+        s = xp.sum(per_example * per_example, axis=0)
+        total = s if total is None else total + s
+    return total / float(n)
 
 
 # --------------------------------------------------------------------------------------
