@@ -78,3 +78,14 @@ def test_embedding_factor_dtype_follows_ids_not_the_default(xp, width):
     dense = factors.DiagonalKroneckerFactor(has_bias=True).update_cov(
         xp.asarray(np.ones((3, 2))), ema_decay=0.5).cov
     assert dense.dtype == xp.dtype
+
+
+def test_embedding_id_range_is_a_value_check(xp):
+    from kfac_ref import value_checks
+
+    ids = xp.asarray(np.array([0, 7]))
+    with pytest.raises(KFACValueError, match="input_ids must lie in"):
+        factors.embedding_input_kronecker_factor(ids, 3)
+    with value_checks(False):  # no host read of the ids; out-of-range ids are not counted
+        got = factors.embedding_input_kronecker_factor(ids, 3)
+    np.testing.assert_allclose(xp.to_numpy(got), [0.5, 0.0, 0.0])

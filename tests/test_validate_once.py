@@ -108,3 +108,24 @@ def test_no_cross_module_private_imports():
         bad += [f"{path.name}: {m}" for m in re.findall(r"\b[a-z_]+\._[a-z]\w*\(", text)
                 if not m.startswith(("self._", "cls._", "xp._", "new._"))]
     assert bad == []
+
+
+def test_conv_factors_run_under_jax_jit():
+    """Static checks only under tracing: no value check reads a traced array."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    r = np.random.default_rng(0)
+    x = jnp.asarray(r.standard_normal((2, 5, 5, 3)), dtype=jnp.float32)
+    g = jnp.asarray(r.standard_normal((2, 5, 5, 4)), dtype=jnp.float32)
+    omega = jax.jit(lambda x: factors.conv_input_kronecker_factor(
+        x, (3, 3, 3, 4), "SAME", has_bias=True))(x)
+    np.testing.assert_allclose(np.asarray(omega), np.asarray(
+        factors.conv_input_kronecker_factor(x, (3, 3, 3, 4), "SAME", has_bias=True)),
+        rtol=1e-5, atol=1e-6)
+    diag = jax.jit(lambda x, g: factors.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME"))
+    np.testing.assert_allclose(np.asarray(diag(x, g)), np.asarray(
+        factors.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME")), rtol=1e-5, atol=1e-6)
+    ids = jnp.asarray(np.array([0, 2, 2]), dtype=jnp.int32)
+    counts = jax.jit(lambda i: factors.embedding_input_kronecker_factor(i, 3))(ids)
+    np.testing.assert_allclose(np.asarray(counts), [1 / 3, 0.0, 2 / 3], rtol=1e-6)

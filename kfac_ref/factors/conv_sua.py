@@ -25,6 +25,7 @@ from .._backend import (
     check_option,
     check_scalar,
     check_symmetric,
+    device_of,
     kernel_of,
     namespace_of,
 )
@@ -125,7 +126,7 @@ def _sua_mean_vector(xp, mu, k, has_bias, order, homog_value=1.0):
 
 
 def _sua_block(xp, block, k, order):
-    eye_k = xp.eye(k, dtype=block.dtype, device=block.device)
+    eye_k = xp.eye(k, dtype=block.dtype, device=device_of(block))
     # channel_fastest: I_K ⊗ B; TF's order: B ⊗ I_K (the one Kronecker product, linalg.kron)
     if order == "channel_fastest":
         return kron.kernel(xp, eye_k, block)
@@ -192,11 +193,11 @@ def _conv_input_sua_factor(xp, sigma, mu, k, has_bias=False, damping=0.0,
                            order="channel_fastest"):
     """Unchecked kernel of :func:`conv_input_sua_factor`."""
     c = sigma.shape[0]
-    block = _sua_block(xp, sigma + damping * xp.eye(c, dtype=sigma.dtype, device=sigma.device),
+    block = _sua_block(xp, sigma + damping * xp.eye(c, dtype=sigma.dtype, device=device_of(sigma)),
                        k, order)
     if has_bias:
-        col = xp.zeros((k * c, 1), dtype=sigma.dtype, device=sigma.device)
-        corner = damping * xp.ones((1, 1), dtype=sigma.dtype, device=sigma.device)
+        col = xp.zeros((k * c, 1), dtype=sigma.dtype, device=device_of(sigma))
+        corner = damping * xp.ones((1, 1), dtype=sigma.dtype, device=device_of(sigma))
         block = xp.concat([xp.concat([block, col], axis=1),
                            xp.concat([col.T, corner], axis=1)], axis=0)
     if mu is None:
@@ -245,9 +246,9 @@ def _sua_inverse_from_parts(xp, sigma_inv, mu, k, has_bias, damping, order):
     c = sigma_inv.shape[0]
     b_inv = _sua_block(xp, sigma_inv, k, order)
     if has_bias:
-        col = xp.zeros((k * c, 1), dtype=sigma_inv.dtype, device=sigma_inv.device)
+        col = xp.zeros((k * c, 1), dtype=sigma_inv.dtype, device=device_of(sigma_inv))
         corner = (1.0 / damping) * xp.ones((1, 1), dtype=sigma_inv.dtype,
-                                           device=sigma_inv.device)
+                                           device=device_of(sigma_inv))
         b_inv = xp.concat([xp.concat([b_inv, col], axis=1),
                            xp.concat([col.T, corner], axis=1)], axis=0)
     if mu is None:
@@ -400,7 +401,7 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         cached = super().get_matpower(exp, damping)
         if not isinstance(cached, tuple):  # registered but never updated: zeros
             dim = self.num_offsets * self.in_channels + self.has_bias
-            return xp.zeros((dim, dim), dtype=self.cov.dtype, device=self.cov.device)
+            return xp.zeros((dim, dim), dtype=self.cov.dtype, device=device_of(self.cov))
         sigma_inv, mu, lam = cached
         if self.has_bias and lam <= 0:
             raise KFACValueError(f"{func}: damping must be positive with a bias; got {lam}.")

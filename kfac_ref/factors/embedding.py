@@ -17,7 +17,9 @@ from .._backend import (
     asarray_like,
     check_array,
     check_int,
+    checks_values,
     describe,
+    device_of,
     kernel_of,
     namespace_of,
 )
@@ -42,7 +44,7 @@ def _float_dtype(func, xp, like, dtype):
     """The explicit ``dtype``, else the float of the ids' width: float64 for 64-bit ids where
     the device has it, float32 otherwise (never the namespace's default dtype, which JAX
     and PyTorch set globally)."""
-    dev = like.device  # the standard's array attribute
+    dev = device_of(like)
     info = xp.__array_namespace_info__()
     available = info.dtypes(device=dev, kind="real floating")
     if dtype is None:
@@ -62,7 +64,7 @@ def _float_dtype(func, xp, like, dtype):
 def _id_counts(xp, flat_ids, vocab_size, dtype):
     """Occurrences of each id in ``flat_ids`` (sort + searchsorted; O(M log M + V log M))."""
     ids_sorted = xp.sort(flat_ids)
-    vocab = xp.arange(vocab_size, dtype=flat_ids.dtype, device=flat_ids.device)
+    vocab = xp.arange(vocab_size, dtype=flat_ids.dtype, device=device_of(flat_ids))
     hi = xp.searchsorted(ids_sorted, vocab, side="right")
     lo = xp.searchsorted(ids_sorted, vocab, side="left")
     return xp.astype(hi - lo, dtype)
@@ -70,7 +72,8 @@ def _id_counts(xp, flat_ids, vocab_size, dtype):
 
 def _check_ids(func, xp, input_ids, vocab_size, ndim):
     check_array(func, "input_ids", input_ids, ndim=ndim, dtype="integral")
-    if math.prod(input_ids.shape):  # (torch's .size is a method)
+    # the id range is a value check: skipped for lazy arrays and under value_checks(False)
+    if math.prod(input_ids.shape) and checks_values(input_ids):
         lo, hi = int(xp.min(input_ids)), int(xp.max(input_ids))
         if lo < 0 or hi >= vocab_size:
             raise KFACValueError(
