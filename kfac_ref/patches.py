@@ -28,6 +28,11 @@ Conventions (the same in every function of this module)
 * **Strides / dilation** as one int, one int per spatial dimension, or TF's full-rank form
   (``[1, s_1, ..., s_r, 1]`` channels-last, ``[1, 1, s_1, ..., s_r]`` channels-first).
 
+Geometry: every function here normalises its arguments once into a frozen
+:class:`ConvGeometry` (:mod:`kfac_ref.conv_geometry`, re-exported here) — padding amounts,
+strides, dilation, layout, output grid and :math:`|T|` — and the unchecked kernels
+(``extract_convolution_patches.kernel(xp, inputs, geometry)``) compute from it.
+
 Implementation: all index arithmetic is done on the host with NumPy (integers only); the
 array work is one zero-padding ``concat`` and one ``take`` per spatial dimension, so no
 Python loop runs over examples or locations.  Peak memory is that of the result,
@@ -40,8 +45,6 @@ from an explicit :class:`numpy.random.Generator` on the host (:func:`subsample_r
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Sequence
 
 import numpy as np  # host-side index arithmetic and random draws only (no array math)
 
@@ -55,12 +58,27 @@ from ._backend import (
     check_scalar,
     describe,
     host_draw,
+    kernel_of,
     namespace_of,
     zeros_like_shape,
+)
+from .conv_geometry import (
+    DATA_FORMATS,
+    PADDING_MODES,
+    ConvGeometry,
+    from_channels_last,
+    is_channels_last,
+    spatial_ints,
+    to_channels_last,
 )
 
 __all__ = [
     "DATA_FORMATS",
+    "PADDING_MODES",
+    "ConvGeometry",
+    "is_channels_last",
+    "to_channels_last",
+    "from_channels_last",
     "conv_output_spatial_shape",
     "conv_padding_amounts",
     "num_conv_locations",
@@ -72,187 +90,24 @@ __all__ = [
     "num_subsampled_patches",
 ]
 
-DATA_FORMATS = ("NWC", "NCW", "NHWC", "NCHW", "NDHWC", "NCDHW")
-"""Accepted ``data_format`` strings (``None`` means channels last, any rank)."""
-
 
 # --------------------------------------------------------------------------------------
-# Host-side geometry (pure Python / NumPy integers)
+# Geometry (host integers; see kfac_ref.conv_geometry)
 # --------------------------------------------------------------------------------------
-def _channels_last(func, data_format, ndim):
-    """Validate ``data_format`` against an input rank; return True for channels-last."""
-    if data_format is None:
-        return True
-    if not isinstance(data_format, str) or data_format not in DATA_FORMATS:
-        raise KFACValueError(
-            f"{func}: data_format must be None or one of "
-            f"{', '.join(repr(d) for d in DATA_FORMATS)}; got {describe(data_format)}."
-        )
-    if ndim is not None and len(data_format) != ndim:
-        raise KFACValueError(
-            f"{func}: data_format {data_format!r} describes {len(data_format)}-D arrays; got a "
-            f"{ndim}-D array."
-        )
-    return data_format.endswith("C")
-
-
-def _is_int(v):
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def _spatial_ints(func, name, value, rank, channels_last, default):
-    """Normalise strides / dilation to a tuple of ``rank`` positive ints."""
-    if value is None:
-        return (default,) * rank
-    if _is_int(value):
-        value = (value,) * rank
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if not isinstance(value, Sequence) or isinstance(value, str) or not all(
-        _is_int(v) for v in value
-    ):
-        raise KFACTypeError(
-            f"{func}: {name} must be an int or a sequence of ints; got {describe(value)}."
-        )
-    value = tuple(int(v) for v in value)
-    if len(value) == rank + 2:  # TF's full-rank form
-        outer = (value[0], value[-1]) if channels_last else (value[0], value[1])
-        if outer != (1, 1):
-            raise KFACValueError(
-                f"{func}: {name} in full-rank form must be 1 on the batch and channel axes; "
-                f"got {value}."
-            )
-        value = value[1:-1] if channels_last else value[2:]
-    if len(value) != rank:
-        raise KFACValueError(
-            f"{func}: {name} must have {rank} (spatial) or {rank + 2} (full-rank) entries; "
-            f"got {value}."
-        )
-    if any(v < 1 for v in value):
-        raise KFACValueError(f"{func}: {name} must be positive integers; got {value}.")
-    return value
-
-
-def _explicit_padding(func, padding, rank, channels_last):
-    pairs = []
-    for p in padding:
-        if isinstance(p, np.ndarray):
-            p = p.tolist()
-        if (not isinstance(p, Sequence) or isinstance(p, str) or len(p) != 2
-                or not all(_is_int(v) for v in p)):
-            raise KFACValueError(
-                f"{func}: padding must be 'SAME', 'VALID' or a sequence of (low, high) int "
-                f"pairs; got {describe(padding)}."
-            )
-        pairs.append((int(p[0]), int(p[1])))
-    if len(pairs) == rank + 2:
-        outer = [pairs[0], pairs[-1]] if channels_last else [pairs[0], pairs[1]]
-        if any(q != (0, 0) for q in outer):
-            raise KFACValueError(
-                f"{func}: explicit padding of the batch and channel axes must be (0, 0); got "
-                f"{pairs}."
-            )
-        pairs = pairs[1:-1] if channels_last else pairs[2:]
-    if len(pairs) != rank:
-        raise KFACValueError(
-            f"{func}: padding must have {rank} (spatial) or {rank + 2} (full-rank) (low, high) "
-            f"pairs; got {len(pairs)}."
-        )
-    if any(v < 0 for q in pairs for v in q):
-        raise KFACValueError(f"{func}: padding amounts must be non-negative; got {pairs}.")
-    return tuple(pairs)
-
-
-def _padding_kind(func, padding):
-    if isinstance(padding, str):
-        kind = padding.upper()
-        if kind not in ("SAME", "VALID"):
-            raise KFACValueError(
-                f"{func}: padding must be 'SAME', 'VALID' or a sequence of (low, high) pairs; "
-                f"got {padding!r}."
-            )
-        return kind
-    if padding is None or not isinstance(padding, (Sequence, np.ndarray)):
-        raise KFACValueError(
-            f"{func}: padding must be 'SAME', 'VALID' or a sequence of (low, high) pairs; got "
-            f"{describe(padding)}."
-        )
-    return "EXPLICIT"
-
-
-def _geometry(func, spatial_in, kernel, strides, dilation, padding, channels_last):
-    """Per spatial dimension: (out, pad_lo, pad_hi).  Host integers only."""
-    rank = len(spatial_in)
-    kind = _padding_kind(func, padding)
-    pairs = (_explicit_padding(func, padding, rank, channels_last)
-             if kind == "EXPLICIT" else None)
-    geo = []
-    for i in range(rank):
-        n, k, s, d = spatial_in[i], kernel[i], strides[i], dilation[i]
-        eff = (k - 1) * d + 1  # extent of the dilated kernel
-        if kind == "SAME":
-            out = -(-n // s)
-            total = max((out - 1) * s + eff - n, 0)
-            lo, hi = total // 2, total - total // 2  # TF: low side gets total // 2
-        elif kind == "VALID":
-            out = -(-(n - eff + 1) // s) if n >= eff else 0
-            lo, hi = 0, 0
-        else:
-            lo, hi = pairs[i]
-            span = n + lo + hi - eff
-            out = span // s + 1 if span >= 0 else 0
-        geo.append((out, lo, hi))
-    return tuple(geo)
-
-
-def _check_filter_shape(func, filter_shape, rank=None):
-    if isinstance(filter_shape, np.ndarray):
-        filter_shape = filter_shape.tolist()
-    if (not isinstance(filter_shape, Sequence) or isinstance(filter_shape, str)
-            or not all(_is_int(v) for v in filter_shape)):
-        raise KFACTypeError(
-            f"{func}: filter_shape must be a sequence of ints [k_1, ..., k_r, C_in, C_out]; got "
-            f"{describe(filter_shape)}."
-        )
-    filter_shape = tuple(int(v) for v in filter_shape)
-    if len(filter_shape) < 3 or (rank is not None and len(filter_shape) != rank + 2):
-        want = f"{rank + 2}" if rank is not None else "at least 3"
-        raise KFACValueError(
-            f"{func}: filter_shape must have {want} entries [k_1, ..., k_r, C_in, C_out]; got "
-            f"{filter_shape}."
-        )
-    if any(v < 1 for v in filter_shape):
-        raise KFACValueError(f"{func}: filter_shape entries must be positive; got "
-                             f"{filter_shape}.")
-    return filter_shape
-
-
-def _shape_tuple(func, name, shape):
-    if isinstance(shape, np.ndarray):
-        shape = shape.tolist()
-    if (not isinstance(shape, Sequence) or isinstance(shape, str)
-            or not all(_is_int(v) for v in shape)):
-        raise KFACTypeError(f"{func}: {name} must be a sequence of ints; got {describe(shape)}.")
-    shape = tuple(int(v) for v in shape)
-    if any(v < 0 for v in shape):
-        raise KFACValueError(f"{func}: {name} entries must be non-negative; got {shape}.")
-    return shape
-
-
 def conv_padding_amounts(input_shape, filter_shape, strides, padding, dilation_rate=None,
                          data_format=None):
     r"""Output size and the (low, high) zero padding of each spatial dimension.
 
     .. math::
 
-        \text{SAME}:\ o = \lceil n / s \rceil,\
-        P = \max\big((o - 1) s + (k - 1) d + 1 - n,\ 0\big),\
-        p_{\text{lo}} = \lfloor P / 2 \rfloor,\ p_{\text{hi}} = P - p_{\text{lo}};
-        \qquad
-        \text{VALID}:\ o = \Big\lceil \frac{n - (k-1)d}{s} \Big\rceil;
-        \qquad
-        \text{explicit}:\ o = \Big\lfloor \frac{n + p_{\text{lo}} + p_{\text{hi}}
-        - (k-1)d - 1}{s} \Big\rfloor + 1 .
+        \begin{aligned}
+        \text{SAME}:\quad & o = \lceil n / s \rceil, \qquad
+            P = \max\big((o - 1) s + (k - 1) d + 1 - n,\ 0\big), \\
+            & p_{\text{lo}} = \lfloor P / 2 \rfloor, \qquad p_{\text{hi}} = P - p_{\text{lo}}; \\
+        \text{VALID}:\quad & o = \Big\lceil \frac{n - (k-1)d}{s} \Big\rceil; \\
+        \text{explicit}:\quad & o = \Big\lfloor \frac{n + p_{\text{lo}} + p_{\text{hi}}
+            - (k-1)d - 1}{s} \Big\rfloor + 1 .
+        \end{aligned}
 
     Parameters
     ----------
@@ -269,6 +124,7 @@ def conv_padding_amounts(input_shape, filter_shape, strides, padding, dilation_r
     Returns
     -------
     tuple of (out, lo, hi) per spatial dimension
+        :attr:`ConvGeometry.output_spatial_shape` and :attr:`ConvGeometry.padding` zipped.
 
     Raises
     ------
@@ -279,19 +135,11 @@ def conv_padding_amounts(input_shape, filter_shape, strides, padding, dilation_r
     ----------
     TensorFlow ``tf.nn.convolution`` padding rules.
     """
-    func = "conv_padding_amounts"
-    input_shape = _shape_tuple(func, "input_shape", input_shape)
-    channels_last = _channels_last(func, data_format, len(input_shape))
-    rank = len(input_shape) - 2
-    if rank < 1:
-        raise KFACValueError(f"{func}: input_shape must have at least 3 entries; got "
-                             f"{input_shape}.")
-    filter_shape = _check_filter_shape(func, filter_shape, rank)
-    spatial = input_shape[1:-1] if channels_last else input_shape[2:]
-    strides = _spatial_ints(func, "strides", strides, rank, channels_last, 1)
-    dilation = _spatial_ints(func, "dilation_rate", dilation_rate, rank, channels_last, 1)
-    return _geometry(func, spatial, filter_shape[:-2], strides, dilation, padding,
-                     channels_last)
+    geo = ConvGeometry.build("conv_padding_amounts", input_shape, filter_shape,
+                             strides=strides, padding=padding, dilation=dilation_rate,
+                             data_format=data_format, check_channels=False)
+    return tuple((o, lo, hi) for o, (lo, hi) in zip(geo.output_spatial_shape, geo.padding,
+                                                    strict=True))
 
 
 def conv_output_spatial_shape(input_shape, filter_shape, strides, padding, dilation_rate=None,
@@ -300,12 +148,16 @@ def conv_output_spatial_shape(input_shape, filter_shape, strides, padding, dilat
 
     .. math::
 
-        (o_1, \dots, o_r), \quad o_i \text{ as in } :func:`conv_padding_amounts`.
+        (o_1, \dots, o_r), \qquad
+        o_i = \Big\lfloor \frac{n_i + p_{\text{lo},i} + p_{\text{hi},i} - (k_i-1)d_i - 1}{s_i}
+        \Big\rfloor + 1 .
 
-    Same arguments as :func:`conv_padding_amounts`.
+    Same arguments as :func:`conv_padding_amounts` (padding amounts from its rules).
     """
-    return tuple(g[0] for g in conv_padding_amounts(input_shape, filter_shape, strides, padding,
-                                                    dilation_rate, data_format))
+    return ConvGeometry.build("conv_output_spatial_shape", input_shape, filter_shape,
+                              strides=strides, padding=padding, dilation=dilation_rate,
+                              data_format=data_format,
+                              check_channels=False).output_spatial_shape
 
 
 def num_conv_locations(input_shape, filter_shape, strides, padding, dilation_rate=None,
@@ -335,26 +187,22 @@ def num_conv_locations(input_shape, filter_shape, strides, padding, dilation_rat
     -------
     int
     """
-    out = conv_output_spatial_shape(input_shape, filter_shape, strides, padding, dilation_rate,
-                                    data_format)
-    return int(math.prod(out))
+    return ConvGeometry.build("num_conv_locations", input_shape, filter_shape,
+                              strides=strides, padding=padding, dilation=dilation_rate,
+                              data_format=data_format, check_channels=False).num_locations
 
 
 # --------------------------------------------------------------------------------------
 # Patch extraction
 # --------------------------------------------------------------------------------------
-def _to_channels_last(xp, x, channels_last):
-    if channels_last:
-        return x
-    return xp.permute_dims(x, (0, *range(2, x.ndim), 1))
-
-
-def _patches_channels_last(xp, x, kernel, strides, dilation, geo):
+def _patches_channels_last(xp, x, geo):
     """``x`` [N, *spatial, C] -> [N, *out, *kernel, C] by zero padding and ``take``."""
+    kernel = geo.kernel_shape
     rank = len(kernel)
     for i in range(rank):
         axis = 1 + 2 * i  # axes already processed were split into (out, k)
-        out, lo, hi = geo[i]
+        out = geo.output_spatial_shape[i]
+        lo, hi = geo.padding[i]
         if lo or hi:
             shp = list(x.shape)
             parts = []
@@ -367,7 +215,8 @@ def _patches_channels_last(xp, x, kernel, strides, dilation, geo):
                 parts.append(zeros_like_shape(x, shp))
             x = xp.concat(parts, axis=axis)
         # Host-side index arithmetic: padded index of (output o, offset k) is o·s + k·d.
-        idx = (np.arange(out)[:, None] * strides[i] + np.arange(kernel[i])[None, :] * dilation[i])
+        idx = (np.arange(out)[:, None] * geo.strides[i]
+               + np.arange(kernel[i])[None, :] * geo.dilation[i])
         idx = asarray_like(idx.reshape(-1), x, dtype=xp.int64)
         x = xp.take(x, idx, axis=axis)
         shp = list(x.shape)
@@ -376,21 +225,6 @@ def _patches_channels_last(xp, x, kernel, strides, dilation, geo):
     perm = (0, *[1 + 2 * i for i in range(rank)], *[2 + 2 * i for i in range(rank)],
             1 + 2 * rank)
     return xp.permute_dims(x, perm)
-
-
-def _validate_conv_inputs(func, inputs, filter_shape, data_format):
-    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
-    channels_last = _channels_last(func, data_format, inputs.ndim)
-    rank = inputs.ndim - 2
-    filter_shape = _check_filter_shape(func, filter_shape, rank)
-    c_in = inputs.shape[-1] if channels_last else inputs.shape[1]
-    if c_in != filter_shape[-2]:
-        raise KFACValueError(
-            f"{func}: inputs and filter_shape must agree on in_channels; inputs have {c_in} "
-            f"channels (data_format {data_format or 'channels last'}) but filter_shape is "
-            f"{filter_shape}."
-        )
-    return channels_last, rank, filter_shape
 
 
 def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dilation_rate=None,
@@ -441,14 +275,27 @@ def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dil
     """
     func = "extract_convolution_patches"
     xp = namespace_of(func, inputs=inputs)
-    channels_last, rank, filter_shape = _validate_conv_inputs(func, inputs, filter_shape,
-                                                              data_format)
-    strides = _spatial_ints(func, "strides", strides, rank, channels_last, 1)
-    dilation = _spatial_ints(func, "dilation_rate", dilation_rate, rank, channels_last, 1)
-    x = _to_channels_last(xp, inputs, channels_last)
-    geo = _geometry(func, tuple(x.shape[1:-1]), filter_shape[:-2], strides, dilation, padding,
-                    channels_last)
-    return _patches_channels_last(xp, x, filter_shape[:-2], strides, dilation, geo)
+    check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
+    geo = ConvGeometry.build(func, tuple(inputs.shape), filter_shape, strides=strides,
+                             padding=padding, dilation=dilation_rate, data_format=data_format)
+    return _extract_convolution_patches(xp, inputs, geo)
+
+
+@kernel_of(extract_convolution_patches)
+def _extract_convolution_patches(xp, inputs, geo):
+    """Unchecked kernel: ``inputs`` in ``geo``'s layout -> ``[N, *out, *kernel, C_in]``
+    (``geo`` a :class:`ConvGeometry`; the batch size is read from ``inputs``)."""
+    return _patches_channels_last(xp, geo.to_channels_last(xp, inputs), geo)
+
+
+def _four(func, name, value):
+    """ksizes / strides / rates of extract_image_patches: None is not a default there."""
+    if value is None:
+        raise KFACTypeError(
+            f"{func}: {name} must be an int, a pair [a, b] or TF's form [1, a, b, 1]; got "
+            f"{describe(value)}."
+        )
+    return value
 
 
 def extract_image_patches(images, ksizes, strides, rates, padding, data_format=None):
@@ -462,10 +309,10 @@ def extract_image_patches(images, ksizes, strides, rates, padding, data_format=N
     Parameters
     ----------
     images : array [N, H, W, C] (or [N, C, H, W] with ``data_format="NCHW"``)
-    ksizes : sequence of int
-        ``[1, k_h, k_w, 1]`` (TF form) or ``[k_h, k_w]``.
-    strides, rates : sequence of int
-        ``[1, s_h, s_w, 1]`` / ``[s_h, s_w]`` and likewise for the dilation rates.
+    ksizes : int or sequence of int
+        ``[1, k_h, k_w, 1]`` (TF form) or ``[k_h, k_w]``; required (TF has no default).
+    strides, rates : int or sequence of int
+        ``[1, s_h, s_w, 1]`` / ``[s_h, s_w]`` and likewise for the dilation rates; required.
     padding : {"SAME", "VALID"} or sequence of (int, int)
     data_format : {"NHWC", "NCHW", None}
 
@@ -476,23 +323,28 @@ def extract_image_patches(images, ksizes, strides, rates, padding, data_format=N
     Raises
     ------
     KFACValueError, KFACTypeError
-        As :func:`extract_convolution_patches`; ``images`` must be 4-D.
+        As :func:`extract_convolution_patches`, naming ``ksizes`` / ``rates``; ``images``
+        must be 4-D; ``ksizes``, ``strides`` and ``rates`` must be given.
 
     References
     ----------
     TensorFlow ``tf.image.extract_patches`` (formerly ``extract_image_patches``).
     """
     func = "extract_image_patches"
-    namespace_of(func, images=images)
-    check_array(func, "images", images, ndim=4, layout="[N, H, W, C]")
-    channels_last = _channels_last(func, data_format, 4)
-    ksizes = _spatial_ints(func, "ksizes", ksizes, 2, channels_last, 1)
-    c = images.shape[-1] if channels_last else images.shape[1]
-    patches = extract_convolution_patches(images, (*ksizes, c, 1), padding, strides, rates,
-                                          data_format)
     xp = namespace_of(func, images=images)
+    check_array(func, "images", images, ndim=4, layout="[N, H, W, C]")
+    channels_last = is_channels_last(func, data_format, 4)
+    ksizes = _four(func, "ksizes", ksizes)
+    strides = _four(func, "strides", strides)
+    rates = _four(func, "rates", rates)
+    c = images.shape[-1] if channels_last else images.shape[1]
+    kernel = spatial_ints(func, "ksizes", ksizes, 2, channels_last)
+    geo = ConvGeometry.build(func, tuple(images.shape), (*kernel, c, 1), strides=strides,
+                             padding=padding, dilation=rates, data_format=data_format,
+                             dilation_name="rates", input_name="images")
+    patches = _extract_convolution_patches(xp, images, geo)
     n, oh, ow = patches.shape[:3]
-    return xp.reshape(patches, (n, oh, ow, ksizes[0] * ksizes[1] * c))
+    return xp.reshape(patches, (n, oh, ow, geo.patch_size))
 
 
 def extract_pointwise_conv2d_patches(inputs, filter_shape, data_format=None):
@@ -523,12 +375,18 @@ def extract_pointwise_conv2d_patches(inputs, filter_shape, data_format=None):
     func = "extract_pointwise_conv2d_patches"
     xp = namespace_of(func, inputs=inputs)
     check_array(func, "inputs", inputs, ndim=4, layout="[N, H, W, C_in]")
-    channels_last, _, filter_shape = _validate_conv_inputs(func, inputs, filter_shape,
-                                                           data_format)
-    if filter_shape[0] != 1 or filter_shape[1] != 1:
+    geo = ConvGeometry.build(func, tuple(inputs.shape), filter_shape, padding="VALID",
+                             data_format=data_format)
+    if geo.kernel_shape != (1, 1):
         raise KFACValueError(f"{func}: filter_shape must be [1, 1, C_in, C_out]; got "
-                             f"{filter_shape}.")
-    x = _to_channels_last(xp, inputs, channels_last)
+                             f"{geo.filter_shape}.")
+    return _extract_pointwise_conv2d_patches(xp, inputs, geo)
+
+
+@kernel_of(extract_pointwise_conv2d_patches)
+def _extract_pointwise_conv2d_patches(xp, inputs, geo):
+    """Unchecked kernel: every pixel of ``inputs`` (``geo``'s layout) as a 1×1 patch."""
+    x = geo.to_channels_last(xp, inputs)
     n, h, w, c = x.shape
     return xp.reshape(x, (n, h, w, 1, 1, c))
 
@@ -536,6 +394,20 @@ def extract_pointwise_conv2d_patches(inputs, filter_shape, data_format=None):
 # --------------------------------------------------------------------------------------
 # Subsampling (TF's _SUB_SAMPLE_INPUTS / _SUB_SAMPLE_PATCHES)
 # --------------------------------------------------------------------------------------
+def check_subsample_factor(func, name, factor):
+    r"""Validate the fraction of examples kept by input subsampling, :math:`f \in (0, 1]`.
+
+    .. math:: 0 < f \le 1
+
+    Part of kfac_ref's internal API: :func:`num_subsampled_inputs` and
+    :func:`kfac_ref.factors.conv_input_kronecker_factor` check their own argument with it.
+    """
+    factor = check_scalar(func, name, factor, positive=True)
+    if not float(factor) <= 1.0:
+        raise KFACValueError(f"{func}: {name} must be in (0, 1]; got {describe(factor)}.")
+    return float(factor)
+
+
 def num_subsampled_inputs(batch_size, factor=0.2):
     r"""Number of examples kept when inputs are subsampled before patch extraction.
 
@@ -544,13 +416,18 @@ def num_subsampled_inputs(batch_size, factor=0.2):
         N' = \lceil N \cdot f \rceil, \qquad f = \texttt{factor}
         \ (\text{TF's } \_INPUTS\_TO\_EXTRACT\_PATCHES\_FACTOR = 0.2).
 
-    This is TF K-FAC master's rule.  The contrib-era seed used ``int(N * 0.5)`` (floor,
-    factor 0.5); pass ``factor=0.5`` to get its value whenever :math:`N/2` is an integer.
+    This is TF K-FAC master's rule.  TF K-FAC's older ``tf.contrib.kfac`` used
+    ``int(N * 0.5)`` (floor, factor 0.5); pass ``factor=0.5`` to get its value whenever
+    :math:`N/2` is an integer.
     """
     func = "num_subsampled_inputs"
     batch_size = check_int(func, "batch_size", batch_size, minimum=0)
-    if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not 0 < factor <= 1:
-        raise KFACValueError(f"{func}: factor must be in (0, 1]; got {describe(factor)}.")
+    factor = check_subsample_factor(func, "factor", factor)
+    return _num_subsampled_inputs(batch_size, factor)
+
+
+@kernel_of(num_subsampled_inputs)
+def _num_subsampled_inputs(batch_size, factor):
     return int(math.ceil(batch_size * factor))
 
 
@@ -565,16 +442,23 @@ def num_subsampled_patches(total_patches, dimension, max_num_patches=10_000_000,
 
     with :math:`D` the patch dimension, :math:`M_{\max}` = ``max_num_patches`` (TF 1e7) and
     :math:`\rho` = ``max_num_patches_per_dimension`` (TF 3.0).  This is TF K-FAC master's
-    ``_subsample_patches``; the contrib-era seed's ``_subsample_for_cov_computation`` keeps
-    ``int(1 * D)`` rows (``_MAX_NUM_OUTER_PRODUCTS_PER_COV_ROW = 1``, no absolute cap), i.e.
-    ``max_num_patches_per_dimension=1.0`` with a large ``max_num_patches``.
+    ``_subsample_patches``; the older ``tf.contrib.kfac`` ``_subsample_for_cov_computation``
+    keeps ``int(1 * D)`` rows (``_MAX_NUM_OUTER_PRODUCTS_PER_COV_ROW = 1``, no absolute cap),
+    i.e. ``max_num_patches_per_dimension=1.0`` with a large ``max_num_patches``.
     """
     func = "num_subsampled_patches"
     total_patches = check_int(func, "total_patches", total_patches, minimum=0)
     dimension = check_int(func, "dimension", dimension, minimum=1)
     max_num_patches = check_int(func, "max_num_patches", max_num_patches, minimum=1)
-    max_num_patches_per_dimension = check_scalar(
-        func, "max_num_patches_per_dimension", max_num_patches_per_dimension, positive=True)
+    max_num_patches_per_dimension = float(check_scalar(
+        func, "max_num_patches_per_dimension", max_num_patches_per_dimension, positive=True))
+    return _num_subsampled_patches(total_patches, dimension, max_num_patches,
+                                   max_num_patches_per_dimension)
+
+
+@kernel_of(num_subsampled_patches)
+def _num_subsampled_patches(total_patches, dimension, max_num_patches,
+                            max_num_patches_per_dimension):
     m = min(max_num_patches, int(math.ceil(max_num_patches_per_dimension * dimension)))
     return min(m, total_patches)
 
@@ -606,6 +490,11 @@ def subsample_rows(array, num_rows, rng):
     check_array(func, "array", array, min_ndim=1, dtype=None, finite=False)
     num_rows = check_int(func, "num_rows", num_rows, minimum=0)
     check_rng(func, "rng", rng)
+    return _subsample_rows(xp, array, num_rows, rng)
+
+
+@kernel_of(subsample_rows)
+def _subsample_rows(xp, array, num_rows, rng):
     n = array.shape[0]
     idx = host_draw(rng, array, lambda r: r.permutation(n)[: min(num_rows, n)],
                     dtype=xp.int64)

@@ -141,7 +141,7 @@ def test_eigendecomposition_threshold_rule(xp, rng):
     assert f.register_inverse(0.4).uses_eigendecomposition
     assert f.register_matpower(-0.5, 0.1).uses_eigendecomposition  # any other power
     assert not f.register_matpower(1, 0.1).uses_eigendecomposition  # power 1 is not cached
-    g, _ = make_factor(xp, rng, eigenvalue_decomposition_threshold=2)  # the contrib seed's
+    g, _ = make_factor(xp, rng, eigenvalue_decomposition_threshold=2)  # tf.contrib.kfac's
     assert g.register_inverse(0.1).register_inverse(0.2).uses_eigendecomposition
 
 

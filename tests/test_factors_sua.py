@@ -127,7 +127,7 @@ def test_sua_class_stale_inverse_and_zero_mean(xp, rng):
 def test_sua_channel_fastest_order_matches_kfc_for_uncorrelated_locations():
     """Pixels iid across locations (SUA holds in the population), channels correlated: the
     channel-fastest SUA factor estimates the exact KFC Ω; TF's channel-slow layout does not
-    (FORMULAS pitfall P14).  Monte-Carlo: 400 images × 25 VALID locations; the sampling
+    (Grosse & Martens 2016, §4.2).  Monte-Carlo: 400 images × 25 VALID locations; the sampling
     error of these second moments is ~sqrt(2/M) ≈ 1.4% for M = 10⁴ (less with overlapping
     patches), so 5% is a 3.5σ bound, while the layout error is O(1)."""
     rng = np.random.default_rng(0)

@@ -13,7 +13,8 @@ object.
     \Gamma = \frac{1}{N|T|} DS^\top DS .
 
 Modules: :mod:`~kfac_ref.factors.base` (state machinery), :mod:`~kfac_ref.factors.dense`,
-:mod:`~kfac_ref.factors.conv`, :mod:`~kfac_ref.factors.diagonal`,
+:mod:`~kfac_ref.factors.conv` (re-exporting :mod:`~kfac_ref.factors.conv_kfc` and
+:mod:`~kfac_ref.factors.conv_sua`), :mod:`~kfac_ref.factors.diagonal`,
 :mod:`~kfac_ref.factors.embedding`, :mod:`~kfac_ref.factors.series`,
 :mod:`~kfac_ref.factors.scale_shift`.
 """
@@ -28,6 +29,7 @@ from .base import (
 )
 from .conv import (
     EXTRACT_PATCHES_FNS,
+    MAX_TEMPORARY_BYTES,
     SUA_ORDERS,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
@@ -83,6 +85,7 @@ __all__ = [
     "EIGENVALUE_CLIPPING_THRESHOLD",
     "EIGENVALUE_DECOMPOSITION_THRESHOLD",
     "EXTRACT_PATCHES_FNS",
+    "MAX_TEMPORARY_BYTES",
     "OPTION1_EIG_METHODS",
     "FisherFactor",
     "DenseSquareMatrixFactor",

@@ -7,10 +7,12 @@ immutable objects: every "update" returns a new factor and leaves the old one un
 
 .. math::
 
-    \text{new\_cov} = \frac{1}{n_{\text{towers}}}
-        \sum_{\text{sources } s} \sum_{\text{towers } t} C(s, t), \qquad
-    S \leftarrow \delta S + w\,\text{new\_cov},\ W \leftarrow \delta W + w,\
-    \text{cov} = S / W \ (\text{zero-debiased}).
+    \begin{aligned}
+    \text{new\_cov} &= \frac{1}{n_{\text{towers}}}
+        \sum_{\text{sources } s} \sum_{\text{towers } t} C(s, t), \\
+    S &\leftarrow \delta S + w\,\text{new\_cov}, \qquad W \leftarrow \delta W + w, \\
+    \text{cov} &= S / W \quad (\text{zero-debiased}).
+    \end{aligned}
 
 Life cycle (TF name → kfac_ref method)
 
@@ -70,7 +72,8 @@ __all__ = [
 
 EIGENVALUE_DECOMPOSITION_THRESHOLD = 4
 """TF K-FAC master's threshold: with at least this many registered inverses (or any other
-registered power) the inverses come from one eigendecomposition (the contrib-era seed used 2)."""
+registered power) the inverses come from one eigendecomposition (TF K-FAC's older
+``tf.contrib.kfac`` used 2)."""
 
 EIGENVALUE_CLIPPING_THRESHOLD = 0.0
 """Eigenvalues below this are raised to it before powers are taken (TF K-FAC's value)."""
@@ -137,23 +140,27 @@ def check_equal_batches(func, name, arrays, axis=0):
 
 
 # --------------------------------------------------------------------------------------
-# Damping registrations
+# Damping registrations (internal API of the factor modules)
 # --------------------------------------------------------------------------------------
-def _damping_key(func, damping):
+def damping_key(func, damping):
+    """Registration key of a damping: ``("value", λ)`` for a checked non-negative number,
+    ``("func", f)`` for a zero-argument callable (keyed by identity)."""
     if callable(damping):
         return ("func", damping)
     v = check_scalar(func, "damping", damping, nonnegative=True)
     return ("value", v)
 
 
-def _damping_value(func, key):
+def damping_value(func, key):
+    """The damping of a registration key (a callable is evaluated and checked now)."""
     kind, d = key
     if kind == "func":
         return check_scalar(func, "damping_func()", d(), nonnegative=True)
     return d
 
 
-def _exp_value(func, exp):
+def exp_value(func, exp):
+    """A checked real exponent."""
     return check_scalar(func, "exp", exp)
 
 
@@ -165,9 +172,11 @@ class FisherFactor:
 
     .. math::
 
-        \text{new\_cov} = \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t} C(s, t),
-        \qquad \text{cov} = \frac{\sum_k \delta^{K-k} w_k\, \text{new\_cov}_k}
-                                 {\sum_k \delta^{K-k} w_k}\ (\text{zero\_debias}),
+        \begin{aligned}
+        \text{new\_cov} &= \frac{1}{n_{\text{towers}}} \sum_{s} \sum_{t} C(s, t), \\
+        \text{cov} &= \frac{\sum_k \delta^{K-k} w_k\, \text{new\_cov}_k}
+                           {\sum_k \delta^{K-k} w_k} \quad (\text{zero\_debias}),
+        \end{aligned}
 
     i.e. statistics of different *sources* (e.g. several sampled targets) are summed and
     those of different *towers* (data shards) are averaged, then fed to
@@ -262,7 +271,7 @@ class FisherFactor:
         ema_decay : float
             :math:`\delta \ge 0`.
         ema_weight : float
-            :math:`w \ge 0`; TF K-FAC's estimator passes 1 (the contrib-era factor used
+            :math:`w \ge 0`; TF K-FAC's estimator passes 1 (``tf.contrib.kfac``'s factor used
             :math:`1 - \delta`; with zero-debiasing both give the same value).
         """
         new_cov = self.compute_new_cov(*data, **kwargs)
@@ -305,15 +314,17 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     .. math::
 
-        (C + \lambda I)^{p} = V\,\mathrm{diag}\big((\max(e, c) + \lambda)^{p}\big)\,V^\top
-        \ \text{(eigen path)}, \qquad
-        (C + \lambda I)^{-1} = L^{-\top} L^{-1} \ \text{(Cholesky path)},
+        \begin{aligned}
+        (C + \lambda I)^{p} &= V\,\mathrm{diag}\big((\max(e, c) + \lambda)^{p}\big)\,V^\top
+            && \text{(eigen path)}, \\
+        (C + \lambda I)^{-1} &= L^{-\top} L^{-1} && \text{(Cholesky path)},
+        \end{aligned}
 
     with :math:`C = V \mathrm{diag}(e) V^\top` and clipping threshold :math:`c`.
 
     **Eigendecomposition rule** (TF K-FAC): the eigen path is used when any power other
     than :math:`-1` is registered, or when at least ``eigenvalue_decomposition_threshold``
-    inverses are registered (4 in TF master, 2 in the contrib-era seed), or when a subclass
+    inverses are registered (4 in TF master, 2 in ``tf.contrib.kfac``), or when a subclass
     needs the eigendecomposition anyway (the series quantities of
     :class:`~kfac_ref.factors.FullyConnectedMultiKF`); otherwise each inverse is a Cholesky
     solve.  Cholesky factors and their inverses are always computed by Cholesky.
@@ -361,10 +372,10 @@ class DenseSquareMatrixFactor(FisherFactor):
         ``exp == 1`` is not cached (it is served fresh), as in TF.
         """
         func = f"{self.name}.register_matpower"
-        exp = _exp_value(func, exp)
+        exp = exp_value(func, exp)
         if exp == 1.0:
             return self
-        key = (exp, _damping_key(func, damping))
+        key = (exp, damping_key(func, damping))
         if key in self._matpower_regs:
             return self
         return self._evolve(_matpower_regs=(*self._matpower_regs, key))
@@ -375,14 +386,14 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     def register_cholesky(self, damping):
         r"""Return a factor that also maintains :math:`L`, :math:`L L^\top = C + \lambda I`."""
-        key = _damping_key(f"{self.name}.register_cholesky", damping)
+        key = damping_key(f"{self.name}.register_cholesky", damping)
         if key in self._cholesky_regs:
             return self
         return self._evolve(_cholesky_regs=(*self._cholesky_regs, key))
 
     def register_cholesky_inverse(self, damping):
         r"""Return a factor that also maintains :math:`L^{-1}`."""
-        key = _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        key = damping_key(f"{self.name}.register_cholesky_inverse", damping)
         if key in self._cholesky_inverse_regs:
             return self
         return self._evolve(_cholesky_inverse_regs=(*self._cholesky_inverse_regs, key))
@@ -402,20 +413,24 @@ class DenseSquareMatrixFactor(FisherFactor):
 
     def _inverse_cache(self):
         func = f"{self.name}.update_inverses"
-        cov = self.cov
+        cov = self.cov  # the factor's own statistic: already checked, kernels only
+        xp = namespace_of(func, cov=cov)
         cache = {}
         if self.uses_eigendecomposition:
             for exp, key in self._matpower_regs:
-                cache[("matpower", exp, key)] = damped_matpower(
-                    cov, exp, _damping_value(func, key), self.eigenvalue_clipping_threshold)
+                cache[("matpower", exp, key)] = damped_matpower.kernel(
+                    xp, cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold,
+                    func=func)
         else:
             for exp, key in self._matpower_regs:
-                cache[("matpower", exp, key)] = damped_inverse(cov, _damping_value(func, key))
+                cache[("matpower", exp, key)] = damped_inverse.kernel(
+                    xp, cov, damping_value(func, key), func=func)
         for key in self._cholesky_regs:
-            cache[("cholesky", None, key)] = damped_cholesky(cov, _damping_value(func, key))
+            cache[("cholesky", None, key)] = damped_cholesky.kernel(
+                xp, cov, damping_value(func, key), func=func)
         for key in self._cholesky_inverse_regs:
-            cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse(
-                cov, _damping_value(func, key))
+            cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse.kernel(
+                xp, cov, damping_value(func, key), func=func)
         return cache
 
     def update_inverses(self):
@@ -449,11 +464,11 @@ class DenseSquareMatrixFactor(FisherFactor):
         r""":math:`(C + \lambda I)^{p}`: fresh for :math:`p = 1`, else the cached (possibly
         stale) value of the last :meth:`update_inverses`."""
         func = f"{self.name}.get_matpower"
-        exp = _exp_value(func, exp)
-        key = _damping_key(func, damping)
+        exp = exp_value(func, exp)
+        key = damping_key(func, damping)
         if exp == 1.0:
             cov = self.cov
-            return cov + _damping_value(func, key) * eye_like(cov, cov.shape[0])
+            return cov + damping_value(func, key) * eye_like(cov, cov.shape[0])
         return self._cached(func, "matpower", exp, key, self._matpower_regs, (exp, key))
 
     def get_inverse(self, damping):
@@ -463,20 +478,22 @@ class DenseSquareMatrixFactor(FisherFactor):
     def get_cholesky(self, damping):
         r"""The cached lower Cholesky factor of :math:`C + \lambda I`."""
         func = f"{self.name}.get_cholesky"
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         return self._cached(func, "cholesky", None, key, self._cholesky_regs, key)
 
     def get_cholesky_inverse(self, damping):
         r"""The cached inverse of the lower Cholesky factor of :math:`C + \lambda I`."""
         func = f"{self.name}.get_cholesky_inverse"
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         return self._cached(func, "cholesky_inverse", None, key, self._cholesky_inverse_regs,
                             key)
 
     def get_eigendecomp(self):
         r"""Fresh clipped eigendecomposition :math:`(\max(e, c), V)` of the current
         :attr:`cov` (TF computes it from the current covariance, never cached)."""
-        return clipped_eigh(self.cov, self.eigenvalue_clipping_threshold)
+        cov = self.cov
+        return clipped_eigh.kernel(namespace_of(f"{self.name}.get_eigendecomp", cov=cov), cov,
+                                   self.eigenvalue_clipping_threshold)
 
 
 class DiagonalFactor(FisherFactor):
@@ -484,8 +501,10 @@ class DiagonalFactor(FisherFactor):
 
     .. math::
 
-        (D + \lambda I)^{p} = \mathrm{diag}\big((d + \lambda)^{p}\big), \qquad
-        \text{Cholesky} = p = \tfrac12, \quad \text{Cholesky inverse} = p = -\tfrac12 .
+        \begin{aligned}
+        (D + \lambda I)^{p} &= \mathrm{diag}\big((d + \lambda)^{p}\big), \\
+        \text{Cholesky} &: p = \tfrac12, \qquad \text{Cholesky inverse}: p = -\tfrac12 .
+        \end{aligned}
 
     Nothing is cached: every power is computed from the current diagonal (TF's
     ``DiagonalFactor``), so the ``register_*`` methods and :meth:`update_inverses` return the
@@ -506,8 +525,8 @@ class DiagonalFactor(FisherFactor):
 
     def register_matpower(self, exp, damping):
         """No-op (diagonal powers are served fresh)."""
-        _exp_value(f"{self.name}.register_matpower", exp)
-        _damping_key(f"{self.name}.register_matpower", damping)
+        exp_value(f"{self.name}.register_matpower", exp)
+        damping_key(f"{self.name}.register_matpower", damping)
         return self
 
     def register_inverse(self, damping):
@@ -516,12 +535,12 @@ class DiagonalFactor(FisherFactor):
 
     def register_cholesky(self, damping):
         """No-op."""
-        _damping_key(f"{self.name}.register_cholesky", damping)
+        damping_key(f"{self.name}.register_cholesky", damping)
         return self
 
     def register_cholesky_inverse(self, damping):
         """No-op."""
-        _damping_key(f"{self.name}.register_cholesky_inverse", damping)
+        damping_key(f"{self.name}.register_cholesky_inverse", damping)
         return self
 
     def update_inverses(self):
@@ -533,8 +552,8 @@ class DiagonalFactor(FisherFactor):
     def get_matpower(self, exp, damping):
         r""":math:`(d + \lambda)^{p}` elementwise, from the current diagonal."""
         func = f"{self.name}.get_matpower"
-        exp = _exp_value(func, exp)
-        lam = _damping_value(func, _damping_key(func, damping))
+        exp = exp_value(func, exp)
+        lam = damping_value(func, damping_key(func, damping))
         cov = self.cov
         xp = namespace_of(func, cov=cov)
         damped = cov + lam

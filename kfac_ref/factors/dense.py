@@ -7,14 +7,13 @@ homogeneous coordinate appended LAST to :math:`a`, statistics are averaged over 
 
 from __future__ import annotations
 
-from .._backend import KFACValueError, check_array, namespace_of
+from .._backend import KFACValueError, check_array, check_bool, kernel_of, namespace_of
 from ..linalg import append_homog, compute_cov
 from .base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
     as_towers,
-    check_bool,
     check_equal_batches,
 )
 
@@ -26,7 +25,7 @@ __all__ = [
 ]
 
 
-def _fold_uses(xp, tensor):
+def fold_uses(xp, tensor):
     """[T, N, d] -> [T·N, d] (time-major rows t·N + n); [N, d] unchanged."""
     if tensor.ndim == 3:
         return xp.reshape(tensor, (tensor.shape[0] * tensor.shape[1], tensor.shape[2]))
@@ -70,15 +69,25 @@ def fully_connected_kronecker_factor(tensor, has_bias=False):
     """
     func = "fully_connected_kronecker_factor"
     xp = namespace_of(func, tensor=tensor)
-    check_array(func, "tensor", tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    _check_tensor(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
-    x = _fold_uses(xp, tensor)
-    if x.shape[0] == 0:
-        raise KFACValueError(f"{func}: tensor must have at least one row; got shape "
+    return _fully_connected_kronecker_factor(xp, tensor, has_bias)
+
+
+def _check_tensor(func, name, tensor):
+    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    if tensor.shape[0] == 0 or (tensor.ndim == 3 and tensor.shape[1] == 0):
+        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
                              f"{tuple(tensor.shape)}.")
+
+
+@kernel_of(fully_connected_kronecker_factor)
+def _fully_connected_kronecker_factor(xp, tensor, has_bias=False):
+    """Unchecked kernel: second moment of the (folded, homogeneous) rows."""
+    x = fold_uses(xp, tensor)
     if has_bias:
-        x = append_homog(x)
-    return compute_cov(x)
+        x = append_homog.kernel(xp, x)
+    return compute_cov.kernel(xp, x)
 
 
 def fully_connected_diagonal_factor(inputs, outputs_grad, has_bias=False):
@@ -117,18 +126,29 @@ def fully_connected_diagonal_factor(inputs, outputs_grad, has_bias=False):
     func = "fully_connected_diagonal_factor"
     xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad)
     check_array(func, "inputs", inputs, ndim=2, layout="[N, d_in]")
-    check_array(func, "outputs_grad", outputs_grad, ndim=2, layout="[N, d_out]")
+    _check_pair(func, inputs, outputs_grad)
     check_bool(func, "has_bias", has_bias)
+    return _fully_connected_diagonal_factor(xp, inputs, outputs_grad, has_bias)
+
+
+def _check_pair(func, inputs, outputs_grad, name="outputs_grad"):
+    """``outputs_grad`` against already-checked ``inputs`` (batch sizes, no empty batch)."""
+    check_array(func, name, outputs_grad, ndim=2, layout="[N, d_out]")
     if inputs.shape[0] != outputs_grad.shape[0]:
         raise KFACValueError(
-            f"{func}: inputs and outputs_grad must have the same batch size; got "
+            f"{func}: inputs and {name} must have the same batch size; got "
             f"{inputs.shape[0]} and {outputs_grad.shape[0]}."
         )
-    n = inputs.shape[0]
-    if n == 0:
+    if inputs.shape[0] == 0:
         raise KFACValueError(f"{func}: inputs must have at least one row; got shape "
                              f"{tuple(inputs.shape)}.")
-    a = append_homog(inputs) if has_bias else inputs
+
+
+@kernel_of(fully_connected_diagonal_factor)
+def _fully_connected_diagonal_factor(xp, inputs, outputs_grad, has_bias=False):
+    """Unchecked kernel: ``(ā ⊙ ā)ᵀ (g ⊙ g) / N``."""
+    a = append_homog.kernel(xp, inputs) if has_bias else inputs
+    n = inputs.shape[0]
     return xp.matrix_transpose(a * a) @ (outputs_grad * outputs_grad) / float(n)
 
 
@@ -165,8 +185,15 @@ class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
         st = as_sources_towers(func, "tensors", tensors)
         for src in st:
             check_equal_batches(func, "tensors", src, axis=src[0].ndim - 2)
-        return tuple(tuple(fully_connected_kronecker_factor(t, self.has_bias) for t in src)
-                     for src in st)
+        out = []
+        for src in st:
+            covs = []
+            for t in src:
+                xp = namespace_of(func, tensors=t)
+                _check_tensor(func, "tensors", t)
+                covs.append(_fully_connected_kronecker_factor(xp, t, self.has_bias))
+            out.append(tuple(covs))
+        return tuple(out)
 
 
 class FullyConnectedDiagonalFactor(DiagonalFactor):
@@ -201,8 +228,14 @@ class FullyConnectedDiagonalFactor(DiagonalFactor):
                 f"got {len(st[0])}."
             )
         check_equal_batches(func, "inputs", towers)
-        return tuple(
-            tuple(fully_connected_diagonal_factor(a, g, self.has_bias)
-                  for a, g in zip(towers, src, strict=True))
-            for src in st
-        )
+        for a in towers:  # each input tower checked once, whatever the number of sources
+            check_array(func, "inputs", a, ndim=2, layout="[N, d_in]")
+        out = []
+        for src in st:
+            diags = []
+            for a, g in zip(towers, src, strict=True):
+                xp = namespace_of(func, inputs=a, outputs_grads=g)
+                _check_pair(func, a, g, name="outputs_grads")
+                diags.append(_fully_connected_diagonal_factor(xp, a, g, self.has_bias))
+            out.append(tuple(diags))
+        return tuple(out)

@@ -5,7 +5,8 @@ These take the gradient of the *summed* (sampled) loss with respect to the param
 :math:`\hat g \hat g^\top / N`.  For targets sampled from the model the per-example
 gradients have zero mean and are independent, so the estimator is unbiased; its variance
 does not shrink with :math:`N`.  With data targets (empirical Fisher) it is biased by
-:math:`(N-1)\,\bar g \bar g^\top` (FORMULAS §4).  kfac-jax's ``NaiveDiagonal``/``NaiveFull``
+:math:`(N-1)\,\bar g \bar g^\top` (see the theory page *Diagonal, naive and embedding
+estimators*).  kfac-jax's ``NaiveDiagonal``/``NaiveFull``
 use the same batch-summed gradient.
 """
 
@@ -17,6 +18,7 @@ from .._backend import (
     check_array,
     check_scalar,
     describe,
+    kernel_of,
     namespace_of,
 )
 from .base import (
@@ -97,8 +99,9 @@ def naive_diagonal_factor(params_grads, batch_size):
     Returns
     -------
     array [Σ sizes]
-        The diagonal, flattened as :func:`params_grads_to_vector` (TF's seed returns it as a
-        column ``[size, 1]``; TF master keeps the parameter's shape for a single parameter).
+        The diagonal, flattened as :func:`params_grads_to_vector` (``tf.contrib.kfac``
+        returns it as a column ``[size, 1]``; TF master keeps the parameter's shape for a
+        single parameter).
 
     Raises
     ------
@@ -112,7 +115,13 @@ def naive_diagonal_factor(params_grads, batch_size):
     func = "naive_diagonal_factor"
     v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
-    return v * v / n
+    return _naive_diagonal_factor(namespace_of(func, params_grads=v), v, n)
+
+
+@kernel_of(naive_diagonal_factor)
+def _naive_diagonal_factor(xp, vector, batch_size):
+    """Unchecked kernel on the flat gradient vector."""
+    return vector * vector / batch_size
 
 
 def full_factor(params_grads, batch_size):
@@ -144,7 +153,13 @@ def full_factor(params_grads, batch_size):
     func = "full_factor"
     v = _to_vector(func, params_grads)
     n = _batch_size(func, batch_size)
-    return v[:, None] * v[None, :] / n
+    return _full_factor(namespace_of(func, params_grads=v), v, n)
+
+
+@kernel_of(full_factor)
+def _full_factor(xp, vector, batch_size):
+    """Unchecked kernel on the flat gradient vector."""
+    return vector[:, None] * vector[None, :] / batch_size
 
 
 def _sources(func, params_grads):
@@ -184,8 +199,11 @@ class NaiveDiagonalFactor(DiagonalFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        srcs = _sources(f"{self.name}.update_cov", params_grads)
-        return tuple((naive_diagonal_factor(src, self.batch_size),) for src in srcs)
+        func = f"{self.name}.update_cov"
+        srcs = _sources(func, params_grads)
+        vecs = [_to_vector(func, src) for src in srcs]
+        return tuple((_naive_diagonal_factor(namespace_of(func, params_grads=v), v,
+                                             self.batch_size),) for v in vecs)
 
 
 class FullFactor(DenseSquareMatrixFactor):
@@ -204,8 +222,11 @@ class FullFactor(DenseSquareMatrixFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        srcs = _sources(f"{self.name}.update_cov", params_grads)
-        return tuple((full_factor(src, self.batch_size),) for src in srcs)
+        func = f"{self.name}.update_cov"
+        srcs = _sources(func, params_grads)
+        vecs = [_to_vector(func, src) for src in srcs]
+        return tuple((_full_factor(namespace_of(func, params_grads=v), v, self.batch_size),)
+                     for v in vecs)
 
 
 NaiveFullFactor = FullFactor

@@ -17,7 +17,10 @@ from .._backend import (
     asarray_like,
     check_array,
     check_int,
+    checks_values,
     describe,
+    device_of,
+    kernel_of,
     namespace_of,
 )
 from .base import (
@@ -38,13 +41,15 @@ __all__ = [
 
 
 def _float_dtype(func, xp, like, dtype):
-    """float64 where the device has it (the contract's default), else its default float."""
-    dev = like.device  # the standard's array attribute
+    """The explicit ``dtype``, else the float of the ids' width: float64 for 64-bit ids where
+    the device has it, float32 otherwise (never the namespace's default dtype, which JAX
+    and PyTorch set globally)."""
+    dev = device_of(like)
     info = xp.__array_namespace_info__()
     available = info.dtypes(device=dev, kind="real floating")
     if dtype is None:
-        return (xp.float64 if xp.float64 in available.values()
-                else info.default_dtypes(device=dev)["real floating"])
+        wide = xp.iinfo(like.dtype).bits >= 64 and "float64" in available
+        return xp.float64 if wide else xp.float32
     if isinstance(dtype, str):
         if dtype not in available:
             raise KFACTypeError(f"{func}: dtype must be a real floating dtype available on the "
@@ -59,7 +64,7 @@ def _float_dtype(func, xp, like, dtype):
 def _id_counts(xp, flat_ids, vocab_size, dtype):
     """Occurrences of each id in ``flat_ids`` (sort + searchsorted; O(M log M + V log M))."""
     ids_sorted = xp.sort(flat_ids)
-    vocab = xp.arange(vocab_size, dtype=flat_ids.dtype, device=flat_ids.device)
+    vocab = xp.arange(vocab_size, dtype=flat_ids.dtype, device=device_of(flat_ids))
     hi = xp.searchsorted(ids_sorted, vocab, side="right")
     lo = xp.searchsorted(ids_sorted, vocab, side="left")
     return xp.astype(hi - lo, dtype)
@@ -67,7 +72,8 @@ def _id_counts(xp, flat_ids, vocab_size, dtype):
 
 def _check_ids(func, xp, input_ids, vocab_size, ndim):
     check_array(func, "input_ids", input_ids, ndim=ndim, dtype="integral")
-    if math.prod(input_ids.shape):  # (torch's .size is a method)
+    # the id range is a value check: skipped for lazy arrays and under value_checks(False)
+    if math.prod(input_ids.shape) and checks_values(input_ids):
         lo, hi = int(xp.min(input_ids)), int(xp.max(input_ids))
         if lo < 0 or hi >= vocab_size:
             raise KFACValueError(
@@ -94,8 +100,9 @@ def embedding_input_kronecker_factor(input_ids, vocab_size, dtype=None):
     vocab_size : int
         :math:`V \ge 1`.
     dtype : dtype or str, optional
-        Floating dtype of the result; default float64 where the device has it (else the
-        device's default floating dtype).
+        Floating dtype of the result.  Default: the float of the ids' width — float64 for
+        64-bit ids where the device has it, float32 for narrower ids (or without float64) —
+        never the namespace's global default dtype.
 
     Returns
     -------
@@ -112,19 +119,24 @@ def embedding_input_kronecker_factor(input_ids, vocab_size, dtype=None):
     References
     ----------
     TF K-FAC ``EmbeddingInputKroneckerFactor`` (seed) / ``DiagonalKroneckerFactor`` with
-    sparse inputs (master); FORMULAS §4.
+    sparse inputs (master); the docs page *Conventions* (embedding layers).
     """
     func = "embedding_input_kronecker_factor"
     xp = namespace_of(func, input_ids=input_ids)
     vocab_size = check_int(func, "vocab_size", vocab_size, minimum=1)
     _check_ids(func, xp, input_ids, vocab_size, (1, 2))
     out_dtype = _float_dtype(func, xp, input_ids, dtype)
-    n = input_ids.shape[0]
-    if n == 0:
+    if input_ids.shape[0] == 0:
         raise KFACValueError(f"{func}: input_ids must have at least one row; got shape "
                              f"{tuple(input_ids.shape)}.")
-    counts = _id_counts(xp, xp.reshape(input_ids, (-1,)), vocab_size, out_dtype)
-    return counts / float(n)
+    return _embedding_input_kronecker_factor(xp, input_ids, vocab_size, out_dtype)
+
+
+@kernel_of(embedding_input_kronecker_factor)
+def _embedding_input_kronecker_factor(xp, input_ids, vocab_size, dtype):
+    """Unchecked kernel: id counts over the rows, in the (resolved) float ``dtype``."""
+    counts = _id_counts(xp, xp.reshape(input_ids, (-1,)), vocab_size, dtype)
+    return counts / float(input_ids.shape[0])
 
 
 def diagonal_kronecker_factor(tensor, has_bias=False):
@@ -159,12 +171,22 @@ def diagonal_kronecker_factor(tensor, has_bias=False):
     """
     func = "diagonal_kronecker_factor"
     xp = namespace_of(func, tensor=tensor)
-    check_array(func, "tensor", tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    _check_dense(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
-    x = xp.reshape(tensor, (-1, tensor.shape[-1]))
-    if x.shape[0] == 0:
-        raise KFACValueError(f"{func}: tensor must have at least one row; got shape "
+    return _diagonal_kronecker_factor(xp, tensor, has_bias)
+
+
+def _check_dense(func, name, tensor):
+    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    if math.prod(tensor.shape[:-1]) == 0:
+        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
                              f"{tuple(tensor.shape)}.")
+
+
+@kernel_of(diagonal_kronecker_factor)
+def _diagonal_kronecker_factor(xp, tensor, has_bias=False):
+    """Unchecked kernel: mean of the squared rows (bias entry 1 last), in ``tensor``'s dtype."""
+    x = xp.reshape(tensor, (-1, tensor.shape[-1]))
     d = xp.sum(x * x, axis=0) / float(x.shape[0])
     if has_bias:
         d = xp.concat([d, asarray_like([1.0], d)], axis=0)
@@ -197,8 +219,16 @@ class EmbeddingInputKroneckerFactor(DiagonalFactor):
         func = f"{self.name}.update_cov"
         towers = as_towers(func, "input_ids", input_ids)
         check_equal_batches(func, "input_ids", towers)
-        return (tuple(embedding_input_kronecker_factor(i, self.vocab_size, self.dtype)
-                      for i in towers),)
+        out = []
+        for ids in towers:
+            xp = namespace_of(func, input_ids=ids)
+            _check_ids(func, xp, ids, self.vocab_size, (1, 2))
+            if ids.shape[0] == 0:
+                raise KFACValueError(f"{func}: input_ids must have at least one row; got shape "
+                                     f"{tuple(ids.shape)}.")
+            out.append(_embedding_input_kronecker_factor(
+                xp, ids, self.vocab_size, _float_dtype(func, xp, ids, self.dtype)))
+        return (tuple(out),)
 
 
 class DiagonalKroneckerFactor(DiagonalFactor):
@@ -234,13 +264,19 @@ class DiagonalKroneckerFactor(DiagonalFactor):
                   dtype=dtype)
 
     def _one(self, func, tensor):
-        if self.vocab_size is None:
-            return diagonal_kronecker_factor(tensor, self.has_bias)
         xp = namespace_of(func, tensors=tensor)
+        if self.vocab_size is None:
+            _check_dense(func, "tensors", tensor)
+            return _diagonal_kronecker_factor(xp, tensor, self.has_bias)
         if tensor.ndim != 1:
             raise KFACValueError(f"{func}: id tensors must be 1-D (fold uses first); got "
                                  f"{describe(tensor)}.")
-        d = embedding_input_kronecker_factor(tensor, self.vocab_size, self.dtype)
+        _check_ids(func, xp, tensor, self.vocab_size, 1)
+        if tensor.shape[0] == 0:
+            raise KFACValueError(f"{func}: tensors must have at least one row; got shape "
+                                 f"{tuple(tensor.shape)}.")
+        d = _embedding_input_kronecker_factor(xp, tensor, self.vocab_size,
+                                              _float_dtype(func, xp, tensor, self.dtype))
         if self.has_bias:
             d = xp.concat([d, asarray_like([1.0], d)], axis=0)
         return d

@@ -19,8 +19,10 @@ from __future__ import annotations
 from .._backend import (
     KFACValueError,
     check_array,
+    check_bool,
     check_option,
     describe,
+    kernel_of,
     namespace_of,
 )
 from ..linalg import compute_cov
@@ -29,7 +31,6 @@ from .base import (
     DiagonalFactor,
     as_sources_towers,
     as_towers,
-    check_bool,
 )
 
 __all__ = [
@@ -100,30 +101,48 @@ def scale_and_shift_factor(inputs, outputs_grad, broadcast_dims_scale, broadcast
     func = "scale_and_shift_factor"
     xp = namespace_of(func, inputs=inputs, outputs_grad=outputs_grad)
     check_array(func, "inputs", inputs, min_ndim=2, layout="[N, ...]")
-    check_array(func, "outputs_grad", outputs_grad, ndim=inputs.ndim, layout="[N, ...]")
     check_bool(func, "has_shift", has_shift)
     check_option(func, "approx", approx, SCALE_AND_SHIFT_APPROX)
+    ds, db = _check_ss(func, inputs, outputs_grad, broadcast_dims_scale, broadcast_dims_shift,
+                       has_shift)
+    return _scale_and_shift_factor(xp, inputs, outputs_grad, ds, db, approx)
+
+
+def _check_ss(func, inputs, outputs_grad, broadcast_dims_scale, broadcast_dims_shift,
+              has_shift, name="outputs_grad"):
+    """``outputs_grad`` against checked ``inputs``; the normalised axes (``db`` None without
+    a shift)."""
+    check_array(func, name, outputs_grad, ndim=inputs.ndim, layout="[N, ...]")
     n = outputs_grad.shape[0]
     if inputs.shape[0] != n or n == 0:
-        raise KFACValueError(f"{func}: inputs and outputs_grad must share a positive batch "
+        raise KFACValueError(f"{func}: inputs and {name} must share a positive batch "
                              f"size; got {inputs.shape[0]} and {n}.")
     for i in range(1, inputs.ndim):
         if inputs.shape[i] not in (1, outputs_grad.shape[i]):
-            raise KFACValueError(f"{func}: inputs must broadcast against outputs_grad; got "
+            raise KFACValueError(f"{func}: inputs must broadcast against {name}; got "
                                  f"shapes {tuple(inputs.shape)} and {tuple(outputs_grad.shape)}.")
     ds = _axes(func, "broadcast_dims_scale", broadcast_dims_scale, inputs.ndim)
-    grads = xp.sum(inputs * outputs_grad, axis=ds) if ds else inputs * outputs_grad
-    parts = [xp.reshape(grads, (n, -1))]
+    db = None
     if has_shift:
         if broadcast_dims_shift is None:
             raise KFACValueError(f"{func}: broadcast_dims_shift must be given when has_shift; "
                                  "got None.")
         db = _axes(func, "broadcast_dims_shift", broadcast_dims_shift, inputs.ndim)
+    return ds, db
+
+
+@kernel_of(scale_and_shift_factor)
+def _scale_and_shift_factor(xp, inputs, outputs_grad, ds, db=None, approx="full"):
+    """Unchecked kernel (axes normalised; ``db=None``: no shift)."""
+    n = outputs_grad.shape[0]
+    grads = xp.sum(inputs * outputs_grad, axis=ds) if ds else inputs * outputs_grad
+    parts = [xp.reshape(grads, (n, -1))]
+    if db is not None:
         shift = xp.sum(outputs_grad, axis=db) if db else outputs_grad
         parts.append(xp.reshape(shift, (n, -1)))
     v = xp.concat(parts, axis=1) if len(parts) > 1 else parts[0]
     if approx == "full":
-        return compute_cov(v)
+        return compute_cov.kernel(xp, v)
     return xp.sum(v * v, axis=0) / float(n)
 
 
@@ -141,12 +160,19 @@ class _ScaleAndShiftMixin:
         if len(st[0]) != len(towers):
             raise KFACValueError(f"{func}: outputs_grads must have one array per input tower "
                                  f"({len(towers)}); got {len(st[0])}.")
-        return tuple(
-            tuple(scale_and_shift_factor(x, g, self.broadcast_dims_scale,
-                                         self.broadcast_dims_shift, self.has_shift,
-                                         self._approx)
-                  for x, g in zip(towers, src, strict=True))
-            for src in st)
+        for x in towers:  # each input tower checked once, whatever the number of sources
+            check_array(func, "inputs", x, min_ndim=2, layout="[N, ...]")
+        out = []
+        for src in st:
+            stats = []
+            for x, g in zip(towers, src, strict=True):
+                xp = namespace_of(func, inputs=x, outputs_grads=g)
+                ds, db = _check_ss(func, x, g, self.broadcast_dims_scale,
+                                   self.broadcast_dims_shift, self.has_shift,
+                                   name="outputs_grads")
+                stats.append(_scale_and_shift_factor(xp, x, g, ds, db, self._approx))
+            out.append(tuple(stats))
+        return tuple(out)
 
 
 class ScaleAndShiftFullFactor(_ScaleAndShiftMixin, DenseSquareMatrixFactor):

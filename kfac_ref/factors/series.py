@@ -11,7 +11,8 @@ as ``[T, B, d]``.  With the homogeneous coordinate appended (``has_bias``):
 
 :math:`C_1` is normalised by :math:`TB`, not :math:`(T-1)B`: that is zero padding at the
 sequence ends, which keeps the implied block-Toeplitz Fisher PSD (Martens, Ba & Johnson 2018,
-App. B.2).  See FORMULAS §3 for how the block uses :math:`(L, \psi)` and :math:`(P, K, \mu)`.
+App. B.2).  See the theory page *Layers used many times: recurrent networks* for how the
+block uses :math:`(L, \psi)` and :math:`(P, K, \mu)`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from .._backend import (
     check_scalar,
     check_square,
     check_symmetric,
+    kernel_of,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_matpower
-from .base import _damping_key, _damping_value, as_sources_towers, check_bool, check_equal_batches
-from .dense import FullyConnectedKroneckerFactor, _fold_uses
+from .base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
+from .dense import FullyConnectedKroneckerFactor, fold_uses, fully_connected_kronecker_factor
 
 __all__ = [
     "OPTION1_EIG_METHODS",
@@ -45,18 +47,17 @@ OPTION1_EIG_METHODS = ("self_adjoint", "svd", "eigh")
 left singular vectors) or ``"eigh"`` (signed eigenvalues, the option-1 math itself)."""
 
 
-def _fold(func, xp, tensor, num_uses):
-    check_array(func, "tensor", tensor, ndim=(2, 3), layout="[T·B, d] or [T, B, d]")
+def _check_uses(func, tensor, num_uses, name="tensor"):
+    check_array(func, name, tensor, ndim=(2, 3), layout="[T·B, d] or [T, B, d]")
     if tensor.ndim == 3 and tensor.shape[0] != num_uses:
-        raise KFACValueError(f"{func}: tensor [T, B, d] must have T = num_uses = {num_uses}; "
+        raise KFACValueError(f"{func}: {name} [T, B, d] must have T = num_uses = {num_uses}; "
                              f"got shape {tuple(tensor.shape)}.")
-    x = _fold_uses(xp, tensor)
-    if x.shape[0] == 0 or x.shape[0] % num_uses:
+    rows = tensor.shape[0] * (tensor.shape[1] if tensor.ndim == 3 else 1)
+    if rows == 0 or rows % num_uses:
         raise KFACValueError(
-            f"{func}: the folded tensor must have a positive multiple of num_uses = {num_uses} "
-            f"rows; got {x.shape[0]}."
+            f"{func}: the folded {name} must have a positive multiple of num_uses = "
+            f"{num_uses} rows; got {rows}."
         )
-    return x
 
 
 def fully_connected_multi_kf_cov_dt1(tensor, num_uses, has_bias=False):
@@ -96,12 +97,19 @@ def fully_connected_multi_kf_cov_dt1(tensor, num_uses, has_bias=False):
     xp = namespace_of(func, tensor=tensor)
     num_uses = check_int(func, "num_uses", num_uses, minimum=1)
     check_bool(func, "has_bias", has_bias)
-    x = _fold(func, xp, tensor, num_uses)
+    _check_uses(func, tensor, num_uses)
+    return _fully_connected_multi_kf_cov_dt1(xp, tensor, num_uses, has_bias)
+
+
+@kernel_of(fully_connected_multi_kf_cov_dt1)
+def _fully_connected_multi_kf_cov_dt1(xp, tensor, num_uses, has_bias=False):
+    """Unchecked kernel: ``X[B:]ᵀ X[:-B] / (TB)`` of the folded (homogeneous) rows."""
+    x = fold_uses(xp, tensor)
     if has_bias:
-        x = append_homog(x)
+        x = append_homog.kernel(xp, x)
     total = x.shape[0]
     b = total // num_uses
-    return compute_cov(x[b:, :], tensor_right=x[: total - b, :], normalizer=total)
+    return compute_cov.kernel(xp, x[b:, :], x[: total - b, :], total)
 
 
 def _check_pair(func, cov, cov_dt1, damping, threshold):
@@ -118,9 +126,9 @@ def _check_pair(func, cov, cov_dt1, damping, threshold):
     return xp, damping, threshold
 
 
-def _inv_sqrt_c0(xp, cov, damping, threshold):
+def _inv_sqrt_c0(xp, cov, damping, threshold, func):
     """Symmetrised :math:`(C_0 + \\delta I)^{-1/2}` from the clipped eigendecomposition."""
-    m = damped_matpower(cov, -0.5, damping, threshold)
+    m = damped_matpower.kernel(xp, cov, -0.5, damping, threshold, func=func)
     return (m + m.T) / 2.0
 
 
@@ -130,11 +138,13 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
 
     .. math::
 
-        C_{0,\delta}^{-1/2} = V \mathrm{diag}\big((\max(e,c) + \delta)^{-1/2}\big) V^\top,
-        \quad C_1^{s} = \tfrac12 (C_1 + C_1^\top), \quad
-        \hat\Psi = C_{0,\delta}^{-1/2}\, C_1^{s}\, C_{0,\delta}^{-1/2}
-        = U \mathrm{diag}(\psi) U^\top,
-        \quad L = C_{0,\delta}^{-1/2} U,
+        \begin{aligned}
+        C_{0,\delta}^{-1/2} &= V \mathrm{diag}\big((\max(e,c) + \delta)^{-1/2}\big) V^\top,
+            \qquad C_1^{s} = \tfrac12 (C_1 + C_1^\top), \\
+        \hat\Psi &= C_{0,\delta}^{-1/2}\, C_1^{s}\, C_{0,\delta}^{-1/2}
+            = U \mathrm{diag}(\psi) U^\top, \\
+        L &= C_{0,\delta}^{-1/2} U,
+        \end{aligned}
 
     so that :math:`L^\top (C_0 + \delta I) L = I` and
     :math:`L^\top C_1^{s} L = \mathrm{diag}(\psi)`.
@@ -144,7 +154,7 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
     Choices, as TF: :math:`C_1` is symmetrised (option 1 assumes :math:`V_1` symmetric);
     with ``eig_method="self_adjoint"`` (TF's default ``posdef_eig``) the returned
     :math:`\psi` are the **absolute values** of the eigenvalues, which differs from the
-    option-1 math when :math:`\hat\Psi` is indefinite (FORMULAS §3.3, check R1b);
+    option-1 math when :math:`\hat\Psi` is indefinite (Martens, Ba & Johnson 2018, §3.5);
     ``"eigh"`` keeps the signs; ``"svd"`` is TF's alternative (singular values, left
     singular vectors).
 
@@ -178,7 +188,13 @@ def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
     func = "series_option1_quantities"
     xp, damping, c = _check_pair(func, cov, cov_dt1, damping, eigenvalue_clipping_threshold)
     check_option(func, "eig_method", eig_method, OPTION1_EIG_METHODS)
-    inv_sqrt = _inv_sqrt_c0(xp, cov, damping, c)
+    return _series_option1_quantities(xp, cov, cov_dt1, damping, eig_method, c, func=func)
+
+
+@kernel_of(series_option1_quantities)
+def _series_option1_quantities(xp, cov, cov_dt1, damping, eig_method="self_adjoint",
+                               threshold=0.0, *, func="series_option1_quantities"):
+    inv_sqrt = _inv_sqrt_c0(xp, cov, damping, threshold, func)
     c1 = (cov_dt1 + cov_dt1.T) / 2.0
     hpsi = inv_sqrt @ c1 @ inv_sqrt
     if eig_method == "svd":
@@ -195,15 +211,17 @@ def series_option2_quantities(cov, cov_dt1, damping, eigenvalue_clipping_thresho
 
     .. math::
 
-        \hat\Psi = C_{0,\delta}^{-1/2} C_1 C_{0,\delta}^{-1/2} = W \mathrm{diag}(\sqrt\mu) E^\top
-        \ (\text{SVD}),\quad
-        \mu \leftarrow \min(\mu, 1),\quad
-        P = C_1^\top C_{0,\delta}^{-1},\quad K = C_{0,\delta}^{-1/2} E,
+        \begin{aligned}
+        \hat\Psi &= C_{0,\delta}^{-1/2} C_1 C_{0,\delta}^{-1/2}
+            = W \mathrm{diag}(\sqrt\mu) E^\top \quad (\text{SVD}), \qquad
+            \mu \leftarrow \min(\mu, 1), \\
+        P &= C_1^\top C_{0,\delta}^{-1}, \qquad K = C_{0,\delta}^{-1/2} E,
+        \end{aligned}
 
     so that :math:`K^\top (C_0 + \delta I) K = I` and
     :math:`K^\top C_1^\top (C_0 + \delta I)^{-1} C_1 K = \mathrm{diag}(\mu)` (before
     clipping).  :math:`C_1` is used **unsymmetrised** and :math:`P` is the time-reversed AR
-    coefficient (TF's choice; it gives the same Fisher, FORMULAS §3.1 check R4).
+    coefficient (TF's choice; it gives the same Fisher: Martens, Ba & Johnson 2018, App. B).
     :math:`\mu` is clipped at 1, as TF does, because inconsistent or noisy :math:`C_0, C_1`
     can push it above.
 
@@ -230,7 +248,13 @@ def series_option2_quantities(cov, cov_dt1, damping, eigenvalue_clipping_thresho
     """
     func = "series_option2_quantities"
     xp, damping, c = _check_pair(func, cov, cov_dt1, damping, eigenvalue_clipping_threshold)
-    inv_sqrt = _inv_sqrt_c0(xp, cov, damping, c)
+    return _series_option2_quantities(xp, cov, cov_dt1, damping, c, func=func)
+
+
+@kernel_of(series_option2_quantities)
+def _series_option2_quantities(xp, cov, cov_dt1, damping, threshold=0.0, *,
+                               func="series_option2_quantities"):
+    inv_sqrt = _inv_sqrt_c0(xp, cov, damping, threshold, func)
     inv_sqrt_c1 = inv_sqrt @ cov_dt1
     hpsi = inv_sqrt_c1 @ inv_sqrt
     _, sqrt_mu, e_t = xp.linalg.svd(hpsi)
@@ -279,36 +303,48 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
                   _make_cov_dt1=False, _cov_dt1_avg=None,
                   _option1_regs=(), _option2_regs=())
 
-    def _contributions(self, tensors):
-        func = f"{self.name}.update_cov"
+    def _checked(self, func, tensors):
+        """``tensors`` as sources × towers, each tensor checked once."""
         st = as_sources_towers(func, "tensors", tensors)
         for src in st:
+            check_equal_batches(func, "tensors", src, axis=src[0].ndim - 2)
             for t in src:
-                _fold(func, namespace_of(func, tensors=t), t, self.num_uses)
-        return super()._contributions(tensors)
+                namespace_of(func, tensors=t)
+                _check_uses(func, t, self.num_uses, "tensors")
+        return st
 
-    def compute_new_cov_dt1(self, tensors):
-        r"""Batch :math:`C_1`: sources summed, towers averaged."""
-        func = f"{self.name}.update_cov"
-        st = as_sources_towers(func, "tensors", tensors)
-        for src in st:
-            check_equal_batches(func, "tensors", src)
+    def _contributions(self, tensors, _checked=None):
+        st = self._checked(f"{self.name}.update_cov", tensors) if _checked is None else _checked
+        return tuple(tuple(fully_connected_kronecker_factor.kernel(
+            namespace_of(self.name, tensors=t), t, self.has_bias) for t in src) for src in st)
+
+    def _new_cov_dt1(self, st):
         total = None
         for src in st:
             for t in src:
-                c = fully_connected_multi_kf_cov_dt1(t, self.num_uses, self.has_bias)
+                c = _fully_connected_multi_kf_cov_dt1(namespace_of(self.name, tensors=t), t,
+                                                      self.num_uses, self.has_bias)
                 total = c if total is None else total + c
         return total / float(len(st[0]))
+
+    def compute_new_cov_dt1(self, tensors):
+        r"""Batch :math:`C_1`: sources summed, towers averaged.
+
+        .. math:: \frac{1}{n_{\text{towers}}} \sum_s \sum_t C_1(s, t)
+        """
+        return self._new_cov_dt1(self._checked(f"{self.name}.compute_new_cov_dt1", tensors))
 
     def register_cov_dt1(self):
         """Return a factor that also averages :math:`C_1`."""
         return self._evolve(_make_cov_dt1=True)
 
     def update_cov(self, tensors, *, ema_decay, ema_weight=1.0):
-        new = super().update_cov(tensors, ema_decay=ema_decay, ema_weight=ema_weight)
+        st = self._checked(f"{self.name}.update_cov", tensors)  # each tensor checked once
+        new = super().update_cov(tensors, ema_decay=ema_decay, ema_weight=ema_weight,
+                                 _checked=st)
         if not self._make_cov_dt1:
             return new
-        c1 = self.compute_new_cov_dt1(tensors)
+        c1 = self._new_cov_dt1(st)
         avg = self._cov_dt1_avg
         if avg is None:
             avg = MovingAverageVariable.zeros_like(c1, zero_debias=self.zero_debias)
@@ -332,14 +368,14 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
 
     def register_option1quants(self, damping):
         """Return a factor that maintains :func:`series_option1_quantities` for ``damping``."""
-        key = _damping_key(f"{self.name}.register_option1quants", damping)
+        key = damping_key(f"{self.name}.register_option1quants", damping)
         if key in self._option1_regs:
             return self
         return self._evolve(_option1_regs=(*self._option1_regs, key))
 
     def register_option2quants(self, damping):
         """Return a factor that maintains :func:`series_option2_quantities` for ``damping``."""
-        key = _damping_key(f"{self.name}.register_option2quants", damping)
+        key = damping_key(f"{self.name}.register_option2quants", damping)
         if key in self._option2_regs:
             return self
         return self._evolve(_option2_regs=(*self._option2_regs, key))
@@ -353,17 +389,19 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
         if self._option1_regs or self._option2_regs:
             func = f"{self.name}.update_inverses"
             cov, c1 = self.cov, self.cov_dt1
+            xp = namespace_of(func, cov=cov, cov_dt1=c1)
             for key in self._option1_regs:
-                cache[("option1", None, key)] = series_option1_quantities(
-                    cov, c1, _damping_value(func, key), self.option1_eig_method,
-                    self.eigenvalue_clipping_threshold)
+                cache[("option1", None, key)] = _series_option1_quantities(
+                    xp, cov, c1, damping_value(func, key), self.option1_eig_method,
+                    self.eigenvalue_clipping_threshold, func=func)
             for key in self._option2_regs:
-                cache[("option2", None, key)] = series_option2_quantities(
-                    cov, c1, _damping_value(func, key), self.eigenvalue_clipping_threshold)
+                cache[("option2", None, key)] = _series_option2_quantities(
+                    xp, cov, c1, damping_value(func, key), self.eigenvalue_clipping_threshold,
+                    func=func)
         return cache
 
     def _get_quants(self, func, kind, damping, regs):
-        key = _damping_key(func, damping)
+        key = damping_key(func, damping)
         if key not in regs:
             raise KFACValueError(f"{func}: the damping must be registered first; got an "
                                  f"unregistered damping {key[1]!r}.")

@@ -15,7 +15,7 @@ and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the or
   :math:`\dot\theta, \dot x, \dot g` (``rg``).  This is the second-order piece that turns a
   backward pass into an exact Hessian-vector product.
 
-Conventions (see the project's DESIGN.md): batch axis first; dense kernels ``W`` are
+Conventions (see the docs page *Conventions*): batch axis first; dense kernels ``W`` are
 ``[d_in, d_out]`` with ``y = x W + b``; convolution kernels are HWIO; the bias is the last
 parameter of a layer.  A ``None`` tangent or cotangent stands for zero.
 
@@ -33,10 +33,18 @@ import math
 from .._backend import (
     KFACValueError,
     check_array,
+    check_bool,
     check_int,
     check_option,
     device_of,
     namespace_of,
+)
+from ..factors import conv_per_example_gradients
+from ..patches import (
+    ConvGeometry,
+    extract_convolution_patches,
+    from_channels_last,
+    to_channels_last,
 )
 
 __all__ = [
@@ -241,7 +249,7 @@ class Dense(Layer):
     def __init__(self, d_in: int, d_out: int, use_bias: bool = True):
         self.d_in = check_int("Dense", "d_in", d_in, minimum=1)
         self.d_out = check_int("Dense", "d_out", d_out, minimum=1)
-        self.use_bias = bool(use_bias)
+        self.use_bias = check_bool("Dense", "use_bias", use_bias)
 
     def param_names(self):
         return ("w", "b") if self.use_bias else ("w",)
@@ -348,8 +356,10 @@ class Conv2D(Layer):
 
     computed axis by axis with zero insertion (stride), zero shifts (offset) and sums, a
     loop over the :math:`k_h + k_w` kernel offsets only (memory :math:`O(N H W C_{in} k_w)`,
-    no dense :math:`[HW, |T| k_h k_w]` selection matrix).  The padding amounts come from
-    :func:`kfac_ref.patches.conv_padding_amounts`, the geometry the patch extractor uses.
+    no dense :math:`[HW, |T| k_h k_w]` selection matrix).  Padding amounts, output grid and
+    layout come from one :class:`kfac_ref.patches.ConvGeometry` (:meth:`geometry`), the
+    geometry the patch extractor and the conv factors use; the per-example weight gradient
+    is :func:`kfac_ref.factors.conv_per_example_gradients`' kernel.
 
     Parameters
     ----------
@@ -393,7 +403,7 @@ class Conv2D(Layer):
             pt, pb, pl, pr = (check_int(func, "padding", v, minimum=0) for v in (pt, pb, pl, pr))
             self.padding = ((pt, pb), (pl, pr))
         self.data_format = check_option(func, "data_format", data_format, ("NHWC", "NCHW"))
-        self.use_bias = bool(use_bias)
+        self.use_bias = check_bool(func, "use_bias", use_bias)
 
     # -- geometry ------------------------------------------------------------------------
     @property
@@ -415,16 +425,24 @@ class Conv2D(Layer):
     def _padding_arg(self):
         return self.padding if isinstance(self.padding, str) else list(self.padding)
 
-    def spatial_output(self, input_shape):
-        r"""Output spatial size ``(Ho, Wo)`` (:func:`kfac_ref.patches.conv_output_spatial_shape`).
+    def geometry(self, input_shape):
+        r"""The :class:`kfac_ref.patches.ConvGeometry` of this layer on inputs of shape
+        ``input_shape`` (in the layer's ``data_format``).
 
         .. math:: o = \lfloor (n + p_{lo} + p_{hi} - (k-1)d - 1)/s \rfloor + 1
         """
-        from ..patches import conv_output_spatial_shape
+        return ConvGeometry.build("Conv2D", tuple(input_shape), self.filter_shape,
+                                  strides=self.stride, padding=self._padding_arg(),
+                                  dilation=self.dilation, data_format=self.data_format,
+                                  strides_name="stride", dilation_name="dilation",
+                                  check_channels=False)
 
-        fmt = "NHWC" if self.data_format == "NHWC" else "NCHW"
-        return conv_output_spatial_shape(tuple(input_shape), self.filter_shape, self.stride,
-                                         self._padding_arg(), self.dilation, fmt)
+    def spatial_output(self, input_shape):
+        r"""Output spatial size ``(Ho, Wo)`` (:attr:`ConvGeometry.output_spatial_shape`).
+
+        .. math:: o = \lfloor (n + p_{lo} + p_{hi} - (k-1)d - 1)/s \rfloor + 1
+        """
+        return self.geometry(input_shape).output_spatial_shape
 
     def output_shape(self, input_shape):
         ho, wo = self.spatial_output(input_shape)
@@ -464,10 +482,10 @@ class Conv2D(Layer):
 
     # -- layout helpers ----------------------------------------------------------------------
     def _to_nhwc(self, xp, x):
-        return x if self.data_format == "NHWC" else xp.permute_dims(x, (0, 2, 3, 1))
+        return to_channels_last(xp, x, self.data_format == "NHWC")
 
     def _from_nhwc(self, xp, y):
-        return y if self.data_format == "NHWC" else xp.permute_dims(y, (0, 3, 1, 2))
+        return from_channels_last(xp, y, self.data_format == "NHWC")
 
     def patches(self, x):
         r"""Patches of ``x`` as ``[N, Ho, Wo, kh·kw·C_in]`` (locations in NHWC order).
@@ -477,26 +495,15 @@ class Conv2D(Layer):
             P(x)_{n,(i,j)} = \big[x^{\text{pad}}_{n,\, i s_h + a d_h,\; j s_w + b d_w,\; c}
             \big]_{(a, b, c)}, \quad c \text{ fastest}.
 
-        Delegates to :func:`kfac_ref.patches.extract_convolution_patches`.
+        The kernel of :func:`kfac_ref.patches.extract_convolution_patches` on the layer's
+        :meth:`geometry` (``x`` is not validated again: the network's public passes did).
         """
-        from ..patches import extract_convolution_patches
-
         xp = namespace_of("Conv2D.patches", x=x)
-        x = self._to_nhwc(xp, x)
-        p = extract_convolution_patches(x, (*self.kernel_size, x.shape[3], self.c_out),
-                                        self._padding_arg(), strides=self.stride,
-                                        dilation_rate=self.dilation, data_format="NHWC")
+        p = extract_convolution_patches.kernel(xp, x, self.geometry(tuple(x.shape)))
         return xp.reshape(p, (*p.shape[:3], -1))
 
     def _kernel_matrix(self, xp, w):
         return xp.reshape(w, (self.patch_size, self.c_out))
-
-    def _padded_geometry(self, hw):
-        """((Ho, top, bottom), (Wo, left, right)) of an [H, W] input (TF's SAME split)."""
-        from ..patches import conv_padding_amounts
-
-        return conv_padding_amounts((1, *hw, self.c_in), self.filter_shape, self.stride,
-                                    self._padding_arg(), self.dilation, "NHWC")
 
     @staticmethod
     def _place(xp, t, axis, out_len, stride, offset, size):
@@ -523,7 +530,9 @@ class Conv2D(Layer):
 
     def _transpose_patches(self, xp, gp, hw):
         """Adjoint of patch extraction: gp [N, Ho, Wo, kh·kw·C_in] -> [N, H, W, C_in] (NHWC)."""
-        (ho, top, bottom), (wo, left, right) = self._padded_geometry(hw)
+        geo = self.geometry((1, *hw, self.c_in) if self.data_format == "NHWC"
+                            else (1, self.c_in, *hw))
+        (ho, wo), ((top, bottom), (left, right)) = geo.output_spatial_shape, geo.padding
         kh, kw = self.kernel_size
         (sh, sw), (dh, dw) = self.stride, self.dilation
         hp, wp = hw[0] + top + bottom, hw[1] + left + right
@@ -569,18 +578,16 @@ class Conv2D(Layer):
 
     def param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Conv2D.param_grads", x=x, g=g)
-        g = self._to_nhwc(xp, g)
-        p = self.patches(x)
-        n = p.shape[0]
         kshape = self.param_shapes()[0]
-        if per_example:
-            p3 = xp.reshape(p, (n, -1, self.patch_size))
-            g3 = xp.reshape(g, (n, -1, self.c_out))
-            gw = xp.reshape(xp.permute_dims(p3, (0, 2, 1)) @ g3, (n, *kshape))
-            gb = xp.sum(g3, axis=1)
+        n = x.shape[0]
+        if per_example:  # Σ_t p gᵀ per example: the one home is the conv factors' kernel
+            geo = self.geometry(tuple(x.shape))
+            gw = conv_per_example_gradients.kernel(xp, x, g, geo, False)
+            gw = xp.reshape(gw, (n, *kshape))
+            gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (n, -1, self.c_out)), axis=1)
         else:
-            p2 = xp.reshape(p, (-1, self.patch_size))
-            g2 = xp.reshape(g, (-1, self.c_out))
+            p2 = xp.reshape(self.patches(x), (-1, self.patch_size))
+            g2 = xp.reshape(self._to_nhwc(xp, g), (-1, self.c_out))
             gw = xp.reshape(p2.T @ g2, kshape)
             gb = xp.sum(g2, axis=0)
         return (gw, gb) if self.use_bias else (gw,)
@@ -640,8 +647,8 @@ class ScaleAndShift(Layer):
 
     def __init__(self, num_channels, has_scale=True, has_shift=True):
         self.num_channels = check_int("ScaleAndShift", "num_channels", num_channels, minimum=1)
-        self.has_scale = bool(has_scale)
-        self.has_shift = bool(has_shift)
+        self.has_scale = check_bool("ScaleAndShift", "has_scale", has_scale)
+        self.has_shift = check_bool("ScaleAndShift", "has_shift", has_shift)
         if not (self.has_scale or self.has_shift):
             raise KFACValueError("ScaleAndShift: has_scale or has_shift must be true; got both "
                                  "False.")
