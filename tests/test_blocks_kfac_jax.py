@@ -13,6 +13,11 @@ POWERS = [-1.0, -0.5, 0.5, 1.0, 2.0]
 N = 24
 
 
+
+# A cotangent off the output grid: wrong spatial size, or wrong C_out.
+_WRONG_OUTPUT_GRID = (r"outputs_grad (must be an array of shape|must have the convolution.s "
+                      r"output grid|and filter_shape must agree on out_channels)")
+
 def _conv_in(rng, n, h, w, c):
     return rng.standard_normal((n, h, w, c))
 
@@ -375,7 +380,7 @@ def test_bad_inputs(xp, rng):
         cb, cdata, _ = build(conv, xp, rng)
         cst = cb.init(xp.asarray(np.zeros(1)))
         for bad in ((N, 3, 3, 2), (N, 2, 2, 3), (N, 1, 4, 2)):
-            with pytest.raises(KFACValueError, match=r"outputs_grad must be an array of shape"):
+            with pytest.raises(KFACValueError, match=_WRONG_OUTPUT_GRID):
                 cb.update_curvature_matrix_estimate(
                     cst, {"inputs": xp.asarray(cdata["inputs"]),
                           "outputs_grad": xp.asarray(np.ones(bad))}, 0.0, 1.0, N)

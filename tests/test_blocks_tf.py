@@ -12,6 +12,11 @@ from kfac_ref.blocks import tf as T
 POWERS = [-1.0, -0.5, 0.5, 1.0, 2.0]
 
 
+
+# A cotangent off the output grid: wrong spatial size, or wrong C_out.
+_WRONG_OUTPUT_GRID = (r"outputs_grad (must be an array of shape|must have the convolution.s "
+                      r"output grid|and filter_shape must agree on out_channels)")
+
 def dense_power(m, p):
     s, q = np.linalg.eigh((m + m.T) / 2)
     return (q * np.clip(s, 0, None) ** p) @ q.T
@@ -185,7 +190,7 @@ def test_from_data_constructors(xp, rng):
     # a gradient on another grid (or with other channels) would give Γ normalised by a |T|
     # other than the block's 9: rejected before computing
     for bad in ((3, 4, 4, 2), (3, 3, 3, 3), (3, 1, 9, 2)):
-        with pytest.raises(KFACValueError, match=r"outputs_grad must be an array of shape"):
+        with pytest.raises(KFACValueError, match=_WRONG_OUTPUT_GRID):
             T.ConvKFCBasicFB.from_data(xp.asarray(x), xp.asarray(np.ones(bad)), 0.3,
                                        (2, 2, 1, 2), "VALID", has_bias=True)
     # embedding: diagonal input factor of id frequencies

@@ -144,8 +144,8 @@ def test_conv_diagonal_from_data_is_its_own():
     expected = np.mean(dw**2, axis=0)
     np.testing.assert_allclose(block.full_fisher_block(), np.diag(expected.reshape(-1)),
                                rtol=1e-12, atol=1e-12)
-    with pytest.raises(KFACValueError, match="ConvDiagonalFB.from_data: outputs_grad must be an "
-                                             "array of shape"):
+    with pytest.raises(KFACValueError, match="ConvDiagonalFB.from_data: outputs_grad must have the "
+                                             "convolution's output grid"):
         T.ConvDiagonalFB.from_data(x, rng.standard_normal((3, 4, 4, 2)), 0.1, (2, 2, 1, 2),
                                    "VALID")
     with pytest.raises(KFACValueError, match="ConvDiagonalFB.from_data: inputs must be a 4-D"):

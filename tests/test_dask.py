@@ -29,8 +29,8 @@ RTOL = 1e-12
 DASK_EXERCISED = {
     "kfac_ref.linalg.compute_cov",
     "kfac_ref.factors.dense.fully_connected_kronecker_factor",
-    "kfac_ref.factors.conv.conv_input_kronecker_factor",
-    "kfac_ref.factors.conv.conv_output_kronecker_factor",
+    "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor",
+    "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor",
     "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss",
     "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss",
     "kfac_ref.losses.NormalMeanNegativeLogProbLoss",

@@ -1,44 +1,33 @@
-"""Convolution geometry of the blocks, in one place: output grid, :math:`|T|`, layout and
-the output-gradient check, used by the conv mixin of the kfac-jax-named blocks
-(``ConvLayer`` in :mod:`kfac_ref.blocks.kfac_jax`) and by the TF-named conv blocks.
+"""Convolution geometry of the blocks: a :class:`kfac_ref.patches.ConvGeometry` built once
+per block (output grid, :math:`|T|`, layout, the output-gradient check), used by the conv
+mixin of the kfac-jax-named blocks (``ConvLayer`` in :mod:`kfac_ref.blocks.kfac_jax`) and by
+the TF-named conv blocks.
 """
 
 from __future__ import annotations
 
-from .. import patches
-from .._backend import (
-    check_array,
-    namespace_of,
-)
+from .._backend import check_array, namespace_of
+from ..conv_geometry import ConvGeometry, to_channels_last
 
-__all__ = ["conv_locations", "check_conv_outputs_grad", "is_channels_first",
-           "pooled_conv_data"]
+__all__ = ["conv_geometry", "check_conv_outputs_grad", "pooled_conv_data"]
 
 
-def is_channels_first(data_format):
-    """Whether ``data_format`` is a channels-first (NCHW) layout."""
-    return data_format is not None and str(data_format).upper().startswith("NC")
+def conv_geometry(func, inputs_shape, kernel_shape, strides, padding, dilation_rate,
+                  data_format, *, filter_name="kernel_shape"):
+    """The :class:`~kfac_ref.patches.ConvGeometry` of a block's convolution (errors name
+    ``func`` and the block's argument names)."""
+    return ConvGeometry.build(func, tuple(inputs_shape), tuple(kernel_shape), strides=strides,
+                              padding=padding, dilation=dilation_rate, data_format=data_format,
+                              filter_name=filter_name)
 
 
-def conv_locations(inputs_shape, kernel_shape, strides, padding, dilation_rate, data_format):
-    """``(|T|, (H_out, W_out))`` of a convolution (:mod:`kfac_ref.patches`)."""
-    t = int(patches.num_conv_locations(tuple(inputs_shape), kernel_shape, strides, padding,
-                                       dilation_rate, data_format))
-    grid = tuple(int(o) for o in patches.conv_output_spatial_shape(
-        tuple(inputs_shape), kernel_shape, strides, padding, dilation_rate, data_format))
-    return t, grid
-
-
-def check_conv_outputs_grad(func, g, batch, grid, c_out, channels_first):
+def check_conv_outputs_grad(func, g, batch, geo):
     """``outputs_grad`` on the convolution's output grid and channels (``batch`` rows, or
     any when None): on another grid the statistics would be normalised by a wrong
     :math:`|T|`."""
-    if channels_first:
-        check_array(func, "outputs_grad", g, shape=(batch, c_out, *grid),
-                    layout="[N, C_out, H_out, W_out] (NCHW)")
-    else:
-        check_array(func, "outputs_grad", g, shape=(batch, *grid, c_out),
-                    layout="[N, H_out, W_out, C_out] (NHWC)")
+    check_array(func, "outputs_grad", g, ndim=geo.rank + 2)
+    geo.check_output_grid(func, "outputs_grad", g.shape,
+                          batch_size=g.shape[0] if batch is None else batch)
     return g
 
 
@@ -48,7 +37,6 @@ def pooled_conv_data(layer, inputs, outputs_grad, batch_size):
     xp = namespace_of("pooled_conv_data", inputs=inputs, outputs_grad=outputs_grad)
     n = batch_size
     p = layer.patches(inputs)  # [N, Ho, Wo, K]
-    g = outputs_grad if layer.data_format == "NHWC" else xp.permute_dims(outputs_grad,
-                                                                           (0, 2, 3, 1))
+    g = to_channels_last(xp, outputs_grad, layer.data_format == "NHWC")
     return {"inputs": xp.mean(xp.reshape(p, (n, -1, layer.patch_size)), axis=1),
             "outputs_grad": xp.sum(xp.reshape(g, (n, -1, layer.c_out)), axis=1)}

@@ -46,7 +46,7 @@ from .._backend import (
     namespace_of,
 )
 from ..linalg import FACTOR_NORMS, kron, pi_adjusted_damping, pi_tracenorm
-from ._conv import check_conv_outputs_grad, conv_locations, is_channels_first
+from ._conv import check_conv_outputs_grad, conv_geometry
 from ._math import (
     ZERO_FACTOR_FALLBACKS,
     check_factor,
@@ -174,11 +174,10 @@ def _check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
     if not isinstance(filter_shape, (list, tuple)) or len(filter_shape) != 4:
         raise KFACValueError(f"{func}: filter_shape must be [kh, kw, C_in, C_out]; got "
                              f"{describe(filter_shape)}.")
-    t, grid = conv_locations(tuple(inputs.shape), filter_shape, strides, padding, dilation_rate,
-                             data_format)
-    check_conv_outputs_grad(func, outputs_grad, inputs.shape[0], grid, int(filter_shape[-1]),
-                            is_channels_first(data_format))
-    return t
+    geo = conv_geometry(func, tuple(inputs.shape), filter_shape, strides, padding,
+                        dilation_rate, data_format, filter_name="filter_shape")
+    check_conv_outputs_grad(func, outputs_grad, inputs.shape[0], geo)
+    return geo.num_locations
 
 
 def _grads_tuple(func, params_grads):

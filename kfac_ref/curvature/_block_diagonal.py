@@ -17,7 +17,7 @@ from .._backend import (
     zeros_like_shape,
 )
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
-from . import exact as E
+from . import exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
 __all__ = ["WEIGHT_SHARING_MODES", "BlockDiagonalState", "BlockDiagonalCurvature", "block_diag"]
@@ -106,7 +106,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         self.net, self.loss_fn = net, loss_fn
         self.default_estimation_mode = check_option(
             func, "default_estimation_mode", default_estimation_mode or "ggn_curvature_prop",
-            E.ESTIMATION_MODES)
+            exact.ESTIMATION_MODES)
         self.layer_to_block = dict(layer_to_block or {})
         if isinstance(weight_sharing, str):
             check_option(func, "weight_sharing", weight_sharing, WEIGHT_SHARING_MODES)
@@ -120,7 +120,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         self.num_samples = check_int(func, "num_samples", num_samples, minimum=1)
         self.empirical_fisher_normalization = check_option(
             func, "empirical_fisher_normalization", empirical_fisher_normalization,
-            E.EMPIRICAL_FISHER_NORMALIZATIONS)
+            exact.EMPIRICAL_FISHER_NORMALIZATIONS)
         self.block_kwargs = dict(block_kwargs or {})
         self._blocks = None
         self._input_shapes = None
@@ -231,7 +231,7 @@ class BlockDiagonalCurvature(EstimatorBase):
             raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
                                  f"got an uninitialised estimator.")
         self._check_state(func, state)
-        b = E._Batch(func, self.net, self.loss_fn, params, batch)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
         self._check_batch_size(func, batch_size, b.n)
         for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
             got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
@@ -239,7 +239,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                 raise KFACValueError(
                     f"{func}: func_args must give layer {self.net.names[i]!r} the per-example "
                     f"input shape it had at init {want} (its block depends on it); got {got}.")
-        vectors = E._estimation_vectors(func, b, mode, rng, self.num_samples,
+        vectors = exact.draw_estimation_vectors(func, b, mode, rng, self.num_samples,
                                         self.empirical_fisher_normalization)
         c = len(vectors)
         root = math.sqrt(c)

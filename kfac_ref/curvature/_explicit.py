@@ -17,7 +17,7 @@ from .._backend import (
 )
 from ..averaging import WeightedMovingAverage
 from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
-from . import exact as E
+from . import exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
 __all__ = ["ExplicitState", "ExplicitExactCurvature"]
@@ -66,11 +66,11 @@ class ExplicitExactCurvature(EstimatorBase):
         self.net, self.loss_fn = net, loss_fn
         self.default_estimation_mode = check_option(
             func, "default_estimation_mode", default_estimation_mode or "fisher_exact",
-            E.ESTIMATION_MODES)
+            exact.ESTIMATION_MODES)
         self.num_samples = check_int(func, "num_samples", num_samples, minimum=1)
         self.empirical_fisher_normalization = check_option(
             func, "empirical_fisher_normalization", empirical_fisher_normalization,
-            E.EMPIRICAL_FISHER_NORMALIZATIONS)
+            exact.EMPIRICAL_FISHER_NORMALIZATIONS)
         self.eigenvalue_clipping_threshold = check_scalar(
             func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
 
@@ -107,7 +107,7 @@ class ExplicitExactCurvature(EstimatorBase):
         ema_old, ema_new = self._check_ema(func, ema_old, ema_new)
         params, batch = unpack_func_args(func, func_args)
         self._check_batch_size(func, batch_size, int(batch[0].shape[0]))
-        est = E.estimated_matrix(self.net, self.loss_fn, params, batch, mode, rng,
+        est = exact.estimated_matrix(self.net, self.loss_fn, params, batch, mode, rng,
                                  self.num_samples, self.empirical_fisher_normalization)
         return ExplicitState(state.matrix.update(est, ema_old, ema_new), {})
 

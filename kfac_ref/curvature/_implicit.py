@@ -4,7 +4,7 @@ r"""The matrix-free exact estimator (kfac-jax ``ImplicitExactCurvature``); docum
 from __future__ import annotations
 
 from .._backend import KFACValueError, check_array, check_option, namespace_of
-from . import exact as E
+from . import exact
 from ._estimator_args import flat_or_structured, unpack_func_args
 
 __all__ = ["ImplicitExactCurvature"]
@@ -53,7 +53,7 @@ class ImplicitExactCurvature:
 
         .. math:: \nabla^2_\theta\mathcal L\, v
         """
-        return self._call("multiply_hessian", E.hessian_vector_product, func_args,
+        return self._call("multiply_hessian", exact.hessian_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_ggn(self, func_args, parameter_structured_vector):
@@ -61,7 +61,7 @@ class ImplicitExactCurvature:
 
         .. math:: Gv = \frac1N\sum_n J_n^\top G_n J_n v
         """
-        return self._call("multiply_ggn", E.ggn_vector_product, func_args,
+        return self._call("multiply_ggn", exact.ggn_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_fisher(self, func_args, parameter_structured_vector):
@@ -69,7 +69,7 @@ class ImplicitExactCurvature:
 
         .. math:: Fv = \frac1N\sum_n J_n^\top F_n J_n v
         """
-        return self._call("multiply_fisher", E.fisher_vector_product, func_args,
+        return self._call("multiply_fisher", exact.fisher_vector_product, func_args,
                           parameter_structured_vector)
 
     def multiply_fisher_factor_transpose(self, func_args, parameter_structured_vector):
@@ -81,7 +81,7 @@ class ImplicitExactCurvature:
         params, batch = unpack_func_args("multiply_fisher_factor_transpose", func_args)
         flat, _ = flat_or_structured("multiply_fisher_factor_transpose", self.net,
                                       parameter_structured_vector)
-        return (E.fisher_factor_transpose_product(self.net, self.loss_fn, params, batch, flat),)
+        return (exact.fisher_factor_transpose_product(self.net, self.loss_fn, params, batch, flat),)
 
     def multiply_ggn_factor_transpose(self, func_args, parameter_structured_vector):
         r"""Transposed GGN factor (a 1-tuple).
@@ -91,7 +91,7 @@ class ImplicitExactCurvature:
         params, batch = unpack_func_args("multiply_ggn_factor_transpose", func_args)
         flat, _ = flat_or_structured("multiply_ggn_factor_transpose", self.net,
                                       parameter_structured_vector)
-        return (E.ggn_factor_transpose_product(self.net, self.loss_fn, params, batch, flat),)
+        return (exact.ggn_factor_transpose_product(self.net, self.loss_fn, params, batch, flat),)
 
     def _inner(self, func, loss_inner_vectors):
         if isinstance(loss_inner_vectors, (tuple, list)):
@@ -108,7 +108,7 @@ class ImplicitExactCurvature:
         """
         func = "ImplicitExactCurvature.multiply_fisher_factor"
         params, batch = unpack_func_args(func, func_args)
-        return E.fisher_factor_product(self.net, self.loss_fn, params, batch,
+        return exact.fisher_factor_product(self.net, self.loss_fn, params, batch,
                                        self._inner(func, loss_inner_vectors))
 
     def multiply_ggn_factor(self, func_args, loss_inner_vectors):
@@ -118,7 +118,7 @@ class ImplicitExactCurvature:
         """
         func = "ImplicitExactCurvature.multiply_ggn_factor"
         params, batch = unpack_func_args(func, func_args)
-        return E.ggn_factor_product(self.net, self.loss_fn, params, batch,
+        return exact.ggn_factor_product(self.net, self.loss_fn, params, batch,
                                     self._inner(func, loss_inner_vectors))
 
     def multiply_jacobian(self, func_args, parameter_structured_vector,
@@ -130,8 +130,8 @@ class ImplicitExactCurvature:
         func = "ImplicitExactCurvature.multiply_jacobian"
         params, batch = unpack_func_args(func, func_args)
         flat, _ = flat_or_structured(func, self.net, parameter_structured_vector)
-        b = E._Batch(func, self.net, self.loss_fn, params, batch)
-        E._check_vec(func, b, flat)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
+        exact.check_flat_vector(func, b, flat)
         out = (b.as_tuple(b.jvp_flat(flat)),)
         return (out, (b.loss,)) if return_loss_objects else out
 
@@ -143,7 +143,7 @@ class ImplicitExactCurvature:
         """
         func = "ImplicitExactCurvature.multiply_jacobian_transpose"
         params, batch = unpack_func_args(func, func_args)
-        b = E._Batch(func, self.net, self.loss_fn, params, batch)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
         if not (isinstance(loss_input_vectors, (tuple, list)) and len(loss_input_vectors) == 1
                 and isinstance(loss_input_vectors[0], (tuple, list))
                 and len(loss_input_vectors[0]) == len(b.dep_shapes)):
@@ -165,9 +165,9 @@ class ImplicitExactCurvature:
         func = "ImplicitExactCurvature.get_loss_inner_vector_shapes_and_batch_size"
         check_option(func, "mode", mode, ("fisher", "ggn"))
         params, batch = unpack_func_args(func, func_args)
-        b = E._Batch(func, self.net, self.loss_fn, params, batch)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
         if mode == "fisher":
-            E._need_nll(func, b, "the Fisher factor")
+            exact.require_negative_log_prob(func, b, "the Fisher factor")
         shape = (b.loss.fisher_factor_inner_shape if mode == "fisher"
                  else b.loss.ggn_factor_inner_shape)
         return (tuple(shape),), b.n
@@ -179,7 +179,7 @@ class ImplicitExactCurvature:
         """
         func = "ImplicitExactCurvature.get_loss_input_shapes_and_batch_size"
         params, batch = unpack_func_args(func, func_args)
-        b = E._Batch(func, self.net, self.loss_fn, params, batch)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
         return (b.dep_shapes,), b.n
 
 

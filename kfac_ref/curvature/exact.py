@@ -220,7 +220,9 @@ def _make_loss(func, loss_fn, outputs, targets):
     return loss
 
 
-def _need_nll(func, b, what):
+def require_negative_log_prob(func, b, what):
+    """Internal API (the estimators): raise unless the batch's loss is a predictive
+    distribution, which ``what`` needs."""
     if not isinstance(b.loss, NegativeLogProbLoss):
         raise KFACTypeError(f"{func}: {what} needs a NegativeLogProbLoss (a predictive "
                             f"distribution); got {type(b.loss).__name__}.")
@@ -231,7 +233,9 @@ def _need_targets(func, b):
         raise KFACValueError(f"{func}: batch targets must be given for this quantity; got None.")
 
 
-def _check_vec(func, b, v, name="vector"):
+def check_flat_vector(func, b, v, name="vector"):
+    """Internal API (the estimators): ``v`` is a flat parameter vector ``[P]`` of the
+    batch's namespace, device and precision."""
     namespace_of(func, x=b.out, **{name: v})
     check_array(func, name, v, shape=(b.net.num_params,), layout="[P]")
     return v
@@ -282,7 +286,7 @@ def jacobian_vector_product(net, params, x, vector):
     """
     func = "jacobian_vector_product"
     b = _Batch(func, net, None, params, (x, None))
-    _check_vec(func, b, vector)
+    check_flat_vector(func, b, vector)
     return b.as_output(b.jvp_flat(vector))
 
 
@@ -396,7 +400,7 @@ def fisher_matrix(net, loss_fn, params, batch):
     """
     func = "fisher_matrix"
     b = _Batch(func, net, loss_fn, params, batch)
-    _need_nll(func, b, "the Fisher")
+    require_negative_log_prob(func, b, "the Fisher")
     return fisher_matrix.kernel(b)
 
 
@@ -462,7 +466,7 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
     check_rng(func, "rng", rng)
     m = check_int(func, "num_samples", num_samples, minimum=1)
     b = _Batch(func, net, loss_fn, params, batch)
-    _need_nll(func, b, "the Monte-Carlo Fisher")
+    require_negative_log_prob(func, b, "the Monte-Carlo Fisher")
     return _estimated(func, b, "fisher_gradients", rng, m, "mean")
 
 
@@ -499,9 +503,9 @@ def hessian_matrix(net, loss_fn, params, batch):
 # ------------------------------------------------------------------------------------------
 def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
     b = _Batch(func, net, loss_fn, params, batch)
-    _check_vec(func, b, vector)
+    check_flat_vector(func, b, vector)
     if kind == "fisher":
-        _need_nll(func, b, "the Fisher")
+        require_negative_log_prob(func, b, "the Fisher")
     jv = b.as_tuple(b.jvp_flat(vector))
     k = b.loss.kernels
     prod = k.multiply_fisher(jv) if kind == "fisher" else k.multiply_ggn(jv)
@@ -555,7 +559,7 @@ def empirical_fisher_vector_product(net, loss_fn, params, batch, vector, normali
     check_option(func, "normalization", normalization, EMPIRICAL_FISHER_NORMALIZATIONS)
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
-    _check_vec(func, b, vector)
+    check_flat_vector(func, b, vector)
     g = b.vjp(b.flat(b.loss.kernels.grad_of_evaluate()), per_example=True)
     scale = b.n if normalization == "mean" else b.n * b.n
     return (g.T @ (g @ vector)) / scale
@@ -596,15 +600,15 @@ def hessian_vector_product(net, loss_fn, params, batch, vector):
     func = "hessian_vector_product"
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
-    _check_vec(func, b, vector)
+    check_flat_vector(func, b, vector)
     return _hvp(b, vector)
 
 
 def _factor_t(func, net, loss_fn, params, batch, vector, kind):
     b = _Batch(func, net, loss_fn, params, batch)
-    _check_vec(func, b, vector)
+    check_flat_vector(func, b, vector)
     if kind == "fisher":
-        _need_nll(func, b, "the Fisher factor")
+        require_negative_log_prob(func, b, "the Fisher factor")
     jv = b.as_tuple(b.jvp_flat(vector))
     k = b.loss.kernels
     out = (k.multiply_fisher_factor_transpose(jv) if kind == "fisher"
@@ -615,7 +619,7 @@ def _factor_t(func, net, loss_fn, params, batch, vector, kind):
 def _factor(func, net, loss_fn, params, batch, inner, kind):
     b = _Batch(func, net, loss_fn, params, batch)
     if kind == "fisher":
-        _need_nll(func, b, "the Fisher factor")
+        require_negative_log_prob(func, b, "the Fisher factor")
     shape = (b.loss.fisher_factor_inner_shape if kind == "fisher"
              else b.loss.ggn_factor_inner_shape)
     namespace_of(func, x=b.out, loss_inner_vectors=inner)
@@ -690,11 +694,11 @@ def _rademacher(rng, like, shape):
     return host_draw(rng, like, lambda r: r.choice(np.array([-1.0, 1.0]), size=shape))
 
 
-def _estimation_vectors(func, b, mode, rng, num_samples, empirical_normalization):
+def draw_estimation_vectors(func, b, mode, rng, num_samples, empirical_normalization):
     """List of per-example output cotangents U_c [N, D] with estimate (1/N) Σ_c Σ_n ĝ ĝᵀ."""
     loss = b.loss
     if mode in ("fisher_gradients", "fisher_curvature_prop", "fisher_exact"):
-        _need_nll(func, b, f"estimation mode {mode!r}")
+        require_negative_log_prob(func, b, f"estimation mode {mode!r}")
     if mode in ("fisher_gradients", "fisher_curvature_prop", "ggn_curvature_prop"):
         check_rng(func, "rng", rng)
     if mode == "fisher_empirical":
@@ -761,7 +765,7 @@ def estimation_output_vectors(net, loss_fn, params, batch, estimation_mode, rng=
                  EMPIRICAL_FISHER_NORMALIZATIONS)
     m = check_int(func, "num_samples", num_samples, minimum=1)
     b = _Batch(func, net, loss_fn, params, batch)
-    return _estimation_vectors(func, b, estimation_mode, rng, m, empirical_fisher_normalization)
+    return draw_estimation_vectors(func, b, estimation_mode, rng, m, empirical_fisher_normalization)
 
 
 def estimated_matrix(net, loss_fn, params, batch, estimation_mode, rng=None, num_samples=1,
@@ -792,7 +796,7 @@ def _estimated(func, b, mode, rng, num_samples, empirical_fisher_normalization):
     """(1/N) Σ_c Σ_n (J_nᵀ u_{c,n})(J_nᵀ u_{c,n})ᵀ: loop over the mode's vectors, batched
     over examples."""
     rows = [b.vjp(u, per_example=True)
-            for u in _estimation_vectors(func, b, mode, rng, num_samples,
+            for u in draw_estimation_vectors(func, b, mode, rng, num_samples,
                                          empirical_fisher_normalization)]
     return _second_moment(b.xp, b.xp.concat(rows, axis=0), b.n)
 

@@ -124,8 +124,8 @@ class DenseDiagonal(DenseLayer, Diagonal):
                                           has_bias), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
-        diag = factors.fully_connected_diagonal_factor(data["inputs"], data["outputs_grad"],
-                                                       has_bias=self.has_bias)
+        diag = factors.fully_connected_diagonal_factor.kernel(
+            xp, data["inputs"], data["outputs_grad"], self.has_bias)
         d_in = self.parameters_shapes[0][0]
         return (diag[:d_in, :],) + ((diag[d_in, :],) if self.has_bias else ())
 
@@ -157,9 +157,8 @@ class Conv2DDiagonal(ConvLayer, Diagonal):
                                          has_bias), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
-        diag = factors.conv_diagonal_factor(data["inputs"], data["outputs_grad"],
-                                            self.kernel_shape, self.strides, self.padding,
-                                            self.data_format, self.dilation_rate, self.has_bias)
+        diag = factors.conv_diagonal_factor.kernel(xp, data["inputs"], data["outputs_grad"],
+                                                   self.geometry, self.has_bias)
         k = math.prod(self.kernel_shape[:3])
         new = (xp.reshape(diag[:k, :], self.kernel_shape),)
         return new + ((diag[k, :],) if self.has_bias else ())

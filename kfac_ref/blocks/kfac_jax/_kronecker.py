@@ -205,8 +205,8 @@ class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):
     def _batch_statistics(self, xp, data, batch_size):
         a, g = data["inputs"], data["outputs_grad"]
         if self.symmetrize:
-            return (factors.fully_connected_kronecker_factor(a, has_bias=self.has_bias),
-                    factors.fully_connected_kronecker_factor(g))
+            return (factors.fully_connected_kronecker_factor.kernel(xp, a, self.has_bias),
+                    factors.fully_connected_kronecker_factor.kernel(xp, g))
         return (self._second_moment(xp, append_homog.kernel(xp, a) if self.has_bias else a),
                 self._second_moment(xp, g))
 
@@ -269,10 +269,10 @@ class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
     def _batch_statistics(self, xp, data, batch_size):
         x, g = data["inputs"], data["outputs_grad"]
         if self.symmetrize:
-            return (factors.conv_input_kronecker_factor(x, self.kernel_shape, self.padding,
-                                                        self.strides, self.dilation_rate,
-                                                        self.data_format, self.has_bias),
-                    factors.conv_output_kronecker_factor(g, self.data_format))
+            return (factors.conv_input_kronecker_factor.kernel(xp, x, self.geometry,
+                                                               self.has_bias),
+                    factors.conv_output_kronecker_factor.kernel(
+                        xp, g, self.geometry.channels_last))
         gl = self._grads_channels_last(xp, g)
         return (self._second_moment(xp, self._patches(x)),
                 self._second_moment(xp, xp.reshape(gl, (-1, gl.shape[-1]))))

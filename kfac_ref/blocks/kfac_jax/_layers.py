@@ -18,12 +18,7 @@ from ..._backend import (
     describe,
     namespace_of,
 )
-from .._conv import (
-    check_conv_outputs_grad,
-    conv_locations,
-    is_channels_first,
-    pooled_conv_data,
-)
+from .._conv import check_conv_outputs_grad, conv_geometry, pooled_conv_data
 from ._base import check_rows
 
 __all__ = ["ConvLayer", "DenseLayer", "ParamsGradsSources", "ScaleAndShiftLayer",
@@ -99,8 +94,10 @@ class ConvLayer:
         self.strides, self.padding = strides, padding
         self.dilation_rate, self.data_format = dilation_rate, data_format
         self.has_bias = check_bool(func, "has_bias", has_bias)
-        self.num_locations, self.output_spatial_shape = conv_locations(
-            self.inputs_shape, self.kernel_shape, strides, padding, dilation_rate, data_format)
+        self.geometry = conv_geometry(func, self.inputs_shape, self.kernel_shape, strides,
+                                      padding, dilation_rate, data_format)
+        self.num_locations = self.geometry.num_locations
+        self.output_spatial_shape = self.geometry.output_spatial_shape
         return [self.kernel_shape] + ([(self.kernel_shape[3],)] if self.has_bias else [])
 
     @staticmethod
@@ -120,29 +117,26 @@ class ConvLayer:
     @property
     def channels_first(self):
         """Whether the layout is NCHW (else NHWC)."""
-        return is_channels_first(self.data_format)
+        return not self.geometry.channels_last
 
     def _check_estimation_arrays(self, func, state, arrays, batch_size):
         check_rows(func, state, arrays, batch_size)
         x, g = arrays["inputs"], arrays["outputs_grad"]
         check_array(func, "inputs", x, ndim=4, shape=(None, *self.inputs_shape[1:]))
-        check_conv_outputs_grad(func, g, None, self.output_spatial_shape, self.kernel_shape[3],
-                                self.channels_first)
+        check_conv_outputs_grad(func, g, None, self.geometry)
         return arrays
 
     def _grads_channels_last(self, xp, g):
-        return xp.permute_dims(g, (0, 2, 3, 1)) if self.channels_first else g
+        return self.geometry.to_channels_last(xp, g)
 
     def _patches(self, x):
-        return factors.conv_patch_matrix(x, self.kernel_shape, self.padding, self.strides,
-                                         self.dilation_rate, self.data_format, self.has_bias)
+        xp = namespace_of("patches", x=x)
+        return factors.conv_patch_matrix.kernel(xp, x, self.geometry, self.has_bias)
 
     def _per_example_grads(self, xp, x, g):
         """Per-example weight gradients :math:`DW_n = \\sum_t \\bar p_{n,t} g_{n,t}^\\top`,
         flattened ``[N, (K + 1)·C_out]`` (kernel rows then the bias row)."""
-        dw = factors.conv_per_example_gradients(
-            x, g, self.kernel_shape, self.strides, self.padding, self.data_format,
-            self.dilation_rate, self.has_bias)
+        dw = factors.conv_per_example_gradients.kernel(xp, x, g, self.geometry, self.has_bias)
         return xp.reshape(dw, (x.shape[0], -1))
 
 
