@@ -44,6 +44,7 @@ def test_reference_adapter_passes_every_case(tmp_path):
     assert " passed" in out and "failed" not in out and "skipped" not in out
     rep = json.loads((tmp_path / "repo" / "reports" / "kfac_ref" / "report.json").read_text())
     assert rep["ok"] and rep["counts"]["pass"] > 100 and rep["counts"]["fail"] == 0
+    assert (tmp_path / "repo" / "reports" / "kfac_ref" / "report.html").exists()
 
 
 def test_mutant_fails_with_the_diagnosis_in_the_message(tmp_path):
