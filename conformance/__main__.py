@@ -17,7 +17,7 @@ from pathlib import Path
 #: where reports go unless --out says otherwise: relative, so under the current directory
 #: (an installed package's folder may be read-only, and reports are the user's files)
 DEFAULT_OUT = Path("conformance-reports")
-COMMANDS = ("run", "golden", "list", "matrix", "docs")
+COMMANDS = ("run", "golden", "list", "matrix", "docs", "new-adapter")
 PROG = "python -m conformance"
 SCRIPT = "kfac-conformance"
 _PKG = Path(__file__).resolve().parent
@@ -49,20 +49,39 @@ def version() -> str:
             return "unknown"
 
 
-def _adapter_lines() -> list[str]:
-    """One line per shipped adapter: name and description."""
+def _conventions_text(adapter) -> str:
+    """An adapter's declared conventions: ``canonical`` or ``field=value, ...``."""
+    diff = adapter.conventions.differences()
+    return ", ".join(f"{k}={v!r}" for k, v in diff.items()) or "canonical"
+
+
+def _adapter_lines(conventions: bool = False) -> list[str]:
+    """One line per shipped and external (entry-point) adapter: name and description; with
+    ``conventions``, a second line with its declared conventions."""
     from .adapter import load_adapter
-    from .adapters import shipped
+    from .adapters import ENTRY_POINT_GROUP, distribution_of, external, shipped
 
     rows = []
-    for name in shipped():
+    ext = external()
+    for name in [*shipped(), *ext]:
+        conv = ""
         try:
-            desc = load_adapter(name).description
+            adapter = load_adapter(name)
+            desc = adapter.description
+            conv = _conventions_text(adapter)
         except Exception as exc:  # noqa: BLE001 - a broken adapter module is listed as such
             desc = f"(cannot be loaded: {type(exc).__name__}: {exc})"
-        rows.append((name, desc))
-    width = max(len(n) for n, _ in rows)
-    return [f"  {n:<{width}}  {d}" for n, d in rows]
+        if name in ext:
+            dist = distribution_of(name)
+            desc += f" [entry point {ENTRY_POINT_GROUP}" + (f" of {dist}]" if dist else "]")
+        rows.append((name, desc, conv))
+    width = max(len(n) for n, _, _ in rows)
+    out = []
+    for n, d, c in rows:
+        out.append(f"  {n:<{width}}  {d}")
+        if conventions and c:
+            out.append(f"  {'':<{width}}    conventions: {c}")
+    return out
 
 
 def _epilog(prog: str) -> str:
@@ -73,15 +92,17 @@ def _epilog(prog: str) -> str:
         f"adapters (--adapter NAME, or {ENV_VAR}=NAME; default kfac_ref):",
         *_adapter_lines(),
         "  or a module (mypkg.my_adapter[:attr]) or a file (./my_adapter.py): how to write",
-        "  one is in conformance/README.md.  Peers run in their own environments",
+        f"  one is in conformance/README.md, `{prog} new-adapter NAME` writes a skeleton,",
+        "  and installed packages add theirs through the entry-point group",
+        "  kfac_ref.conformance_adapters.  Peers run in their own environments",
         "  (conformance/peers/README.md); `list` also shows the deliberately wrong mutant_*",
         "  adapters that test the diagnosis.",
         "",
         "environment:",
         f"  {ENV_VAR}  the adapter to run when --adapter is not given",
         "",
-        f"reports: report.json, junit.xml and report.md in {DEFAULT_OUT}/<adapter>/ under the",
-        "  current directory (--out DIR to change).",
+        "reports: report.json, junit.xml, report.md and report.html (one self-contained page)",
+        f"  in {DEFAULT_OUT}/<adapter>/ under the current directory (--out DIR to change).",
         "",
         "The default run is a self-check: kfac_ref against its own golden vectors.  To check",
         "another implementation:",
@@ -97,7 +118,7 @@ def _parser(prog: str = PROG):
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=fmt, epilog=epilog,
-        usage=f"{prog} [run] [options]  |  {prog} {{golden,list,matrix,docs}} ...",
+        usage=f"{prog} [run] [options]  |  {prog} {{golden,list,matrix,docs,new-adapter}} ...",
         description=textwrap.fill(
             "Check a K-FAC implementation against the kfac_ref reference, case by case, and "
             "name the pitfall behind every disagreement.  Without a command it runs `run`.",
@@ -113,7 +134,8 @@ def _parser(prog: str = PROG):
                    help="adapter name, module[:attr] or file.py (default: "
                         "$KFAC_CONFORMANCE_ADAPTER, else kfac_ref)")
     r.add_argument("--all-adapters", action="store_true",
-                   help="run every shipped adapter and write the ecosystem matrix")
+                   help="run every shipped and installed (entry-point) adapter and write "
+                        "the ecosystem matrix")
     r.add_argument("--with-mutants", action="store_true",
                    help="with --all-adapters: include the deliberately wrong adapters")
     r.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
@@ -149,6 +171,15 @@ def _parser(prog: str = PROG):
 
     sub.add_parser("docs", help="regenerate the generated tables in conformance/README.md")
 
+    na = sub.add_parser("new-adapter", help="write a commented adapter skeleton",
+                        description="Write NAME_adapter.py: an adapter for the implementation "
+                                    "NAME with every capability stubbed as unsupported and "
+                                    "every convention field written out with its meaning.")
+    na.add_argument("name", metavar="NAME", help="the implementation's (import) name")
+    na.add_argument("--out", default=None, metavar="FILE",
+                    help="where to write it (default: ./NAME_adapter.py; '-' = stdout)")
+    na.add_argument("--force", action="store_true", help="overwrite an existing file")
+
     m = sub.add_parser("matrix", help="merge report.json files into the ecosystem matrix")
     m.add_argument("reports", nargs="+", help="report.json files")
     m.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
@@ -175,7 +206,7 @@ def _is_reference(name) -> bool:
 
 def _cmd_run(args) -> int:
     from .adapter import Adapter, AdapterUnavailable, load_adapter
-    from .adapters import mutants, shipped
+    from .adapters import external, mutants, shipped
     from .reports import Progress, legend, terminal_summary, write_matrix, write_reports
     from .runner import read_pattern_file
     from .suite import run, select_cases
@@ -209,6 +240,7 @@ def _cmd_run(args) -> int:
         return 2
     if args.all_adapters:
         specs = dict(shipped())
+        specs.update({k: v for k, v in external().items() if k not in specs})
         if args.with_mutants:
             specs.update(mutants())
     else:
@@ -307,8 +339,9 @@ def _cmd_list(args) -> int:
                     if c.capability == name:
                         print(f"      {c.id}  rtol64={c.tolerance.rtol():.1e} "
                               f"({c.tolerance.derivation})")
-    print("adapters (--adapter NAME):")
-    print("\n".join(_adapter_lines()))
+    print("adapters (--adapter NAME; declared conventions: where each differs from the "
+          "reference):")
+    print("\n".join(_adapter_lines(conventions=True)))
     print("mutants (deliberately wrong adapters that test the diagnosis): " +
           ", ".join(mutants()))
     return 0
@@ -362,6 +395,27 @@ def _cmd_docs(args) -> int:
     return 0
 
 
+def _cmd_new_adapter(args) -> int:
+    from .skeleton import adapter_skeleton
+
+    try:
+        text = adapter_skeleton(args.name)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.out == "-":
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.out or f"{args.name}_adapter.py")
+    if path.exists() and not args.force:
+        print(f"error: {path} exists (--force overwrites it)", file=sys.stderr)
+        return 2
+    path.write_text(text, encoding="utf-8")
+    print(f"wrote {path}: every capability is listed as unsupported; implement one, delete "
+          f"its line from `unsupported`, then run\n  {args.prog} --adapter {path}")
+    return 0
+
+
 def _cmd_matrix(args) -> int:
     from .reports import write_matrix
 
@@ -379,7 +433,8 @@ def main(argv=None, prog: str = PROG) -> int:
     args.prog = prog
     os.environ.setdefault("PYTHONHASHSEED", "0")
     return {"run": _cmd_run, "golden": _cmd_golden, "list": _cmd_list,
-            "matrix": _cmd_matrix, "docs": _cmd_docs}[args.command](args)
+            "matrix": _cmd_matrix, "docs": _cmd_docs,
+            "new-adapter": _cmd_new_adapter}[args.command](args)
 
 
 def script() -> int:

@@ -364,17 +364,26 @@ def section_id(title: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", ascii_title.lower()).strip("-")
 
 
+def _local_docs() -> str:
+    """The built pages of a source checkout as a ``file://`` URL when they exist, else the
+    relative folder ``bash docs/build.sh`` writes them to."""
+    from pathlib import Path
+
+    built = Path(__file__).resolve().parent.parent / "docs" / "_build" / "html"
+    return built.as_uri() + "/" if (built / "index.html").exists() else "docs/_build/html/"
+
+
 def docs_link(pitfall: str, base: str | None = None) -> tuple[str, str] | None:
     """``(label, url)`` of the docs section for ``pitfall`` (``a+b`` pairs: the first one), or
-    ``None``.  ``base`` (default ``$KFAC_REF_DOCS_URL``, else ``docs/_build/html/``, where
-    ``bash docs/build.sh`` writes the pages) is a URL or a directory of the built pages."""
+    ``None``.  ``base`` (default ``$KFAC_REF_DOCS_URL``, else the pages ``bash docs/build.sh``
+    writes to ``docs/_build/html/``) is a URL or a directory of the built pages."""
     import os
 
     key = pitfall.split("+")[0]
     if key not in DOCS:
         return None
     page, section = DOCS[key]
-    base = base or os.environ.get(DOCS_URL_VAR) or "docs/_build/html/"
+    base = base or os.environ.get(DOCS_URL_VAR) or _local_docs()
     if not base.endswith("/"):
         base += "/"
     label = f"docs page {DOCS_PAGES[page]} › {section}"

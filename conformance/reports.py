@@ -1,5 +1,6 @@
-"""Reports: terminal progress and summary table, JSON, JUnit XML, Markdown, and the ecosystem
-matrix (implementation × capability)."""
+"""Reports: terminal progress and summary table, JSON, JUnit XML, Markdown, a self-contained
+HTML page (:mod:`conformance.html_report`), and the ecosystem matrix (implementation ×
+capability)."""
 
 from __future__ import annotations
 
@@ -180,12 +181,17 @@ def _markdown(report: RunReport) -> str:
 
 
 def write_reports(report: RunReport, out_dir) -> dict:
-    """Write report.json, junit.xml and report.md under ``out_dir/<adapter>/``."""
+    """Write report.json, junit.xml, report.md and report.html under ``out_dir/<adapter>/``."""
+    from .html_report import html_report
+
     d = Path(out_dir) / str(report.adapter.get("name"))
     d.mkdir(parents=True, exist_ok=True)
-    paths = {"json": d / "report.json", "junit": d / "junit.xml", "markdown": d / "report.md"}
-    paths["json"].write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
+    paths = {"json": d / "report.json", "junit": d / "junit.xml", "markdown": d / "report.md",
+             "html": d / "report.html"}
+    data = report.to_dict()
+    paths["json"].write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n",
                              encoding="utf-8")
+    paths["html"].write_text(html_report(data), encoding="utf-8")
     paths["junit"].write_bytes(_junit(report))
     paths["markdown"].write_text(_markdown(report), encoding="utf-8")
     return paths

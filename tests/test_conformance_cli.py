@@ -35,7 +35,8 @@ def test_help_lists_adapters_environment_reports_and_exit_status(capsys, command
         desc = load_adapter(name).description
         assert re.search(rf"^  {re.escape(name)} +{re.escape(desc)}$", text, re.M), name
     assert "KFAC_CONFORMANCE_ADAPTER  the adapter to run when --adapter is not given" in text
-    assert f"{DEFAULT_OUT}/<adapter>/ under the\n  current directory" in text
+    assert "report.md and report.html (one self-contained page)\n" \
+        f"  in {DEFAULT_OUT}/<adapter>/ under the current directory" in text
     assert "The default run is a self-check: kfac_ref against its own golden vectors" in text
     assert f"  {SCRIPT} list " in text and f"  {SCRIPT} --adapter NAME " in text
     status = text[text.index("exit status:"):]

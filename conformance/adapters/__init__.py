@@ -5,6 +5,18 @@ Every module in this package that does not start with ``_`` is an adapter module
 registry is discovered, so a new adapter is a new file here; modules must import their
 implementation lazily (in ``Adapter.setup``), so that discovery stays cheap and works where the
 implementation is not installed.
+
+Adapters outside this package join through the entry-point group :data:`ENTRY_POINT_GROUP`
+(``kfac_ref.conformance_adapters``): a distribution that declares, in its ``pyproject.toml``,
+
+.. code-block:: toml
+
+    [project.entry-points."kfac_ref.conformance_adapters"]
+    mykfac = "mypkg.kfac_adapter:MyAdapter"
+
+is listed by ``python -m conformance list``, runs with ``--adapter mykfac`` and takes part in
+``--all-adapters`` and the ecosystem matrix.  ``python -m conformance new-adapter NAME``
+writes a commented skeleton to start from.
 """
 
 from __future__ import annotations
@@ -12,7 +24,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-__all__ = ["registry", "shipped", "mutants"]
+__all__ = ["registry", "shipped", "mutants", "external", "ENTRY_POINT_GROUP"]
+
+#: entry-point group through which installed distributions contribute adapters
+ENTRY_POINT_GROUP = "kfac_ref.conformance_adapters"
 
 
 def _collect(package):
@@ -44,7 +59,35 @@ def mutants() -> dict:
     return _collect("conformance.mutants")
 
 
+def external() -> dict:
+    """Adapters of installed distributions (entry-point group :data:`ENTRY_POINT_GROUP`):
+    name -> ``"module[:attr]"`` spec.  Nothing is imported here; a shipped adapter's name
+    cannot be taken over."""
+    from importlib.metadata import entry_points
+
+    taken = set(shipped()) | set(mutants())
+    out = {}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name not in taken and ep.name not in out:
+            out[ep.name] = ep.value
+    return out
+
+
+def distribution_of(name: str) -> str:
+    """``"dist version"`` of the distribution that contributes the external adapter ``name``
+    (empty when it is not an external adapter)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            dist = getattr(ep, "dist", None)
+            return f"{dist.name} {dist.version}" if dist is not None else ""
+    return ""
+
+
 def registry() -> dict:
-    out = dict(shipped())
+    """Every adapter name: shipped, mutants and external (installed through entry points)."""
+    out = dict(external())
+    out.update(shipped())
     out.update(mutants())
     return out
