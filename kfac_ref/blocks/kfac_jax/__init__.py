@@ -68,6 +68,7 @@ from ._diagonal import (
     NaiveDiagonal,
     ScaleAndShiftDiagonal,
 )
+from ._ekfac import Conv2DEKFAC, DenseEKFAC, EigenbasisKroneckerFactored
 from ._full import Conv2DFull, DenseFull, Full, NaiveFull, ScaleAndShiftFull
 from ._identity import ScaledIdentity
 from ._kronecker import (
@@ -102,6 +103,9 @@ __all__ = [
     "Conv2DFull",
     "Conv2DTwoKroneckerFactored",
     "ReducedConv2DTwoKroneckerFactored",
+    "EigenbasisKroneckerFactored",
+    "DenseEKFAC",
+    "Conv2DEKFAC",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
     "register_layer_block",
