@@ -154,3 +154,20 @@ def test_mixed_dask_and_numpy_rejected(rng):
     x = rng.standard_normal((10, 3))
     with pytest.raises(TypeError, match="one array namespace"):
         compute_cov(da.from_array(x, chunks=(5, 3)), tensor_right=x)
+
+
+def test_on_a_distributed_cluster(rng):
+    """The same lazy factors computed by a dask.distributed scheduler (a LocalCluster with
+    in-process workers) agree with eager NumPy."""
+    distributed = pytest.importorskip("distributed")
+    x = rng.standard_normal((2000, 7))
+    g = rng.standard_normal((2000, 3))
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                  dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as client:
+        a_lazy = factors.fully_connected_kronecker_factor(da.from_array(x, chunks=(250, 7)),
+                                                          has_bias=True)
+        g_lazy = compute_cov(da.from_array(g, chunks=(250, 3)))
+        a, gg = client.compute([a_lazy, g_lazy], sync=True)
+    _close(a, factors.fully_connected_kronecker_factor(x, has_bias=True))
+    _close(gg, compute_cov(g))

@@ -26,19 +26,23 @@ shapes, dtypes and options are still checked at the call.
 # %%
 # A cluster with less memory than the data
 # ----------------------------------------
-# Two worker processes with one thread and 300 MiB each (about half of it is taken by
-# the Python process itself).  The inputs of a dense layer with 128 features for
-# 800,000 examples are 0.82 GB in float64 — more than the whole cluster's memory.  They
-# are never stored: each chunk of 10,000 examples is generated
-# where it is used, from a seed (as a data loader would read it from disk).
-import logging
+# A scheduler and two worker processes with one thread and 300 MiB each (about half of
+# it is taken by the Python process itself), started with Dask's own command-line tools
+# as on any cluster; this script is only a client.  The inputs of a dense layer with 128
+# features for 800,000 examples are 0.82 GB in float64 — more than the whole cluster's
+# memory.  They are never stored: each chunk of 10,000 examples is generated where it is
+# used, from a seed (as a data loader would read it from disk).
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import dask
 import dask.array as da
 import matplotlib.pyplot as plt
 import numpy as np
-from distributed import Client, LocalCluster
+from distributed import Client
 from distributed.diagnostics import MemorySampler
 
 from kfac_ref import factors, losses
@@ -46,13 +50,19 @@ from kfac_ref import factors, losses
 WORKERS, LIMIT = 2, 300 * 2**20
 N, D_IN, D_OUT, CHUNK = 800_000, 128, 10, 10_000
 
-# Workers are forked (a script run by a documentation builder cannot be re-imported by
-# spawned processes); the dashboard takes any free port.
-dask.config.set({"distributed.worker.multiprocessing-method": "fork"})
-cluster = LocalCluster(n_workers=WORKERS, threads_per_worker=1, memory_limit=LIMIT,
-                       dashboard_address=":0", processes=True,
-                       silence_logs=logging.ERROR)
-client = Client(cluster)
+scheduler_file = Path(tempfile.mkdtemp()) / "scheduler.json"
+quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+scheduler = subprocess.Popen(
+    [sys.executable, "-m", "distributed.cli.dask_scheduler", "--scheduler-file",
+     str(scheduler_file), "--port", "0", "--dashboard-address", ":0"], **quiet)
+workers = subprocess.Popen(
+    [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+     str(scheduler_file), "--nworkers", str(WORKERS), "--nthreads", "1",
+     "--memory-limit", str(LIMIT), "--no-dashboard"], **quiet)
+while not scheduler_file.exists():
+    time.sleep(0.1)
+client = Client(scheduler_file=str(scheduler_file))
+client.wait_for_workers(WORKERS, timeout=120)
 
 rng = np.random.default_rng(0)
 mixing = rng.standard_normal((D_IN, D_IN)) / np.sqrt(D_IN)  # correlated features
@@ -118,8 +128,9 @@ def rel(a, b):
 print(f"subset, cluster vs NumPy:     A {rel(A_sub_dask, A_sub):.1e}   "
       f"G {rel(G_sub_dask, G_sub):.1e}")
 print(f"whole data vs subset (noise): A {rel(A, A_sub):.1e}   G {rel(G, G_sub):.1e}")
-client.close()
-cluster.close()
+client.shutdown()  # stops the scheduler and the workers
+for proc in (workers, scheduler):
+    proc.wait(timeout=60)
 
 # %%
 # What it looked like
