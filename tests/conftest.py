@@ -68,7 +68,8 @@ def pytest_collection_finish(session):
     opt = session.config.option
     FULL_RUN["value"] = (files <= seen and not opt.keyword and not opt.markexpr
                          and not os.environ.get("KFAC_REF_BACKENDS")
-                         and not opt.lf and not getattr(opt, "deselect", None))
+                         and not getattr(opt, "lf", False)
+                         and not getattr(opt, "deselect", None))
     FULL_RUN["cells"] = tuple(p.id for p in _backends()
                               if not any(m.name == "skip" for m in p.marks))
 
