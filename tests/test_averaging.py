@@ -46,7 +46,8 @@ def test_without_debias_reports_raw_sum(xp, rng):
                                            initial_value=xp.asarray(init))
     avg = avg.update(xp.asarray(x), 0.9, weight=0.1)
     xp.assert_close(avg.value, 0.9 * init + 0.1 * x)
-    # zero-initialised and not debiased: biased low by the factor 1 - d^k (FORMULAS E7)
+    # zero-initialised and not debiased: biased low by the factor 1 - d^k (docs page
+    # Conventions, moving averages)
     plain = MovingAverageVariable.zeros_like(xp.asarray(x), zero_debias=False)
     for _ in range(3):
         plain = plain.update(xp.asarray(x), 0.9, weight=0.1)

@@ -399,7 +399,7 @@ def test_kron_damped_inverse_undoes_damped_product(xp, rng, method):
 
 def test_kron_damped_matpower_clipping_prevents_nan(xp, rng):
     """A rank-deficient factor with tiny damping and power -0.5: clipped eigenvalues keep
-    the result finite (FORMULAS P8)."""
+    the result finite (TF K-FAC clips at EIGENVALUE_CLIPPING_THRESHOLD for this reason)."""
     a = xp.round_host(random_psd(rng, 4, 1))
     b = xp.round_host(random_spd(rng, 2))
     x = xp.asarray(rng.standard_normal(8))
