@@ -1,6 +1,7 @@
 """nox sessions: tests per backend, lint, docs, conformance.
 
     nox -s tests-numpy tests-strict tests-torch   # the test matrix, one backend family each
+    nox -s tests-jax tests-dask                   # JAX (float64, float32; jit/vmap), Dask
     nox -s tests                                  # every available backend in one run
     nox -s lint                                   # ruff
     nox -s docs                                   # Sphinx, warnings as errors, offline
@@ -24,8 +25,9 @@ LINTED = ("kfac_ref", "tests", "benchmarks", "noxfile.py", "conformance", "docs/
 TORCH = ("torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu")
 
 
-def _tests(session: nox.Session, backends: str, torch: bool = False) -> None:
-    session.install("-e", ".[test]")
+def _tests(session: nox.Session, backends: str, torch: bool = False,
+           extras: str = "test") -> None:
+    session.install("-e", f".[{extras}]")
     if torch:
         session.install(*TORCH)
     session.run("python", "-m", "pytest", "-q", *session.posargs,
@@ -46,14 +48,28 @@ def tests_strict(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, name="tests-torch")
 def tests_torch(session: nox.Session) -> None:
-    """The test suite on PyTorch CPU tensors (float64)."""
+    """The test suite on PyTorch CPU tensors (float64 and float32)."""
     _tests(session, "torch-cpu", torch=True)
+
+
+@nox.session(python=PYTHON, name="tests-jax")
+def tests_jax(session: nox.Session) -> None:
+    """The test suite on JAX CPU arrays, float64 (x64 mode) and float32, and the
+    jax.jit / jax.vmap tests."""
+    _tests(session, "jax", extras="test,jax")
+
+
+@nox.session(python=PYTHON, name="tests-dask")
+def tests_dask(session: nox.Session) -> None:
+    """The Dask tests (factor statistics chunk by chunk, a distributed LocalCluster)."""
+    session.install("-e", ".[test,dask]")
+    session.run("python", "-m", "pytest", "-q", "tests/test_dask.py", *session.posargs)
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The whole test matrix (every backend installed in the session)."""
-    session.install("-e", ".[test]")
+    session.install("-e", ".[test,jax,dask]")
     session.install(*TORCH)
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
