@@ -5,7 +5,8 @@ Every public object of kfac_ref has a :class:`Support` entry with one state per 
 
 .. math::
 
-   \text{state}(f, c) \in \{\text{yes}, \text{no}, \text{untested}\}, \qquad
+   \text{state}(f, c) \in \{\text{yes}, \text{no}, \text{untested}, \text{n/a}\},
+   \qquad
    c \in \{\text{numpy}, \text{array\_api\_strict}, \text{torch}, \text{jax}, \text{cupy},
    \text{jit}, \text{vmap}, \text{dask}\}
 
@@ -14,7 +15,9 @@ Every public object of kfac_ref has a :class:`Support` entry with one state per 
   the ``jax.jit``/``jax.vmap``/Dask tests are generated from the "yes" entries);
 * **no** — not supported, with the reason; calling it that way raises a clear
   :class:`~kfac_ref.KFACInputError` (tested);
-* **untested** — may work, but nothing checks it.
+* **untested** — may work, but nothing checks it;
+* **n/a** — the object takes no arrays (shapes, options, registries, Python numbers), so
+  the array library does not matter.
 
 The eager columns are the array libraries (array-api-strict stands for "any library that
 follows the standard", including its restricted devices and its float32-only device).  The
@@ -41,7 +44,7 @@ EAGER_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy")
 COLUMNS = EAGER_BACKENDS + ("jit", "vmap", "dask")
 """Every column of the support table, in order."""
 
-_STATES = ("yes", "no", "untested")
+_STATES = ("yes", "no", "untested", "n/a")
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,32 @@ _EAGER = Support({b: "yes" for b in EAGER_BACKENDS})
 # Overrides, by dotted name of the object where it is documented: a state, or ("no",
 # reason).  The jit, vmap and dask columns say "yes" only where tests/test_jit.py,
 # tests/test_transforms.py and tests/test_dask.py run the object.
+# Objects that take no arrays: every eager column is "n/a".
+_ARRAY_FREE = (
+    "kfac_ref.value_checks",
+    "kfac_ref.capabilities.Support",
+    "kfac_ref.capabilities.support_of",
+    "kfac_ref.capabilities.support_table",
+    "kfac_ref.blocks.kfac_jax.default_layer_to_block",
+    "kfac_ref.blocks.kfac_jax.layer_block",
+    "kfac_ref.blocks.kfac_jax.register_layer_block",
+    "kfac_ref.blocks.kfac_jax.registered_layer_blocks",
+    "kfac_ref.blocks.tf.normalize_damping",
+    "kfac_ref.blocks.tf.SeriesFBApproximation",
+    "kfac_ref.conv_geometry.is_channels_last",
+    "kfac_ref.curvature.report.default_approximations",
+    "kfac_ref.nn.convert.kfac_jax_permutation",
+    "kfac_ref.nn.convert.torch_permutation",
+    "kfac_ref.optim.reduction_ratio",
+    "kfac_ref.patches.conv_output_spatial_shape",
+    "kfac_ref.patches.conv_padding_amounts",
+    "kfac_ref.patches.num_conv_locations",
+    "kfac_ref.patches.num_subsampled_inputs",
+    "kfac_ref.patches.num_subsampled_patches",
+)
+
 _DECLARED: dict[str, dict] = {
+    **{name: {b: "n/a" for b in EAGER_BACKENDS} for name in _ARRAY_FREE},
     "kfac_ref.linalg.compute_cov": {"jit": "yes", "vmap": "yes", "dask": "yes"},
     "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes"},
     "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes"},
@@ -199,7 +227,7 @@ def support_of(obj) -> Support:
     return table[entry[0]]
 
 
-_SYMBOL = {"yes": "yes", "no": "no", "untested": "–"}
+_SYMBOL = {"yes": "yes", "no": "no", "untested": "–", "n/a": "n/a"}
 
 
 def docstring_row(support: Support) -> str:
@@ -213,6 +241,8 @@ def docstring_row(support: Support) -> str:
         lines.append(f"Not supported: {col} ({support.reasons.get(col, 'see the docs')}).")
     if groups["untested"]:
         lines.append("Not tested: " + ", ".join(groups["untested"]) + ".")
+    if groups["n/a"]:
+        lines.append("Takes no arrays: any array library.")
     lines.append("See the docs page *Backend support*.")
     return "\n".join(lines) + "\n"
 

@@ -74,6 +74,17 @@ def pytest_collection_finish(session):
                               if not any(m.name == "skip" for m in p.marks))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """KFAC_REF_SUPPORT_DUMP=path writes what the run exercised (object, backend) as JSON,
+    the evidence for editing the declarations in kfac_ref/capabilities.py."""
+    path = os.environ.get("KFAC_REF_SUPPORT_DUMP")
+    if path:
+        import json
+
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(sorted(support_recorder.CALLS), f, indent=0)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One cell of the test matrix."""

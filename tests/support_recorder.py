@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 
 import array_api_compat
@@ -66,21 +67,28 @@ def _wrap_function(dotted, fn):
     return recorded
 
 
-def _wrap_class(names_of_class, cls):
-    """Record construction (by the constructed class, so subclasses count as themselves)."""
-    init = cls.__dict__.get("__init__")
-    if init is None or getattr(init, "_kfac_recorded", False):
-        return
-    @functools.wraps(init)
-    def recorded_init(self, *args, **kwargs):
+def _wrap_method(names_of_class, method):
+    @functools.wraps(method)
+    def recorded(self, *args, **kwargs):
         name = names_of_class.get(type(self))
         b = _first_backend(args, kwargs)
         if name is not None and b is not None:
             CALLS.add((name, b))
-        return init(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
-    recorded_init._kfac_recorded = True
-    cls.__init__ = recorded_init
+    recorded._kfac_recorded = True
+    return recorded
+
+
+def _wrap_class(names_of_class, cls):
+    """Record construction and every public method call with array arguments, under the
+    class of ``self`` (so subclasses count as themselves; blocks are built from shapes and
+    see arrays only in their methods)."""
+    for attr, value in list(vars(cls).items()):
+        if not (attr == "__init__" or not attr.startswith("_")):
+            continue
+        if inspect.isfunction(value) and not getattr(value, "_kfac_recorded", False):
+            setattr(cls, attr, _wrap_method(names_of_class, value))
 
 
 def install():

@@ -18,6 +18,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = "conformance.pytest_plugin"
 
 
+def _entry_point_installed() -> bool:
+    """Whether an installed distribution (kfac_ref installed with pip, say) already gives
+    pytest the plugin through its pytest11 entry point; then ``-p`` would load it twice."""
+    from importlib.metadata import entry_points
+
+    return any(ep.value == PLUGIN for ep in entry_points(group="pytest11"))
+
+
 def _pytest(tmp_path, *args, plugin=True, extra_path=()):
     repo = tmp_path / "repo"
     repo.mkdir(exist_ok=True)
@@ -25,7 +33,7 @@ def _pytest(tmp_path, *args, plugin=True, extra_path=()):
     env.pop("KFAC_CONFORMANCE_ADAPTER", None)
     env.pop("PYTEST_ADDOPTS", None)
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEsx",
-           *(["-p", PLUGIN] if plugin else []), *args]
+           *(["-p", PLUGIN] if plugin and not _entry_point_installed() else []), *args]
     p = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     return p.returncode, p.stdout + p.stderr
 

@@ -13,7 +13,7 @@ from docutils.statemachine import StringList
 from sphinx.util.docutils import SphinxDirective
 
 _HEAD = {"array_api_strict": "strict"}
-_CELL = {"yes": "yes", "no": "no", "untested": "–"}
+_CELL = {"yes": "yes", "no": "no", "untested": "–", "n/a": "n/a"}
 
 
 def _rst(table, columns):
