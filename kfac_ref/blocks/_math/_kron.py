@@ -1,0 +1,272 @@
+"""Kronecker-factored block products (exact eigenbasis and factored π damping paths)."""
+
+from __future__ import annotations
+
+import math
+
+from array_api_compat import array_namespace as xp_of
+
+from ..._backend import (
+    KFACValueError,
+    check_array,
+    check_option,
+    check_scalar,
+    namespace_of,
+)
+from ...linalg import (
+    clipped_eigh,
+    damped_matpower,
+    factor_norm,
+    kron_eigenbasis_matpower,
+    pi_adjusted_damping,
+)
+from ._common import (
+    PI_NORMS,
+    ZERO_FACTOR_FALLBACKS,
+    check_common,
+    check_factor,
+    elementwise_power,
+)
+
+
+def _factor_norm_is_zero(f, norm_type):
+    # The norm that sets π (kfac-jax tests the same norms for its zero-factor special case);
+    # kfac_ref.linalg.factor_norm is the one home of the factor norms.  For a PSD factor every
+    # one of them is zero exactly when the factor is zero.
+    return bool(factor_norm.kernel(xp_of(f), f, "avg_diag" if norm_type == "off"
+                                   else norm_type) == 0.0)
+
+
+# --------------------------------------------------------------------------------------
+# Kronecker-factored blocks
+# --------------------------------------------------------------------------------------
+def prepare_kron_eigen(func, xp, a, g, threshold):
+    """Eigendecompositions of both factors (a diagonal factor is its own eigenbasis)."""
+    out = []
+    for f in (a, g):
+        if f.ndim == 1:
+            out.append((xp.clip(f, min=threshold), None))
+        else:
+            out.append(clipped_eigh.kernel(xp, f, threshold))
+    return out[0][0], out[0][1], out[1][0], out[1][1]
+
+
+def apply_kron_eigen(func, xp, eig, x, power, damping, scale):
+    r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
+    s_a, q_a, s_g, q_g = eig
+    return kron_eigenbasis_matpower.kernel(xp, s_a, q_a, s_g, q_g, x, power, damping, scale,
+                                            func=func)
+
+
+def apply_kron_direct(xp, a, g, x, damping, scale):
+    """``(s·A⊗G + λI) vec_r(X) = vec_r(s·A X Gᵀ + λX)`` (power 1, no eigendecomposition)."""
+    left = a[:, None] * x if a.ndim == 1 else a @ x
+    prod = left * g[None, :] if g.ndim == 1 else left @ xp.matrix_transpose(g)
+    return scale * prod + damping * x
+
+
+def _factor_power(func, xp, f, power, delta, threshold):
+    """``(F + δI)^p`` of one factor: a matrix, or a vector for a diagonal factor."""
+    if f.ndim == 1:
+        return elementwise_power(func, xp, xp.clip(f, min=threshold) + delta, power)
+    try:
+        return damped_matpower.kernel(xp, f, power, delta, threshold, func=func)
+    except KFACValueError as exc:
+        raise KFACValueError(f"{func}: a damped Kronecker factor is singular for the power "
+                             f"{power} ({exc}). Add damping.") from None
+
+
+def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+                           threshold):
+    r"""Factor powers of the π-damped block.
+
+    Returns ``(a_pow, g_pow, coeff)`` with
+    :math:`(s (A + \delta_A I) \otimes (G + \delta_G I))^p = c\, A_p \otimes G_p`; for the
+    kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
+    """
+    lam = damping / scale
+    zero = _factor_norm_is_zero(a, norm_type) or _factor_norm_is_zero(g, norm_type)
+    if zero and zero_factor_fallback == "identity":
+        # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
+        if power < 0 and damping == 0.0:
+            raise KFACValueError(
+                f"{func}: a Kronecker factor is zero and damping is 0, so the block is singular "
+                f"for the power {power}. Add damping."
+            )
+        return None, None, damping**power
+    if norm_type == "off":
+        delta_a = delta_g = math.sqrt(lam)
+    else:
+        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type)
+    a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
+    g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
+    return a_pow, g_pow, scale**power
+
+
+def apply_kron_factored(xp, prepared, x):
+    a_pow, g_pow, coeff = prepared
+    if a_pow is None:
+        return coeff * x
+    left = a_pow[:, None] * x if a_pow.ndim == 1 else a_pow @ x
+    prod = left * g_pow[None, :] if g_pow.ndim == 1 else left @ g_pow
+    return coeff * prod
+
+
+KRON_PATHS = ("direct", "eigen", "factored")
+"""The three ways a Kronecker product is computed (see :func:`kron_product_path`)."""
+
+
+def kron_product_path(power, exact, approx_power_one="factored"):
+    r"""Which computation a Kronecker product :math:`(sA\otimes G + \lambda I)^p` takes.
+
+    .. math::
+
+        \begin{aligned}
+        \text{direct}: &\quad p = 1 \text{ and (exact or power-one exact)}:
+            \ s A X G^\top + \lambda X,\\
+        \text{eigen}: &\quad \text{exact otherwise (both eigendecompositions)},\\
+        \text{factored}: &\quad \text{approximate otherwise (π-damped factor powers)}.
+        \end{aligned}
+
+    The one place the path is chosen: :func:`kronecker_block_matpower` and the Kronecker
+    blocks (cached or not) all call it.
+    """
+    if power == 1.0 and (exact or approx_power_one == "exact"):
+        return "direct"
+    return "eigen" if exact else "factored"
+
+
+def prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+                 threshold):
+    """The statistics-only part of a Kronecker product on ``path`` (None for "direct")."""
+    if path == "direct":
+        return None
+    if path == "eigen":
+        return prepare_kron_eigen(func, xp, a, g, threshold)
+    return prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
+                                 zero_factor_fallback, threshold)
+
+
+def apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale):
+    """The vector part of a Kronecker product on ``path`` (``prepared`` from
+    :func:`prepare_kron`, computed now or read from a cache)."""
+    if path == "direct":
+        return apply_kron_direct(xp, a, g, x, damping, scale)
+    if path == "eigen":
+        return apply_kron_eigen(func, xp, prepared, x, power, damping, scale)
+    return apply_kron_factored(xp, prepared, x)
+
+
+
+def _check_kron_inputs(func, a, g, x):
+    xp = namespace_of(func, a=a, g=g, x=x)
+    check_factor(func, "a", a)
+    check_factor(func, "g", g)
+    p, q = a.shape[0], g.shape[0]
+    check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}] (row-major [W; b])")
+    return xp
+
+
+def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=False,
+                             norm_type="avg_diag", zero_factor_fallback="pi_one",
+                             eigenvalue_clipping_threshold=0.0):
+    r"""Power of a damped, scaled Kronecker-factored block times a parameter matrix.
+
+    The block is :math:`B = s\,(A \otimes G)` on :math:`\mathrm{vec}_r(X)`, ``X`` of shape
+    ``[p, q]``.  Exact power (``exact=True``), through both eigendecompositions
+    :math:`A = Q_A \mathrm{diag}(a) Q_A^\top`, :math:`G = Q_G \mathrm{diag}(\gamma) Q_G^\top`:
+
+    .. math::
+
+        (B + \lambda I)^{p}\,\mathrm{vec}_r(X) = \mathrm{vec}_r\!\Big(Q_A\big[(Q_A^\top X Q_G)
+        \odot (s\,a\gamma^\top + \lambda)^{\odot p}\big] Q_G^\top\Big),
+
+    (for :math:`p = 1` computed directly as :math:`s A X G^\top + \lambda X`).  Approximate
+    power (``exact=False``), factored Tikhonov damping with the π split of :math:`\lambda/s`:
+
+    .. math::
+
+        \big(s\,(A + \pi\sqrt{\lambda/s}\,I) \otimes (G + \tfrac{1}{\pi}\sqrt{\lambda/s}\,I)
+        \big)^{p}\,\mathrm{vec}_r(X)
+        = s^{p}\,\mathrm{vec}_r\big((A + \delta_A I)^{p}\, X\, (G + \delta_G I)^{p}\big),
+        \qquad \pi = \sqrt{\|A\| / \|G\|}.
+
+    For :math:`s = |T|` this is TF's ``ConvKFCBasicFB`` and kfac-jax's
+    ``Conv2DTwoKroneckerFactored`` (damping :math:`\lambda/|T|` reaches the factors).
+
+    Parameters
+    ----------
+    a : array [p, p] or [p]
+        Input-side factor (a 1-D array is a diagonal factor, e.g. the embedding input factor).
+    g : array [q, q] or [q]
+        Output-side factor.
+    x : array [p, q]
+        The parameter-shaped vector (bias row last for dense layers).
+    power : float
+        Any real power (negative powers need a positive definite damped block).
+    damping : float
+        :math:`\lambda \ge 0`, the weight of the identity added to :math:`B`.
+    scale : float
+        :math:`s > 0`.
+    exact : bool
+        Exact damping (eigendecompositions) or factored π damping.
+    norm_type : {"avg_diag", "avg_fro", "2_norm", "1_norm", "off"}
+        Norm for π (:func:`kfac_ref.linalg.factor_norm`); ``"avg_diag"`` is the trace norm
+        (TF ``PI_TYPE="tracenorm"``, kfac-jax); ``"off"`` sets π = 1 (TF ``PI_TYPE="off"``).
+    zero_factor_fallback : {"pi_one", "identity"}
+        Factored damping of a zero factor: TF's π = 1 (default) or kfac-jax's :math:`\lambda I`.
+    eigenvalue_clipping_threshold : float
+        Eigenvalues (diagonal entries of diagonal factors) are raised to at least this value.
+
+    Returns
+    -------
+    array [p, q]
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        Non-symmetric factors, ``x`` not of shape ``[p, q]``, negative damping, non-positive
+        scale, unknown ``norm_type``/``zero_factor_fallback``, a negative power of a singular
+        damped block.
+
+    References
+    ----------
+    Martens & Grosse (2015) §6.3; Grosse & Martens (2016) eq. 23 (the :math:`|T|` scale);
+    George et al. (2018) (eigenbasis damping).
+    """
+    func = "kronecker_block_matpower"
+    xp = _check_kron_inputs(func, a, g, x)
+    power, damping, scale, c = check_common(func, power, damping, scale,
+                                             eigenvalue_clipping_threshold)
+    check_option(func, "norm_type", norm_type, PI_NORMS)
+    check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
+    path = kron_product_path(power, exact)
+    prepared = prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type,
+                            zero_factor_fallback, c)
+    return apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale)
+
+
+def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshold=0.0):
+    r"""Eigenvalues of the undamped block :math:`s\,(A \otimes G)`.
+
+    .. math::
+
+        \operatorname{spec}(s\,A \otimes G) = \{ s\, a_i \gamma_j \},
+        \qquad \text{returned as } \mathrm{vec}_r(s\, a \gamma^\top)\ \text{(length } pq),
+
+    with :math:`a, \gamma` the (clipped) eigenvalues of :math:`A, G` in ascending order.
+    """
+    func = "kronecker_block_eigenvalues"
+    xp = namespace_of(func, a=a, g=g)
+    check_factor(func, "a", a)
+    check_factor(func, "g", g)
+    scale = check_scalar(func, "scale", scale, positive=True)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, c)
+    return kron_spectrum(xp, s_a, s_g, scale)
+
+
+def kron_spectrum(xp, s_a, s_g, scale):
+    return xp.reshape(scale * (s_a[:, None] * s_g[None, :]), (-1,))
+
+

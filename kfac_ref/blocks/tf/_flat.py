@@ -1,0 +1,335 @@
+"""TF's full and diagonal Fisher blocks: flat parameter vectors (:class:`FullFB`,
+:class:`DiagonalFB` and their naive variants) and layer-shaped diagonals
+(:class:`FullyConnectedDiagonalFB`, :class:`ConvDiagonalFB`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ... import factors
+from ..._backend import (
+    KFACTypeError,
+    KFACValueError,
+    check_array,
+    check_bool,
+    check_int,
+    check_scalar,
+    describe,
+    eye_like,
+    is_array,
+    namespace_of,
+)
+from .._math import (
+    diagonal_block_matpower,
+    flatten,
+    full_block_matpower,
+    normalize_damping,
+    unflatten,
+    validated_internals,
+)
+from ._base import (
+    FisherBlock,
+    Mat2dVector,
+    check_conv_data,
+    check_rows_data,
+    cov_of,
+    damping_value,
+    grads_tuple,
+)
+
+
+# --------------------------------------------------------------------------------------
+# Full and diagonal blocks over a flat parameter vector
+# --------------------------------------------------------------------------------------
+class _FlatVector:
+    """Tuple-of-arrays vectors flattened row-major and concatenated (``tensors_to_column``)."""
+
+    def _flat(self, func, vector, like):
+        single = is_array(vector)
+        parts = (vector,) if single else vector
+        if not isinstance(parts, (list, tuple)) or not parts:
+            raise KFACTypeError(f"{func}: vector must be an array or a tuple of arrays; got "
+                                f"{describe(vector)}.")
+        for i, v in enumerate(parts):
+            check_array(func, f"vector[{i}]", v)
+        xp = namespace_of(func, like=like, **{f"vector[{i}]": v for i, v in enumerate(parts)})
+        shapes = tuple(tuple(v.shape) for v in parts)
+        if self.params_shapes is not None and shapes != self.params_shapes:
+            raise KFACValueError(f"{func}: vector must have the parameter shapes "
+                                 f"{self.params_shapes}; got {shapes}.")
+
+        def back(y):
+            out = unflatten(xp, y, shapes)
+            return out[0] if single else out
+
+        return xp, flatten(xp, parts), back
+
+
+def _params_shapes(func, params_shapes):
+    if params_shapes is None:
+        return None
+    return tuple(tuple(check_int(func, "params_shapes entry", d, minimum=1) for d in s)
+                 for s in params_shapes)
+
+
+class FullFB(_FlatVector, FisherBlock):
+    r"""TF ``FullFB``: a full matrix over all of the block's parameters.
+
+    .. math::
+
+        \texttt{multiply\_matpower}(v, p) = (F + \lambda I)^{p}\, v
+
+    (:func:`~kfac_ref.blocks.full_block_matpower`, eigendecomposition for :math:`p \ne 1`).
+
+    Parameters
+    ----------
+    factor : array [n, n] or factor with ``get_cov()``
+    damping : float or zero-argument callable
+    params_shapes : sequence of shapes, optional
+        If given, vectors must have exactly these shapes.
+    """
+
+    def __init__(self, factor, damping, params_shapes=None):
+        func = type(self).__name__
+        self._cov = cov_of(func, "factor", factor)
+        self._damping_arg = damping
+        damping_value(func, damping)
+        self.params_shapes = _params_shapes(func, params_shapes)
+
+    @property
+    def damping(self):
+        """The damping :math:`\\lambda` added to the block."""
+        return damping_value(type(self).__name__, self._damping_arg)
+
+    def multiply_matpower(self, vector, exp):
+        r""":math:`(F + \lambda I)^{p} v`.
+
+        .. math:: (F + \lambda I)^{p} v
+        """
+        func = f"{type(self).__name__}.multiply_matpower"
+        xp, flat, back = self._flat(func, vector, self._cov)
+        return back(full_block_matpower(self._cov, flat, self._exp(exp), self.damping))
+
+    def full_fisher_block(self):
+        r"""The undamped block :math:`F` (TF's ``full_fisher_block``).
+
+        .. math:: F
+        """
+        return self._cov
+
+
+class NaiveFullFB(FullFB):
+    r"""TF ``NaiveFullFB``: :class:`FullFB` over the naive "square of the sum" estimate.
+
+    .. math:: F = \frac1N \hat g\hat g^\top, \qquad \hat g = \sum_n \hat g_n
+    """
+
+    @classmethod
+    def from_grads(cls, params_grads, batch_size, damping):
+        r"""Block from the gradient(s) of the summed loss
+        (:func:`kfac_ref.factors.full_factor`).
+
+        .. math:: F = \hat g \hat g^\top / N
+        """
+        grads = grads_tuple(f"{cls.__name__}.from_grads", params_grads)
+        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        with validated_internals():
+            return cls(factors.full_factor(grads, batch_size), damping, shapes)
+
+
+class DiagonalFB(_FlatVector, FisherBlock):
+    r"""TF ``DiagonalFB``: a diagonal block, stored as a flat diagonal.
+
+    .. math::
+
+        \texttt{multiply\_matpower}(v, p) = (d + \lambda)^{\odot p} \odot v
+
+    (:func:`~kfac_ref.blocks.diagonal_block_matpower`).
+    """
+
+    def __init__(self, factor, damping, params_shapes=None):
+        func = type(self).__name__
+        cov = cov_of(func, "factor", factor)
+        xp = namespace_of(func, factor=cov)
+        check_array(func, "factor", cov)
+        self._diag = xp.reshape(cov, (-1,))
+        self._damping_arg = damping
+        damping_value(func, damping)
+        self.params_shapes = _params_shapes(func, params_shapes)
+
+    @property
+    def damping(self):
+        """The damping :math:`\\lambda` added to the diagonal."""
+        return damping_value(type(self).__name__, self._damping_arg)
+
+    def multiply_matpower(self, vector, exp):
+        r""":math:`(d + \lambda)^{\odot p} \odot v`.
+
+        .. math:: (d + \lambda)^{\odot p} \odot v
+        """
+        func = f"{type(self).__name__}.multiply_matpower"
+        xp, flat, back = self._flat(func, vector, self._diag)
+        if flat.shape != self._diag.shape:
+            raise KFACValueError(f"{func}: vector must have {self._diag.shape[0]} entries in "
+                                 f"all; got {flat.shape[0]}.")
+        return back(diagonal_block_matpower(self._diag, flat, self._exp(exp), self.damping))
+
+    def full_fisher_block(self):
+        r"""The undamped block :math:`\mathrm{diag}(d)` as a dense matrix.
+
+        .. math:: \mathrm{diag}(d)
+        """
+        return eye_like(self._diag, self._diag.shape[0]) * self._diag
+
+
+class NaiveDiagonalFB(DiagonalFB):
+    r"""TF ``NaiveDiagonalFB``: :class:`DiagonalFB` over the naive diagonal.
+
+    .. math:: d = \frac1N \hat g \odot \hat g, \qquad \hat g = \sum_n \hat g_n
+    """
+
+    @classmethod
+    def from_grads(cls, params_grads, batch_size, damping):
+        r"""Block from the gradient(s) of the summed loss
+        (:func:`kfac_ref.factors.naive_diagonal_factor`).
+
+        .. math:: d = \hat g^{\odot 2} / N
+        """
+        grads = grads_tuple(f"{cls.__name__}.from_grads", params_grads)
+        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        with validated_internals():
+            return cls(factors.naive_diagonal_factor(grads, batch_size), damping, shapes)
+
+
+class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
+    r"""TF ``FullyConnectedDiagonalFB``: sum-of-squares diagonal ``[in (+1), out]``.
+
+    .. math::
+
+        \texttt{multiply\_matpower}(v, p) = (D + \lambda)^{\odot p} \odot V, \qquad
+        D = \tfrac1N(\bar a\odot\bar a)^\top(g\odot g)
+
+    on the ``[W; b]`` matrix :math:`V` (:func:`~kfac_ref.blocks.diagonal_block_matpower`).
+
+    Parameters
+    ----------
+    factor : array [in (+1), out] or factor with ``get_cov()``
+    damping : float or callable
+    has_bias : bool
+    """
+
+    def __init__(self, factor, damping, has_bias=False):
+        func = type(self).__name__
+        self._diag = cov_of(func, "factor", factor)
+        check_array(func, "factor", self._diag, ndim=2, layout="[in (+1), out]")
+        self.has_bias = check_bool(func, "has_bias", has_bias)
+        rows, out = self._diag.shape
+        self.kernel_shape = (rows - (1 if self.has_bias else 0), out)
+        self._damping_arg = damping
+        damping_value(func, damping)
+
+    @classmethod
+    def from_data(cls, inputs, outputs_grad, damping, has_bias=False):
+        r"""Block from one batch (:func:`kfac_ref.factors.fully_connected_diagonal_factor`).
+
+        .. math:: D = \tfrac1N(\bar a\odot\bar a)^\top(g\odot g)
+        """
+        func = f"{cls.__name__}.from_data"
+        check_rows_data(func, inputs=(inputs, 2), outputs_grad=(outputs_grad, 2))
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            return cls(factors.fully_connected_diagonal_factor(inputs, outputs_grad, has_bias),
+                       damping, has_bias)
+
+    @property
+    def damping(self):
+        """The damping :math:`\\lambda` added to the diagonal."""
+        return damping_value(type(self).__name__, self._damping_arg)
+
+    def _effective_damping(self):
+        return self.damping
+
+    def multiply_matpower(self, vector, exp):
+        r""":math:`(D + \lambda)^{\odot p} \odot V`.
+
+        .. math:: (D + \lambda)^{\odot p} \odot V
+        """
+        func = f"{type(self).__name__}.multiply_matpower"
+        xp, mat, back = self._to_mat2d(func, vector, self._diag)
+        return back(diagonal_block_matpower(self._diag, mat, self._exp(exp),
+                                              self._effective_damping()))
+
+    def full_fisher_block(self):
+        r"""The undamped diagonal block as a dense matrix in ``vec_r([W; b])`` order.
+
+        .. math:: \mathrm{diag}(\mathrm{vec}_r(D))
+        """
+        xp = namespace_of("full_fisher_block", d=self._diag)
+        d = xp.reshape(self._diag, (-1,))
+        return eye_like(d, d.shape[0]) * d
+
+
+class ConvDiagonalFB(FullyConnectedDiagonalFB):
+    r"""TF ``ConvDiagonalFB``: sum-of-squares diagonal of a convolution.
+
+    .. math::
+
+        D = \frac1N\sum_n \Big(\sum_t \bar p_{n,t} g_{n,t}^\top\Big)^{\odot 2},
+        \qquad \text{damping } |T|\cdot\texttt{normalize\_damping}(\lambda, |T|) = \lambda
+
+    (:func:`kfac_ref.factors.conv_diagonal_factor`).  With
+    ``normalize_damping_power`` :math:`\rho \ne 1` the added damping is
+    :math:`|T|^{1-\rho}\lambda` (TF's ``NORMALIZE_DAMPING_POWER``).
+
+    Parameters
+    ----------
+    factor : array [kh·kw·C_in (+1), C_out] or factor with ``get_cov()``
+    damping : float or callable
+    filter_shape : [kh, kw, C_in, C_out]
+    has_bias : bool
+    num_locations : int
+        :math:`|T|` (only matters when ``normalize_damping_power != 1``).
+    normalize_damping_power : float
+    """
+
+    def __init__(self, factor, damping, filter_shape, has_bias=False, num_locations=1,
+                 normalize_damping_power=1.0):
+        super().__init__(factor, damping, has_bias)
+        func = type(self).__name__
+        filter_shape = tuple(check_int(func, "filter_shape entry", k, minimum=1)
+                             for k in filter_shape)
+        if math.prod(filter_shape[:-1]) != self.kernel_shape[0] or \
+                filter_shape[-1] != self.kernel_shape[1]:
+            raise KFACValueError(f"{func}: filter_shape must match the factor's shape "
+                                 f"{tuple(self._diag.shape)}; got {filter_shape}.")
+        self.kernel_shape = filter_shape
+        self.num_locations = check_int(func, "num_locations", num_locations, minimum=1)
+        self.normalize_damping_power = check_scalar(func, "normalize_damping_power",
+                                                    normalize_damping_power)
+
+    @classmethod
+    def from_data(cls, inputs, outputs_grad, damping, filter_shape, padding, strides=None,
+                  dilation_rate=None, data_format="NHWC", has_bias=False,
+                  normalize_damping_power=1.0):
+        r"""Block from one conv batch (:func:`kfac_ref.factors.conv_diagonal_factor`).
+
+        .. math:: D = \frac1N\sum_n \Big(\sum_t \bar p_{n,t} g_{n,t}^\top\Big)^{\odot 2}
+
+        ``inputs`` ``[N, H, W, C]`` (NHWC) or ``[N, C, H, W]`` (NCHW), ``outputs_grad`` on the
+        convolution's output grid; ``num_locations`` is computed from the geometry.
+        """
+        func = f"{cls.__name__}.from_data"
+        t = check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
+                             dilation_rate, data_format)
+        has_bias = check_bool(func, "has_bias", has_bias)
+        with validated_internals():
+            diag = factors.conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides,
+                                                padding, data_format, dilation_rate, has_bias)
+        return cls(diag, damping, filter_shape, has_bias, t, normalize_damping_power)
+
+    def _effective_damping(self):
+        t = self.num_locations
+        return t * normalize_damping(self.damping, t, self.normalize_damping_power)
+
+
