@@ -1,0 +1,74 @@
+"""Device→host reads on the hot paths, counted on torch tensors (a read is ``bool()``,
+``float()``, ``int()``, ``.item()`` or ``.tolist()`` of a tensor; on a GPU each one waits
+for the device).  With value checks on, each input costs one read (its finiteness scan);
+with value checks off (:func:`kfac_ref.value_checks`) a curvature update, a cache refresh
+and a cached product read nothing back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kfac_ref
+from kfac_ref.blocks import kfac_jax as kj
+
+torch = pytest.importorskip("torch")
+
+READS = ("__bool__", "__float__", "__int__", "__index__", "item", "tolist")
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    count = {"n": 0}
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, **k):
+            count["n"] += 1
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return count
+
+
+def _t(a):
+    return torch.tensor(np.asarray(a), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("make,data", [
+    (lambda: kj.DenseTwoKroneckerFactored(6, 4),
+     lambda r: {"inputs": r.standard_normal((16, 6)), "outputs_grad": r.standard_normal((16, 4))}),
+    (lambda: kj.Conv2DTwoKroneckerFactored(inputs_shape=(4, 6, 6, 2), kernel_shape=(3, 3, 2, 3),
+                                           padding="SAME"),
+     lambda r: {"inputs": r.standard_normal((4, 6, 6, 2)),
+                "outputs_grad": r.standard_normal((4, 6, 6, 3))}),
+], ids=["dense", "conv"])
+def test_no_reads_on_the_hot_path_without_value_checks(reads, make, data):
+    rng = np.random.default_rng(0)
+    block = make()
+    batch = {k: _t(v) for k, v in data(rng).items()}
+    vec = tuple(_t(rng.standard_normal(s)) for s in block.parameters_shapes)
+    with kfac_ref.value_checks(False):
+        state = block.init(torch.zeros((), dtype=torch.float64), exact_powers_to_cache=[-1.0])
+        reads["n"] = 0
+        n = batch["inputs"].shape[0]
+        state = block.update_curvature_matrix_estimate(state, batch, 0.0, 1.0, n)
+        state = block.update_cache(state, torch.tensor(0.1, dtype=torch.float64), [-1.0], [],
+                                   False)
+        out = block.multiply_matpower(state, vec, torch.tensor(0.1, dtype=torch.float64), -1.0,
+                                      True, True)
+        assert reads["n"] == 0
+    assert all(o.shape == v.shape for o, v in zip(out, vec, strict=True))
+
+
+def test_value_checks_cost_one_read_per_input(reads):
+    rng = np.random.default_rng(1)
+    x = _t(rng.standard_normal((16, 5)))
+    reads["n"] = 0
+    kfac_ref.compute_cov(x)
+    assert reads["n"] == 1
+    with kfac_ref.value_checks(False):
+        reads["n"] = 0
+        kfac_ref.compute_cov(x)
+        assert reads["n"] == 0
