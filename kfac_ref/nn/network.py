@@ -266,14 +266,17 @@ class Sequential:
             dh = layer.jvp(p, xin, dp, dh)
         return dh, dins
 
-    def _backward(self, params, inputs, g, per_example=False):
+    def _backward(self, params, inputs, g, per_example=False, param_grads=True):
+        """Cotangents of every layer's output and, when ``param_grads``, the (summed or
+        per-example) parameter gradients; without them a layer's gradient is ``()`` (the
+        Kronecker-factored estimators read only the cotangents)."""
         n = len(self.layers)
         grads = [None] * n
         cots = [None] * n
         for i in range(n - 1, -1, -1):
             layer, p, xin = self.layers[i], params[i], inputs[i]
             cots[i] = g
-            grads[i] = layer.param_grads(p, xin, g, per_example) if p else ()
+            grads[i] = layer.param_grads(p, xin, g, per_example) if p and param_grads else ()
             if i > 0:
                 g = layer.vjp_input(p, xin, g)
         return tuple(grads), cots
@@ -382,7 +385,7 @@ class Sequential:
         self.check_input(func, x, self._like(params))
         out, inputs = self._forward(params, x)
         check_array(func, "g_out", g_out, shape=tuple(out.shape))
-        _, cots = self._backward(params, inputs, g_out)
+        _, cots = self._backward(params, inputs, g_out, param_grads=False)
         return inputs, cots
 
     def second_order_backward(self, params, x, dparams, output_cotangents):
