@@ -398,3 +398,41 @@ def test_errors(xp, rng):
                               False)
     with pytest.raises(KFACTypeError, match="state"):
         est.to_dense_matrix(None)
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharing):
+    # an exact mode has C = 3 output vectors: every Kronecker block computes its input factor
+    # once and its output factor once, from the C·N stacked rows (not once per vector)
+    from kfac_ref import factors
+
+    calls = {"dense": [], "conv_in": 0, "conv_out": []}
+    dense_k = factors.fully_connected_kronecker_factor.kernel
+    conv_in_k = factors.conv_input_kronecker_factor.kernel
+    conv_out_k = factors.conv_output_kronecker_factor.kernel
+
+    def dense(xp_, x, *a, **k):
+        calls["dense"].append(int(x.shape[0]))
+        return dense_k(xp_, x, *a, **k)
+
+    def conv_in(*a, **k):
+        calls["conv_in"] += 1
+        return conv_in_k(*a, **k)
+
+    def conv_out(xp_, g, *a, **k):
+        calls["conv_out"].append(int(g.shape[0]))
+        return conv_out_k(xp_, g, *a, **k)
+
+    monkeypatch.setattr(factors.fully_connected_kronecker_factor, "kernel", dense)
+    monkeypatch.setattr(factors.conv_input_kronecker_factor, "kernel", conv_in)
+    monkeypatch.setattr(factors.conv_output_kronecker_factor, "kernel", conv_out)
+    net = convnet()  # conv (Kronecker), scale-and-shift (diagonal), dense (Kronecker)
+    n, c = 4, 3
+    bp, batch = make_data(xp, rng, net, ce, n, (2, 3, 3))
+    run(net, ce, bp, batch, "ggn_exact", weight_sharing=sharing)
+    if sharing == "expand":  # the dense layer's A and G; the conv layer's Ω and Γ
+        assert sorted(calls["dense"]) == [n, c * n]
+        assert calls["conv_in"] == 1 and calls["conv_out"] == [c * n]
+    else:  # the reduced conv block is a dense Kronecker block on pooled rows
+        assert sorted(calls["dense"]) == [n, n, c * n, c * n]
+        assert calls["conv_in"] == 0 and calls["conv_out"] == []

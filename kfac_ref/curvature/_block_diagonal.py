@@ -56,6 +56,16 @@ class BlockDiagonalCurvature(EstimatorBase):
     instead adds every sample with the full ``ema_new``, which agrees when ``ema_old = 0`` and
     otherwise gives the new batch M times the weight.
 
+    Kronecker blocks take these C updates as one: with :math:`S` a factor's running sum and
+    :math:`W` its weight, the C updates give
+    :math:`S \leftarrow \texttt{ema\_old}\,S + \frac{\texttt{ema\_new}}{C}\sum_c \hat S_c`,
+    :math:`W \leftarrow \texttt{ema\_old}\,W + \texttt{ema\_new}`, i.e. one update with
+    ``ema_old``, ``ema_new`` and the statistic :math:`\frac1C\sum_c \hat S_c`.  For
+    :math:`A` every :math:`\hat S_c` is the same :math:`\hat A(x)`, computed once; for
+    :math:`G` the mean over vectors of :math:`\frac1R\sum_r (\sqrt C g_{c,r})(\sqrt C
+    g_{c,r})^\top` (:math:`R` rows per vector) is the second moment of the :math:`CR`
+    stacked rows, one GEMM.  Other blocks are updated once per vector as above.
+
     Dense layers on ``[N, T, d]`` inputs (weight sharing) use KFAC-expand or KFAC-reduce
     (Eschenhagen et al. 2023), chosen by ``weight_sharing``:
 
@@ -247,18 +257,31 @@ class BlockDiagonalCurvature(EstimatorBase):
             root = 1.0  # stochastic vectors already carry 1/sqrt(M): undo it, average by EMA
             vectors = [v * math.sqrt(c) for v in vectors]
         states = list(state.blocks_states)
+        layers = tuple(zip(range(len(states)), self.layer_indices, self._blocks, strict=True))
+        # Kronecker blocks take one update from all vectors (A once, G from the stacked rows);
+        # the others are updated once per vector with ema_old first, then 1, weight ema_new/C
+        stacked = {k: [] for k, _, bl in layers
+                   if hasattr(bl, "_update_from_vectors") and not bl.uses_params_grads}
         need_grads = any(bl.uses_params_grads for bl in self._blocks)
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
                                              per_example=need_grads)
             old = ema_old if j == 0 else 1.0
-            for k, (i, block) in enumerate(zip(self.layer_indices, self._blocks, strict=True)):
+            for k, i, block in layers:
+                if k in stacked:
+                    stacked[k].append(cots[i])
+                    continue
                 data, rows = block.layer_estimation_data(
                     self.net.layers[i], b.inputs[i], cots[i], grads[i], b.n,
                     self._sharing(self.net.names[i]))
                 states[k] = block.update_curvature_matrix_estimate(states[k], data, old,
                                                                    ema_new / c, rows)
+        for k, i, block in layers:
+            if k in stacked:
+                states[k] = block._update_from_vectors(
+                    states[k], self.net.layers[i], b.inputs[i], stacked[k], b.n,
+                    self._sharing(self.net.names[i]), ema_old, ema_new)
         return BlockDiagonalState(tuple(states))
 
     def _check_state(self, func, state):

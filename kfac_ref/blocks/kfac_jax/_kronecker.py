@@ -8,7 +8,15 @@ from types import MappingProxyType
 from typing import Any
 
 from ... import factors
-from ..._backend import KFACValueError, check_bool, check_option
+from ..._backend import (
+    KFACValueError,
+    check_array,
+    check_bool,
+    check_option,
+    check_scalar,
+    namespace_of,
+)
+from ...conv_geometry import to_channels_last
 from ...linalg import append_homog, compute_cov, factor_norm, kron
 from .._math import (
     PI_NORMS,
@@ -20,8 +28,9 @@ from .._math import (
     prepare_kron,
     prepare_kron_eigen,
     to_mat2d,
+    validated_internals,
 )
-from ._base import CurvatureBlock
+from ._base import BlockState, CurvatureBlock
 from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
 from ._registry import register_layer_block
 
@@ -159,6 +168,48 @@ class TwoKroneckerFactored(CurvatureBlock):
     def _norm_unscaled(self, xp, state, norm_type):
         a, g = (f.value for f in state.statistics)
         return factor_norm.kernel(xp, a, norm_type) * factor_norm.kernel(xp, g, norm_type)
+
+    # -- one update from several back-propagated vectors ------------------------------------
+    def _layer_rows(self, layer, inputs, outputs_grads, batch_size, weight_sharing):
+        """``(input rows, [output-gradient rows per vector], rows)`` of one layer: the input
+        rows are taken once (they do not depend on the vector)."""
+        datas = [self.layer_estimation_data(layer, inputs, g, None, batch_size, weight_sharing)
+                 for g in outputs_grads]
+        (first, rows) = datas[0]
+        return first["inputs"], [d["outputs_grad"] for d, _ in datas], rows
+
+    def _update_from_vectors(self, state, layer, inputs, outputs_grads, batch_size,
+                             weight_sharing, ema_old, ema_new):
+        r"""One moving-average update from the :math:`C` back-propagated vectors of a batch
+        (used by :class:`kfac_ref.curvature.BlockDiagonalCurvature`).
+
+        .. math::
+
+            A \leftarrow \texttt{ema\_old}\,A + \texttt{ema\_new}\,\hat A(x),\qquad
+            G \leftarrow \texttt{ema\_old}\,G + \texttt{ema\_new}\,
+            \frac{1}{CR}\sum_{c=1}^{C}\sum_{r=1}^{R} g_{c,r} g_{c,r}^\top ,
+
+        with :math:`R` rows per vector: :math:`\hat A` is computed once and :math:`G` from
+        the :math:`C R` stacked rows in one GEMM.  This equals :math:`C` calls of
+        :meth:`update_curvature_matrix_estimate`, the first with ``ema_old`` and the others
+        with 1, each with the weight ``ema_new / C``, up to rounding.
+        """
+        func = f"{type(self).__name__}.update_curvature_matrix_estimate"
+        xp = self._check_state(func, state)
+        ema_old = check_scalar(func, "ema_old", ema_old, nonnegative=True)
+        ema_new = check_scalar(func, "ema_new", ema_new, nonnegative=True)
+        a, gs, rows = self._layer_rows(layer, inputs, outputs_grads, batch_size, weight_sharing)
+        data = self._check_estimation_arrays(func, state, {"inputs": a, "outputs_grad": gs[0]},
+                                             rows)
+        for g in gs[1:]:  # same shapes as the first (one backward pass each): finiteness
+            check_array(func, "outputs_grad", g)
+        g = gs[0] if len(gs) == 1 else xp.concat(gs, axis=0)
+        with validated_internals():
+            new = self._batch_statistics(xp, {"inputs": data["inputs"], "outputs_grad": g},
+                                         rows)
+            stats = tuple(s.update(x, ema_old, ema_new)
+                          for s, x in zip(state.statistics, new, strict=True))
+        return BlockState(stats, state.cache, state.like)
 
     def _second_moment(self, xp, x):
         """:math:`X^\\top X / n` of rows, symmetrised (TF) or not (kfac-jax)."""
@@ -301,6 +352,17 @@ class ReducedConv2DTwoKroneckerFactored(DenseTwoKroneckerFactored):
                               weight_sharing="reduce"):
         """Location-averaged patches and location-summed output gradients, N rows."""
         return pooled_conv_data(layer, inputs, outputs_grad, batch_size), batch_size
+
+    def _layer_rows(self, layer, inputs, outputs_grads, batch_size, weight_sharing):
+        """The pooled patches once, the location-summed gradients of every vector."""
+        data = pooled_conv_data(layer, inputs, outputs_grads[0], batch_size)
+        xp = namespace_of(f"{type(self).__name__}.update_curvature_matrix_estimate",
+                          inputs=inputs)
+        gs = [data["outputs_grad"]]
+        for g in outputs_grads[1:]:
+            gl = to_channels_last(xp, g, layer.data_format == "NHWC")
+            gs.append(xp.sum(xp.reshape(gl, (batch_size, -1, layer.c_out)), axis=1))
+        return data["inputs"], gs, batch_size
 
 
 register_layer_block("dense", "kronecker", DenseTwoKroneckerFactored, default=True)
