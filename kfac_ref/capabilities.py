@@ -147,6 +147,9 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.curvature.exact.fisher_factor_transpose_product": {"jit": "yes"},
     "kfac_ref.curvature.exact.hessian_vector_product": {"jit": "yes"},
     "kfac_ref.curvature.report.relative_frobenius_error": {"jit": "yes"},
+    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
+        "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
+        "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
     "kfac_ref.curvature.report.approximation_report": {
         "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
 }

@@ -14,6 +14,7 @@ import test_jit as jit_tests
 
 import kfac_ref
 from kfac_ref import averaging, capabilities, factors, linalg
+from kfac_ref.blocks import kfac_jax as kj
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -59,6 +60,57 @@ JIT_CASES = {
         lambda x: factors.fully_connected_kronecker_factor(x, has_bias=True),
         lambda r: (r.standard_normal((16, 4)),)),
 }
+
+# Blocks: one update from a batch, then a damped inverse product, all in one jitted
+# function (BlockState is not a JAX pytree, so it does not cross the jit boundary).
+_CONV = dict(inputs_shape=(4, 5, 5, 2), kernel_shape=(2, 2, 2, 3))
+
+
+def _block_case(make, conv, zero_grads=False):
+    def build(r):
+        if conv:
+            x, g = r.standard_normal((4, 5, 5, 2)), r.standard_normal((4, 4, 4, 3))
+        else:
+            x, g = r.standard_normal((4, 3)), r.standard_normal((4, 2))
+        g = 0.0 * g if zero_grads else g
+        vec = [r.standard_normal(s) for s in make().parameters_shapes]
+        return (x, g, *vec)
+
+    def fn(x, g, *vec):
+        block = make()
+        state = block.init(x[0, ...])
+        state = block.update_curvature_matrix_estimate(
+            state, {"inputs": x, "outputs_grad": g}, 0.0, 1.0, 4)
+        return block.multiply_matpower(state, tuple(vec), 0.1, -1.0, False, False)[0]
+
+    return fn, build
+
+
+BLOCK_JIT_CASES = {
+    "kfac_ref.blocks.kfac_jax.DenseTwoKroneckerFactored": _block_case(
+        lambda: kj.DenseTwoKroneckerFactored(3, 2), False),
+    "kfac_ref.blocks.kfac_jax.DenseDiagonal": _block_case(lambda: kj.DenseDiagonal(3, 2), False),
+    "kfac_ref.blocks.kfac_jax.DenseFull": _block_case(lambda: kj.DenseFull(3, 2), False),
+    "kfac_ref.blocks.kfac_jax.DenseEKFAC": _block_case(lambda: kj.DenseEKFAC(3, 2), False),
+    "kfac_ref.blocks.kfac_jax.Conv2DTwoKroneckerFactored": _block_case(
+        lambda: kj.Conv2DTwoKroneckerFactored(**_CONV), True),
+    "kfac_ref.blocks.kfac_jax.Conv2DDiagonal": _block_case(
+        lambda: kj.Conv2DDiagonal(**_CONV), True),
+    "kfac_ref.blocks.kfac_jax.Conv2DFull": _block_case(lambda: kj.Conv2DFull(**_CONV), True),
+}
+JIT_CASES.update(BLOCK_JIT_CASES)
+
+
+def test_zero_factor_fallback_under_jit():
+    """kfac-jax's zero-factor case (a zero G: the damped block is λI) is a branch on values;
+    under jit both sides are computed and selected, with the eager result."""
+    fn, build = _block_case(lambda: kj.DenseTwoKroneckerFactored(3, 2), False, zero_grads=True)
+    host = build(np.random.default_rng(3))
+    expected = np.asarray(fn(*host))
+    np.testing.assert_allclose(expected, host[2] / 0.1, rtol=1e-12)
+    got = np.asarray(jax.jit(fn)(*(jnp.asarray(h) for h in host)))
+    np.testing.assert_allclose(got, expected, rtol=1e-12)
+
 
 VMAP_CASES = {  # a leading batch of 3 independent problems
     "kfac_ref.linalg.compute_cov": (

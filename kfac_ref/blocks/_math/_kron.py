@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
-from array_api_compat import array_namespace as xp_of
-
 from ..._backend import (
     KFACValueError,
     check_array,
     check_option,
     check_scalar,
+    is_array,
+    is_lazy,
     namespace_of,
 )
 from ...linalg import (
@@ -29,12 +27,12 @@ from ._common import (
 )
 
 
-def _factor_norm_is_zero(f, norm_type):
+def _factor_norm_is_zero(xp, f, norm_type):
     # The norm that sets π (kfac-jax tests the same norms for its zero-factor special case);
     # kfac_ref.linalg.factor_norm is the one home of the factor norms.  For a PSD factor every
-    # one of them is zero exactly when the factor is zero.
-    return bool(factor_norm.kernel(xp_of(f), f, "avg_diag" if norm_type == "off"
-                                   else norm_type) == 0.0)
+    # one of them is zero exactly when the factor is zero.  A 0-D bool array: it is read on
+    # the host only for eager arrays.
+    return factor_norm.kernel(xp, f, "avg_diag" if norm_type == "off" else norm_type) == 0.0
 
 
 # --------------------------------------------------------------------------------------
@@ -80,35 +78,47 @@ def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero
                            threshold):
     r"""Factor powers of the π-damped block.
 
-    Returns ``(a_pow, g_pow, coeff)`` with
+    Returns ``(a_pow, g_pow, coeff)`` (and, for traced arrays, the zero-factor flag and the
+    identity coefficient, selected by :func:`apply_kron_factored`) with
     :math:`(s (A + \delta_A I) \otimes (G + \delta_G I))^p = c\, A_p \otimes G_p`; for the
     kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
     """
     lam = damping / scale
-    zero = _factor_norm_is_zero(a, norm_type) or _factor_norm_is_zero(g, norm_type)
-    if zero and zero_factor_fallback == "identity":
-        # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
-        if power < 0 and damping == 0.0:
-            raise KFACValueError(
-                f"{func}: a Kronecker factor is zero and damping is 0, so the block is singular "
-                f"for the power {power}. Add damping."
-            )
-        return None, None, damping**power
+    lazy = is_lazy(a) or is_lazy(g) or (is_array(damping) and is_lazy(damping))
+    zero = None
+    if zero_factor_fallback == "identity":
+        zero = xp.logical_or(_factor_norm_is_zero(xp, a, norm_type),
+                             _factor_norm_is_zero(xp, g, norm_type))
+        if not lazy:  # eager: decide on the host, as kfac-jax's Python branch does
+            if bool(zero):
+                # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
+                if power < 0 and damping == 0.0:
+                    raise KFACValueError(
+                        f"{func}: a Kronecker factor is zero and damping is 0, so the block is "
+                        f"singular for the power {power}. Add damping."
+                    )
+                return None, None, damping**power
+            zero = None
     if norm_type == "off":
-        delta_a = delta_g = math.sqrt(lam)
+        delta_a = delta_g = lam**0.5
     else:
         delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type)
     a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
     g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
+    if zero is not None:  # traced: both branches, selected per call (jnp.where semantics)
+        return a_pow, g_pow, scale**power, zero, damping**power
     return a_pow, g_pow, scale**power
 
 
 def apply_kron_factored(xp, prepared, x):
-    a_pow, g_pow, coeff = prepared
+    a_pow, g_pow, coeff = prepared[:3]
     if a_pow is None:
         return coeff * x
     left = a_pow[:, None] * x if a_pow.ndim == 1 else a_pow @ x
     prod = left * g_pow[None, :] if g_pow.ndim == 1 else left @ g_pow
+    if len(prepared) == 5:  # traced zero-factor test: the identity block where it holds
+        zero, identity_coeff = prepared[3:]
+        return xp.where(zero, identity_coeff * x, coeff * prod)
     return coeff * prod
 
 
