@@ -128,6 +128,19 @@ def as_sources_towers(func, name, value):
     )
 
 
+def input_towers_and_sources(func, inputs, outputs_grads):
+    """``(towers, sources)`` of a two-argument factor's ``update_cov``: the input towers and,
+    per source, one output-gradient array per input tower."""
+    towers = as_towers(func, "inputs", inputs)
+    sources = as_sources_towers(func, "outputs_grads", outputs_grads)
+    if len(sources[0]) != len(towers):
+        raise KFACValueError(
+            f"{func}: outputs_grads must have one array per input tower ({len(towers)}); "
+            f"got {len(sources[0])}."
+        )
+    return towers, sources
+
+
 def check_equal_batches(func, name, arrays, axis=0):
     """All towers/sources must share the batch size (TF's ``check_partial_batch_sizes``:
     per-tower statistics are averaged, which is only right for equal tower batches)."""

@@ -13,8 +13,8 @@ from .base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
-    as_towers,
     check_equal_batches,
+    input_towers_and_sources,
 )
 
 __all__ = [
@@ -220,13 +220,7 @@ class FullyConnectedDiagonalFactor(DiagonalFactor):
 
     def _contributions(self, inputs, outputs_grads):
         func = f"{self.name}.update_cov"
-        towers = as_towers(func, "inputs", inputs)
-        st = as_sources_towers(func, "outputs_grads", outputs_grads)
-        if len(st[0]) != len(towers):
-            raise KFACValueError(
-                f"{func}: outputs_grads must have one array per input tower ({len(towers)}); "
-                f"got {len(st[0])}."
-            )
+        towers, st = input_towers_and_sources(func, inputs, outputs_grads)
         check_equal_batches(func, "inputs", towers)
         for a in towers:  # each input tower checked once, whatever the number of sources
             check_array(func, "inputs", a, ndim=2, layout="[N, d_in]")

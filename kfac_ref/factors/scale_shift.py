@@ -29,8 +29,7 @@ from ..linalg import compute_cov
 from .base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
-    as_sources_towers,
-    as_towers,
+    input_towers_and_sources,
 )
 
 __all__ = [
@@ -155,11 +154,7 @@ class _ScaleAndShiftMixin:
 
     def _contributions(self, inputs, outputs_grads):
         func = f"{self.name}.update_cov"
-        towers = as_towers(func, "inputs", inputs)
-        st = as_sources_towers(func, "outputs_grads", outputs_grads)
-        if len(st[0]) != len(towers):
-            raise KFACValueError(f"{func}: outputs_grads must have one array per input tower "
-                                 f"({len(towers)}); got {len(st[0])}.")
+        towers, st = input_towers_and_sources(func, inputs, outputs_grads)
         for x in towers:  # each input tower checked once, whatever the number of sources
             check_array(func, "inputs", x, min_ndim=2, layout="[N, ...]")
         out = []
