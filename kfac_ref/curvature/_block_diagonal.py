@@ -266,7 +266,8 @@ class BlockDiagonalCurvature(EstimatorBase):
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
-                                             per_example=need_grads, param_grads=need_grads)
+                                             per_example=need_grads, param_grads=need_grads,
+                                             caches=b.vjp_caches)
             old = ema_old if j == 0 else 1.0
             for k, i, block in layers:
                 if k in stacked:

@@ -125,6 +125,7 @@ class _Batch:
         net.check_input(func, x, net._like(params))
         self.net, self.params, self.x, self.targets = net, params, x, y
         self.out, self.inputs = net._forward(params, x)
+        self._vjp_caches = None
         self.n = int(self.out.shape[0])
         self.d = math.prod(self.out.shape[1:])
         self.loss = None if loss_fn is None else _make_loss(func, loss_fn, self.out, y)
@@ -172,8 +173,15 @@ class _Batch:
     def vjp(self, u_flat, per_example=False):
         """Σ_n J_nᵀ u_n ([P]) or [J_nᵀ u_n]_n ([N, P])."""
         grads, _ = self.net._backward(self.params, self.inputs, self.as_output(u_flat),
-                                      per_example)
+                                      per_example, caches=self.vjp_caches)
         return self.net.flatten(grads, per_example=per_example)
+
+    @property
+    def vjp_caches(self):
+        """The layers' backward caches, formed once for every backward pass of this batch."""
+        if self._vjp_caches is None:
+            self._vjp_caches = self.net._vjp_caches(self.params, self.inputs)
+        return self._vjp_caches
 
     def jacobian(self):
         """[N, D, P], one batched backward pass per output coordinate."""

@@ -7,7 +7,8 @@ and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the or
 * ``forward(params, x)`` — the map :math:`y = f(\theta, x)`;
 * ``jvp(params, x, dparams, dx)`` — the forward-mode tangent
   :math:`\dot y = \partial_\theta f\,\dot\theta + \partial_x f\,\dot x`;
-* ``vjp_input(params, x, g)`` — :math:`(\partial_x f)^\top g`;
+* ``vjp_input(params, x, g)`` — :math:`(\partial_x f)^\top g` (with ``vjp_cache(params, x)``,
+  what it reuses across the cotangents of one forward pass, e.g. an activation's derivative);
 * ``param_grads(params, x, g, per_example)`` — :math:`(\partial_\theta f)^\top g`, summed over the
   batch or kept per example (leading axis ``N``);
 * ``rvjp(params, x, dparams, dx, g, rg)`` — Pearlmutter's R-operator applied to the backward pass:
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np  # host-side index arithmetic (col2im gather indices) and draws
+
 from .._backend import (
     KFACValueError,
     check_array,
@@ -37,6 +40,7 @@ from .._backend import (
     check_int,
     check_option,
     device_of,
+    kernel_of,
     namespace_of,
 )
 from ..factors import conv_per_example_gradients
@@ -182,6 +186,17 @@ class Layer:
         .. math:: \bar x = (\partial_x f)^\top g
         """
         raise NotImplementedError
+
+    def vjp_cache(self, params, x):
+        r"""What :meth:`vjp_input` reuses for every cotangent of one forward pass, or ``None``.
+
+        .. math:: c = c(\theta, x), \qquad \bar x = (\partial_x f)^\top g = V(c, g)
+
+        A backward pass for many cotangents (``C`` output vectors of a curvature estimate)
+        forms ``c`` once; a layer that returns a cache takes it as ``vjp_input``'s ``cache``
+        keyword.  The base class has none.
+        """
+        return None
 
     def param_grads(self, params, x, g, per_example=False):
         r"""Parameter cotangents, summed over the batch or per example (leading ``N``).
@@ -506,47 +521,53 @@ class Conv2D(Layer):
         return xp.reshape(w, (self.patch_size, self.c_out))
 
     @staticmethod
-    def _place(xp, t, axis, out_len, stride, offset, size):
-        """Scatter ``t`` (length ``out_len`` on ``axis``) to entries ``i·stride + offset`` of a
-        zero axis of length ``size`` (zero insertion, then zero shifts; no mutation)."""
-        dev = device_of(t)
+    def _col2im_index(xp, like, out_len, k, stride, dil, start, length):
+        """Gather index and 0/1 mask of the adjoint of patch extraction along one axis.
 
-        def zeros(k):
-            shape = list(t.shape)
-            shape[axis] = k
-            return xp.zeros(tuple(shape), dtype=t.dtype, device=dev)
-
-        if stride > 1:
-            z = xp.zeros(t.shape, dtype=t.dtype, device=dev)
-            shape = list(t.shape)
-            shape[axis] = out_len * stride
-            t = xp.reshape(xp.stack([t] + [z] * (stride - 1), axis=axis + 1), tuple(shape))
-            t = t[(slice(None),) * axis + (slice(0, (out_len - 1) * stride + 1), ...)]
-        span = (out_len - 1) * stride + 1
-        parts = ([zeros(offset)] if offset else []) + [t]
-        if size - offset - span:
-            parts.append(zeros(size - offset - span))
-        return xp.concat(parts, axis=axis) if len(parts) > 1 else t
+        Input position ``h`` (padded ``h + start``) receives, from kernel offset ``a``, the
+        output location ``i = (h + start - a·dil)/stride`` when that is an integer in
+        ``[0, out_len)``.  Returns the flat index ``i·k + a`` into an ``(out_len, k)`` axis pair
+        (``0`` where nothing contributes) as ``[length·k]`` and the mask as ``[length, 1, k]``.
+        Index arithmetic on the host: the sizes are static.
+        """
+        hp = np.arange(length)[:, None] + start - np.arange(k)[None, :] * dil
+        i = hp // stride
+        valid = (hp >= 0) & (hp % stride == 0) & (i < out_len)
+        flat = np.where(valid, i * k + np.arange(k)[None, :], 0).reshape(-1)
+        dev = device_of(like)
+        mask = xp.astype(xp.asarray(valid.reshape(length, 1, k), device=dev), like.dtype)
+        return xp.asarray(flat, device=dev), mask
 
     def _transpose_patches(self, xp, gp, hw):
-        """Adjoint of patch extraction: gp [N, Ho, Wo, kh·kw·C_in] -> [N, H, W, C_in] (NHWC)."""
+        r"""Adjoint of patch extraction (col2im): gp ``[N, Ho, Wo, kh·kw·C_in]`` →
+        ``[N, H, W, C_in]`` (NHWC).
+
+        .. math::
+
+            \bar x_{n,h,w,c} = \sum_{a,b} [\,h^{p} - a d_h = i s_h,\ w^{p} - b d_w = j s_w\,]\;
+            \bar P_{n,(i,j),(a,b,c)}
+
+        One gather and one masked sum over the kernel offsets per spatial axis (rows, then
+        columns): temporaries of the size of ``gp``, no zero insertion or padding copies.
+        """
         geo = self.geometry((1, *hw, self.c_in) if self.data_format == "NHWC"
                             else (1, self.c_in, *hw))
-        (ho, wo), ((top, bottom), (left, right)) = geo.output_spatial_shape, geo.padding
+        (ho, wo), ((top, _), (left, _)) = geo.output_spatial_shape, geo.padding
         kh, kw = self.kernel_size
         (sh, sw), (dh, dw) = self.stride, self.dilation
-        hp, wp = hw[0] + top + bottom, hw[1] + left + right
-        n = gp.shape[0]
-        g6 = xp.reshape(gp, (n, ho, wo, kh, kw, self.c_in))
-        rows = None  # [N, Hp, Wo, kw, C_in]: scatter along H, one kernel row at a time
-        for a in range(kh):
-            part = self._place(xp, g6[:, :, :, a, :, :], 1, ho, sh, a * dh, hp)
-            rows = part if rows is None else rows + part
-        full = None  # [N, Hp, Wp, C_in]: scatter along W, one kernel column at a time
-        for b in range(kw):
-            part = self._place(xp, rows[:, :, :, b, :], 2, wo, sw, b * dw, wp)
-            full = part if full is None else full + part
-        return full[:, top:top + hw[0], left:left + hw[1], :]
+        n, c = gp.shape[0], self.c_in
+        # rows: [N, Ho, kh, Wo·kw·C] so that (i, a) is one axis to gather from
+        g = xp.permute_dims(xp.reshape(gp, (n, ho, wo, kh, kw * c)), (0, 1, 3, 2, 4))
+        g = xp.reshape(g, (n, ho * kh, wo * kw * c))
+        idx, mask = self._col2im_index(xp, gp, ho, kh, sh, dh, top, hw[0])
+        g = xp.reshape(xp.take(g, idx, axis=1), (n, hw[0], kh, wo * kw * c))
+        rows = mask @ g  # [N, H, 1, Wo·kw·C]: Σ_a mask·g
+        # columns: (j, b) is already one axis of [N, H, Wo·kw, C]
+        g = xp.reshape(rows, (n * hw[0], wo * kw, c))
+        idx, mask = self._col2im_index(xp, gp, wo, kw, sw, dw, left, hw[1])
+        g = xp.reshape(xp.take(g, idx, axis=1), (n * hw[0], hw[1], kw, c))
+        full = mask @ g  # [N·H, W, 1, C]
+        return xp.reshape(full, (n, hw[0], hw[1], c))
 
     # -- maps --------------------------------------------------------------------------------
     def _conv(self, xp, x, w, b):
@@ -866,25 +887,40 @@ def activation_derivatives(kind, x):
     check_option(func, "kind", kind, ACTIVATIONS)
     xp = namespace_of(func, x=x)
     check_array(func, "x", x)
-    one = xp.ones_like(x)
-    zero = xp.zeros_like(x)
+    return _activation_kernel(xp, kind, x, 2)
+
+
+@kernel_of(activation_derivatives)
+def _activation_kernel(xp, kind, x, order):
+    """``(σ, σ', σ'')[:order + 1]`` of ``x``, unchecked; only the requested orders are formed
+    (the forward pass needs ``σ``, a backward pass ``σ'``)."""
     if kind == "identity":
-        return x, one, zero
-    if kind == "tanh":
+        out = (x, xp.ones_like(x), xp.zeros_like(x))
+    elif kind == "tanh":
         t = xp.tanh(x)
+        if order == 0:
+            return (t,)
         d1 = 1.0 - t * t
-        return t, d1, -2.0 * t * d1
-    if kind == "sigmoid":
+        out = (t, d1, -2.0 * t * d1)
+    elif kind == "sigmoid":
         s = _sigmoid(xp, x)
+        if order == 0:
+            return (s,)
         d1 = s * (1.0 - s)
-        return s, d1, d1 * (1.0 - 2.0 * s)
-    if kind == "relu":
+        out = (s, d1, d1 * (1.0 - 2.0 * s))
+    elif kind == "relu":
+        zero = xp.zeros_like(x)
         pos = x > 0
-        return xp.where(pos, x, zero), xp.where(pos, one, zero), zero
-    # softplus: max(x, 0) + log1p(exp(-|x|)), stable for large |x|
-    s = _sigmoid(xp, x)
-    val = xp.where(x > 0, x, zero) + xp.log1p(xp.exp(-xp.abs(x)))
-    return val, s, s * (1.0 - s)
+        if order == 0:
+            return (xp.where(pos, x, zero),)
+        out = (xp.where(pos, x, zero), xp.astype(pos, x.dtype), zero)
+    else:  # softplus: max(x, 0) + log1p(exp(-|x|)), stable for large |x|
+        val = xp.where(x > 0, x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
+        if order == 0:
+            return (val,)
+        s = _sigmoid(xp, x)
+        out = (val, s, s * (1.0 - s))
+    return out[:order + 1]
 
 
 class Activation(Layer):
@@ -906,19 +942,26 @@ class Activation(Layer):
     def __init__(self, kind):
         self.activation = check_option("Activation", "kind", kind, ACTIVATIONS)
 
+    def _derivs(self, x, order):
+        return _activation_kernel(namespace_of("Activation", x=x), self.activation, x, order)
+
     def forward(self, params, x):
-        return activation_derivatives(self.activation, x)[0]
+        return self._derivs(x, 0)[0]
 
     def jvp(self, params, x, dparams, dx):
         if dx is None:
             return None
-        return activation_derivatives(self.activation, x)[1] * dx
+        return self._derivs(x, 1)[1] * dx
 
-    def vjp_input(self, params, x, g):
-        return activation_derivatives(self.activation, x)[1] * g
+    def vjp_cache(self, params, x):
+        r"""The derivative :math:`\sigma'(x)`, formed once per forward pass."""
+        return self._derivs(x, 1)[1]
+
+    def vjp_input(self, params, x, g, cache=None):
+        return (self.vjp_cache(params, x) if cache is None else cache) * g
 
     def rvjp(self, params, x, dparams, dx, g, rg):
-        _, d1, d2 = activation_derivatives(self.activation, x)
+        _, d1, d2 = self._derivs(x, 2)
         out = None if rg is None else d1 * rg
         if dx is not None:
             out = _add(out, d2 * dx * g)

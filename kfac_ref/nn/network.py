@@ -266,10 +266,18 @@ class Sequential:
             dh = layer.jvp(p, xin, dp, dh)
         return dh, dins
 
-    def _backward(self, params, inputs, g, per_example=False, param_grads=True):
+    def _vjp_caches(self, params, inputs):
+        """Each layer's :meth:`~kfac_ref.nn.Layer.vjp_cache` for one forward pass: what a
+        backward pass reuses for every cotangent (``None`` where a layer has nothing)."""
+        return tuple(layer.vjp_cache(p, xin)
+                     for layer, p, xin in zip(self.layers, params, inputs, strict=True))
+
+    def _backward(self, params, inputs, g, per_example=False, param_grads=True, caches=None):
         """Cotangents of every layer's output and, when ``param_grads``, the (summed or
         per-example) parameter gradients; without them a layer's gradient is ``()`` (the
-        Kronecker-factored estimators read only the cotangents)."""
+        Kronecker-factored estimators read only the cotangents).  ``caches`` (from
+        :meth:`_vjp_caches`) lets many backward passes of one forward share the layers'
+        derivatives."""
         n = len(self.layers)
         grads = [None] * n
         cots = [None] * n
@@ -278,7 +286,9 @@ class Sequential:
             cots[i] = g
             grads[i] = layer.param_grads(p, xin, g, per_example) if p and param_grads else ()
             if i > 0:
-                g = layer.vjp_input(p, xin, g)
+                cache = None if caches is None else caches[i]
+                g = (layer.vjp_input(p, xin, g) if cache is None
+                     else layer.vjp_input(p, xin, g, cache=cache))
         return tuple(grads), cots
 
     def _r_backward(self, params, inputs, dparams, dins, g, rg):
