@@ -55,6 +55,7 @@ def main(argv=None):
     if not args.no_memory:
         for dtype in args.dtypes:
             runner.conv_memory_rows(dtype)
+            runner.chunking_rows(dtype)
     runner.peer_rows()
     result = {"meta": {**suite.meta(args, backend),
                        "wall_s": time.perf_counter() - t0,

@@ -8,7 +8,11 @@ Rows (per workload and dtype):
   (π-damped factor inverses);
 * ``cached_product``: :meth:`BlockDiagonalCurvature.multiply_matpower` with the cached power −1;
 * ``conv_memory`` (NumPy only): peak traced memory of the KFC input factor of the CNN's second
-  convolution at two batch sizes.
+  convolution at two batch sizes;
+* ``chunking``: the cost of the memory bound — the KFC input factor and ``nn.Conv2D``'s backward
+  pass (input cotangent and weight gradient) of that convolution at N = 128 with an 8 MiB
+  ``max_temporary_bytes`` (several chunks) against the same kfac_ref call in one shot; here the
+  "hand" column is kfac_ref unchunked, and the issue's goal is a ratio ≤ 1.3.
 
 Before a row is timed, its hand baseline is run on the same inputs as kfac_ref (the same
 output vectors for the stochastic modes) and their results must agree to rounding; a row whose
@@ -300,6 +304,43 @@ class Runner:
                      f"        kfac_ref {peaks['kfac_ref'] / 2**20:8.1f} MiB  hand "
                      f"{peaks['hand'] / 2**20:8.1f} MiB (im2col {im2col / 2**20:.1f} MiB)")
 
+    def chunking_rows(self, dtype):
+        """Chunked (8 MiB) against one-shot kfac_ref on the CNN's second convolution."""
+        b = self.b
+        c_in, size, n = (4, 8, 8) if self.quick else (32, 32, 128)
+        budget = 2**13 if self.quick else 8 * 2**20
+        one_shot = 2**62
+        rng = np.random.default_rng(self.seed + 4)
+        x = b.to(rng.standard_normal((n, size, size, c_in)).astype(dtype))
+        half = -(-size // 2)
+        g = b.to(rng.standard_normal((n, half, half, 2 * c_in)).astype(dtype))
+        w = b.to(rng.standard_normal((3, 3, c_in, 2 * c_in)).astype(dtype))
+        args = ((3, 3, c_in, 2 * c_in), "SAME", (1, 2, 2, 1), (1, 1, 1, 1), "NHWC", True)
+        layers = {bound: nn.Conv2D(c_in, 2 * c_in, 3, stride=2, padding="SAME", use_bias=False,
+                                   max_temporary_bytes=bound) for bound in (budget, one_shot)}
+
+        def backward(bound):
+            layer = layers[bound]
+            return layer.vjp_input((w,), x, g), layer.param_grads((w,), x, g)[0]
+
+        entries = n * half * half * (9 * c_in + 1)
+        base = {"workload": "cnn", "dtype": np.dtype(dtype).name, "backend": b.name,
+                "op": "chunking", "batch": n, "budget_bytes": budget}
+        for row, run, terms in (
+                ("conv input factor, 8 MiB chunks", lambda bound: conv_input_kronecker_factor(
+                    x, *args, max_temporary_bytes=bound), n * half * half),
+                ("Conv2D backward, 8 MiB chunks", backward, 9 * 2 * c_in)):
+            got, want = run(budget), run(one_shot)
+            got, want = (got,) if not isinstance(got, tuple) else got, (
+                (want,) if not isinstance(want, tuple) else want)
+            err = max(rel_err(b.to_host(a), b.to_host(c)) for a, c in zip(got, want, strict=True))
+            check = _check(err, self.tol(dtype, terms))
+            t = time_pair(lambda run=run: run(budget), lambda run=run: run(one_shot),
+                          self.repeats, b.sync)
+            self._add({**base, "row": row, **t, "im2col_bytes": entries * np.dtype(dtype).itemsize,
+                       "ratio": t["kfac_ref"]["median_s"] / t["hand"]["median_s"],
+                       "check": check})
+
     def peer_rows(self):
         for peer in PEERS:
             installed = importlib.util.find_spec(peer) is not None
@@ -341,10 +382,12 @@ def markdown(result):
     lines = [f"kfac_ref {m['kfac_ref_version']}, backend {m['backend']}, NumPy "
              f"{m['numpy_version']}, {m['cpu_count']} CPUs, {m['repeats']} repeats "
              f"(median and interquartile range, ms){' — QUICK sizes' if m['quick'] else ''}.",
+             "(The `chunking` rows compare kfac_ref with an 8 MiB memory bound against kfac_ref "
+             "in one shot: there the second column is kfac_ref unchunked.)",
              "", "| workload | dtype | row | kfac_ref | hand NumPy | ratio | check |",
              "|---|---|---|---:|---:|---:|---|"]
     for r in result["rows"]:
-        if r["op"] in ("update", "inverses", "cached_product"):
+        if r["op"] in ("update", "inverses", "cached_product", "chunking"):
             chk = "ok" if r["check"]["ok"] else "**FAILED**"
             lines.append(f"| {r['workload']} | {r['dtype']} | {r['row']} | {_ms(r['kfac_ref'])} "
                          f"| {_ms(r['hand'])} | {r['ratio']:.2f}× | {chk} |")

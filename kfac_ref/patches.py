@@ -88,6 +88,7 @@ __all__ = [
     "subsample_rows",
     "num_subsampled_inputs",
     "num_subsampled_patches",
+    "example_chunks",
 ]
 
 
@@ -499,3 +500,26 @@ def _subsample_rows(xp, array, num_rows, rng):
     idx = host_draw(rng, array, lambda r: r.permutation(n)[: min(num_rows, n)],
                     dtype=xp.int64)
     return xp.take(array, idx, axis=0)
+
+
+# --------------------------------------------------------------------------------------
+# Chunks of examples under a memory bound
+# --------------------------------------------------------------------------------------
+def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_bytes):
+    r"""Chunks of examples whose temporaries stay within a memory bound: a list of
+    ``(start, stop)`` pairs covering ``0 .. num_examples``.
+
+    .. math::
+
+        b = \max\Big(1,\ \min\Big(N,\ \Big\lfloor \frac{M}{e\, s} \Big\rfloor\Big)\Big),
+        \qquad \text{chunks } [kb,\ \min((k+1)b, N)),
+
+    with :math:`N` = ``num_examples``, :math:`e` = ``entries_per_example`` (the entries one
+    example adds to the largest temporary, e.g. :math:`|T|\,|\Delta|\,C_{in}` for its
+    patches), :math:`s` = ``itemsize`` in bytes and :math:`M` = ``max_temporary_bytes``.  A
+    single example that exceeds :math:`M` still forms a chunk of its own, so the bound is
+    :math:`\max(M, e\,s)`.  Host integers only (shapes are static); callers loop over the
+    chunks, one GEMM-shaped step each, never over examples.
+    """
+    size = max(1, min(num_examples, max_temporary_bytes // max(1, entries_per_example * itemsize)))
+    return [(start, min(start + size, num_examples)) for start in range(0, num_examples, size)]

@@ -54,13 +54,18 @@ def test_quick_run_writes_json_and_markdown(quick_run):
     assert len(mem) == 4 and len({r["batch"] for r in mem}) == 2
     assert all(r["kfac_ref_peak_bytes"] > 0 and r["hand_peak_bytes"] > 0 for r in mem)
     assert {r["peer"] for r in rows if r["op"] == "peer"} == {"curvlinops", "kfac_jax"}
+    # the memory bound's cost: chunked against one-shot kfac_ref, two rows per dtype
+    chunking = [r for r in rows if r["op"] == "chunking"]
+    assert len(chunking) == 4 and {r["dtype"] for r in chunking} == {"float32", "float64"}
+    assert all(r["row"] in md and r["ratio"] > 0 for r in chunking)
+    assert all(r["budget_bytes"] < r["im2col_bytes"] for r in chunking)  # really chunked
 
 
 def test_every_baseline_agreed_with_kfac_ref(quick_run):
     out, _ = quick_run
     result = json.loads((out / "bench-numpy-quick.json").read_text())
     checked = [r for r in result["rows"] if "check" in r]
-    assert len(checked) == 2 * 2 * 8 + 4
+    assert len(checked) == 2 * 2 * 8 + 4 + 4
     for r in checked:
         c = r["check"]
         assert c["ok"] and 0 <= c["max_rel_err"] <= c["tol"], r["row"]

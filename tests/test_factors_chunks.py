@@ -4,8 +4,7 @@ within max_temporary_bytes; chunked and one-shot results agree to rounding."""
 import numpy as np
 import pytest
 
-from kfac_ref import KFACTypeError, KFACValueError, factors
-from kfac_ref.factors import conv_kfc
+from kfac_ref import KFACTypeError, KFACValueError, factors, patches
 
 ONE_SHOT = 2**62
 
@@ -34,15 +33,60 @@ def test_chunked_equals_one_shot(xp, rng, data_format, budget):
         g, data_format, max_temporary_bytes=budget), xp.to_numpy(one))
 
 
-def test_chunk_sizes_respect_the_bound(xp):
-    # 100 examples of 1000 entries of 8 (or 4) bytes: a 64 kB budget holds 8 (or 16) per chunk
-    starts, size = conv_kfc._chunks(xp.xp, 100, 1000, 64_000, xp.dtype)
-    itemsize = 8 if xp.float64 else 4
-    assert size == 64_000 // (1000 * itemsize) and size * 1000 * itemsize <= 64_000
-    assert list(starts) == list(range(0, 100, size))
-    assert conv_kfc._chunks(xp.xp, 100, 10**9, 1, xp.dtype)[1] == 1  # at least one example
-    assert conv_kfc._chunks(xp.xp, 3, 1, 2**40, xp.dtype)[1] == 3  # never more than N
+def test_chunk_sizes_respect_the_bound():
+    # 100 examples of 1000 entries of 8 bytes: a 64 kB budget holds 8 per chunk
+    bounds = patches.example_chunks(100, 1000, 8, 64_000)
+    assert bounds[0] == (0, 8) and all(hi - lo == 8 for lo, hi in bounds[:-1])
+    assert bounds[-1] == (96, 100)  # the last chunk is clipped at N
+    assert [lo for lo, _ in bounds] == list(range(0, 100, 8))
+    assert patches.example_chunks(100, 1000, 4, 64_000)[0] == (0, 16)  # float32: twice as many
+    assert patches.example_chunks(3, 10**9, 8, 1) == [(0, 1), (1, 2), (2, 3)]  # >= 1 example
+    assert patches.example_chunks(3, 1, 8, 2**40) == [(0, 3)]  # never more than N
     assert factors.MAX_TEMPORARY_BYTES == 64 * 2**20
+
+
+def _conv_layer_passes(layer, params, x, dparams, dx, g, rg):
+    """Every Conv2D pass on one input: forward, jvp, vjp_input, summed and per-example
+    parameter gradients, rvjp."""
+    r_params, r_x = layer.rvjp(params, x, dparams, dx, g, rg)
+    return [layer.forward(params, x), layer.jvp(params, x, dparams, dx),
+            layer.vjp_input(params, x, g), *layer.param_grads(params, x, g),
+            *layer.param_grads(params, x, g, per_example=True), *r_params, r_x]
+
+
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("budget", [1, 3000, 20000])
+def test_conv2d_layer_chunked_equals_one_shot(xp, rng, data_format, budget):
+    """nn.Conv2D runs every pass over chunks of examples (one example per chunk at budget 1);
+    the results equal the one-shot passes to rounding."""
+    from kfac_ref import nn
+
+    kw = dict(stride=2, padding="SAME", dilation=(1, 2), data_format=data_format)
+    one_shot = nn.Conv2D(3, 4, (3, 2), **kw, max_temporary_bytes=ONE_SHOT)
+    chunked = nn.Conv2D(3, 4, (3, 2), **kw, max_temporary_bytes=budget)
+    x = rng.standard_normal((5, 7, 6, 3))
+    dx = rng.standard_normal(x.shape)
+    out = one_shot.output_shape((5, 7, 6, 3))
+    g = rng.standard_normal((out[0], out[1], out[2], 4))
+    rg = rng.standard_normal(g.shape)
+    if data_format == "NCHW":
+        x, dx, g, rg = (np.moveaxis(a, -1, 1) for a in (x, dx, g, rg))
+    params = (xp.asarray(rng.standard_normal((3, 2, 3, 4))), xp.asarray(rng.standard_normal(4)))
+    dparams = (xp.asarray(rng.standard_normal((3, 2, 3, 4))), xp.asarray(rng.standard_normal(4)))
+    x, dx, g, rg = (xp.asarray(a) for a in (x, dx, g, rg))
+    if budget == 1:  # the bound really splits the batch (one example per chunk)
+        assert len(chunked._chunks(xp.xp, x, x.shape)) == 5
+    for got, exp in zip(_conv_layer_passes(chunked, params, x, dparams, dx, g, rg),
+                        _conv_layer_passes(one_shot, params, x, dparams, dx, g, rg), strict=True):
+        xp.check(got)
+        xp.assert_close(got, xp.to_numpy(exp))
+
+
+def test_conv2d_max_temporary_bytes_is_checked():
+    from kfac_ref import nn
+
+    with pytest.raises(KFACValueError, match="Conv2D: max_temporary_bytes must be an integer >= 1"):
+        nn.Conv2D(1, 1, 2, max_temporary_bytes=0)
 
 
 def test_max_temporary_bytes_is_checked(xp, rng):
@@ -53,3 +97,34 @@ def test_max_temporary_bytes_is_checked(xp, rng):
     with pytest.raises(KFACTypeError, match="conv_output_kronecker_factor: "
                        "max_temporary_bytes must be an integer"):
         factors.conv_output_kronecker_factor(x, max_temporary_bytes=1.5)
+
+
+def test_conv2d_layer_peak_memory_is_bounded():
+    """NumPy's allocations (tracemalloc): with a 300 kB bound every pass of a 32-example
+    3×3 conv peaks below two outputs plus four chunks' temporaries, where the one-shot
+    passes hold the whole 9.4 MB patch matrix (so the check can fail)."""
+    import tracemalloc
+
+    from kfac_ref import nn
+
+    rng = np.random.default_rng(0)
+    x, g = rng.standard_normal((32, 16, 16, 16)), rng.standard_normal((32, 16, 16, 16))
+    params = (rng.standard_normal((3, 3, 16, 16)), rng.standard_normal(16))
+    patch_bytes = 32 * 16 * 16 * 3 * 3 * 16 * 8
+    budget = 300_000
+    for bound, expect_small in ((ONE_SHOT, False), (budget, True)):
+        layer = nn.Conv2D(16, 16, 3, padding="SAME", max_temporary_bytes=bound)
+        for method, args, kwargs in (("forward", (params, x), {}),
+                                     ("vjp_input", (params, x, g), {}),
+                                     ("param_grads", (params, x, g), {}),
+                                     ("param_grads", (params, x, g), {"per_example": True})):
+            tracemalloc.start()
+            try:
+                getattr(layer, method)(*args, **kwargs)
+                peak = tracemalloc.get_traced_memory()[1]
+            finally:
+                tracemalloc.stop()
+            if expect_small:
+                assert peak <= 2 * x.nbytes + 4 * budget, peak
+            else:
+                assert peak >= patch_bytes, peak

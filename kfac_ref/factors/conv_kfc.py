@@ -34,6 +34,7 @@ from ..linalg import append_homog, compute_cov
 from ..patches import (
     ConvGeometry,
     check_subsample_factor,
+    example_chunks,
     extract_convolution_patches,
     extract_pointwise_conv2d_patches,
     is_channels_last,
@@ -71,17 +72,9 @@ MAX_TEMPORARY_BYTES = 64 * 2**20
 :func:`conv_diagonal_factor` (keyword ``max_temporary_bytes``)."""
 
 
-def _chunks(xp, n, entries_per_example, max_temporary_bytes, dtype):
-    """``range`` of chunk starts and the chunk size: as many examples per chunk as keep the
-    chunk's temporaries within ``max_temporary_bytes`` (at least one example)."""
-    itemsize = xp.finfo(dtype).bits // 8
-    size = max(1, min(n, max_temporary_bytes // max(1, entries_per_example * itemsize)))
-    return range(0, n, size), size
-
-
-def _rows(x, start, size):
-    """Examples ``start:start + size`` (the stop clipped: the standard leaves it open)."""
-    return x[start:min(start + size, x.shape[0]), ...]
+def _chunk_bounds(xp, n, entries_per_example, max_temporary_bytes, dtype):
+    """:func:`kfac_ref.patches.example_chunks` for arrays of ``dtype``."""
+    return example_chunks(n, entries_per_example, xp.finfo(dtype).bits // 8, max_temporary_bytes)
 
 
 EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
@@ -311,11 +304,11 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
         inputs = subsample_rows.kernel(xp, inputs, keep, rng)
     if not sub_sample_patches:  # chunks of examples, one GEMM each
         n = inputs.shape[0]
-        starts, size = _chunks(xp, n, geo.num_locations * (geo.patch_size + has_bias),
+        bounds = _chunk_bounds(xp, n, geo.num_locations * (geo.patch_size + has_bias),
                                max_temporary_bytes, inputs.dtype)
         total = None
-        for start in starts:
-            p = _conv_patch_matrix(xp, _rows(inputs, start, size), geo, has_bias,
+        for start, stop in bounds:
+            p = _conv_patch_matrix(xp, inputs[start:stop, ...], geo, has_bias,
                                    extract_patches_fn=extract_patches_fn,
                                    patch_mask=patch_mask)
             c = compute_cov.kernel(xp, p, None, n * geo.num_locations)
@@ -393,10 +386,9 @@ def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
     n = outputs_grad.shape[0]
     per_example = math.prod(outputs_grad.shape[1:])
     rows = math.prod(outputs_grad.shape) // outputs_grad.shape[-1 if channels_last else 1]
-    starts, size = _chunks(xp, n, per_example, max_temporary_bytes, outputs_grad.dtype)
     total = None
-    for start in starts:
-        g = to_channels_last(xp, _rows(outputs_grad, start, size), channels_last)
+    for start, stop in _chunk_bounds(xp, n, per_example, max_temporary_bytes, outputs_grad.dtype):
+        g = to_channels_last(xp, outputs_grad[start:stop, ...], channels_last)
         c = compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)
         total = c if total is None else total + c
     return total
@@ -521,12 +513,12 @@ def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patc
     """Unchecked kernel: mean over examples of the squared per-example gradients, by chunks."""
     n = inputs.shape[0]
     d = geo.patch_size + has_bias
-    starts, size = _chunks(xp, n, (geo.num_locations + geo.out_channels) * d,
+    bounds = _chunk_bounds(xp, n, (geo.num_locations + geo.out_channels) * d,
                            max_temporary_bytes, inputs.dtype)
     total = None
-    for start in starts:
+    for start, stop in bounds:
         per_example = _conv_per_example_gradients(
-            xp, _rows(inputs, start, size), _rows(outputs_grad, start, size), geo,
+            xp, inputs[start:stop, ...], outputs_grad[start:stop, ...], geo,
             has_bias, patch_mask=patch_mask)
         s = xp.sum(per_example * per_example, axis=0)
         total = s if total is None else total + s

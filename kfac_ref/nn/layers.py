@@ -43,9 +43,10 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
-from ..factors import conv_per_example_gradients
+from ..factors import MAX_TEMPORARY_BYTES, conv_per_example_gradients
 from ..patches import (
     ConvGeometry,
+    example_chunks,
     extract_convolution_patches,
     from_channels_last,
     to_channels_last,
@@ -369,9 +370,11 @@ class Conv2D(Layer):
         \partial x^{\text{pad}}_{n,u,v,c} = \sum_{a,b}\ \sum_{(i,j):\,
             i s_h + a d_h = u,\ j s_w + b d_w = v} (g K^\top)_{n,(i,j),(a,b,c)},
 
-    computed axis by axis with zero insertion (stride), zero shifts (offset) and sums, a
-    loop over the :math:`k_h + k_w` kernel offsets only (memory :math:`O(N H W C_{in} k_w)`,
-    no dense :math:`[HW, |T| k_h k_w]` selection matrix).  Padding amounts, output grid and
+    computed axis by axis (rows, then columns) as one gather of the contributing
+    (location, offset) pairs and one masked sum over the kernel offsets (temporaries of the
+    size of the patch cotangent, no dense :math:`[HW, |T| k_h k_w]` selection matrix).  Every
+    pass runs over chunks of examples whose patch temporaries stay within
+    ``max_temporary_bytes``.  Padding amounts, output grid and
     layout come from one :class:`kfac_ref.patches.ConvGeometry` (:meth:`geometry`), the
     geometry the patch extractor and the conv factors use; the per-example weight gradient
     is :func:`kfac_ref.factors.conv_per_example_gradients`' kernel.
@@ -386,6 +389,14 @@ class Conv2D(Layer):
     data_format : {"NHWC", "NCHW"}
         Layout of inputs and outputs; the kernel is always HWIO.
     use_bias : bool
+    max_temporary_bytes : int
+        Bound on the patch-sized temporaries of every pass (default
+        :data:`kfac_ref.factors.MAX_TEMPORARY_BYTES`, 64 MiB): the forward, jvp, input
+        cotangent and weight gradient run over chunks of examples
+        (:func:`kfac_ref.patches.example_chunks`), each holding at most this many bytes of
+        patches (one example at least), and concatenate (outputs, cotangents) or sum
+        (weight gradients) the chunks' results.  Outputs are unchanged up to the rounding of
+        the chunked sums.
 
     Raises
     ------
@@ -396,7 +407,7 @@ class Conv2D(Layer):
     kind = "conv2d"
 
     def __init__(self, c_in, c_out, kernel_size, stride=1, padding="VALID", dilation=1,
-                 data_format="NHWC", use_bias=True):
+                 data_format="NHWC", use_bias=True, max_temporary_bytes=MAX_TEMPORARY_BYTES):
         func = "Conv2D"
         self.c_in = check_int(func, "c_in", c_in, minimum=1)
         self.c_out = check_int(func, "c_out", c_out, minimum=1)
@@ -419,6 +430,8 @@ class Conv2D(Layer):
             self.padding = ((pt, pb), (pl, pr))
         self.data_format = check_option(func, "data_format", data_format, ("NHWC", "NCHW"))
         self.use_bias = check_bool(func, "use_bias", use_bias)
+        self.max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                             minimum=1)
 
     # -- geometry ------------------------------------------------------------------------
     @property
@@ -520,6 +533,20 @@ class Conv2D(Layer):
     def _kernel_matrix(self, xp, w):
         return xp.reshape(w, (self.patch_size, self.c_out))
 
+    def _chunks(self, xp, like, spatial_in):
+        """``(start, stop)`` chunks of examples whose patch temporaries (``|T|·kh·kw·C_in``
+        entries per example) fit in :attr:`max_temporary_bytes`."""
+        ho, wo = self.spatial_output(spatial_in)
+        return example_chunks(like.shape[0], ho * wo * self.patch_size,
+                              xp.finfo(like.dtype).bits // 8, self.max_temporary_bytes)
+
+    @staticmethod
+    def _concat_chunks(xp, fn, bounds, *arrays):
+        """``fn`` on each chunk of examples of ``arrays``, results concatenated (axis 0)."""
+        if len(bounds) == 1:
+            return fn(*arrays)
+        return xp.concat([fn(*(a[lo:hi, ...] for a in arrays)) for lo, hi in bounds], axis=0)
+
     @staticmethod
     def _col2im_index(xp, like, out_len, k, stride, dil, start, length):
         """Gather index and 0/1 mask of the adjoint of patch extraction along one axis.
@@ -571,11 +598,14 @@ class Conv2D(Layer):
 
     # -- maps --------------------------------------------------------------------------------
     def _conv(self, xp, x, w, b):
-        p = self.patches(x)
-        y = p @ self._kernel_matrix(xp, w)
-        if b is not None:
-            y = y + b
-        return self._from_nhwc(xp, y)
+        k = self._kernel_matrix(xp, w)
+
+        def conv(xc):
+            y = self.patches(xc) @ k
+            return y if b is None else y + b
+
+        return self._from_nhwc(xp, self._concat_chunks(xp, conv, self._chunks(xp, x, x.shape),
+                                                      x))
 
     def forward(self, params, x):
         xp = namespace_of("Conv2D.forward", x=x)
@@ -593,24 +623,37 @@ class Conv2D(Layer):
     def vjp_input(self, params, x, g):
         xp = namespace_of("Conv2D.vjp_input", x=x, g=g)
         g = self._to_nhwc(xp, g)
-        xn = self._to_nhwc(xp, x)
-        gp = g @ self._kernel_matrix(xp, params[0]).T
-        return self._from_nhwc(xp, self._transpose_patches(xp, gp, (xn.shape[1], xn.shape[2])))
+        kt = self._kernel_matrix(xp, params[0]).T
+        hw = tuple(x.shape[1:3]) if self.data_format == "NHWC" else tuple(x.shape[2:4])
+
+        def cotangent(gc):  # the patch cotangent g Kᵀ is the chunk's largest temporary
+            return self._transpose_patches(xp, gc @ kt, hw)
+
+        return self._from_nhwc(xp, self._concat_chunks(xp, cotangent,
+                                                      self._chunks(xp, x, x.shape), g))
 
     def param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Conv2D.param_grads", x=x, g=g)
         kshape = self.param_shapes()[0]
         n = x.shape[0]
+        bounds = self._chunks(xp, x, x.shape)
         if per_example:  # Σ_t p gᵀ per example: the one home is the conv factors' kernel
             geo = self.geometry(tuple(x.shape))
-            gw = conv_per_example_gradients.kernel(xp, x, g, geo, False)
-            gw = xp.reshape(gw, (n, *kshape))
+
+            def per_example_weight(xc, gc):
+                return conv_per_example_gradients.kernel(xp, xc, gc, geo, False)
+
+            gw = xp.reshape(self._concat_chunks(xp, per_example_weight, bounds, x, g),
+                            (n, *kshape))
             gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (n, -1, self.c_out)), axis=1)
-        else:
-            p2 = xp.reshape(self.patches(x), (-1, self.patch_size))
-            g2 = xp.reshape(self._to_nhwc(xp, g), (-1, self.c_out))
-            gw = xp.reshape(p2.T @ g2, kshape)
-            gb = xp.sum(g2, axis=0)
+        else:  # Σ over chunks of Pᵀ g: one GEMM per chunk
+            gw = None
+            for lo, hi in bounds:
+                p2 = xp.reshape(self.patches(x[lo:hi, ...]), (-1, self.patch_size))
+                g2 = xp.reshape(self._to_nhwc(xp, g[lo:hi, ...]), (-1, self.c_out))
+                gw = p2.T @ g2 if gw is None else gw + p2.T @ g2
+            gw = xp.reshape(gw, kshape)
+            gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (-1, self.c_out)), axis=0)
         return (gw, gb) if self.use_bias else (gw,)
 
     def rvjp(self, params, x, dparams, dx, g, rg):
