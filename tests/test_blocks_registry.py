@@ -135,3 +135,35 @@ def test_registered_names_select_the_same_blocks_as_classes():
 def test_from_layer_rejects_another_layer_kind():
     with pytest.raises(KFACValueError, match="DenseDiagonal.from_layer: layer must be a 'dense'"):
         kj.DenseDiagonal.from_layer(nn.Conv2D(1, 2, (2, 2)), (1, 3, 3, 1))
+
+
+@pytest.mark.parametrize("ema", [(0.0, 1.0), (0.7, 0.3)])
+def test_update_from_output_vectors_override_equals_the_per_vector_default(xp, rng, ema):
+    """The Kronecker override (A once, G from the stacked vectors) equals the base class's
+    C calls of update_curvature_matrix_estimate (ema_old first, weight ema_new/C)."""
+    layer = nn.Dense(3, 4)
+    block = kj.DenseTwoKroneckerFactored.from_layer(layer, (5, 3))
+    x = xp.asarray(rng.standard_normal((5, 3)))
+    gs = [xp.asarray(rng.standard_normal((5, 4))) for _ in range(3)]
+    st = block.init(x)
+    st = block.update_curvature_matrix_estimate(  # a non-trivial old state
+        st, {"inputs": x, "outputs_grad": gs[0] * 2.0}, 0.0, 1.0, 5)
+    got = block.update_from_output_vectors(st, layer, x, gs, 5, "expand", *ema)
+    want = kj.CurvatureBlock.update_from_output_vectors(block, st, layer, x, gs, 5, "expand",
+                                                        *ema)
+    for s_got, s_want in zip(got.statistics, want.statistics, strict=True):
+        xp.check(s_got.value)
+        xp.assert_close(s_got.value, xp.to_numpy(s_want.value))
+
+
+def test_update_from_output_vectors_errors(rng):
+    layer = nn.Dense(3, 4)
+    x = rng.standard_normal((5, 3))
+    for block in (kj.DenseTwoKroneckerFactored.from_layer(layer, (5, 3)),
+                  kj.DenseDiagonal.from_layer(layer, (5, 3))):
+        with pytest.raises(KFACValueError, match="update_from_output_vectors: outputs_grads "
+                           "must hold at least one back-propagated vector; got none"):
+            block.update_from_output_vectors(block.init(x), layer, x, [], 5, "expand", 0.0, 1.0)
+    naive = kj.NaiveDiagonal(layer.param_shapes())
+    with pytest.raises(KFACValueError, match="reads per-example parameter gradients"):
+        naive.update_from_output_vectors(naive.init(x), layer, x, [x], 5, "expand", 0.0, 1.0)

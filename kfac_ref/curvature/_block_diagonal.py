@@ -258,10 +258,10 @@ class BlockDiagonalCurvature(EstimatorBase):
             vectors = [v * math.sqrt(c) for v in vectors]
         states = list(state.blocks_states)
         layers = tuple(zip(range(len(states)), self.layer_indices, self._blocks, strict=True))
-        # Kronecker blocks take one update from all vectors (A once, G from the stacked rows);
-        # the others are updated once per vector with ema_old first, then 1, weight ema_new/C
-        stacked = {k: [] for k, _, bl in layers
-                   if hasattr(bl, "_update_from_vectors") and not bl.uses_params_grads}
+        # blocks of layer quantities take one update from all vectors (Kronecker: A once, G
+        # from the stacked rows); those of parameter gradients are updated once per vector
+        # with ema_old first, then 1, weight ema_new/C
+        stacked = {k: [] for k, _, bl in layers if not bl.uses_params_grads}
         need_grads = any(bl.uses_params_grads for bl in self._blocks)
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
@@ -280,7 +280,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                                                                    ema_new / c, rows)
         for k, i, block in layers:
             if k in stacked:
-                states[k] = block._update_from_vectors(
+                states[k] = block.update_from_output_vectors(
                     states[k], self.net.layers[i], b.inputs[i], stacked[k], b.n,
                     self._sharing(self.net.names[i]), ema_old, ema_new)
         return BlockDiagonalState(tuple(states))

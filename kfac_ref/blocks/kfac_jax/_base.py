@@ -143,7 +143,8 @@ class CurvatureBlock(abc.ABC):
     * ``_norm_unscaled(xp, state, norm_type)``: :math:`\|B\|` as a 0-D array or a number.
 
     Optional hooks: ``_check_estimation_arrays`` (the checks of ``estimation_data``),
-    ``_check_approx_power``, :meth:`from_layer` and :meth:`layer_estimation_data`.
+    ``_check_approx_power``, :meth:`from_layer`, :meth:`layer_estimation_data` and
+    :meth:`update_from_output_vectors` (one update from several back-propagated vectors).
 
     Parameters
     ----------
@@ -211,6 +212,41 @@ class CurvatureBlock(abc.ABC):
         if self.uses_params_grads:
             return {"params_grads": tuple(params_grads)}, batch_size
         return {"inputs": inputs, "outputs_grad": outputs_grad}, batch_size
+
+    def update_from_output_vectors(self, state, layer, inputs, outputs_grads, batch_size,
+                                   weight_sharing, ema_old, ema_new):
+        r"""One moving-average update from the :math:`C` back-propagated output vectors of a
+        batch (:class:`kfac_ref.curvature.BlockDiagonalCurvature` calls this once per update).
+
+        .. math::
+
+            S \leftarrow \texttt{ema\_old}\, S + \frac{\texttt{ema\_new}}{C}
+            \sum_{c=1}^{C} \hat S\big(x, g_c\big)
+
+        ``outputs_grads`` holds the :math:`C` vectors :math:`g_c` at the layer's output,
+        ``inputs`` the layer input :math:`x`.  The default runs :math:`C` calls of
+        :meth:`update_curvature_matrix_estimate`, the first with ``ema_old``, the others with
+        1, each with the weight ``ema_new / C`` (the same average); Kronecker blocks override
+        it to form the input factor once and the output factor from the stacked vectors in
+        one GEMM.  Only for blocks that read layer quantities, not per-example parameter
+        gradients (:attr:`uses_params_grads` false).
+        """
+        if self.uses_params_grads:
+            raise KFACValueError(
+                f"{type(self).__name__}.update_from_output_vectors: the block must read layer "
+                f"inputs and output gradients; this one reads per-example parameter gradients "
+                f"(use update_curvature_matrix_estimate with params_grads).")
+        if not outputs_grads:
+            raise KFACValueError(
+                f"{type(self).__name__}.update_from_output_vectors: outputs_grads must hold at "
+                f"least one back-propagated vector; got none.")
+        c = len(outputs_grads)
+        for j, g in enumerate(outputs_grads):
+            data, rows = self.layer_estimation_data(layer, inputs, g, None, batch_size,
+                                                    weight_sharing)
+            state = self.update_curvature_matrix_estimate(
+                state, data, ema_old if j == 0 else 1.0, ema_new / c, rows)
+        return state
 
     @property
     def uses_params_grads(self):

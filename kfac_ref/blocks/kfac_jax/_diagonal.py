@@ -119,10 +119,6 @@ class DenseDiagonal(DenseLayer, Diagonal):
     has_bias : bool
     """
 
-    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
-        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
-                                          has_bias), **kwargs)
-
     def _batch_statistics(self, xp, data, batch_size):
         diag = factors.fully_connected_diagonal_factor.kernel(
             xp, data["inputs"], data["outputs_grad"], self.has_bias)
@@ -149,12 +145,6 @@ class Conv2DDiagonal(ConvLayer, Diagonal):
         As :func:`kfac_ref.patches.extract_convolution_patches`.
     has_bias : bool
     """
-
-    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
-                 data_format="NHWC", has_bias=True, **kwargs):
-        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
-                                         strides, padding, dilation_rate, data_format,
-                                         has_bias), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
         diag = factors.conv_diagonal_factor.kernel(xp, data["inputs"], data["outputs_grad"],
@@ -185,10 +175,6 @@ class ScaleAndShiftDiagonal(ScaleAndShiftLayer, Diagonal):
     scale_shape, shift_shape : tuple of int or None
         Parameter shapes, broadcastable against ``inputs_shape`` (right-aligned).
     """
-
-    def __init__(self, inputs_shape, scale_shape=None, shift_shape=None, **kwargs):
-        super().__init__(self._init_sas(type(self).__name__, inputs_shape, scale_shape,
-                                        shift_shape), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
         return self._unflatten(xp, self._statistic(xp, data, "diagonal"))

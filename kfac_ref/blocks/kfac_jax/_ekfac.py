@@ -172,10 +172,6 @@ class DenseEKFAC(DenseLayer, EigenbasisKroneckerFactored):
         Symmetrised statistics (default) or kfac-jax's unsymmetrised product.
     """
 
-    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
-        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
-                                          has_bias), **kwargs)
-
     @classmethod
     def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
         """The EKFAC block of a :class:`kfac_ref.nn.Dense` layer on ``[N, d_in]`` inputs."""
@@ -215,12 +211,6 @@ class Conv2DEKFAC(ConvLayer, EigenbasisKroneckerFactored):
     :math:`|T|` is part of :math:`s^*`).  The basis is KFC's for every ``weight_sharing``.
     Layer parameters as ``Conv2DTwoKroneckerFactored``.
     """
-
-    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
-                 data_format="NHWC", has_bias=True, **kwargs):
-        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
-                                         strides, padding, dilation_rate, data_format,
-                                         has_bias), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
         x, g = data["inputs"], data["outputs_grad"]

@@ -118,10 +118,6 @@ class DenseFull(DenseLayer, Full):
     has_bias : bool
     """
 
-    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
-        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
-                                          has_bias), **kwargs)
-
     def _batch_statistics(self, xp, data, batch_size):
         a, g = data["inputs"], data["outputs_grad"]
         if self.has_bias:
@@ -144,12 +140,6 @@ class Conv2DFull(ConvLayer, Full):
     Parameters as :class:`Conv2DDiagonal`.
     """
 
-    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
-                 data_format="NHWC", has_bias=True, **kwargs):
-        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
-                                         strides, padding, dilation_rate, data_format,
-                                         has_bias), **kwargs)
-
     def _batch_statistics(self, xp, data, batch_size):
         tangents = self._per_example_grads(xp, data["inputs"], data["outputs_grad"])
         return (compute_cov.kernel(xp, tangents),)
@@ -169,10 +159,6 @@ class ScaleAndShiftFull(ScaleAndShiftLayer, Full):
     (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="full"``).  Parameters as
     :class:`ScaleAndShiftDiagonal`.
     """
-
-    def __init__(self, inputs_shape, scale_shape=None, shift_shape=None, **kwargs):
-        super().__init__(self._init_sas(type(self).__name__, inputs_shape, scale_shape,
-                                        shift_shape), **kwargs)
 
     def _batch_statistics(self, xp, data, batch_size):
         return (self._statistic(xp, data, "full"),)

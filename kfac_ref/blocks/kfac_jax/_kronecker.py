@@ -178,8 +178,8 @@ class TwoKroneckerFactored(CurvatureBlock):
         (first, rows) = datas[0]
         return first["inputs"], [d["outputs_grad"] for d, _ in datas], rows
 
-    def _update_from_vectors(self, state, layer, inputs, outputs_grads, batch_size,
-                             weight_sharing, ema_old, ema_new):
+    def update_from_output_vectors(self, state, layer, inputs, outputs_grads, batch_size,
+                                   weight_sharing, ema_old, ema_new):
         r"""One moving-average update from the :math:`C` back-propagated vectors of a batch
         (used by :class:`kfac_ref.curvature.BlockDiagonalCurvature`).
 
@@ -194,7 +194,10 @@ class TwoKroneckerFactored(CurvatureBlock):
         :meth:`update_curvature_matrix_estimate`, the first with ``ema_old`` and the others
         with 1, each with the weight ``ema_new / C``, up to rounding.
         """
-        func = f"{type(self).__name__}.update_curvature_matrix_estimate"
+        func = f"{type(self).__name__}.update_from_output_vectors"
+        if not outputs_grads:
+            raise KFACValueError(f"{func}: outputs_grads must hold at least one back-propagated "
+                                 f"vector; got none.")
         xp = self._check_state(func, state)
         ema_old = check_scalar(func, "ema_old", ema_old, nonnegative=True)
         ema_new = check_scalar(func, "ema_new", ema_new, nonnegative=True)
@@ -238,10 +241,6 @@ class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):
     **kwargs
         Options of :class:`TwoKroneckerFactored`.
     """
-
-    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
-        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
-                                          has_bias), **kwargs)
 
     @classmethod
     def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
@@ -297,12 +296,6 @@ class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
     ``weight_sharing="reduce"`` the block is KFAC-reduce: a dense Kronecker block on the
     location-averaged patches and location-summed output gradients.
     """
-
-    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
-                 data_format="NHWC", has_bias=True, **kwargs):
-        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
-                                         strides, padding, dilation_rate, data_format,
-                                         has_bias), **kwargs)
 
     @classmethod
     def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):

@@ -36,7 +36,13 @@ def check_layer_kind(cls, layer, kind):
 # Dense layers
 # --------------------------------------------------------------------------------------
 class DenseLayer:
-    """A dense layer ``y = x W + b``: kernel ``[d_in, d_out]``, bias ``[d_out]``."""
+    """A dense layer ``y = x W + b``: kernel ``[d_in, d_out]``, bias ``[d_out]``.  Mixed in
+    before a block family, its constructor takes the layer's sizes and passes the parameter
+    shapes on to the family's."""
+
+    def __init__(self, input_size, output_size, has_bias=True, **kwargs):
+        super().__init__(self._init_dense(type(self).__name__, input_size, output_size,
+                                          has_bias), **kwargs)
 
     def _init_dense(self, func, input_size, output_size, has_bias):
         d_in = check_int(func, "input_size", input_size, minimum=1)
@@ -77,7 +83,14 @@ class DenseLayer:
 # --------------------------------------------------------------------------------------
 class ConvLayer:
     """Layer options shared by the conv blocks (TF/kfac_ref conventions, see
-    :mod:`kfac_ref.patches`)."""
+    :mod:`kfac_ref.patches`).  Mixed in before a block family, its constructor takes the
+    layer's geometry and passes the parameter shapes on to the family's."""
+
+    def __init__(self, inputs_shape, kernel_shape, strides=1, padding="VALID", dilation_rate=1,
+                 data_format="NHWC", has_bias=True, **kwargs):
+        super().__init__(self._init_conv(type(self).__name__, inputs_shape, kernel_shape,
+                                         strides, padding, dilation_rate, data_format,
+                                         has_bias), **kwargs)
 
     def _init_conv(self, func, inputs_shape, kernel_shape, strides, padding, dilation_rate,
                    data_format, has_bias):
@@ -144,7 +157,13 @@ class ConvLayer:
 # Scale and shift
 # --------------------------------------------------------------------------------------
 class ScaleAndShiftLayer:
-    """Shapes and statistics of ``y = scale * x + shift`` (broadcast, batch axis first)."""
+    """Shapes and statistics of ``y = scale * x + shift`` (broadcast, batch axis first).
+    Mixed in before a block family, its constructor takes the shapes and passes the
+    parameter shapes on to the family's."""
+
+    def __init__(self, inputs_shape, scale_shape=None, shift_shape=None, **kwargs):
+        super().__init__(self._init_sas(type(self).__name__, inputs_shape, scale_shape,
+                                        shift_shape), **kwargs)
 
     def _init_sas(self, func, inputs_shape, scale_shape, shift_shape):
         if scale_shape is None and shift_shape is None:
