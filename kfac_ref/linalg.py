@@ -49,7 +49,14 @@ other powers (or exact damping, which needs both factors' eigenbases) are reques
 clipping provably changes nothing beyond rounding: the Cholesky factorisation of
 :math:`M - (c - \delta) I`, :math:`\delta = n\,\varepsilon \max_i |M_{ii}|`, must succeed,
 i.e. every eigenvalue of :math:`M` exceeds :math:`c - \delta`; otherwise, and for lazy
-arrays, it clips through ``eigh`` as for every other power.
+arrays, it clips through ``eigh`` as for every other power.  The unchecked kernel takes
+``second_moment=True`` from callers whose matrix is a second moment by construction (the
+K-FAC factors, averages of :math:`X^\top X / n` with non-negative weights): with
+:math:`c \le 0` such a matrix is positive semi-definite up to the rounding of its own
+computation, so clipping changes it by no more than that rounding and the test (a second
+factorisation as costly as the inverse) is skipped, for lazy arrays too.  kfac-jax's
+``pi_adjusted_kronecker_inverse`` and TF K-FAC's ``posdef_inv`` invert such factors by
+Cholesky without clipping.
 """
 
 from __future__ import annotations
@@ -339,10 +346,12 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
 
 
 @kernel_of(damped_matpower)
-def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower"):
+def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower",
+                     second_moment=False):
     if exp == 1.0:
         return matrix + damping * eye_like(matrix, matrix.shape[0])
-    if exp == -1.0 and _clipping_is_void(xp, matrix, threshold):
+    void = (second_moment and threshold <= 0.0) or _clipping_is_void(xp, matrix, threshold)
+    if exp == -1.0 and void:
         try:
             return _damped_inverse(xp, matrix, damping, func=func)
         except KFACValueError:

@@ -183,6 +183,22 @@ def test_damped_matpower_inverse_still_clips_an_indefinite_matrix(xp, rng):
                     eigh_inverse(spd, 0.1, 1.0))
 
 
+@pytest.mark.parametrize("rank", [None, 2])
+def test_second_moment_kernel_skips_the_clipping_test(xp, rng, rank):
+    """The kernel's second_moment=True (K-FAC factors: Gram matrices) inverts by Cholesky
+    without the test factorisation; on a PSD matrix of low rank (eigenvalues at 0 up to
+    rounding, where clipping at 0 changes nothing beyond rounding) it agrees with the clipped
+    eigh oracle, and with a positive threshold it still clips."""
+    n = 7
+    m = xp.round_host(random_spd(rng, n, 0.5, 5.0) if rank is None else random_psd(rng, n, rank))
+    a = xp.asarray(m)
+    got = K.linalg.damped_matpower.kernel(xp.xp, a, -1.0, 0.3, 0.0, second_moment=True)
+    xp.check(got)
+    xp.assert_close(got, eigh_inverse(m, 0.3))
+    clipped = K.linalg.damped_matpower.kernel(xp.xp, a, -1.0, 0.3, 1.0, second_moment=True)
+    xp.assert_close(clipped, eigh_inverse(m, 0.3, 1.0))
+
+
 def test_damped_matpower_inverse_of_singular_matrix_still_raises(xp):
     m = xp.asarray(np.diag([1.0, 0.0]))
     with pytest.raises(KFACValueError, match="damped_matpower: matrix \\+ damping·I must be "

@@ -64,11 +64,14 @@ def apply_kron_direct(xp, a, g, x, damping, scale):
 
 
 def _factor_power(func, xp, f, power, delta, threshold):
-    """``(F + δI)^p`` of one factor: a matrix, or a vector for a diagonal factor."""
+    """``(F + δI)^p`` of one factor: a matrix, or a vector for a diagonal factor.  The factors
+    are second moments, so an inverse with clipping at ``threshold <= 0`` is one Cholesky
+    inverse (see :mod:`kfac_ref.linalg`)."""
     if f.ndim == 1:
         return elementwise_power(func, xp, xp.clip(f, min=threshold) + delta, power)
     try:
-        return damped_matpower.kernel(xp, f, power, delta, threshold, func=func)
+        return damped_matpower.kernel(xp, f, power, delta, threshold, func=func,
+                                      second_moment=True)
     except KFACValueError as exc:
         raise KFACValueError(f"{func}: a damped Kronecker factor is singular for the power "
                              f"{power} ({exc}). Add damping.") from None
