@@ -120,6 +120,13 @@ def test_cholesky_refusals(xp, rng):
     with pytest.raises(KFACTypeError, match="transpose must be a bool"):
         T.DiagonalFB(xp.asarray(np.ones(4)), 0.1).multiply_cholesky_inverse(
             xp.asarray(np.ones(4)), transpose=1)
+    with pytest.raises(KFACValueError, match=r"NaiveDiagonalFB.multiply_cholesky: vector must "
+                                             r"have 4 entries"):
+        T.NaiveDiagonalFB(xp.asarray(np.ones(4)), 0.1).multiply_cholesky(xp.asarray(np.ones(3)))
+    with pytest.raises(KFACValueError, match=r"ConvDiagonalFB.multiply_cholesky_inverse: vector "
+                                             r"must have the parameter shapes"):
+        T.ConvDiagonalFB(xp.asarray(np.ones((3, 2))), 0.1, (1, 3, 1, 2)).\
+            multiply_cholesky_inverse(xp.asarray(np.ones((3, 2))))
     ident = T.FullyConnectedKFACBasicFB(a, g, 0.1, has_bias=True,
                                         zero_factor_fallback="identity")
     with pytest.raises(KFACValueError, match="zero_factor_fallback must be 'pi_one'"):

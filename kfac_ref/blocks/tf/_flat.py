@@ -206,12 +206,15 @@ class DiagonalFB(_FlatVector, FisherBlock):
 
         .. math:: (d + \lambda)^{\odot p} \odot v
         """
-        func = f"{type(self).__name__}.multiply_matpower"
+        return self._matpower("multiply_matpower", vector, self._exp(exp))
+
+    def _matpower(self, method, vector, exp):
+        func = f"{type(self).__name__}.{method}"
         xp, flat, back = self._flat(func, vector, self._diag)
         if flat.shape != self._diag.shape:
             raise KFACValueError(f"{func}: vector must have {self._diag.shape[0]} entries in "
                                  f"all; got {flat.shape[0]}.")
-        return back(diagonal_block_matpower(self._diag, flat, self._exp(exp), self.damping))
+        return back(diagonal_block_matpower(self._diag, flat, exp, self.damping))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky``: the square root of the damped diagonal
@@ -221,7 +224,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
             + \lambda I
         """
         self._transpose("multiply_cholesky", transpose)
-        return self.multiply_matpower(vector, 0.5)
+        return self._matpower("multiply_cholesky", vector, 0.5)
 
     def multiply_cholesky_inverse(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky_inverse`` (``transpose`` changes nothing).
@@ -229,7 +232,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
         .. math:: L^{-1} v = (d + \lambda)^{\odot -1/2} \odot v
         """
         self._transpose("multiply_cholesky_inverse", transpose)
-        return self.multiply_matpower(vector, -0.5)
+        return self._matpower("multiply_cholesky_inverse", vector, -0.5)
 
     def full_fisher_block(self):
         r"""The undamped block :math:`\mathrm{diag}(d)` as a dense matrix.
@@ -311,10 +314,12 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
 
         .. math:: (D + \lambda)^{\odot p} \odot V
         """
-        func = f"{type(self).__name__}.multiply_matpower"
+        return self._matpower("multiply_matpower", vector, self._exp(exp))
+
+    def _matpower(self, method, vector, exp):
+        func = f"{type(self).__name__}.{method}"
         xp, mat, back = self._to_mat2d(func, vector, self._diag)
-        return back(diagonal_block_matpower(self._diag, mat, self._exp(exp),
-                                              self._effective_damping()))
+        return back(diagonal_block_matpower(self._diag, mat, exp, self._effective_damping()))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky`` on the ``[W; b]`` matrix (``transpose``
@@ -324,7 +329,7 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
             L L^\top = \mathrm{diag}(\mathrm{vec}_r D) + \lambda I
         """
         self._transpose("multiply_cholesky", transpose)
-        return self.multiply_matpower(vector, 0.5)
+        return self._matpower("multiply_cholesky", vector, 0.5)
 
     def multiply_cholesky_inverse(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky_inverse`` on the ``[W; b]`` matrix.
@@ -332,7 +337,7 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
         .. math:: L^{-1} V = (D + \lambda)^{\odot -1/2} \odot V
         """
         self._transpose("multiply_cholesky_inverse", transpose)
-        return self.multiply_matpower(vector, -0.5)
+        return self._matpower("multiply_cholesky_inverse", vector, -0.5)
 
     def full_fisher_block(self):
         r"""The undamped diagonal block as a dense matrix in ``vec_r([W; b])`` order.
