@@ -62,6 +62,7 @@ from ._diagonal_full import (
 from ._diagonal_full import prepare_full as prepare_full
 from ._kron import KRON_PATHS as KRON_PATHS
 from ._kron import apply_kron as apply_kron
+from ._kron import apply_kron_cholesky as apply_kron_cholesky
 from ._kron import apply_kron_direct as apply_kron_direct
 from ._kron import apply_kron_eigen as apply_kron_eigen
 from ._kron import apply_kron_factored as apply_kron_factored

@@ -13,6 +13,8 @@ from ..._backend import (
 )
 from ...linalg import (
     clipped_eigh,
+    damped_cholesky,
+    damped_cholesky_inverse,
     damped_matpower,
     factor_norm,
     kron_eigenbasis_matpower,
@@ -123,6 +125,48 @@ def apply_kron_factored(xp, prepared, x):
         zero, identity_coeff = prepared[3:]
         return xp.where(zero, identity_coeff * x, coeff * prod)
     return coeff * prod
+
+
+def _factor_triangle(func, xp, f, delta, inverse):
+    """Lower Cholesky factor of ``F + δI`` (or its inverse); the diagonal's square root
+    (inverse square root) for a diagonal factor."""
+    if f.ndim == 1:
+        return elementwise_power(func, xp, f + delta, -0.5 if inverse else 0.5)
+    kernel = damped_cholesky_inverse.kernel if inverse else damped_cholesky.kernel
+    return kernel(xp, f, delta, func=func)
+
+
+def apply_kron_cholesky(func, xp, a, g, x, delta_a, delta_g, scale, *, transpose=False,
+                        inverse=False):
+    r"""TF's Cholesky products of a factored-damped Kronecker block on ``X`` ``[p, q]``.
+
+    .. math::
+
+        L = s^{1/2}\, L_A \otimes L_G, \quad L_A L_A^\top = A + \delta_A I, \quad
+        L_G L_G^\top = G + \delta_G I, \qquad L L^\top = s\,(A + \delta_A I) \otimes
+        (G + \delta_G I);
+
+        L\,\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A X L_G^\top), \quad
+        L^\top\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A^\top X L_G), \quad
+        L^{-1}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-1} X L_G^{-\top}), \quad
+        L^{-\top}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-\top} X L_G^{-1})
+
+    (TF ``KroneckerProductFB.multiply_cholesky`` / ``multiply_cholesky_inverse``: the factors'
+    ``get_cholesky`` / ``get_cholesky_inverse`` with their π-split dampings).  A diagonal
+    (1-D) factor's triangle is :math:`(f + \delta)^{\odot \pm 1/2}`.  Internal: the caller
+    validated its arguments.
+    """
+    l_a = _factor_triangle(func, xp, a, delta_a, inverse)
+    l_g = _factor_triangle(func, xp, g, delta_g, inverse)
+    if l_a.ndim == 1:
+        left = l_a[:, None] * x
+    else:
+        left = (xp.matrix_transpose(l_a) if transpose else l_a) @ x
+    if l_g.ndim == 1:
+        prod = left * l_g[None, :]
+    else:
+        prod = left @ (l_g if transpose else xp.matrix_transpose(l_g))
+    return (scale ** (-0.5 if inverse else 0.5)) * prod
 
 
 KRON_PATHS = ("direct", "eigen", "factored")

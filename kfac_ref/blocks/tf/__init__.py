@@ -30,6 +30,7 @@ module global.
 from .._math import normalize_damping
 from . import _base
 from ._base import FisherBlock, compute_pi_adjusted_damping, compute_pi_tracenorm
+from ._depthwise import DepthwiseConvDiagonalFB, DepthwiseConvKFCBasicFB
 from ._flat import (
     ConvDiagonalFB,
     DiagonalFB,
@@ -37,11 +38,14 @@ from ._flat import (
     FullyConnectedDiagonalFB,
     NaiveDiagonalFB,
     NaiveFullFB,
+    ScaleAndShiftDiagonalFB,
+    ScaleAndShiftFullFB,
 )
 from ._kronecker import (
     ConvKFCBasicFB,
     ConvKFCBasicMultiIndepFB,
     EmbeddingKFACFB,
+    EmbeddingKFACMultiIndepFB,
     FullyConnectedKFACBasicFB,
     FullyConnectedMultiIndepFB,
     KroneckerProductFB,
@@ -63,10 +67,15 @@ __all__ = [
     "NaiveDiagonalFB",
     "FullyConnectedDiagonalFB",
     "ConvDiagonalFB",
+    "ScaleAndShiftFullFB",
+    "ScaleAndShiftDiagonalFB",
+    "DepthwiseConvDiagonalFB",
     "KroneckerProductFB",
     "FullyConnectedKFACBasicFB",
     "ConvKFCBasicFB",
     "EmbeddingKFACFB",
+    "EmbeddingKFACMultiIndepFB",
+    "DepthwiseConvKFCBasicFB",
     "FullyConnectedMultiIndepFB",
     "ConvKFCBasicMultiIndepFB",
     "FullyConnectedSeriesFB",

@@ -8,6 +8,7 @@ from ..._backend import (
     KFACTypeError,
     KFACValueError,
     check_array,
+    check_bool,
     check_option,
     check_scalar,
     describe,
@@ -154,8 +155,25 @@ class FisherBlock:
         """
         return self.multiply_matpower(vector, 1.0)
 
+    def multiply_cholesky(self, vector, transpose=False):  # pragma: no cover - abstract
+        r"""A Cholesky factor of the damped block times ``vector`` (TF semantics).
+
+        .. math:: L v \ \text{or}\ L^\top v, \qquad L L^\top = \tilde F
+        """
+        raise NotImplementedError
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):  # pragma: no cover
+        r"""The inverse of a Cholesky factor of the damped block times ``vector``.
+
+        .. math:: L^{-1} v \ \text{or}\ L^{-\top} v, \qquad L L^\top = \tilde F
+        """
+        raise NotImplementedError
+
     def _exp(self, exp):
         return check_scalar(f"{type(self).__name__}.multiply_matpower", "exp", exp)
+
+    def _transpose(self, method, transpose):
+        return check_bool(f"{type(self).__name__}.{method}", "transpose", transpose)
 
 
 

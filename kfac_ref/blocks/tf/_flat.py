@@ -20,6 +20,7 @@ from ..._backend import (
     is_array,
     namespace_of,
 )
+from ...linalg import damped_cholesky, damped_cholesky_inverse
 from .._math import (
     diagonal_block_matpower,
     flatten,
@@ -111,6 +112,43 @@ class FullFB(_FlatVector, FisherBlock):
         xp, flat, back = self._flat(func, vector, self._cov)
         return back(full_block_matpower(self._cov, flat, self._exp(exp), self.damping))
 
+    def multiply_cholesky(self, vector, transpose=False):
+        r"""TF ``FullFB.multiply_cholesky``: the lower Cholesky factor of the damped block.
+
+        .. math::
+
+            L v \ (\texttt{transpose=False}), \qquad L^\top v \ (\texttt{True}), \qquad
+            L L^\top = F + \lambda I, \ L \text{ lower triangular}
+
+        (:func:`kfac_ref.linalg.damped_cholesky`).
+        """
+        return self._triangular_product("multiply_cholesky", vector, transpose,
+                                        damped_cholesky)
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):
+        r"""TF ``FullFB.multiply_cholesky_inverse``: the inverse lower Cholesky factor.
+
+        .. math::
+
+            L^{-1} v \ (\texttt{transpose=False}), \qquad L^{-\top} v \ (\texttt{True}),
+            \qquad L L^\top = F + \lambda I
+
+        (:func:`kfac_ref.linalg.damped_cholesky_inverse`).
+        """
+        return self._triangular_product("multiply_cholesky_inverse", vector, transpose,
+                                        damped_cholesky_inverse)
+
+    def _triangular_product(self, method, vector, transpose, triangular_of):
+        func = f"{type(self).__name__}.{method}"
+        transpose = self._transpose(method, transpose)
+        xp, flat, back = self._flat(func, vector, self._cov)
+        n = self._cov.shape[0]
+        if flat.shape != (n,):
+            raise KFACValueError(f"{func}: vector must have {n} entries in all; got "
+                                 f"{flat.shape[0]}.")
+        m = triangular_of(self._cov, self.damping)
+        return back((m.T if transpose else m) @ flat)
+
     def full_fisher_block(self):
         r"""The undamped block :math:`F` (TF's ``full_fisher_block``).
 
@@ -168,12 +206,33 @@ class DiagonalFB(_FlatVector, FisherBlock):
 
         .. math:: (d + \lambda)^{\odot p} \odot v
         """
-        func = f"{type(self).__name__}.multiply_matpower"
+        return self._matpower("multiply_matpower", vector, self._exp(exp))
+
+    def _matpower(self, method, vector, exp):
+        func = f"{type(self).__name__}.{method}"
         xp, flat, back = self._flat(func, vector, self._diag)
         if flat.shape != self._diag.shape:
             raise KFACValueError(f"{func}: vector must have {self._diag.shape[0]} entries in "
                                  f"all; got {flat.shape[0]}.")
-        return back(diagonal_block_matpower(self._diag, flat, self._exp(exp), self.damping))
+        return back(diagonal_block_matpower(self._diag, flat, exp, self.damping))
+
+    def multiply_cholesky(self, vector, transpose=False):
+        r"""TF ``DiagonalFB.multiply_cholesky``: the square root of the damped diagonal
+        (``transpose`` changes nothing: the factor is diagonal).
+
+        .. math:: L v = (d + \lambda)^{\odot 1/2} \odot v, \qquad L L^\top = \mathrm{diag}(d)
+            + \lambda I
+        """
+        self._transpose("multiply_cholesky", transpose)
+        return self._matpower("multiply_cholesky", vector, 0.5)
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):
+        r"""TF ``DiagonalFB.multiply_cholesky_inverse`` (``transpose`` changes nothing).
+
+        .. math:: L^{-1} v = (d + \lambda)^{\odot -1/2} \odot v
+        """
+        self._transpose("multiply_cholesky_inverse", transpose)
+        return self._matpower("multiply_cholesky_inverse", vector, -0.5)
 
     def full_fisher_block(self):
         r"""The undamped block :math:`\mathrm{diag}(d)` as a dense matrix.
@@ -255,10 +314,30 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
 
         .. math:: (D + \lambda)^{\odot p} \odot V
         """
-        func = f"{type(self).__name__}.multiply_matpower"
+        return self._matpower("multiply_matpower", vector, self._exp(exp))
+
+    def _matpower(self, method, vector, exp):
+        func = f"{type(self).__name__}.{method}"
         xp, mat, back = self._to_mat2d(func, vector, self._diag)
-        return back(diagonal_block_matpower(self._diag, mat, self._exp(exp),
-                                              self._effective_damping()))
+        return back(diagonal_block_matpower(self._diag, mat, exp, self._effective_damping()))
+
+    def multiply_cholesky(self, vector, transpose=False):
+        r"""TF ``DiagonalFB.multiply_cholesky`` on the ``[W; b]`` matrix (``transpose``
+        changes nothing: the factor is diagonal).
+
+        .. math:: L V = (D + \lambda)^{\odot 1/2} \odot V, \qquad
+            L L^\top = \mathrm{diag}(\mathrm{vec}_r D) + \lambda I
+        """
+        self._transpose("multiply_cholesky", transpose)
+        return self._matpower("multiply_cholesky", vector, 0.5)
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):
+        r"""TF ``DiagonalFB.multiply_cholesky_inverse`` on the ``[W; b]`` matrix.
+
+        .. math:: L^{-1} V = (D + \lambda)^{\odot -1/2} \odot V
+        """
+        self._transpose("multiply_cholesky_inverse", transpose)
+        return self._matpower("multiply_cholesky_inverse", vector, -0.5)
 
     def full_fisher_block(self):
         r"""The undamped diagonal block as a dense matrix in ``vec_r([W; b])`` order.
@@ -333,3 +412,58 @@ class ConvDiagonalFB(FullyConnectedDiagonalFB):
         return t * normalize_damping(self.damping, t, self.normalize_damping_power)
 
 
+
+
+# --------------------------------------------------------------------------------------
+# Scale-and-shift blocks
+# --------------------------------------------------------------------------------------
+class ScaleAndShiftFullFB(FullFB):
+    r"""TF ``ScaleAndShiftFullFB``: :class:`FullFB` over the sum-of-squares estimate of a
+    scale-and-shift layer ``y = scale * x + shift``.
+
+    .. math::
+
+        \texttt{multiply\_matpower}(v, p) = (F + \lambda I)^{p} v, \qquad
+        F = \frac1N\sum_n v_n v_n^\top, \quad
+        v_n = \Big[\mathrm{vec}_r \sum_{B_s} x_n \odot g_n;\ \mathrm{vec}_r \sum_{B_b} g_n\Big]
+
+    (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="full"``); vectors are
+    ``scale`` or ``(scale, shift)``, flattened and concatenated.
+    """
+
+    @classmethod
+    def from_data(cls, inputs, outputs_grad, damping, broadcast_dims_scale,
+                  broadcast_dims_shift=None, has_shift=True):
+        r"""Block from one batch (:func:`kfac_ref.factors.scale_and_shift_factor`).
+
+        .. math:: F = \frac1N\sum_n v_n v_n^\top
+        """
+        return cls(factors.scale_and_shift_factor(inputs, outputs_grad, broadcast_dims_scale,
+                                                  broadcast_dims_shift, has_shift, "full"),
+                   damping)
+
+
+class ScaleAndShiftDiagonalFB(DiagonalFB):
+    r"""TF ``ScaleAndShiftDiagonalFB``: :class:`DiagonalFB` over the sum-of-squares diagonal
+    of a scale-and-shift layer.
+
+    .. math::
+
+        \texttt{multiply\_matpower}(v, p) = (d + \lambda)^{\odot p} \odot v, \qquad
+        d = \frac1N\sum_n v_n \odot v_n
+
+    (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="diagonal"``; :math:`v_n` as
+    in :class:`ScaleAndShiftFullFB`).
+    """
+
+    @classmethod
+    def from_data(cls, inputs, outputs_grad, damping, broadcast_dims_scale,
+                  broadcast_dims_shift=None, has_shift=True):
+        r"""Block from one batch (:func:`kfac_ref.factors.scale_and_shift_factor`).
+
+        .. math:: d = \frac1N\sum_n v_n \odot v_n
+        """
+        return cls(factors.scale_and_shift_factor(inputs, outputs_grad, broadcast_dims_scale,
+                                                  broadcast_dims_shift, has_shift,
+                                                  "diagonal"),
+                   damping)

@@ -20,6 +20,7 @@ from ..._backend import (
 from ...linalg import kron
 from .._math import (
     ZERO_FACTOR_FALLBACKS,
+    apply_kron_cholesky,
     check_factor,
     kronecker_block_matpower,
     normalize_damping,
@@ -146,6 +147,50 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
             norm_type=norm_of_pi_type(self.pi_type),
             zero_factor_fallback=self.zero_factor_fallback)
         return back(out)
+
+    def multiply_cholesky(self, vector, transpose=False):
+        r"""TF ``KroneckerProductFB.multiply_cholesky``: a Kronecker Cholesky factor of the
+        damped block.
+
+        .. math::
+
+            L = c^{1/2}\,L_A \otimes L_G, \quad L_A L_A^\top = A + \delta_A I, \quad
+            L_G L_G^\top = G + \delta_G I, \qquad L L^\top = \tilde F;
+
+            L v = c^{1/2}\,L_A V L_G^\top \ (\texttt{transpose=False}), \qquad
+            L^\top v = c^{1/2}\,L_A^\top V L_G \ (\texttt{True})
+
+        on the ``[W; b]`` matrix :math:`V`, with :math:`(\delta_A, \delta_G)` of
+        :meth:`factor_dampings` (lower triangular factors; a diagonal factor's is its square
+        root).  Only with ``zero_factor_fallback="pi_one"`` (TF's).
+        """
+        return self._cholesky_product("multiply_cholesky", vector, transpose, False)
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):
+        r"""TF ``KroneckerProductFB.multiply_cholesky_inverse``.
+
+        .. math::
+
+            L^{-1} v = c^{-1/2}\,L_A^{-1} V L_G^{-\top} \ (\texttt{transpose=False}),
+            \qquad L^{-\top} v = c^{-1/2}\,L_A^{-\top} V L_G^{-1} \ (\texttt{True})
+
+        with :math:`L` of :meth:`multiply_cholesky`.
+        """
+        return self._cholesky_product("multiply_cholesky_inverse", vector, transpose, True)
+
+    def _cholesky_product(self, method, vector, transpose, inverse):
+        func = f"{type(self).__name__}.{method}"
+        transpose = self._transpose(method, transpose)
+        if self.zero_factor_fallback != "pi_one":
+            raise KFACValueError(
+                f"{func}: zero_factor_fallback must be 'pi_one' (TF's π = 1) for Cholesky "
+                f"products; the kfac-jax fall-back has no Kronecker Cholesky factor; got "
+                f"{self.zero_factor_fallback!r}.")
+        xp, mat, back = self._to_mat2d(func, vector, self._a)
+        d_a, d_g = self.factor_dampings()
+        return back(apply_kron_cholesky(func, xp, self._a, self._g, mat, d_a, d_g,
+                                        self.renorm_coeff, transpose=transpose,
+                                        inverse=inverse))
 
     def full_fisher_block(self):
         r"""The undamped block :math:`c\,(A \otimes G)` (1-D factors as diagonal matrices).
@@ -317,3 +362,46 @@ class EmbeddingKFACFB(KroneckerProductFB):
                        **kwargs)
 
 
+
+
+class EmbeddingKFACMultiIndepFB(EmbeddingKFACFB):
+    r"""TF ``EmbeddingKFACMultiIndepFB`` (≤ 2019; now ``FullyConnectedMultiIndepFB`` with
+    ``diagonal_approx_for_input``): an embedding used :math:`T` times, independent uses.
+
+    .. math::
+
+        \tilde F = T\,(\mathrm{diag}(d) + \pi\sqrt{\lambda/T} I) \otimes
+        (G + \sqrt{\lambda/T}/\pi\, I), \qquad
+        d_v = \tfrac{1}{TN}\#\{(t, n) : \text{id}_{t,n} = v\}, \quad
+        G = \tfrac{1}{TN}\sum_{t,n} g_{t,n} g_{t,n}^\top
+
+    (``c = k = T``, as :class:`FullyConnectedMultiIndepFB`).
+    """
+
+    def __init__(self, input_factor, output_factor, damping, num_uses, **kwargs):
+        t = check_int(type(self).__name__, "num_uses", num_uses, minimum=1)
+        self.num_uses = t
+        super().__init__(input_factor, output_factor, damping, renorm_coeff=float(t),
+                         normalization=float(t), **kwargs)
+
+    @classmethod
+    def from_data(cls, input_ids, outputs_grad, vocab_size, damping, **kwargs):
+        r"""Block from ids ``[T, N]`` and output gradients ``[T, N, out]`` (uses first).
+
+        .. math:: d = \text{counts}/(TN),\ G = \tfrac{1}{TN}\sum_{t,n} g_{t,n} g_{t,n}^\top
+        """
+        func = f"{cls.__name__}.from_data"
+        check_array(func, "input_ids", input_ids, ndim=2, dtype="integral", finite=False,
+                    layout="[T, N]")
+        check_array(func, "outputs_grad", outputs_grad, ndim=3, layout="[T, N, out]")
+        if tuple(input_ids.shape) != tuple(outputs_grad.shape[:2]):
+            raise KFACValueError(f"{func}: input_ids [T, N] and outputs_grad [T, N, out] must "
+                                 f"agree on T and N; got {tuple(input_ids.shape)} and "
+                                 f"{tuple(outputs_grad.shape)}.")
+        xp = namespace_of(func, input_ids=input_ids, outputs_grad=outputs_grad)
+        t, n, q = outputs_grad.shape
+        with validated_internals():
+            d = factors.embedding_input_kronecker_factor(xp.reshape(input_ids, (t * n,)),
+                                                         vocab_size, dtype=outputs_grad.dtype)
+            g = factors.fully_connected_kronecker_factor(xp.reshape(outputs_grad, (t * n, q)))
+        return cls(d, g, damping, t, **kwargs)

@@ -144,6 +144,24 @@ class FullyConnectedSeriesFB(Mat2dVector, FisherBlock):
         p_g, k_g, mu_g = factors.series_option2_quantities(self._g0, self._g1, d_g)
         return back(series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
 
+    def multiply_cholesky(self, vector, transpose=False):
+        r"""Not defined by TF (``NotImplementedError``); raises.  The block has no Kronecker
+        Cholesky factor: :math:`F_T \ne (L_A \otimes L_G)(L_A \otimes L_G)^\top`.
+        """
+        raise KFACValueError(f"{type(self).__name__}.multiply_cholesky: the series block has "
+                             "no Cholesky factor (TF raises NotImplementedError); use "
+                             "multiply_inverse.")
+
+    def multiply_cholesky_inverse(self, vector, transpose=False):
+        r"""Not defined by TF (``NotImplementedError``); raises (see
+        :meth:`multiply_cholesky`).
+
+        .. math:: L^{-1} \ \text{undefined}
+        """
+        raise KFACValueError(f"{type(self).__name__}.multiply_cholesky_inverse: the series "
+                             "block has no Cholesky factor (TF raises NotImplementedError); "
+                             "use multiply_inverse.")
+
     def full_fisher_block(self):
         r"""Not defined by TF (``_renorm_coeff`` asserts); raises.  The block exists only
         through its inverse,
