@@ -478,10 +478,12 @@ class ConvGeometry:
                 f"input shape {self.input_shape}, output grid {self.output_spatial_shape}."
             )
 
-    def check_output_grid(self, func, name, shape, *, batch_size=None):
+    def check_output_grid(self, func, name, shape, *, batch_size=None,
+                          filter_name="filter_shape"):
         """Check that an output-shaped array (a cotangent, say) of shape ``shape`` has this
         convolution's rank, batch size, output grid and ``C_out`` — the one output-grid
-        check of kfac_ref."""
+        check of kfac_ref.  ``filter_name`` is the caller's name of the kernel argument
+        (``kernel_shape`` for the kfac-jax blocks), used in the messages."""
         shape = tuple(shape)
         want = self.output_shape(self.batch_size if batch_size is None else batch_size)
         if shape == want:
@@ -493,8 +495,8 @@ class ConvGeometry:
         c_out = shape[-1] if self.channels_last else shape[1]
         if c_out != self.out_channels:
             raise KFACValueError(
-                f"{func}: {name} and filter_shape must agree on out_channels; {name} has "
-                f"{c_out} but filter_shape is {self.filter_shape}."
+                f"{func}: {name} and {filter_name} must agree on out_channels; {name} has "
+                f"{c_out} but {filter_name} is {self.filter_shape}."
             )
         if shape[0] != want[0]:
             raise KFACValueError(f"{func}: inputs and {name} must have the same batch size; got "

@@ -16,7 +16,7 @@ N = 24
 
 # A cotangent off the output grid: wrong spatial size, or wrong C_out.
 _WRONG_OUTPUT_GRID = (r"outputs_grad (must be an array of shape|must have the convolution.s "
-                      r"output grid|and filter_shape must agree on out_channels)")
+                      r"output grid|and kernel_shape must agree on out_channels)")
 
 def _conv_in(rng, n, h, w, c):
     return rng.standard_normal((n, h, w, c))
@@ -467,3 +467,15 @@ def test_conv_blocks_same_for_nchw_and_nhwc(xp, rng, name, symmetrize):
              "outputs_grad": xp.asarray(np.ascontiguousarray(gg))}, 0.0, 1.0, N)
         mats.append(xp.to_numpy(b.to_dense_matrix(st)))
     assert_allclose_normwise(mats[1], mats[0], xp.rtol)
+
+
+def test_conv_block_output_channel_error_names_kernel_shape(rng):
+    """The kfac-jax conv blocks take ``kernel_shape``: a cotangent with the wrong C_out is
+    reported against that argument (TF-named blocks say ``filter_shape``)."""
+    block = kj.Conv2DTwoKroneckerFactored((N, 3, 3, 1), (2, 2, 1, 2))
+    x = _conv_in(rng, N, 3, 3, 1)
+    st = block.init(x)
+    with pytest.raises(KFACValueError, match=r"outputs_grad and kernel_shape must agree on "
+                       r"out_channels; outputs_grad has 3 but kernel_shape is \(2, 2, 1, 2\)"):
+        block.update_curvature_matrix_estimate(
+            st, {"inputs": x, "outputs_grad": rng.standard_normal((N, 2, 2, 3))}, 0.0, 1.0, N)

@@ -21,13 +21,14 @@ def conv_geometry(func, inputs_shape, kernel_shape, strides, padding, dilation_r
                               filter_name=filter_name)
 
 
-def check_conv_outputs_grad(func, g, batch, geo):
+def check_conv_outputs_grad(func, g, batch, geo, *, filter_name="kernel_shape"):
     """``outputs_grad`` on the convolution's output grid and channels (``batch`` rows, or
     any when None): on another grid the statistics would be normalised by a wrong
-    :math:`|T|`."""
+    :math:`|T|`.  ``filter_name`` names the block's kernel argument in the messages."""
     check_array(func, "outputs_grad", g, ndim=geo.rank + 2)
     geo.check_output_grid(func, "outputs_grad", g.shape,
-                          batch_size=g.shape[0] if batch is None else batch)
+                          batch_size=g.shape[0] if batch is None else batch,
+                          filter_name=filter_name)
     return g
 
 

@@ -113,7 +113,7 @@ def check_conv_data(func, inputs, outputs_grad, filter_shape, strides, padding,
                              f"{describe(filter_shape)}.")
     geo = conv_geometry(func, tuple(inputs.shape), filter_shape, strides, padding,
                         dilation_rate, data_format, filter_name="filter_shape")
-    check_conv_outputs_grad(func, outputs_grad, inputs.shape[0], geo)
+    check_conv_outputs_grad(func, outputs_grad, inputs.shape[0], geo, filter_name="filter_shape")
     return geo.num_locations
 
 
