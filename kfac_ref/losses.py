@@ -701,6 +701,15 @@ class NegativeLogProbLoss(LossFunction):
         -------
         array
             Targets in the form ``evaluate`` accepts.
+
+        Notes
+        -----
+        The noise (uniforms or normals) is drawn on the host from ``rng`` and moved to the
+        logits' device; only the transformation to targets is array code.  Under
+        ``jax.jit`` the draw therefore happens once, when the function is traced: the noise
+        is a constant of the compiled function and every call returns the same samples.
+        To resample under ``jit``, draw outside it (call ``sample`` eagerly, or pass the
+        targets in as an argument).
         """
         return self.kernels.sample(check_rng(self._fname("sample"), "rng", rng))
 

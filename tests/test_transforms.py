@@ -174,3 +174,20 @@ def test_value_checks_skipped_under_jit_but_not_shape_checks():
     assert np.isnan(np.asarray(out)).any()
     with pytest.raises(ValueError, match="compute_cov: tensor must be a 2-D array"):
         f(jnp.zeros((2, 2, 2)))
+
+
+def test_loss_sample_under_jit_draws_its_noise_once_at_trace_time():
+    """As documented in ``NegativeLogProbLoss.sample``: the host noise is drawn when the
+    function is traced, so the compiled function returns the same samples on every call
+    (those of the eager call with the same seed); eager calls resample."""
+    from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss as CE
+
+    logits = np.random.default_rng(0).standard_normal((64, 5))
+    rng = np.random.default_rng(7)
+    f = jax.jit(lambda z: CE(z).sample(rng))
+    first, second = np.asarray(f(jnp.asarray(logits))), np.asarray(f(jnp.asarray(logits)))
+    np.testing.assert_array_equal(first, second)
+    eager = np.asarray(CE(logits).sample(np.random.default_rng(7)))
+    np.testing.assert_array_equal(first, eager)
+    again = np.asarray(CE(logits).sample(rng))  # rng moved on at trace time: new draws
+    assert not np.array_equal(again, eager)
