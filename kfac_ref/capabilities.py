@@ -115,6 +115,7 @@ _ARRAY_FREE = (
     "kfac_ref.optim.reduction_ratio",
     "kfac_ref.patches.conv_output_spatial_shape",
     "kfac_ref.patches.conv_padding_amounts",
+    "kfac_ref.patches.example_chunks",
     "kfac_ref.patches.num_conv_locations",
     "kfac_ref.patches.num_subsampled_inputs",
     "kfac_ref.patches.num_subsampled_patches",

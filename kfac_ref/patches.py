@@ -516,8 +516,8 @@ the tests)."""
 
 
 def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_bytes):
-    r"""Chunks of examples whose temporaries stay within a memory bound: a list of
-    ``(start, stop)`` pairs covering ``0 .. num_examples``.
+    r"""Chunks of examples whose temporaries stay within a memory bound, as a list of
+    ``(start, stop)`` pairs that cover every example in order.
 
     .. math::
 
