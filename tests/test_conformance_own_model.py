@@ -155,8 +155,8 @@ def test_errors_name_the_function_and_argument():
         check_torch_kfac(net, "hinge", x, y, {"fc1": {}})
     with pytest.raises(ValueError, match=r"check_torch_kfac: mode must be one of"):
         check_torch_kfac(net, "cross_entropy", x, y, {"fc1": {}}, mode="sampled")
-    with pytest.raises(ValueError, match=r"check_torch_kfac: factors must name nn.Linear "
-                                         r"modules of the model \(fc1, fc2\); got conv"):
+    with pytest.raises(ValueError, match=r"check_torch_kfac: factors must name supported "
+                                         r"layers of the model \(fc1, fc2\); got conv"):
         check_torch_kfac(net, "cross_entropy", x, y, {"conv": {}})
     with pytest.raises(ValueError, match=r"reference_torch_kfac: sharing must be one of"):
         reference_torch_kfac(net, "cross_entropy", x, y, sharing="pool")
