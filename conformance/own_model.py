@@ -70,8 +70,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["reference_torch_kfac", "check_torch_kfac", "sample_targets", "output_vectors",
-           "check_factors", "layer_alternatives", "torch_conv_padding", "LayerCheck",
-           "ModelCheck", "MODES", "LOSSES", "SHARING"]
+           "check_factors", "layer_alternatives", "torch_conv_padding",
+           "conv_reference_factors", "dense_reference_factors", "check_mode_args", "as_rng",
+           "check_samples",
+           "LayerCheck", "ModelCheck", "MODES", "LOSSES", "SHARING", "HINTS"]
 
 MODES = ("fisher_exact", "fisher_empirical", "fisher_sampled")
 LOSSES = ("cross_entropy", "mse")
@@ -115,7 +117,8 @@ def _check_loss(fn, loss):
         raise ValueError(f"{fn}: loss must be one of {LOSSES}; got {loss!r}.")
 
 
-def _as_rng(fn, rng):
+def as_rng(fn, rng):
+    """``rng`` as a :class:`numpy.random.Generator` (an int seed is ``default_rng(seed)``)."""
     if isinstance(rng, np.random.Generator):
         return rng
     if isinstance(rng, numbers.Integral) and not isinstance(rng, bool) and rng >= 0:
@@ -140,7 +143,7 @@ def sample_targets(loss, outputs, rng, mc_samples=1):
     """
     fn = "sample_targets"
     _check_loss(fn, loss)
-    gen = _as_rng(fn, rng)
+    gen = as_rng(fn, rng)
     if (not isinstance(mc_samples, numbers.Integral) or isinstance(mc_samples, bool)
             or mc_samples < 1):
         raise ValueError(f"{fn}: mc_samples must be a positive int; got {mc_samples!r}.")
@@ -151,7 +154,8 @@ def sample_targets(loss, outputs, rng, mc_samples=1):
     return np.stack([np.asarray(lo.sample(gen)) for _ in range(int(mc_samples))])
 
 
-def _check_samples(fn, loss, samples, out_shape):
+def check_samples(fn, loss, samples, out_shape):
+    """The user's draws as ``[M, N]`` class indices or ``[M, N, C]`` float64 targets."""
     s = _np(samples)
     n, c = out_shape
     if loss == "cross_entropy":
@@ -192,11 +196,10 @@ def output_vectors(loss, outputs, targets, mode, *, samples=None):
     return np.stack(cols)
 
 
-def _check_args(fn, model, loss, mode, sharing, rng, samples):
-    import torch
-
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"{fn}: model must be a torch.nn.Module; got {type(model).__name__}.")
+def check_mode_args(fn, loss, mode, sharing, rng, samples):
+    """Validate ``loss``, ``mode``, ``sharing`` and the sampling arguments of ``fn``: for
+    ``mode="fisher_sampled"`` exactly one of ``rng`` (seed or Generator) and ``samples``,
+    otherwise neither."""
     _check_loss(fn, loss)
     if mode not in MODES:
         raise ValueError(f"{fn}: mode must be one of {MODES}; got {mode!r}.")
@@ -208,10 +211,18 @@ def _check_args(fn, model, loss, mode, sharing, rng, samples):
                              f"or numpy.random.Generator) and samples (the draws); got "
                              f"{'both' if rng is not None else 'neither'}.")
         if rng is not None:
-            _as_rng(fn, rng)
+            as_rng(fn, rng)
     elif rng is not None or samples is not None:
         raise ValueError(f"{fn}: rng and samples are used only with mode='fisher_sampled'; "
                          f"got mode={mode!r}.")
+
+
+def _check_args(fn, model, loss, mode, sharing, rng, samples):
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{fn}: model must be a torch.nn.Module; got {type(model).__name__}.")
+    check_mode_args(fn, loss, mode, sharing, rng, samples)
 
 
 def torch_conv_padding(module):
@@ -245,8 +256,21 @@ def _hwc_to_chw(c_in, kh, kw, bias):
     return np.r_[perm, kh * kw * c_in] if bias else perm
 
 
-def _conv_reference(mod, x, g, n, sharing):
-    """A, G (unfold order), T of one Conv2d: x [N, C, H, W], g [K, N, O, H', W']."""
+def conv_reference_factors(x, g, *, kernel, padding, strides, dilation, bias,
+                           sharing="expand", data_format="NCHW", order="chw"):
+    r"""Reference ``(A, G, |T|)`` of one 2-D convolution from its input and the
+    back-propagated output vectors, by kfac_ref's conv factor functions.
+
+    ``x``: ``[N, C, H, W]`` (``data_format="NCHW"``) or ``[N, H, W, C]`` (``"NHWC"``);
+    ``g``: ``[K, N, O, H', W']`` or ``[K, N, H', W', O]``; ``padding``: ``"SAME"``,
+    ``"VALID"`` or ``((top, bottom), (left, right))``.  KFAC-expand:
+    :math:`A = \Omega` of :func:`kfac_ref.factors.conv_input_kronecker_factor`
+    (:math:`\sum/(N|T|)`), :math:`G = K|T|\,\Gamma` with :math:`\Gamma` of
+    :func:`kfac_ref.factors.conv_output_kronecker_factor` over the :math:`KN` rows
+    (:math:`\sum/(KN|T|)`), i.e. :math:`G = rac1N\sum_{n,t,k} g g^	op`; KFAC-reduce: the
+    mean patch and the summed vectors per example.  ``order="chw"`` permutes ``A`` from
+    kfac_ref's ``(kh, kw, C)`` into unfold's ``(C, kh, kw)`` patch order (bias last in
+    both); ``"hwc"`` keeps it."""
     from kfac_ref.factors import (
         conv_input_kronecker_factor,
         conv_output_kronecker_factor,
@@ -254,31 +278,35 @@ def _conv_reference(mod, x, g, n, sharing):
     )
     from kfac_ref.factors import fully_connected_kronecker_factor as fc
 
-    c_in, o = mod.in_channels, mod.out_channels
-    kh, kw = mod.kernel_size
-    bias = mod.bias is not None
-    geo = dict(filter_shape=(kh, kw, c_in, o), padding=torch_conv_padding(mod),
-               strides=tuple(mod.stride), dilation_rate=tuple(mod.dilation),
-               data_format="NCHW")
-    k = g.shape[0]
-    t = g.shape[3] * g.shape[4]
-    perm = _hwc_to_chw(c_in, kh, kw, bias)
+    channels_last = data_format == "NHWC"
+    c_in = x.shape[-1] if channels_last else x.shape[1]
+    o = g.shape[-1] if channels_last else g.shape[2]
+    kh, kw = kernel
+    n, k = x.shape[0], g.shape[0]
+    t = g.shape[2] * g.shape[3] if channels_last else g.shape[3] * g.shape[4]
+    geo = dict(filter_shape=(kh, kw, c_in, o), padding=padding, strides=tuple(strides),
+               dilation_rate=tuple(dilation), data_format=data_format)
+    perm = _hwc_to_chw(c_in, kh, kw, bias) if order == "chw" else slice(None)
     if sharing == "expand":
         a = np.asarray(conv_input_kronecker_factor(x, has_bias=bias, **geo))  # Σ/(N|T|)
         gam = np.asarray(conv_output_kronecker_factor(
-            g.reshape(k * n, *g.shape[2:]), data_format="NCHW"))  # Σ/(K·N·|T|)
-        return a[np.ix_(perm, perm)], gam * (k * t), t
+            g.reshape(k * n, *g.shape[2:]), data_format=data_format))  # Σ/(K·N·|T|)
+        return a[perm][:, perm], gam * (k * t), t
     p = np.asarray(conv_patch_matrix(x, **geo)).reshape(n, t, -1).mean(axis=1)
     a = np.asarray(fc(p, has_bias=bias))
-    gs = g.sum(axis=(3, 4)).reshape(k * n, o)
-    return a[np.ix_(perm, perm)], np.asarray(fc(gs)) * k, t
+    gs = g.sum(axis=(2, 3) if channels_last else (3, 4)).reshape(k * n, o)
+    return a[perm][:, perm], np.asarray(fc(gs)) * k, t
 
 
-def _dense_reference(mod, a, g, n, sharing):
-    """A, G, T of one Linear: a [N, (S,) d_in], g [K, N, (S,) d_out]."""
+def dense_reference_factors(a, g, *, bias, sharing="expand"):
+    r"""Reference ``(A, G, |T|)`` of one dense layer: ``a`` ``[N, (S,) d_in]``, ``g``
+    ``[K, N, (S,) d_out]``; :math:`A = rac{1}{NS}\sum_{n,s}ar aar a^	op`,
+    :math:`G = rac1N\sum_{n,s,k} g g^	op` by
+    :func:`kfac_ref.factors.fully_connected_kronecker_factor` (KFAC-expand; with
+    ``sharing="reduce"`` the mean input and the summed vectors over S)."""
     from kfac_ref.factors import fully_connected_kronecker_factor as fc
 
-    bias = mod.bias is not None
+    n = a.shape[0]
     t = a.shape[1] if a.ndim == 3 else 1
     if a.ndim == 3 and sharing == "reduce":
         a, g = a.mean(axis=1), g.sum(axis=2)
@@ -349,8 +377,8 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
         y = y.astype(np.float64)
     if mode == "fisher_sampled":
         if samples is None:
-            samples = sample_targets(loss, out_np, _as_rng(_fn, rng), mc_samples)
-        samples = _check_samples(_fn, loss, samples, out_np.shape)
+            samples = sample_targets(loss, out_np, as_rng(_fn, rng), mc_samples)
+        samples = check_samples(_fn, loss, samples, out_np.shape)
     vecs = output_vectors(loss, out_np, y, mode, samples=samples)
     n = out_np.shape[0]
     g_rows = {name: [] for name in layers}
@@ -367,11 +395,16 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
             if a.ndim != 4:
                 raise ValueError(f"{_fn}: the input of nn.Conv2d {name!r} must be "
                                  f"[N, C, H, W]; got shape {a.shape}.")
-            fa, fg, t = _conv_reference(mod, a, g, n, sharing)
+            fa, fg, t = conv_reference_factors(
+                a, g, kernel=mod.kernel_size, padding=torch_conv_padding(mod),
+                strides=mod.stride, dilation=mod.dilation, bias=mod.bias is not None,
+                sharing=sharing)
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "conv2d",
-                         "kernel": list(mod.kernel_size), "c_in": mod.in_channels}
+                         "kernel": list(mod.kernel_size), "c_in": mod.in_channels,
+                         "order": "chw"}
         else:
-            fa, fg, t = _dense_reference(mod, a, g, n, sharing)
+            fa, fg, t = dense_reference_factors(a, g, bias=mod.bias is not None,
+                                                sharing=sharing)
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "dense"}
         res[name]["bias"] = mod.bias is not None
     return res
@@ -429,14 +462,14 @@ def layer_alternatives(name, ref, others, mode, sharing):
         alts["A"]["bias_position"] = a[np.ix_(perm, perm)]
     if ref.get("kind") == "conv2d":
         kh, kw = ref["kernel"]
-        chw = _hwc_to_chw(ref["c_in"], kh, kw, bias)
-        inv = np.argsort(chw)  # unfold index of each kfac_ref (HWC) index
-        hwc = a[np.ix_(inv, inv)]
-        if not np.allclose(hwc, a, rtol=1e-12, atol=0):
-            alts["A"]["patch_order"] = hwc
+        chw = _hwc_to_chw(ref["c_in"], kh, kw, bias)  # chw entry <- hwc index
+        idx = chw if ref.get("order", "chw") == "hwc" else np.argsort(chw)
+        other = a[np.ix_(idx, idx)]  # A in the other patch order
+        if not np.allclose(other, a, rtol=1e-12, atol=0):
+            alts["A"]["patch_order"] = other
             if bias:
                 p = np.r_[a.shape[0] - 1, 0:a.shape[0] - 1]
-                alts["A"]["patch_order+bias_position"] = hwc[np.ix_(p, p)]
+                alts["A"]["patch_order+bias_position"] = other[np.ix_(p, p)]
     for key in ("empirical_fisher", "true_fisher"):
         if key in others:
             alts["G"][key] = others[key][name]["G"]
@@ -539,7 +572,7 @@ def check_torch_kfac(model, loss, inputs, targets, factors, *, mode="fisher_exac
 
         with torch.no_grad():
             out = model(inputs)
-        samples = sample_targets(loss, _np(out, np.float64), _as_rng(fn, rng), mc_samples)
+        samples = sample_targets(loss, _np(out, np.float64), as_rng(fn, rng), mc_samples)
     kw = dict(sharing=sharing, _fn=fn)
     ref = reference_torch_kfac(model, loss, inputs, targets, mode=mode, samples=samples, **kw)
     others = {}
