@@ -242,3 +242,45 @@ def test_conv_errors_name_the_module():
                          samples=np.array([[0, 5, 1]]))
     with pytest.raises(TypeError, match=r"sample_targets: rng must be a non-negative int seed"):
         sample_targets("cross_entropy", np.zeros((2, 3)), "seed")
+
+
+def test_backpack_style_hybrid_is_named():
+    """BackPACK's conv KFAC: A = Σ/N (|T| × expand's) with the reduce G."""
+    net, x, y = _net("pad1")
+    ref = reference_torch_kfac(net, "cross_entropy", x, y)["conv"]
+    red = reference_torch_kfac(net, "cross_entropy", x, y, sharing="reduce")["conv"]
+    hybrid = {"conv": {"A": ref["A"] * ref["T"], "G": red["G"]}}
+    res = check_torch_kfac(net, "cross_entropy", x, y, hybrid)
+    assert [c.diagnosis for c in res.checks] == ["scale:T", "reduce_instead_of_expand"], \
+        str(res)
+    assert "BackPACK" in res.checks[0].explanation
+
+
+def test_float32_conv_factors_get_float32_tolerances():
+    net, x, y = _net("same_dilated", dtype=torch.float32)
+    mine = _hand_written(net, x, y, "fisher_exact")
+    res = check_torch_kfac(net, "cross_entropy", x, y, mine)
+    assert res.ok, str(res)
+    assert all(c.rtol > 1e-6 for c in res.checks)
+    bad = {"conv": {"A": mine["conv"]["A"], "G": mine["conv"]["G"] / N ** 2}}
+    res = check_torch_kfac(net, "cross_entropy", x, y, bad)
+    assert [c.diagnosis for c in res.checks] == ["", "scale:1/N^2"], str(res)
+
+
+def test_sampled_mse_against_the_hand_computed_gradient():
+    """ℓ = ½‖f − ỹ‖², ỹ ~ N(f, I): g = f − ỹ, G = Σ_m g gᵀ / (N M) for a single Linear."""
+    torch.manual_seed(2)
+    net = torch.nn.Linear(4, 2).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    y = torch.randn(5, 2, dtype=torch.float64)
+    with torch.no_grad():
+        f = net(x).numpy()
+    draws = sample_targets("mse", f, np.random.default_rng(3), mc_samples=6)
+    assert draws.shape == (6, 5, 2)
+    g = (f[None] - draws).reshape(-1, 2)
+    expected = g.T @ g / (5 * 6)
+    ref = reference_torch_kfac(net, "mse", x, y, mode="fisher_sampled", samples=draws)
+    np.testing.assert_allclose(ref[""]["G"], expected, rtol=1e-13)
+    again = reference_torch_kfac(net, "mse", x, y, mode="fisher_sampled",
+                                 rng=np.random.default_rng(3), mc_samples=6)
+    np.testing.assert_allclose(again[""]["G"], expected, rtol=1e-13)
