@@ -195,3 +195,18 @@ def test_jax_errors():
         check_jax_kfac(model, params, x, y, layers, {"fc": {}}, mode="kfac")
     with pytest.raises(ValueError, match=r"factors must name supported layers"):
         check_jax_kfac(model, params, x, y, layers, {"fc9": {}})
+
+
+def test_float32_jax_model_gets_float32_tolerances():
+    jax.config.update("jax_enable_x64", False)  # JAX's default; the fixture restores x64
+    model, params, x, y, layers = _cnn()
+    params = {k: v.astype(jnp.float32) for k, v in params.items()}
+    x = x.astype(jnp.float32)
+    mine = _oracle(model, params, x, y, layers, "fisher_exact")
+    assert mine["conv"]["A"].dtype == jnp.float32
+    res = check_jax_kfac(model, params, x, y, layers, mine)
+    assert res.ok, str(res)
+    assert all(1e-6 < c.rtol < 1e-3 for c in res.checks)
+    bad = {"conv": {"G": mine["conv"]["G"] * 2}}
+    res = check_jax_kfac(model, params, x, y, layers, bad)
+    assert [c.diagnosis for c in res.checks] == ["scale:2"], str(res)
