@@ -225,13 +225,13 @@ def _check_args(fn, model, loss, mode, sharing, rng, samples):
     check_mode_args(fn, loss, mode, sharing, rng, samples)
 
 
-def torch_conv_padding(module):
+def torch_conv_padding(module, name=None):
     """``((top, bottom), (left, right))`` zero padding of an ``nn.Conv2d``, with PyTorch's
     split of ``padding='same'``: total :math:`d(k-1)` per axis, ``total // 2`` before and
     the rest (one more, when the total is odd) after; ``'valid'`` is no padding.
     Raises ``ValueError`` naming the module for ``groups != 1`` or a padding mode other
-    than ``'zeros'``."""
-    name = getattr(module, "_kfac_name", type(module).__name__)
+    than ``'zeros'`` (``name``: the module's name in the model, for the message)."""
+    name = type(module).__name__ if name is None else name
     if module.groups != 1:
         raise ValueError(f"own-model check: nn.Conv2d {name!r} must have groups=1; got "
                          f"groups={module.groups}.")
@@ -322,11 +322,7 @@ def _supported_layers(fn, model):
     layers = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Conv2d):
-            m._kfac_name = name  # for the error message of torch_conv_padding
-            try:
-                torch_conv_padding(m)
-            finally:
-                del m._kfac_name
+            torch_conv_padding(m, name)  # refuses groups > 1 and other padding modes
             layers[name] = m
         elif isinstance(m, torch.nn.Linear):
             layers[name] = m
