@@ -181,6 +181,17 @@ PITFALLS = {
         "weight-shared layer: per-location statistics instead of pooled ones",
         "Eschenhagen et al. 2023",
     ),
+    "fresh_instead_of_cached": (
+        "cached product recomputed from the current statistics",
+        "a cached product (use_cached=True) after a further update must use the inverse or "
+        "eigenbases of the last update_cache (kfac-jax: stale by design); this one used the "
+        "current statistics",
+        "kfac-jax `KroneckerFactored._multiply_matpower_unscaled` (use_cached)"),
+    "current_damping_in_cache": (
+        "current identity weight in a cached approximate inverse",
+        "kfac-jax's cached factored inverse keeps the identity weight given to update_cache; "
+        "this one applied the current weight to the cached factors",
+        "kfac-jax `KroneckerFactored._update_cache` (pi_adjusted_kronecker_inverse)"),
     "average_of_products": (
         "average of per-batch K-FAC matrices instead of K-FAC of averaged factors",
         "the moving average was taken over Kronecker products, not over the factors",
@@ -651,8 +662,10 @@ class _Search:
     """Fewest-pitfall search: candidates of 0–3 pitfalls (bases of :func:`_bases`, times
     products of named scalars), judged by the *explains* criterion."""
 
-    def __init__(self, act, expected, rtol, scale, scalars, budget=SEARCH_BUDGET):
+    def __init__(self, act, expected, rtol, scale, scalars, budget=SEARCH_BUDGET,
+                 coef_rtol=1e-3):
         self.act, self.expected, self.rtol, self.scale = act, expected, rtol, scale
+        self.coef_rtol = coef_rtol
         self.e0 = _rel(act, expected, scale)
         self.products = _scalar_products(scalars, MAX_PITFALLS)
         self.budget = budget
@@ -694,7 +707,7 @@ class _Search:
         for k, sids, labels, v in self.products:
             if k > room:
                 break
-            if abs(v / coef - 1.0) > 1e-3:
+            if abs(v / coef - 1.0) > self.coef_rtol:
                 continue
             self.budget -= 1
             r = _rel(self.act, v * cand, self.scale)
@@ -787,10 +800,11 @@ def _per_layer(act, expected, case, cap, conv, rtol, levels):
     return Diagnosis("per_layer:" + ",".join(parts), "; ".join(texts), worst)
 
 
-def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
+def diagnose(actual, case, cap, conv, rtol, coef_rtol=1e-3) -> Diagnosis:
     """Name the pitfall (or the fewest pitfalls, up to three) that reconcile ``actual`` with
     the reference, if any; for a network's curvature matrix, per layer when no single
-    explanation covers all of it."""
+    explanation covers all of it.  ``coef_rtol``: how far the fitted scale may be from a
+    named scalar (1e-3; larger for a Monte-Carlo estimate, whose scale is uncertain)."""
     expected = cap.expected_for(case, conv)
     act = as_float64(actual)
     scale = case.tolerance.scale
@@ -806,7 +820,8 @@ def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
         return Diagnosis("non_finite", f"{bad} of {act.size} entries are NaN/Inf{extra}")
 
     levels = _bases(cap, case, conv)
-    search = _Search(act, expected, rtol, scale, _scalar_factors(case)).run(levels)
+    search = _Search(act, expected, rtol, scale, _scalar_factors(case),
+                     coef_rtol=coef_rtol).run(levels)
     d = search.diagnosis()
     if d is not None:
         return d

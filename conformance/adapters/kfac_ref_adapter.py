@@ -23,6 +23,7 @@ ADAPTERS = {
     "kfac_ref_torch": "conformance.adapters.kfac_ref_adapter:KfacRefTorchAdapter",
     "kfac_ref_cupy": "conformance.adapters.kfac_ref_adapter:KfacRefCupyAdapter",
     "kfac_ref_float32": "conformance.adapters.kfac_ref_adapter:KfacRefFloat32Adapter",
+    "kfac_ref_own_draws": "conformance.adapters.kfac_ref_adapter:KfacRefOwnDrawsAdapter",
 }
 
 
@@ -39,6 +40,7 @@ class KfacRefAdapter(Adapter):
     name = "kfac_ref"
     description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
     backend = "numpy"
+    accepts_draws = ("sampling.kfac",)
 
     # -- backend plumbing -----------------------------------------------------------------
     def setup(self):
@@ -285,6 +287,12 @@ class KfacRefAdapter(Adapter):
         return self.to_numpy(blocks.diagonal_block_matpower(
             d, x, params["power"], params["damping"], scale=params["scale"]))
 
+    @implements("blocks.kron_cached_inverse")
+    def kron_cached_inverse(self, inputs, params):
+        from ..catalogue.blocks_cases import cached_inverse_block
+
+        return cached_inverse_block(inputs, params, self.to_backend, self.to_numpy)
+
     @implements("blocks.series_inverse")
     def series_inverse(self, inputs, params):
         from kfac_ref.blocks.tf import FullyConnectedSeriesFB
@@ -333,6 +341,15 @@ class KfacRefAdapter(Adapter):
         from ..catalogue.networks_cases import kfac_inverse_matvec
 
         return kfac_inverse_matvec(params, inputs, self.to_backend, self.to_numpy)
+
+    @implements("sampling.kfac")
+    def sampling_kfac(self, inputs, params):
+        from ..catalogue.sampling_cases import kfac_given_draws, kfac_own_draws
+
+        if "seed" in params:  # the statistical route: kfac_ref's own sampling
+            return kfac_own_draws(params, inputs, params["seed"], self.to_backend,
+                                  self.to_numpy)
+        return kfac_given_draws(params, inputs, self.to_backend, self.to_numpy)
 
     @implements("estimator.kfac_ema")
     def est_kfac_ema(self, inputs, params):
@@ -427,3 +444,14 @@ class KfacRefFloat32Adapter(KfacRefAdapter):
     def to_backend(self, x):
         x = np.asarray(x)
         return x.astype(np.int64) if x.dtype.kind in "iub" else x.astype(np.float32)
+
+
+class KfacRefOwnDrawsAdapter(KfacRefAdapter):
+    """kfac_ref drawing its own random numbers (``numpy.random.default_rng(params["seed"])``)
+    for the sampling modes: exercises the statistical route of :mod:`conformance.sampling`
+    with the estimator's own sampling code."""
+
+    name = "kfac_ref_own_draws"
+    description = ("kfac_ref on NumPy arrays, sampling modes with its own draws (statistical "
+                   "route)")
+    accepts_draws = ()

@@ -24,6 +24,9 @@ ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 
 _IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
 _REASONS = {
+    "sampling": "ASDL's Monte-Carlo Fisher (fisher_mc) is not mapped yet: its draws come from "
+    "torch's global generator, so only the statistical route (params['seed'] → "
+    "torch.manual_seed) would apply",
     "networks": "not mapped (ASDL's 'full' Fisher shape could give the exact Fisher; "
     "see FINDINGS.md for why the exact Fisher path is unreliable for >2-D outputs)",
     "linalg": "ASDL's linear algebra (cholesky_inv, KronMatrix.update_inv) needs a fitted "

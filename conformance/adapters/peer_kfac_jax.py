@@ -37,6 +37,10 @@ _IMPLEMENTED = (
     "losses.hessian",
 )
 _REASONS = {
+    "sampling": "kfac-jax's sampling modes (its default ggn_curvature_prop, fisher_gradients, "
+    "fisher_curvature_prop) are not mapped yet: they draw from a jax.random key "
+    "inside the estimator, so only the statistical route (params['seed'] → "
+    "jax.random.PRNGKey) would apply",
     "networks": "kfac-jax has no exact GGN / empirical-Fisher matrix function (only its "
     "K-FAC blocks)",
     "linalg": "kfac-jax's linear algebra helpers are private (kfac_jax._src.utils); the "

@@ -53,6 +53,9 @@ _IMPLEMENTED = (
     "linalg.pi_adjusted_damping",
 )
 _REASONS = {
+    "sampling": "TF K-FAC's sampling estimation modes ('gradients' with sampled targets, "
+    "'curvature_prop') are not mapped yet: they draw from TF's random ops, so only "
+    "the statistical route (params['seed'] → tf.random.set_seed) would apply",
     "networks": "TF K-FAC has no exact GGN / empirical-Fisher matrix function",
     "linalg": "not mapped (TF's factor-level damped powers need a registered FisherFactor; "
     "checked end to end in repro_tf_kfac.py)",
