@@ -181,6 +181,29 @@ PITFALLS = {
         "weight-shared layer: per-location statistics instead of pooled ones",
         "Eschenhagen et al. 2023",
     ),
+    "factor_transposed": (
+        "factor transposed",
+        "B_nᵀ applied where B_n is meant (or B_n for B_nᵀ): the categorical factor "
+        "diag(√p) − p√pᵀ is not symmetric",
+        "TF K-FAC `multiply_fisher_factor` / `_transpose` (loss_functions.py)"),
+    "factor_weight_w": (
+        "factor weighted by w instead of √w",
+        "a factor B with B Bᵀ = w F must carry √w; w makes the curvature w² F",
+        "kfac-jax `multiply_fisher_factor` (loss_functions.py)"),
+    "no_sampling": (
+        "the mode instead of a sample",
+        "targets set to the most likely value (argmax class, logit > 0, the mean) instead of "
+        "drawn from p(·|f): the sampled Fisher becomes a deterministic, biased matrix",
+        "TF K-FAC `sample` (loss_functions.py)"),
+    "variance_as_std": (
+        "variance used as the standard deviation",
+        "normal targets drawn as μ + v·ε instead of μ + √v·ε",
+        "TF K-FAC `NormalMeanNegativeLogProbLoss.sample` (loss_functions.py)"),
+    "kronecker_instead_of_exact": (
+        "Kronecker-factored block where a full (or diagonal) block is asked",
+        "A ⊗ G (or its diagonal) instead of the exact per-example second moment of the "
+        "layer's parameter gradients (kfac-jax DenseFull / NaiveFull, or their diagonal)",
+        "kfac-jax `DenseFull`, `NaiveFull`, `NaiveDiagonal` (curvature_blocks)"),
     "fresh_instead_of_cached": (
         "cached product recomputed from the current statistics",
         "a cached product (use_cached=True) after a further update must use the inverse or "

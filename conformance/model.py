@@ -123,6 +123,12 @@ class Capability:
     convert_output: Callable = _identity_output
     requires: tuple = ()
     draws: tuple = ()
+    statistic: Callable | None = None
+
+    @property
+    def random(self) -> bool:
+        """Whether the capability's output is random (draws or a sampler)."""
+        return bool(self.draws) or self.statistic is not None
 
     @property
     def family(self) -> str:

@@ -197,7 +197,8 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
         r.message = f"skipped: the suite cannot convert this case into the declared " \
                     f"conventions ({exc})"
         return r
-    if cap.draws and case.capability not in getattr(adapter, "accepts_draws", ()):
+    if cap.random and (cap.statistic is not None
+                       or case.capability not in getattr(adapter, "accepts_draws", ())):
         return _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason)
     try:
         t = time.perf_counter()
@@ -239,7 +240,7 @@ def _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason) -> Resu
     """The own-draws route of a random capability (:mod:`conformance.sampling`): many seeded
     calls without the draws, a median-of-means test against the exact expectation."""
     from .model import Case
-    from .sampling import statistical_check
+    from .sampling import GROUP_SIZE, statistical_check
 
     own = {k: v for k, v in inputs.items() if k not in cap.draws}
     mean = np.asarray(cap.convert_output(case.alternatives["_mean"], case, conv), np.float64)
@@ -249,8 +250,12 @@ def _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason) -> Resu
                            np.float64))
     t = time.perf_counter()
     try:
-        st = statistical_check(lambda seed: fn(own, dict(case.params, seed=seed)), mean, sd ** 2,
-                               rtol)
+        def estimate(seed):
+            out = fn(own, dict(case.params, seed=seed))
+            return out if cap.statistic is None else cap.statistic(out, case)
+
+        st = statistical_check(estimate, mean, sd ** 2, rtol,
+                               group_size=case.meta.get("group_size", GROUP_SIZE))
     except CaseUnsupported as exc:
         r.status = "skip"
         r.message = f"unsupported: {exc}"

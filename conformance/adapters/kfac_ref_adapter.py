@@ -262,6 +262,32 @@ class KfacRefAdapter(Adapter):
         return self.to_numpy(self._loss(inputs, params).hessian_matrix())
 
     # -- blocks ---------------------------------------------------------------------------
+    @implements("losses.fisher_factor")
+    def loss_fisher_factor(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "fisher_factor", inputs["u"],
+                              self.to_backend, self.to_numpy)
+
+    @implements("losses.fisher_factor_transpose")
+    def loss_fisher_factor_t(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "fisher_factor_transpose",
+                              inputs["v"], self.to_backend, self.to_numpy)
+
+    @implements("losses.ggn_factor")
+    def loss_ggn_factor(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "ggn_factor", inputs["u"],
+                              self.to_backend, self.to_numpy)
+
+    @implements("losses.sample")
+    def loss_sample(self, inputs, params):
+        y = self._loss(inputs, params).sample(np.random.default_rng(params["seed"]))
+        return np.asarray(self.to_numpy(y))
+
     @implements("blocks.kron_matpower")
     def kron_matpower(self, inputs, params):
         from kfac_ref import blocks
@@ -350,6 +376,12 @@ class KfacRefAdapter(Adapter):
             return kfac_own_draws(params, inputs, params["seed"], self.to_backend,
                                   self.to_numpy)
         return kfac_given_draws(params, inputs, self.to_backend, self.to_numpy)
+
+    @implements("estimator.full_blocks")
+    def est_full_blocks(self, inputs, params):
+        from ..catalogue.estimator_cases import full_blocks_matrix
+
+        return full_blocks_matrix(params, inputs, self.to_backend, self.to_numpy)
 
     @implements("estimator.kfac_ema")
     def est_kfac_ema(self, inputs, params):

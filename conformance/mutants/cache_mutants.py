@@ -1,6 +1,7 @@
-"""Mutants of the cache semantics (``blocks.kron_cached_inverse``): a cached product
-recomputed from the current statistics, and a cached factored inverse re-damped with the
-current identity weight."""
+"""Mutants of the cache semantics (``blocks.kron_cached_inverse``: a cached product
+recomputed from the current statistics, a cached factored inverse re-damped with the current
+identity weight) and of the kfac-jax full and naive blocks (``estimator.full_blocks``: K-FAC
+where the exact block is asked)."""
 
 from __future__ import annotations
 
@@ -41,4 +42,22 @@ class CacheCurrentDamping(_Mutant):
 
 
 MUTANTS = [CacheFresh, CacheCurrentDamping]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
+
+
+class FullBlocksKronecker(_Mutant):
+    name = "mutant_full_blocks_kronecker"
+    pitfall = "DenseFull / NaiveFull (and the diagonal blocks) computed as K-FAC A ⊗ G (or its "\
+        "diagonal)"
+    EXPECTED = {"estimator.full_blocks": "kronecker_instead_of_exact"}
+
+    @implements("estimator.full_blocks")
+    def est_full_blocks(self, inputs, params):
+        import numpy as np
+
+        k = np.asarray(self.net_kfac(inputs, params))
+        return np.diag(np.diag(k)) if "Diagonal" in params["block"] else k
+
+
+MUTANTS.append(FullBlocksKronecker)
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
