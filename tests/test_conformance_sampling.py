@@ -201,3 +201,60 @@ def test_unbiased_fault_needs_the_exact_route(live):
 def test_adapter_declares_accepted_draws():
     assert load_adapter("kfac_ref").info()["accepts_draws"] == ["sampling.kfac"]
     assert load_adapter("kfac_ref_own_draws").info()["accepts_draws"] == []
+
+
+def test_both_routes_under_declared_conventions(live):
+    """An adapter in the PyTorch layout with the curvature of the sum loss passes both routes
+    as 'convention': the given draws' expectation and, in the statistical route, the exact
+    mean and standard deviation are converted into its conventions."""
+    from conformance.adapters.kfac_ref_adapter import KfacRefAdapter
+    from conformance.conventions import Conventions
+
+    cases, caps = live
+    cap = caps["sampling.kfac"]
+    conv = Conventions(kron_order="GA", curvature_of="sum", bias_position="first")
+
+    class Torchy(KfacRefAdapter):
+        name = "torchy"
+        conventions = conv
+
+        def sampling_kfac(self, inputs, params):  # the reference moved into its layout
+            case = next(c for c in cases if c.params == {k: v for k, v in params.items()
+                                                         if k != "seed"})
+            canon = dict(inputs)
+            if "seed" not in params:
+                canon.update({k: case.inputs[k] for k in cap.draws if k in case.inputs})
+            return cap.convert_output(super().sampling_kfac(canon, params), case, conv)
+
+    Torchy.sampling_kfac._conformance_capabilities = ("sampling.kfac",)
+    sel = [c for c in cases if c.id == "sampling.kfac/mlp_tanh_n8_ce_ggn_curvature_prop"]
+    for accepts in (("sampling.kfac",), ()):
+        ad = type("T", (Torchy,), {"accepts_draws": accepts})()
+        rep = run_adapter(ad, sel, caps)
+        assert [r.status for r in rep.results] == ["convention"], rep.results[0].message
+
+
+def test_statistical_check_heavy_tails_and_a_shift():
+    """No normality needed: Student-t (3 degrees of freedom, variance 3) estimates around the
+    true mean pass; the same shifted by one standard deviation in one entry fail; an entry of
+    variance 0 is held to the rounding tolerance; a wrong shape is an error."""
+    from conformance.sampling import statistical_check
+
+    mean = np.array([[1.0, -2.0], [0.5, 0.0]])
+    var = np.array([[3.0, 3.0], [3.0, 0.0]])
+
+    def draw(shift):
+        def estimate(seed):
+            t = np.random.default_rng(seed).standard_t(3, size=mean.shape)
+            t[1, 1] = 0.0
+            out = mean + t
+            out[0, 1] += shift
+            return out
+        return estimate
+
+    ok = statistical_check(draw(0.0), mean, var, 1e-12)
+    assert ok.ok and ok.statistic <= 1.0 and ok.draws == ok.groups * 64
+    bad = statistical_check(draw(np.sqrt(3.0)), mean, var, 1e-12)
+    assert not bad.ok and bad.worst == (0, 1)
+    with pytest.raises(ValueError, match="shape"):
+        statistical_check(lambda seed: np.zeros(3), mean, var, 1e-12)
