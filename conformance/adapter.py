@@ -10,6 +10,12 @@ An adapter is a Python object (usually a subclass of :class:`Adapter`) that
   where ``inputs`` is a dict of float64 NumPy arrays already converted into the declared
   conventions and ``params`` a dict of Python scalars/strings; the function returns anything
   ``numpy.asarray`` can read (NumPy, CPU torch tensors, JAX arrays, ...),
+* lists in ``accepts_draws`` the random capabilities (``Capability.draws``: the sampling
+  estimation modes) for which it takes the case's draws — sampled targets, sign vectors —
+  as inputs and returns the estimate for exactly those draws; those are compared with the
+  tight tolerance.  For the others the suite calls the function with ``params["seed"]``
+  (an int, a different one per call) and no draws, and tests the mean of many calls
+  statistically (:mod:`conformance.sampling`),
 * lists capabilities it cannot provide in ``unsupported`` (capability -> reason); a
   capability that is neither implemented nor listed is skipped with a generic reason; a
   capability function may raise :class:`CaseUnsupported` for a single case it cannot express.
@@ -64,6 +70,10 @@ class Adapter:
     hyperparameter_rtol: float = 0.0
     hyperparameter_rtol_reason: str = ""
     unsupported: dict = {}
+    #: random capabilities (``Capability.draws``) whose draws the adapter takes as inputs:
+    #: compared exactly; any other random capability is called with ``params["seed"]`` and
+    #: tested statistically
+    accepts_draws: tuple = ()
     #: fnmatch pattern of case ids (or capability names) -> reason: cases the implementation
     #: cannot express; skipped with the reason in every run, including --all-adapters
     skip_cases: dict = {}
@@ -96,6 +106,7 @@ class Adapter:
             "non_canonical_conventions": self.conventions.differences(),
             "hyperparameter_rtol": self.hyperparameter_rtol,
             "hyperparameter_rtol_reason": self.hyperparameter_rtol_reason,
+            "accepts_draws": list(self.accepts_draws),
         }
 
 

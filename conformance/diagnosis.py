@@ -181,6 +181,40 @@ PITFALLS = {
         "weight-shared layer: per-location statistics instead of pooled ones",
         "Eschenhagen et al. 2023",
     ),
+    "factor_transposed": (
+        "factor transposed",
+        "B_nᵀ applied where B_n is meant (or B_n for B_nᵀ): the categorical factor "
+        "diag(√p) − p√pᵀ is not symmetric",
+        "TF K-FAC `multiply_fisher_factor` / `_transpose` (loss_functions.py)"),
+    "factor_weight_w": (
+        "factor weighted by w instead of √w",
+        "a factor B with B Bᵀ = w F must carry √w; w makes the curvature w² F",
+        "kfac-jax `multiply_fisher_factor` (loss_functions.py)"),
+    "no_sampling": (
+        "the mode instead of a sample",
+        "targets set to the most likely value (argmax class, logit > 0, the mean) instead of "
+        "drawn from p(·|f): the sampled Fisher becomes a deterministic, biased matrix",
+        "TF K-FAC `sample` (loss_functions.py)"),
+    "variance_as_std": (
+        "variance used as the standard deviation",
+        "normal targets drawn as μ + v·ε instead of μ + √v·ε",
+        "TF K-FAC `NormalMeanNegativeLogProbLoss.sample` (loss_functions.py)"),
+    "kronecker_instead_of_exact": (
+        "Kronecker-factored block where a full (or diagonal) block is asked",
+        "A ⊗ G (or its diagonal) instead of the exact per-example second moment of the "
+        "layer's parameter gradients (kfac-jax DenseFull / NaiveFull, or their diagonal)",
+        "kfac-jax `DenseFull`, `NaiveFull`, `NaiveDiagonal` (curvature_blocks)"),
+    "fresh_instead_of_cached": (
+        "cached product recomputed from the current statistics",
+        "a cached product (use_cached=True) after a further update must use the inverse or "
+        "eigenbases of the last update_cache (kfac-jax: stale by design); this one used the "
+        "current statistics",
+        "kfac-jax `KroneckerFactored._multiply_matpower_unscaled` (use_cached)"),
+    "current_damping_in_cache": (
+        "current identity weight in a cached approximate inverse",
+        "kfac-jax's cached factored inverse keeps the identity weight given to update_cache; "
+        "this one applied the current weight to the cached factors",
+        "kfac-jax `KroneckerFactored._update_cache` (pi_adjusted_kronecker_inverse)"),
     "average_of_products": (
         "average of per-batch K-FAC matrices instead of K-FAC of averaged factors",
         "the moving average was taken over Kronecker products, not over the factors",
@@ -651,8 +685,10 @@ class _Search:
     """Fewest-pitfall search: candidates of 0–3 pitfalls (bases of :func:`_bases`, times
     products of named scalars), judged by the *explains* criterion."""
 
-    def __init__(self, act, expected, rtol, scale, scalars, budget=SEARCH_BUDGET):
+    def __init__(self, act, expected, rtol, scale, scalars, budget=SEARCH_BUDGET,
+                 coef_rtol=1e-3):
         self.act, self.expected, self.rtol, self.scale = act, expected, rtol, scale
+        self.coef_rtol = coef_rtol
         self.e0 = _rel(act, expected, scale)
         self.products = _scalar_products(scalars, MAX_PITFALLS)
         self.budget = budget
@@ -694,7 +730,7 @@ class _Search:
         for k, sids, labels, v in self.products:
             if k > room:
                 break
-            if abs(v / coef - 1.0) > 1e-3:
+            if abs(v / coef - 1.0) > self.coef_rtol:
                 continue
             self.budget -= 1
             r = _rel(self.act, v * cand, self.scale)
@@ -787,10 +823,11 @@ def _per_layer(act, expected, case, cap, conv, rtol, levels):
     return Diagnosis("per_layer:" + ",".join(parts), "; ".join(texts), worst)
 
 
-def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
+def diagnose(actual, case, cap, conv, rtol, coef_rtol=1e-3) -> Diagnosis:
     """Name the pitfall (or the fewest pitfalls, up to three) that reconcile ``actual`` with
     the reference, if any; for a network's curvature matrix, per layer when no single
-    explanation covers all of it."""
+    explanation covers all of it.  ``coef_rtol``: how far the fitted scale may be from a
+    named scalar (1e-3; larger for a Monte-Carlo estimate, whose scale is uncertain)."""
     expected = cap.expected_for(case, conv)
     act = as_float64(actual)
     scale = case.tolerance.scale
@@ -806,7 +843,8 @@ def diagnose(actual, case, cap, conv, rtol) -> Diagnosis:
         return Diagnosis("non_finite", f"{bad} of {act.size} entries are NaN/Inf{extra}")
 
     levels = _bases(cap, case, conv)
-    search = _Search(act, expected, rtol, scale, _scalar_factors(case)).run(levels)
+    search = _Search(act, expected, rtol, scale, _scalar_factors(case),
+                     coef_rtol=coef_rtol).run(levels)
     d = search.diagnosis()
     if d is not None:
         return d

@@ -108,6 +108,11 @@ class Capability:
         the reference's output (or an alternative) into declared conventions.
     requires : tuple of str
         kfac_ref modules the catalogue needs to build its cases.
+    draws : tuple of str
+        Names of ``inputs`` that are random draws (a sampling estimator's sampled targets or
+        sign vectors).  An adapter that lists the capability in ``Adapter.accepts_draws``
+        gets them and is compared exactly; any other adapter gets the inputs without them
+        and ``params["seed"]``, and is tested statistically (:mod:`conformance.sampling`).
     """
 
     name: str
@@ -117,6 +122,13 @@ class Capability:
     convert_inputs: Callable = _identity_inputs
     convert_output: Callable = _identity_output
     requires: tuple = ()
+    draws: tuple = ()
+    statistic: Callable | None = None
+
+    @property
+    def random(self) -> bool:
+        """Whether the capability's output is random (draws or a sampler)."""
+        return bool(self.draws) or self.statistic is not None
 
     @property
     def family(self) -> str:

@@ -197,6 +197,9 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
         r.message = f"skipped: the suite cannot convert this case into the declared " \
                     f"conventions ({exc})"
         return r
+    if cap.random and (cap.statistic is not None
+                       or case.capability not in getattr(adapter, "accepts_draws", ())):
+        return _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason)
     try:
         t = time.perf_counter()
         actual = fn(inputs, dict(case.params))
@@ -228,6 +231,60 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
     r.diagnosis = d.to_dict()
     r.status = "xfail" if xfail_reason else "fail"
     r.message = f"{c.detail}; diagnosis: {d.pitfall}: {d.explanation}"
+    if xfail_reason:
+        r.message = f"expected failure ({xfail_reason}); {r.message}"
+    return r
+
+
+def _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason) -> Result:
+    """The own-draws route of a random capability (:mod:`conformance.sampling`): many seeded
+    calls without the draws, a median-of-means test against the exact expectation."""
+    from .model import Case
+    from .sampling import GROUP_SIZE, statistical_check
+
+    own = {k: v for k, v in inputs.items() if k not in cap.draws}
+    mean = np.asarray(cap.convert_output(case.alternatives["_mean"], case, conv), np.float64)
+    # the conversions are permutations and positive scalings: the standard deviation moves
+    # like the output
+    sd = np.abs(np.asarray(cap.convert_output(np.sqrt(case.alternatives["_var"]), case, conv),
+                           np.float64))
+    t = time.perf_counter()
+    try:
+        def estimate(seed):
+            out = fn(own, dict(case.params, seed=seed))
+            return out if cap.statistic is None else cap.statistic(out, case)
+
+        st = statistical_check(estimate, mean, sd ** 2, rtol,
+                               group_size=case.meta.get("group_size", GROUP_SIZE))
+    except CaseUnsupported as exc:
+        r.status = "skip"
+        r.message = f"unsupported: {exc}"
+        return r
+    except Exception as exc:  # noqa: BLE001 - an adapter error is a reported result
+        r.status = "xfail" if xfail_reason else "error"
+        r.message = f"{type(exc).__name__}: {exc}"
+        if xfail_reason:
+            r.message = f"expected failure ({xfail_reason}); {r.message}"
+        return r
+    r.duration_s = time.perf_counter() - t
+    r.rel_err, r.rtol = st.rel_err, st.rel_tol
+    if st.ok:
+        r.status = "convention" if r.conventions else "pass"
+        r.message = f"statistical route (own draws): {st.detail}"
+        if xfail_reason:
+            r.message = f"XPASS: listed as expected failure ({xfail_reason}) but passes; " + \
+                r.message
+        return r
+    # diagnose the estimated mean against the expectation and the alternatives' expectations
+    shadow = Case(case.id, case.capability, case.inputs, case.params, case.alternatives["_mean"],
+                  case.tolerance, case.meta,
+                  {k: v for k, v in case.alternatives.items() if k not in ("_mean", "_var")},
+                  case.description, case.source)
+    d = diagnose(st.mean_all, shadow, cap, conv, st.rel_tol, coef_rtol=max(1e-3, st.scale_tol))
+    r.diagnosis = d.to_dict()
+    r.status = "xfail" if xfail_reason else "fail"
+    r.message = (f"statistical route (own draws): {st.detail} > 1; diagnosis: {d.pitfall}: "
+                 f"{d.explanation}")
     if xfail_reason:
         r.message = f"expected failure ({xfail_reason}); {r.message}"
     return r

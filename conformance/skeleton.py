@@ -109,6 +109,12 @@ class {klass}(Adapter):
     out.append(_comment("case-id or capability patterns (fnmatch) -> reason: single cases "
                         "the implementation cannot express", "    "))
     out.append("    skip_cases: dict = {}")
+    out.append("")
+    out.append(_comment("random capabilities (the sampling modes) whose draws the "
+                        "implementation can take as inputs (sampled_targets, signs): compared "
+                        "exactly; the others are called with params['seed'] and tested "
+                        "statistically", "    "))
+    out.append("    accepts_draws = ()")
     out.append(f'''
     def setup(self):
         """Import the implementation here (not at module level), so that listing adapters

@@ -23,6 +23,7 @@ ADAPTERS = {
     "kfac_ref_torch": "conformance.adapters.kfac_ref_adapter:KfacRefTorchAdapter",
     "kfac_ref_cupy": "conformance.adapters.kfac_ref_adapter:KfacRefCupyAdapter",
     "kfac_ref_float32": "conformance.adapters.kfac_ref_adapter:KfacRefFloat32Adapter",
+    "kfac_ref_own_draws": "conformance.adapters.kfac_ref_adapter:KfacRefOwnDrawsAdapter",
 }
 
 
@@ -39,6 +40,7 @@ class KfacRefAdapter(Adapter):
     name = "kfac_ref"
     description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
     backend = "numpy"
+    accepts_draws = ("sampling.kfac",)
 
     # -- backend plumbing -----------------------------------------------------------------
     def setup(self):
@@ -260,6 +262,32 @@ class KfacRefAdapter(Adapter):
         return self.to_numpy(self._loss(inputs, params).hessian_matrix())
 
     # -- blocks ---------------------------------------------------------------------------
+    @implements("losses.fisher_factor")
+    def loss_fisher_factor(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "fisher_factor", inputs["u"],
+                              self.to_backend, self.to_numpy)
+
+    @implements("losses.fisher_factor_transpose")
+    def loss_fisher_factor_t(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "fisher_factor_transpose",
+                              inputs["v"], self.to_backend, self.to_numpy)
+
+    @implements("losses.ggn_factor")
+    def loss_ggn_factor(self, inputs, params):
+        from ..catalogue.losses_cases import factor_product
+
+        return factor_product(self._loss(inputs, params), "ggn_factor", inputs["u"],
+                              self.to_backend, self.to_numpy)
+
+    @implements("losses.sample")
+    def loss_sample(self, inputs, params):
+        y = self._loss(inputs, params).sample(np.random.default_rng(params["seed"]))
+        return np.asarray(self.to_numpy(y))
+
     @implements("blocks.kron_matpower")
     def kron_matpower(self, inputs, params):
         from kfac_ref import blocks
@@ -284,6 +312,12 @@ class KfacRefAdapter(Adapter):
         d, x = self._in(inputs, "diagonal", "x")
         return self.to_numpy(blocks.diagonal_block_matpower(
             d, x, params["power"], params["damping"], scale=params["scale"]))
+
+    @implements("blocks.kron_cached_inverse")
+    def kron_cached_inverse(self, inputs, params):
+        from ..catalogue.blocks_cases import cached_inverse_block
+
+        return cached_inverse_block(inputs, params, self.to_backend, self.to_numpy)
 
     @implements("blocks.series_inverse")
     def series_inverse(self, inputs, params):
@@ -333,6 +367,21 @@ class KfacRefAdapter(Adapter):
         from ..catalogue.networks_cases import kfac_inverse_matvec
 
         return kfac_inverse_matvec(params, inputs, self.to_backend, self.to_numpy)
+
+    @implements("sampling.kfac")
+    def sampling_kfac(self, inputs, params):
+        from ..catalogue.sampling_cases import kfac_given_draws, kfac_own_draws
+
+        if "seed" in params:  # the statistical route: kfac_ref's own sampling
+            return kfac_own_draws(params, inputs, params["seed"], self.to_backend,
+                                  self.to_numpy)
+        return kfac_given_draws(params, inputs, self.to_backend, self.to_numpy)
+
+    @implements("estimator.full_blocks")
+    def est_full_blocks(self, inputs, params):
+        from ..catalogue.estimator_cases import full_blocks_matrix
+
+        return full_blocks_matrix(params, inputs, self.to_backend, self.to_numpy)
 
     @implements("estimator.kfac_ema")
     def est_kfac_ema(self, inputs, params):
@@ -427,3 +476,14 @@ class KfacRefFloat32Adapter(KfacRefAdapter):
     def to_backend(self, x):
         x = np.asarray(x)
         return x.astype(np.int64) if x.dtype.kind in "iub" else x.astype(np.float32)
+
+
+class KfacRefOwnDrawsAdapter(KfacRefAdapter):
+    """kfac_ref drawing its own random numbers (``numpy.random.default_rng(params["seed"])``)
+    for the sampling modes: exercises the statistical route of :mod:`conformance.sampling`
+    with the estimator's own sampling code."""
+
+    name = "kfac_ref_own_draws"
+    description = ("kfac_ref on NumPy arrays, sampling modes with its own draws (statistical "
+                   "route)")
+    accepts_draws = ()

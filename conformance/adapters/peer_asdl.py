@@ -24,6 +24,13 @@ ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 
 _IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
 _REASONS = {
+    "losses.sample": "ASDL draws its Monte-Carlo targets inside fisher_mc; no sampler is exposed to"
+    " map",
+    "blocks.kron_cached_inverse": "not mapped: no counterpart of kfac-jax's cached (stale) block "
+    "products is mapped in this adapter",
+    "sampling": "ASDL's Monte-Carlo Fisher (fisher_mc) is not mapped yet: its draws come from "
+    "torch's global generator, so only the statistical route (params['seed'] → torch.manual_seed)"
+    " would apply",
     "networks": "not mapped (ASDL's 'full' Fisher shape could give the exact Fisher; "
     "see FINDINGS.md for why the exact Fisher path is unreliable for >2-D outputs)",
     "linalg": "ASDL's linear algebra (cholesky_inv, KronMatrix.update_inv) needs a fitted "

@@ -24,6 +24,11 @@ ADAPTERS = {"backpack": "conformance.adapters.peer_backpack:BackpackAdapter"}
 
 _IMPLEMENTED = ("networks.kfac", "networks.kfac_input_factors", "networks.kfac_output_factors")
 _REASONS = {
+    "losses.sample": "BackPACK draws its Monte-Carlo targets inside the KFAC extension; no sampler "
+    "is exposed to map",
+    "sampling": "BackPACK's KFAC extension (Monte-Carlo sampled) is not mapped yet: its draws come "
+    "from torch's global generator, so only the statistical route (params['seed'] → "
+    "torch.manual_seed) would apply",
     "networks": "BackPACK returns no dense GGN/EF matrix (only per-sample or diagonal quantities)",
     "linalg": "BackPACK exposes only curvature quantities of a model, no linear algebra",
     "factors": "factors come only from a model's backward pass; see networks.kfac_*_factors",

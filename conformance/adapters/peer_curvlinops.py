@@ -33,6 +33,13 @@ _IMPLEMENTED = (
     "networks.empirical_fisher",
 )
 _REASONS = {
+    "losses.sample": "curvlinops draws its Monte-Carlo targets inside KFACLinearOperator "
+    "(fisher_type='mc'); no sampler is exposed to map",
+    "blocks.kron_cached_inverse": "not mapped: no counterpart of kfac-jax's cached (stale) block "
+    "products is mapped in this adapter",
+    "sampling": "curvlinops' KFAC with fisher_type='mc' is not mapped yet: its draws come from a "
+    "torch generator seeded by the library, so only the statistical route (params['seed']) would "
+    "apply",
     "linalg": "curvlinops works on models, not bare matrices; its damped inverses "
     "(KFACInverseLinearOperator) are checked in repro_curvlinops.py",
     "factors": "factors come only from a model pass; see networks.kfac_*_factors",

@@ -37,14 +37,28 @@ _IMPLEMENTED = (
     "losses.hessian",
 )
 _REASONS = {
+    "losses.sample": "kfac-jax's loss sample() draws from a jax.random key (statistical route "
+    "only); not mapped yet",
+    "losses.fisher_factor": "kfac-jax's loss factor products (multiply_fisher_factor, ...) are not "
+    "mapped yet",
+    "losses.fisher_factor_transpose": "kfac-jax's loss factor products "
+    "(multiply_fisher_factor_transpose) are not mapped yet",
+    "losses.ggn_factor": "kfac-jax's loss factor products (multiply_ggn_factor) are not mapped yet",
+    "blocks.kron_cached_inverse": "kfac-jax's cached block products (use_cached=True after "
+    "update_cache) need a traced network's block state; not mapped yet",
+    "estimator.full_blocks": "kfac-jax's DenseFull / NaiveFull / NaiveDiagonal blocks need "
+    "layer_tag_to_block_ctor overrides of a traced network; not mapped yet",
+    "sampling": "kfac-jax's sampling modes (its default ggn_curvature_prop, fisher_gradients, "
+    "fisher_curvature_prop) are not mapped yet: they draw from a jax.random key inside the "
+    "estimator, so only the statistical route (params['seed'] → jax.random.PRNGKey) would apply",
     "networks": "kfac-jax has no exact GGN / empirical-Fisher matrix function (only its "
     "K-FAC blocks)",
     "linalg": "kfac-jax's linear algebra helpers are private (kfac_jax._src.utils); the "
     "blocks are checked through networks.kfac and repro_kfac_jax.py instead",
     "factors": "kfac-jax computes factors only inside a curvature block driven by a traced "
     "network; checked through networks.kfac_*_factors",
-    "blocks": "block matrix powers are checked through repro_kfac_jax.py (multiply_matpower), "
-    "which needs a registered network, not bare factors",
+    "blocks": "block matrix powers are checked through repro_kfac_jax.py (multiply_matpower), which"
+    " needs a registered network, not bare factors",
     "estimator": "not mapped yet",
 }
 

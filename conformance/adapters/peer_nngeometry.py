@@ -28,6 +28,12 @@ ADAPTERS = {"nngeometry": "conformance.adapters.peer_nngeometry:NngeometryAdapte
 
 _IMPLEMENTED = ("networks.kfac", "networks.ggn")
 _REASONS = {
+    "losses.sample": "nngeometry draws its Monte-Carlo targets inside the Fisher computation; no "
+    "sampler is exposed to map",
+    "blocks.kron_cached_inverse": "not mapped: no counterpart of kfac-jax's cached (stale) block "
+    "products is mapped in this adapter",
+    "sampling": "nngeometry's Monte-Carlo Fisher (variant 'classif_logits' sampling) is not mapped "
+    "yet: its draws come from torch's global generator, so only the statistical route would apply",
     "networks.empirical_fisher": "nngeometry computes the Fisher with model targets only",
     "networks.kfac_input_factors": "PMatKFAC splits a scale √n between A and G (A·√n, G/√n); "
     "only the product is comparable (networks.kfac)",

@@ -53,6 +53,18 @@ _IMPLEMENTED = (
     "linalg.pi_adjusted_damping",
 )
 _REASONS = {
+    "losses.sample": "TF K-FAC's loss sample() draws from TF random ops (statistical route only); "
+    "not mapped yet",
+    "losses.fisher_factor": "TF K-FAC's multiply_fisher_factor is not mapped yet",
+    "losses.fisher_factor_transpose": "TF K-FAC's multiply_fisher_factor_transpose is not mapped "
+    "yet",
+    "losses.ggn_factor": "TF K-FAC's multiply_hessian_factor is not mapped yet",
+    "blocks.kron_cached_inverse": "TF K-FAC's inverse update ops (stale inverses between updates) "
+    "are not mapped yet",
+    "estimator.full_blocks": "TF K-FAC's NaiveFullFB / NaiveDiagonalFB are not mapped yet",
+    "sampling": "TF K-FAC's sampling estimation modes ('gradients' with sampled targets, "
+    "'curvature_prop') are not mapped yet: they draw from TF's random ops, so only the "
+    "statistical route (params['seed'] → tf.random.set_seed) would apply",
     "networks": "TF K-FAC has no exact GGN / empirical-Fisher matrix function",
     "linalg": "not mapped (TF's factor-level damped powers need a registered FisherFactor; "
     "checked end to end in repro_tf_kfac.py)",

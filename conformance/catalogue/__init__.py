@@ -23,6 +23,7 @@ FAMILY_MODULES = {
     "blocks": ".blocks_cases",
     "estimator": ".estimator_cases",
     "networks": ".networks_cases",
+    "sampling": ".sampling_cases",
 }
 
 

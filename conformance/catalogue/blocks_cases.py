@@ -71,6 +71,10 @@ def _diag_input(inputs, case, conv):
 
 _SIG = "inputs: a [p, p], g [q, q], x [p, q]; params: power, damping, scale, exact, norm_type"
 
+def _cache_input(inputs, case, conv):
+    return _a_input(inputs, case, conv, names=("a0", "a1"))
+
+
 CAPABILITIES = [
     Capability(
         "blocks.kron_matpower",
@@ -98,7 +102,66 @@ CAPABILITIES = [
         "num_timesteps, damping, option, has_bias",
         ("kron_order", "bias_position"), convert_inputs=_series_input,
         convert_output=_param_matrix),
+    Capability(
+        "blocks.kron_cached_inverse",
+        "Cache semantics of a Kronecker block (kfac-jax KroneckerFactored): statistics "
+        "A₀, G₀, update_cache(identity weight λ_c), a further update with statistics A₁, G₁ "
+        "(ema_old = decay, ema_new = 1), then the cached inverse product at identity weight λ "
+        "applied to X [p, q] (no bias).  kfac-jax's cached product is stale by design: "
+        "exact=False uses the factored π-damped inverses built at update_cache, "
+        "[(A₀ + π₀√λ_c I)⁻¹ ⊗ (G₀ + √λ_c/π₀ I)⁻¹] x (λ ignored); exact=True the cached "
+        "eigenbases of A₀, G₀ with the current λ, (A₀⊗G₀ + λI)⁻¹ x; returns [p, q].",
+        "inputs: a0, a1 [p, p], g0, g1 [q, q], x [p, q]; params: decay, damping_cached, "
+        "damping, exact",
+        ("kron_order",), convert_inputs=_cache_input, convert_output=_param_matrix),
 ]
+
+
+def cached_inverse_ref(a0, g0, a1, g1, x, params, fresh=False, current_damping=False):
+    """The kfac-jax cached inverse product (functional form, kfac_ref); ``fresh``: computed
+    from the current (averaged) statistics instead (the pitfall), ``current_damping``: the
+    stale factors with the current weight."""
+    from kfac_ref import blocks as B
+
+    d = params["decay"]
+    if fresh:
+        a, g, lam = (d * a0 + a1) / (d + 1.0), (d * g0 + g1) / (d + 1.0), params["damping"]
+    else:
+        a, g = a0, g0
+        lam = params["damping"] if (params["exact"] or current_damping) else \
+            params["damping_cached"]
+    return to_np(B.kronecker_block_matpower(a, g, x, -1.0, lam, exact=params["exact"]))
+
+
+def cached_inverse_block(inputs, params, to_backend=lambda v: v, to_numpy=to_np):
+    """The same through kfac_ref's stateful kfac-jax block (init, update, update_cache,
+    update, cached multiply_matpower; strict_cache=False = kfac-jax's cached weight).  The
+    statistics are fed as rows R with RᵀR/n equal to the given factor."""
+    from kfac_ref.blocks import kfac_jax as kj
+
+    a0, g0 = np.asarray(inputs["a0"]), np.asarray(inputs["g0"])
+    p, q = a0.shape[0], g0.shape[0]
+    n = max(p, q)
+
+    def rows(m):
+        out = np.zeros((n, m.shape[0]))
+        out[:m.shape[0]] = math.sqrt(n) * np.linalg.cholesky(m).T
+        return out
+
+    def data(a, g):
+        return {"inputs": to_backend(rows(np.asarray(a))),
+                "outputs_grad": to_backend(rows(np.asarray(g)))}
+
+    block = kj.DenseTwoKroneckerFactored(p, q, has_bias=False, strict_cache=False)
+    st = block.init(to_backend(np.zeros(1)), exact_powers_to_cache=[-1.0],
+                    approx_powers_to_cache=[-1.0])
+    st = block.update_curvature_matrix_estimate(st, data(a0, g0), 0.0, 1.0, n)
+    st = block.update_cache(st, params["damping_cached"], [-1.0], [-1.0], False)
+    st = block.update_curvature_matrix_estimate(st, data(inputs["a1"], inputs["g1"]),
+                                                params["decay"], 1.0, n)
+    (y,) = block.multiply_matpower(st, (to_backend(np.asarray(inputs["x"])),),
+                                   params["damping"], -1.0, params["exact"], True)
+    return to_numpy(y)
 
 
 def series_apply(fb, x, to_backend=lambda v: v, to_numpy=to_np):
@@ -224,4 +287,30 @@ def build_cases() -> list[Case]:
                                 f"{d_in + 1 + d_out}, κ ≈ 4·{kappa:.3g}"),
             {"p": d_in + 1, "q": d_out, "bias": True, "N": nb}, alts,
             "TF FullyConnectedSeriesFB option " + str(option)))
+
+    # cache semantics: a cached product after a further update (kfac-jax: stale by design)
+    pc, qc = 3, 2
+    for exact in (False, True):
+        cid = f"blocks.kron_cached_inverse/p{pc}_q{qc}_{'exact' if exact else 'factored'}"
+        r = rng_for(cid)
+        ins = {"a0": spd(r, pc, scale=2.0), "g0": spd(r, qc, scale=0.5),
+               "a1": spd(r, pc, scale=6.0), "g1": spd(r, qc, scale=0.1),
+               "x": r.standard_normal((pc, qc))}
+        prm = {"decay": 0.5, "damping_cached": 0.3, "damping": 0.05, "exact": exact}
+        args = [ins[k] for k in ("a0", "g0", "a1", "g1", "x")]
+        expected = cached_inverse_ref(*args, prm)
+        alts = {"fresh_instead_of_cached": cached_inverse_ref(*args, prm, fresh=True)}
+        if not exact:
+            alts["current_damping_in_cache"] = cached_inverse_ref(*args, prm,
+                                                                  current_damping=True)
+        kappa = max(cond(np.kron(ins["a0"], ins["g0"]) + lam * np.eye(pc * qc))
+                    for lam in (prm["damping"], prm["damping_cached"]))
+        cases.append(Case(
+            cid, "blocks.kron_cached_inverse", ins, prm, expected,
+            Tolerance(SAFETY * 2 * (pc + qc) * kappa,
+                      f"eigh/solves of the cached factors and GEMMs: work = {pc + qc}, κ = "
+                      f"cond(A₀⊗G₀ + λI) = {kappa:.3g}, ×2 for the factors built from rows"),
+            {"p": pc, "q": qc, "bias": False}, alts,
+            "kfac-jax: cached products use the inverse (or eigenbases) of the last "
+            "update_cache"))
     return cases

@@ -50,6 +50,29 @@ def kfac_two_batches(params, inputs, to_backend=lambda v: v, to_numpy=to_np, dec
     return to_numpy(est.to_dense_matrix(st))
 
 
+#: kfac-jax block classes whose dense-layer blocks estimator.full_blocks covers
+FULL_BLOCKS = ("DenseFull", "NaiveFull", "DenseDiagonal", "NaiveDiagonal")
+
+
+def full_blocks_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, block=None):
+    """Block-diagonal curvature (dense [P, P]) with every dense layer's block of
+    ``params["block"]`` after one update in ``params["mode"]`` (kfac_ref)."""
+    from kfac_ref.blocks import kfac_jax as kj
+    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+
+    spec = params["net"]
+    net = build_net(spec)
+    theta = params_from_inputs(spec, inputs, to_backend)
+    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
+    est = BlockDiagonalCurvature(net, loss_fn(params),
+                                 layer_to_block={"dense": getattr(kj, block or params["block"])})
+    rng = np.random.default_rng(0)  # unused by the exact and empirical modes
+    st = est.init(rng, (theta, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
+                                              (theta, batch), params["mode"])
+    return to_numpy(est.to_dense_matrix(st))
+
+
 def _ema_kfac(arr, case, conv):
     out = _kfac_matrix(arr, case, conv)
     if conv.ema_style == "raw":
@@ -67,7 +90,46 @@ CAPABILITIES = [
         "inputs: x0, targets0, x1, targets1, w{i}, b{i}; params: net, loss, variance, mode, "
         "decay",
         _CONV + ("empirical_fisher_scale", "ema_style"), convert_output=_ema_kfac),
+    Capability(
+        "estimator.full_blocks",
+        "Block-diagonal curvature (dense [P, P]) after one update in params['mode'] with every "
+        "dense layer's block of the kfac-jax class params['block']: DenseFull / NaiveFull = "
+        "the layer's exact block (1/N)Σ_n ĝ_n ĝ_nᵀ of per-example parameter gradients (the "
+        "block diagonal of the exact GGN / empirical Fisher), DenseDiagonal / NaiveDiagonal = "
+        "its diagonal.",
+        "inputs: x, targets, w{i}, b{i}; params: net, loss, variance, mode, block",
+        _CONV + ("empirical_fisher_scale",), convert_output=_kfac_matrix),
 ]
+
+
+def _full_block_cases():
+    from .networks_cases import kfac_matrix
+
+    tanh = {"kind": "activation", "fn": "tanh"}
+    mlp = [_dense(3, 4), tanh, _dense(4, 3)]
+    lin = [_dense(3, 3), _dense(3, 2)]
+    runs = [("mlp_tanh_n4_ce", mlp, (4, 3), {"loss": "categorical"}, 3, "ggn_exact", b)
+            for b in FULL_BLOCKS]
+    runs.append(("deep_linear_n5_mse", lin, (5, 3), {"loss": "normal_mean", "variance": 0.5},
+                 2, "fisher_empirical", "NaiveFull"))
+    cases = []
+    for name, spec, x_shape, lossp, n_out, mode, block in runs:
+        cid = f"estimator.full_blocks/{name}_{mode}_{block}"
+        inputs = _make_inputs(f"estimator.full_blocks/{name}", spec, x_shape, lossp["loss"],
+                              n_out)
+        params = {"net": spec, **lossp, "mode": mode, "block": block}
+        expected = full_blocks_matrix(params, inputs)
+        k = kfac_matrix(params, inputs)
+        alts = {"kronecker_instead_of_exact": np.diag(np.diag(k)) if "Diagonal" in block
+                else k}
+        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+        work = x_shape[0] * int(n_out) + p_total
+        cases.append(Case(
+            cid, "estimator.full_blocks", inputs, params, expected,
+            Tolerance(SAFETY * 4 * work, f"Jacobian products and per-example gradient GEMMs: "
+                                         f"work = N·D + P = {work}, κ = 1, ×4 chain depth"),
+            {"N": x_shape[0]}, alts, f"kfac-jax {block} blocks, {mode}"))
+    return cases
 
 
 def build_cases() -> list[Case]:
@@ -103,4 +165,4 @@ def build_cases() -> list[Case]:
             Tolerance(SAFETY * 8 * work, f"Jacobian products and factor GEMMs: work = N·D + P "
                                          f"= {work}, κ = 1, ×4 chain depth, ×2 updates"),
             {"N": x_shape[0]}, alts, f"{mode}, decay {decay:g}"))
-    return cases
+    return cases + _full_block_cases()
