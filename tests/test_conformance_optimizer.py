@@ -206,6 +206,14 @@ def test_a_peer_without_the_capability_is_skipped_not_failed():
     assert [r.status for r in report.results] == ["skip"] * len(CASES)
 
 
+def test_peer_adapters_do_not_implement_it():
+    from conformance.adapters import shipped
+
+    for name in shipped():
+        has = "optimizer.kfac_steps" in load_adapter(name).implementations()
+        assert has == name.startswith("kfac_ref"), name
+
+
 def test_a_declared_sum_loss_is_skipped_with_the_reason():
     from conformance.adapter import implements
 
