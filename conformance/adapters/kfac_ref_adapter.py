@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import Adapter, AdapterUnavailable, implements
+from .kfac_ref_optimizer import KfacRefOptimizerMixin
 
 ADAPTERS = {
     "kfac_ref": "conformance.adapters.kfac_ref_adapter:KfacRefAdapter",
@@ -36,7 +37,7 @@ def _conv_args(params):
             params["data_format"])
 
 
-class KfacRefAdapter(Adapter):
+class KfacRefAdapter(KfacRefOptimizerMixin, Adapter):
     name = "kfac_ref"
     description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
     backend = "numpy"

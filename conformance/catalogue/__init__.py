@@ -24,6 +24,7 @@ FAMILY_MODULES = {
     "estimator": ".estimator_cases",
     "networks": ".networks_cases",
     "sampling": ".sampling_cases",
+    "optimizer": ".optimizer_cases",
 }
 
 
