@@ -216,6 +216,10 @@ def build_cases() -> list[Case]:
 
             alts["pi_without_dimensions"] = split(pi_nd * root, root / pi_nd)
             alts["unsplit_damping"] = split(lam, lam)
+            if s != 1.0:  # both faults at once, common in hand-written conv K-FAC
+                full = math.sqrt(lam)
+                alts["pi_without_dimensions+damping_not_normalised"] = split(
+                    pi_nd * full, full / pi_nd)
         if power == 1.0 and lam == 0.0:
             kappa = 1.0
         else:

@@ -144,6 +144,28 @@ class PerLayerScales(_Mutant):
         return k
 
 
+class PiWithoutDimensionsConvDamping(_Mutant):
+    name = "mutant_pi_without_dimensions_conv_damping"
+    pitfall = ("a conv block's factored damped power with π = sqrt(tr A / tr G) (no dimension "
+               "normalisation) and the damping λ not divided by |T| (λ for λ/|T|)")
+    EXPECTED = {"blocks.kron_matpower": "pi_without_dimensions+damping_not_normalised"}
+    EXPECTED_CASES = {  # |T| = 1: only the π fault shows; exact damping and p = 1 have no π
+        "blocks.kron_matpower/*_scale1_factored": "pi_without_dimensions",
+        "blocks.kron_matpower/*_exact": "pass",
+        "blocks.kron_matpower/p1_*": "pass",
+    }
+
+    @implements("blocks.kron_matpower")
+    def kron_matpower(self, inputs, params):
+        p, lam, s = params["power"], params["damping"], params["scale"]
+        if params["exact"] or p == 1.0 or lam == 0.0:
+            return super().kron_matpower(inputs, params)
+        a, g, x = (np.asarray(inputs[k], dtype=np.float64) for k in ("a", "g", "x"))
+        pi = math.sqrt(float(np.trace(a)) / float(np.trace(g)))
+        root = math.sqrt(lam)
+        return s ** p * _inv_pow(a, p, pi * root) @ x @ _inv_pow(g, p, root / pi)
+
+
 class UnexplainedFactor(_Mutant):
     name = "mutant_unexplained"
     pitfall = ("a wrong input factor (A + 0.01·E for a fixed E): no known pitfall explains it, "
@@ -227,5 +249,5 @@ class EmaWeightTied(_Mutant):
 
 MUTANTS = [KronSwappedDeclaredGA, PiWithoutDimensionsEpsilon, ConvInputKernelAverage,
            EmpiricalMeanLoss, EmpiricalMeanLossTorchLayout, PerLayerScales, UnexplainedFactor,
-           DampingPerFactor, EmaFirstStatistic, EmaWeightTied]
+           DampingPerFactor, EmaFirstStatistic, EmaWeightTied, PiWithoutDimensionsConvDamping]
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
