@@ -42,6 +42,7 @@ __all__ = [
     "DATA_FORMATS",
     "PADDING_MODES",
     "ConvGeometry",
+    "PATCH_TEMPORARY_COPIES",
     "is_channels_last",
     "to_channels_last",
     "from_channels_last",
@@ -52,6 +53,12 @@ DATA_FORMATS = ("NWC", "NCW", "NHWC", "NCHW", "NDHWC", "NCDHW")
 
 PADDING_MODES = ("SAME", "VALID", "EXPLICIT")
 """Values of :attr:`ConvGeometry.padding_mode`."""
+
+PATCH_TEMPORARY_COPIES = 3
+"""Patch-sized temporaries alive at once while one chunk's patches are formed and used (the
+gathered patches, one reshape or bias-column copy, and the product or cotangent formed from
+them): :meth:`ConvGeometry.temporary_entries_per_example` counts this many copies of an
+example's patches, plus two of its padded input (the padding copy and the first gather)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -452,6 +459,22 @@ class ConvGeometry:
     def patch_size(self) -> int:
         """Length of one patch, :math:`|\\Delta|\\,C_{in}`."""
         return self.num_offsets * self.in_channels
+
+    def temporary_entries_per_example(self, extra_columns=0) -> int:
+        r"""Entries one example adds to the temporaries of patch extraction and use, the
+        count :func:`kfac_ref.patches.example_chunks` sizes chunks by.
+
+        .. math::
+
+            e = c\,|T|\,(|\Delta| C_{in} + b) + 2\, C_{in} \prod_i (n_i + p_{\text{lo},i}
+                + p_{\text{hi},i}),
+
+        with :math:`c` = :data:`PATCH_TEMPORARY_COPIES` and :math:`b` = ``extra_columns``
+        (1 for the bias column).
+        """
+        padded = math.prod(self.padded_spatial_shape) * self.in_channels
+        return (PATCH_TEMPORARY_COPIES * self.num_locations * (self.patch_size + extra_columns)
+                + 2 * padded)
 
     def output_shape(self, batch_size=None) -> tuple[int, ...]:
         """Shape of the output ``[N, *out, C_out]`` (or ``[N, C_out, *out]``)."""

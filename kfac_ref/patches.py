@@ -65,6 +65,7 @@ from ._backend import (
 from .conv_geometry import (
     DATA_FORMATS,
     PADDING_MODES,
+    PATCH_TEMPORARY_COPIES,
     ConvGeometry,
     from_channels_last,
     is_channels_last,
@@ -506,15 +507,6 @@ def _subsample_rows(xp, array, num_rows, rng):
 # --------------------------------------------------------------------------------------
 # Chunks of examples under a memory bound
 # --------------------------------------------------------------------------------------
-PATCH_TEMPORARY_COPIES = 3
-"""Patch-sized temporaries alive at once while one chunk's patches are formed and used (the
-two gathers of :func:`extract_convolution_patches` and one reshape or bias-column copy, or
-the patch cotangent and its gather in a conv layer's backward pass): callers of
-:func:`example_chunks` count this many copies of an example's patches, so the bound holds
-for the peak of the temporaries, not only for the patch matrix (checked with tracemalloc in
-the tests)."""
-
-
 def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_bytes):
     r"""Chunks of examples whose temporaries stay within a memory bound, as a list of
     ``(start, stop)`` pairs that cover every example in order.

@@ -121,7 +121,10 @@ def test_conv_peak_memory_is_bounded():
                  (factors.conv_input_kronecker_factor, (x, (3, 3, 16, 16), "SAME"),
                   {"has_bias": True, "max_temporary_bytes": bound}),
                  (factors.conv_diagonal_factor, (x, g, (3, 3, 16, 16), 1, "SAME"),
-                  {"has_bias": True, "max_temporary_bytes": bound}))
+                  {"has_bias": True, "max_temporary_bytes": bound}),
+                 # stride 2: the padded input is a larger share of the temporaries
+                 (factors.conv_input_kronecker_factor, (x, (3, 3, 16, 16), "SAME"),
+                  {"strides": 2, "has_bias": True, "max_temporary_bytes": bound}))
         for fn, args, kwargs in calls:
             tracemalloc.start()
             try:
@@ -131,5 +134,16 @@ def test_conv_peak_memory_is_bounded():
                 tracemalloc.stop()
             if expect_small:
                 assert peak <= budget + 2 * x.nbytes, (fn.__name__, peak)
-            else:
+            elif kwargs.get("strides") is None:
                 assert peak >= patch_bytes, (fn.__name__, peak)
+
+
+def test_temporary_entries_per_example():
+    """Three copies of an example's patches (bias column included) and two of its padded
+    input: a 3×3 SAME conv of a 16×16×16 input, stride 2."""
+    from kfac_ref.patches import PATCH_TEMPORARY_COPIES, ConvGeometry
+
+    geo = ConvGeometry.from_shapes((4, 16, 16, 16), (3, 3, 16, 8), strides=2, padding="SAME")
+    assert PATCH_TEMPORARY_COPIES == 3
+    assert geo.padded_spatial_shape == (17, 17)  # SAME, stride 2: total 1, split (0, 1)
+    assert geo.temporary_entries_per_example(1) == 3 * 64 * (144 + 1) + 2 * 17 * 17 * 16

@@ -32,7 +32,6 @@ from .._backend import (
 )
 from ..linalg import append_homog, compute_cov
 from ..patches import (
-    PATCH_TEMPORARY_COPIES,
     ConvGeometry,
     check_subsample_factor,
     example_chunks,
@@ -202,9 +201,10 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     the block multiplies by :math:`|T|`.
 
     Memory: the examples are processed in chunks of :math:`B` examples, the most for which
-    :data:`kfac_ref.patches.PATCH_TEMPORARY_COPIES` (3) copies of the chunk's patch matrix,
-    :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries each times the dtype size, stay within
-    ``max_temporary_bytes`` (at least one example per chunk); each chunk
+    the chunk's temporaries — three copies of its patch matrix,
+    :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries each, and two of its padded input
+    (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`) — times the
+    dtype size stay within ``max_temporary_bytes`` (at least one example per chunk); each chunk
     is one GEMM, accumulated as :math:`\Omega = \sum_c [[A]]_c^\top [[A]]_c / (N|T|)`, so the
     chunked and the one-shot result agree to rounding.  The loop runs over chunks only.
     With ``sub_sample_patches`` the whole patch matrix is materialised (rows are drawn from
@@ -238,9 +238,9 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
         TF's constants (0.2, 1e7, 3.0).
     max_temporary_bytes : int
         Bound on the patch temporaries of one chunk (default :data:`MAX_TEMPORARY_BYTES`,
-        64 MiB): a chunk of :math:`B` examples counts
-        :data:`kfac_ref.patches.PATCH_TEMPORARY_COPIES` copies of its patch matrix,
-        :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries each.
+        64 MiB): a chunk of :math:`B` examples counts three copies of its patch matrix,
+        :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries each, and two of its padded input
+        (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`).
 
     Returns
     -------
@@ -308,9 +308,8 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
         inputs = subsample_rows.kernel(xp, inputs, keep, rng)
     if not sub_sample_patches:  # chunks of examples, one GEMM each
         n = inputs.shape[0]
-        bounds = _chunk_bounds(
-            xp, n, PATCH_TEMPORARY_COPIES * geo.num_locations * (geo.patch_size + has_bias),
-            max_temporary_bytes, inputs.dtype)
+        bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias)),
+                               max_temporary_bytes, inputs.dtype)
         total = None
         for start, stop in bounds:
             p = _conv_patch_matrix(xp, inputs[start:stop, ...], geo, has_bias,
@@ -484,9 +483,9 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     patch_mask : array [k_1, ..., k_r, C_in], optional
     max_temporary_bytes : int
         Bound on the temporaries of one chunk of :math:`B` examples — its patch tensor
-        (:data:`kfac_ref.patches.PATCH_TEMPORARY_COPIES` copies) and per-example gradients,
-        :math:`B\,(3|T| + C_{out})(|\Delta| C_{in} + 1)` entries (at least one example per
-        chunk); default :data:`MAX_TEMPORARY_BYTES`.
+        (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`) and
+        per-example gradients, :math:`B\,C_{out}(|\Delta| C_{in} + 1)` entries (at least one
+        example per chunk); default :data:`MAX_TEMPORARY_BYTES`.
 
     Returns
     -------
@@ -519,8 +518,8 @@ def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patc
     """Unchecked kernel: mean over examples of the squared per-example gradients, by chunks."""
     n = inputs.shape[0]
     d = geo.patch_size + has_bias
-    bounds = _chunk_bounds(xp, n, (PATCH_TEMPORARY_COPIES * geo.num_locations
-                                   + geo.out_channels) * d, max_temporary_bytes, inputs.dtype)
+    bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias))
+                           + geo.out_channels * d, max_temporary_bytes, inputs.dtype)
     total = None
     for start, stop in bounds:
         per_example = _conv_per_example_gradients(

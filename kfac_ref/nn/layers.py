@@ -45,7 +45,6 @@ from .._backend import (
 )
 from ..factors import MAX_TEMPORARY_BYTES, conv_per_example_gradients
 from ..patches import (
-    PATCH_TEMPORARY_COPIES,
     ConvGeometry,
     example_chunks,
     extract_convolution_patches,
@@ -396,9 +395,9 @@ class Conv2D(Layer):
         cotangent and weight gradient run over chunks of examples
         (:func:`kfac_ref.patches.example_chunks`), each holding at most this many bytes of
         patches (one example at least), and concatenate (outputs, cotangents) or sum
-        (weight gradients) the chunks' results; a chunk counts
-        :data:`kfac_ref.patches.PATCH_TEMPORARY_COPIES` copies of its patches.  Peak memory
-        is then about this bound plus twice the output (the chunks' results and their
+        (weight gradients) the chunks' results; a chunk's temporaries are counted by
+        :meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`.  Peak
+        memory is then about this bound plus twice the output (the chunks' results and their
         concatenation).  Outputs are unchanged up to the rounding of the chunked sums.
 
     Raises
@@ -538,10 +537,10 @@ class Conv2D(Layer):
 
     def _chunks(self, xp, like, spatial_in):
         """``(start, stop)`` chunks of examples whose patch temporaries
-        (:data:`kfac_ref.patches.PATCH_TEMPORARY_COPIES` copies of ``|T|·kh·kw·C_in`` entries
+        (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example` entries
         per example) fit in :attr:`max_temporary_bytes`."""
-        ho, wo = self.spatial_output(spatial_in)
-        return example_chunks(like.shape[0], PATCH_TEMPORARY_COPIES * ho * wo * self.patch_size,
+        entries = self.geometry(tuple(spatial_in)).temporary_entries_per_example()
+        return example_chunks(like.shape[0], entries,
                               xp.finfo(like.dtype).bits // 8, self.max_temporary_bytes)
 
     @staticmethod
