@@ -157,7 +157,8 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
             L = c^{1/2}\,L_A \otimes L_G, \quad L_A L_A^\top = A + \delta_A I, \quad
             L_G L_G^\top = G + \delta_G I, \qquad L L^\top = \tilde F;
 
-            L v = c^{1/2}\,L_A V L_G^\top \ (\texttt{transpose=False}), \qquad
+            L v = c^{1/2}\,L_A V L_G^\top \ (\texttt{transpose=False}),
+
             L^\top v = c^{1/2}\,L_A^\top V L_G \ (\texttt{True})
 
         on the ``[W; b]`` matrix :math:`V`, with :math:`(\delta_A, \delta_G)` of
@@ -172,7 +173,8 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
         .. math::
 
             L^{-1} v = c^{-1/2}\,L_A^{-1} V L_G^{-\top} \ (\texttt{transpose=False}),
-            \qquad L^{-\top} v = c^{-1/2}\,L_A^{-\top} V L_G^{-1} \ (\texttt{True})
+
+            L^{-\top} v = c^{-1/2}\,L_A^{-\top} V L_G^{-1} \ (\texttt{True})
 
         with :math:`L` of :meth:`multiply_cholesky`.
         """
