@@ -72,7 +72,7 @@ import numpy as np
 __all__ = ["reference_torch_kfac", "check_torch_kfac", "sample_targets", "output_vectors",
            "check_factors", "layer_alternatives", "torch_conv_padding",
            "conv_reference_factors", "dense_reference_factors", "check_mode_args", "as_rng",
-           "check_samples",
+           "check_samples", "model_output_vectors",
            "LayerCheck", "ModelCheck", "MODES", "LOSSES", "SHARING", "HINTS"]
 
 MODES = ("fisher_exact", "fisher_empirical", "fisher_sampled")
@@ -194,6 +194,29 @@ def output_vectors(loss, outputs, targets, mode, *, samples=None):
         e[:, j] = 1.0
         cols.append(np.asarray(lo.multiply_fisher_factor(e)[0]))
     return np.stack(cols)
+
+
+def model_output_vectors(fn, loss, out_np, targets, mode, *, samples=None, rng=None,
+                         mc_samples=1):
+    r"""The :func:`output_vectors` of a model's float64 outputs ``out_np`` (``[N, C]``,
+    checked here), with the targets as the loss takes them and, for ``fisher_sampled``, the
+    given ``samples`` or targets drawn from ``rng`` (:func:`sample_targets`): the one
+    preamble of the torch and JAX reference factors.
+
+    .. math:: v_{n,k} \text{ with } \textstyle\sum_k v_{n,k} v_{n,k}^\top
+              \text{ the per-example curvature estimate of the mode}
+    """
+    if out_np.ndim != 2:
+        raise ValueError(f"{fn}: the model's output must be [N, C]; got shape "
+                         f"{out_np.shape}.")
+    y = _np(targets)
+    if loss == "mse":
+        y = y.astype(np.float64)
+    if mode == "fisher_sampled":
+        if samples is None:
+            samples = sample_targets(loss, out_np, as_rng(fn, rng), mc_samples)
+        samples = check_samples(fn, loss, samples, out_np.shape)
+    return output_vectors(loss, out_np, y, mode, samples=samples)
 
 
 def check_mode_args(fn, loss, mode, sharing, rng, samples):
@@ -365,17 +388,8 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
         for h in hooks:
             h.remove()
     out_np = _np(out, np.float64)
-    if out_np.ndim != 2:
-        raise ValueError(f"{_fn}: the model's output must be [N, C]; got shape "
-                         f"{out_np.shape}.")
-    y = _np(targets)
-    if loss == "mse":
-        y = y.astype(np.float64)
-    if mode == "fisher_sampled":
-        if samples is None:
-            samples = sample_targets(loss, out_np, as_rng(_fn, rng), mc_samples)
-        samples = check_samples(_fn, loss, samples, out_np.shape)
-    vecs = output_vectors(loss, out_np, y, mode, samples=samples)
+    vecs = model_output_vectors(_fn, loss, out_np, targets, mode, samples=samples, rng=rng,
+                                mc_samples=mc_samples)
     n = out_np.shape[0]
     g_rows = {name: [] for name in layers}
     for v in vecs:

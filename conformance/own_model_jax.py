@@ -45,11 +45,10 @@ from .own_model import (
     as_rng,
     check_factors,
     check_mode_args,
-    check_samples,
     conv_reference_factors,
     dense_reference_factors,
     layer_alternatives,
-    output_vectors,
+    model_output_vectors,
     sample_targets,
 )
 
@@ -124,17 +123,8 @@ def reference_jax_kfac(model, params, inputs, targets, layers, *, loss="cross_en
 
     out, vjp, taps = jax.vjp(f, zeros, has_aux=True)
     out_np = np.asarray(out, dtype=np.float64)
-    if out_np.ndim != 2:
-        raise ValueError(f"{_fn}: the model's outputs must be [N, C]; got shape "
-                         f"{out_np.shape}.")
-    y = np.asarray(targets)
-    if loss == "mse":
-        y = y.astype(np.float64)
-    if mode == "fisher_sampled":
-        if samples is None:
-            samples = sample_targets(loss, out_np, as_rng(_fn, rng), mc_samples)
-        samples = check_samples(_fn, loss, samples, out_np.shape)
-    vecs = output_vectors(loss, out_np, y, mode, samples=samples)
+    vecs = model_output_vectors(_fn, loss, out_np, targets, mode, samples=samples, rng=rng,
+                                mc_samples=mc_samples)
     rows = {name: [] for name in layers}
     for v in vecs:
         (g,) = vjp(jnp.asarray(v, dtype=out.dtype))
