@@ -204,16 +204,8 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
         t = time.perf_counter()
         actual = fn(inputs, dict(case.params))
         r.duration_s = time.perf_counter() - t
-    except CaseUnsupported as exc:
-        r.status = "skip"
-        r.message = f"unsupported: {exc}"
-        return r
     except Exception as exc:  # noqa: BLE001 - an adapter error is a reported result
-        r.status = "xfail" if xfail_reason else "error"
-        r.message = f"{type(exc).__name__}: {exc}"
-        if xfail_reason:
-            r.message = f"expected failure ({xfail_reason}); {r.message}"
-        return r
+        return _adapter_raised(r, exc, xfail_reason)
     c = compare(actual, expected, rtol, case.tolerance.scale)
     r.rel_err = c.rel_err
     if c.ok:
@@ -231,6 +223,20 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable) ->
     r.diagnosis = d.to_dict()
     r.status = "xfail" if xfail_reason else "fail"
     r.message = f"{c.detail}; diagnosis: {d.pitfall}: {d.explanation}"
+    if xfail_reason:
+        r.message = f"expected failure ({xfail_reason}); {r.message}"
+    return r
+
+
+def _adapter_raised(r, exc, xfail_reason) -> Result:
+    """The result of a case whose adapter raised: a skip for :class:`CaseUnsupported`, else an
+    error (an expected failure when the case is listed in the xfails)."""
+    if isinstance(exc, CaseUnsupported):
+        r.status = "skip"
+        r.message = f"unsupported: {exc}"
+        return r
+    r.status = "xfail" if xfail_reason else "error"
+    r.message = f"{type(exc).__name__}: {exc}"
     if xfail_reason:
         r.message = f"expected failure ({xfail_reason}); {r.message}"
     return r
@@ -256,16 +262,8 @@ def _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason) -> Resu
 
         st = statistical_check(estimate, mean, sd ** 2, rtol,
                                group_size=case.meta.get("group_size", GROUP_SIZE))
-    except CaseUnsupported as exc:
-        r.status = "skip"
-        r.message = f"unsupported: {exc}"
-        return r
     except Exception as exc:  # noqa: BLE001 - an adapter error is a reported result
-        r.status = "xfail" if xfail_reason else "error"
-        r.message = f"{type(exc).__name__}: {exc}"
-        if xfail_reason:
-            r.message = f"expected failure ({xfail_reason}); {r.message}"
-        return r
+        return _adapter_raised(r, exc, xfail_reason)
     r.duration_s = time.perf_counter() - t
     r.rel_err, r.rtol = st.rel_err, st.rel_tol
     if st.ok:
