@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat
-import numpy as np  # host-side random draws only (see host_draw)
+import numpy as np  # host-side random draws (see host_draw) and LAPACK's LinAlgError
 
 __all__ = [
     "KFACInputError",
@@ -216,21 +216,24 @@ def all_finite(xp, x) -> bool:
     (``jax.jit``) even a concrete array's reduction is staged out; its answer cannot be
     read, and the check passes as it does for a lazy argument.
     """
-    return not any_true(xp, ~xp.isfinite(x))
+    # all(isfinite) is one pass fewer than any(~isfinite); an unreadable flag passes
+    return _read_flag(xp.all(xp.isfinite(x)), when_lazy=True)
 
 
 def any_true(xp, condition) -> bool:
     """Whether some entry of a boolean array from a value check is true, read back to the
-    host: the one device→host read of a value check.
+    host.
 
     Returns ``False`` when the answer cannot be read now — the reduction is lazy, as it is
     inside ``jax.jit`` even for a concrete array the traced function closes over — so a
     value check that cannot run passes, like one on a lazy argument (see :func:`is_lazy`).
     """
-    flag = xp.any(condition)
-    if is_lazy(flag):
-        return False
-    return bool(flag)
+    return _read_flag(xp.any(condition), when_lazy=False)
+
+
+def _read_flag(flag, when_lazy):
+    """The one device→host read of a value check; ``when_lazy`` when it cannot be read."""
+    return when_lazy if is_lazy(flag) else bool(flag)
 
 
 def check_eager(func: str, why: str, **arrays: Any) -> None:
@@ -350,6 +353,37 @@ def _triangular_kernels(xp):
     return None
 
 
+def gram_is_exactly_symmetric(xp):
+    """Whether ``x.T @ x`` is exactly symmetric on this backend without a symmetrisation.
+
+    NumPy's ``matmul`` recognises an array times its own transpose and calls BLAS ``syrk``,
+    which computes one triangle and mirrors it; without BLAS (non-aligned strides) each entry
+    is one dot product in a fixed order, and ``a·b = b·a`` in floating point.  GEMM kernels
+    (PyTorch, CuPy, JAX) may block the two triangles differently, so they are symmetrised."""
+    return array_api_compat.is_numpy_namespace(xp)
+
+
+def cholesky_lower(xp, matrix):
+    """Lower Cholesky factor ``L`` (``L Lᵀ = matrix``; only the lower triangle is read).
+
+    On NumPy this is LAPACK ``potrf`` through SciPy, so that the factorisation and the
+    inverse that usually follows (``potri``, :func:`cholesky_inverse`) run in one BLAS
+    library: NumPy and SciPy ship separate OpenBLAS builds whose thread pools, used in
+    alternation, spin against each other.  Raises :class:`numpy.linalg.LinAlgError` when the
+    matrix is not positive definite, as ``numpy.linalg.cholesky`` does."""
+    if _triangular_kernels(xp) == "scipy":
+        from scipy.linalg import lapack
+
+        (potrf,) = lapack.get_lapack_funcs(("potrf",), (matrix,))
+        # the transpose of a C-ordered symmetric matrix is itself, in the Fortran order
+        # LAPACK reads, so no copy is made
+        low, info = potrf(matrix.T, lower=True, clean=True)
+        if info:
+            raise np.linalg.LinAlgError(f"potrf: leading minor {info} is not positive")
+        return xp.asarray(low)
+    return xp.linalg.cholesky((matrix + xp.matrix_transpose(matrix)) / 2.0)
+
+
 def lower_triangular_inverse(xp, l_factor):
     """``L⁻¹`` of a lower triangular ``L`` (lower triangular), with the backend's
     triangular kernel where it has one (the array API has no triangular solve)."""
@@ -390,7 +424,9 @@ def cholesky_inverse(xp, l_factor):
         (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
         inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
         low = xp.asarray(inv)
-        return xp.tril(low) + xp.matrix_transpose(xp.tril(low, k=-1))
+        idx = xp.arange(low.shape[0])
+        # mirror the lower triangle in one pass (one `where`, not two `tril`s and a sum)
+        return xp.where(idx[:, None] >= idx[None, :], low, xp.matrix_transpose(low))
     if kind == "torch":
         import torch
 

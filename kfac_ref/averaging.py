@@ -20,6 +20,7 @@ States are immutable: ``update`` returns a new object.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,16 @@ def weighted_accumulate(old, new, old_weight, new_weight):
 
 @kernel_of(weighted_accumulate)
 def _weighted_accumulate(old, new, old_weight, new_weight):
-    return old_weight * old + new_weight * new
+    # Weights of exactly 0 or 1 (the first update, ema_old = 0 and ema_new = 1) skip their
+    # products: 0·S = 0 and 1·X = X exactly for the finite sums kept here.  Only Python
+    # numbers are compared, so a traced weight takes the general formula.
+    keep_old = not (_is_number(old_weight) and old_weight == 0)
+    scaled_new = new if _is_number(new_weight) and new_weight == 1 else new_weight * new
+    return old_weight * old + scaled_new if keep_old else scaled_new
+
+
+def _is_number(w):
+    return isinstance(w, numbers.Real)
 
 
 def _check_same_arrays(func, reference, other):
@@ -247,5 +257,5 @@ class WeightedMovingAverage:
     def value(self):
         r"""The average :math:`S / W` (zeros before any update)."""
         if self.weight > 0:
-            return self.raw / self.weight
+            return self.raw if self.weight == 1 else self.raw / self.weight
         return self.raw

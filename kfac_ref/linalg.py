@@ -72,7 +72,9 @@ from ._backend import (
     check_symmetric,
     checks_values,
     cholesky_inverse,
+    cholesky_lower,
     eye_like,
+    gram_is_exactly_symmetric,
     kernel_of,
     lower_triangular_inverse,
     namespace_of,
@@ -177,7 +179,7 @@ def _compute_cov(xp, tensor, tensor_right=None, normalizer=None):
         normalizer = tensor.shape[0]
     if tensor_right is None:
         cov = (tensor.T @ tensor) / normalizer
-        return (cov + cov.T) / 2.0
+        return cov if gram_is_exactly_symmetric(xp) else (cov + cov.T) / 2.0
     return (tensor.T @ tensor_right) / normalizer
 
 
@@ -364,7 +366,7 @@ def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="dampe
 def _cholesky_succeeds(xp, matrix):
     """Whether ``matrix`` has a finite Cholesky factor (backends raise or return NaN)."""
     try:
-        low = xp.linalg.cholesky(matrix)
+        low = cholesky_lower(xp, matrix)
     except Exception:  # backends raise their own LinAlgError types
         return False
     return bool(xp.all(xp.isfinite(xp.linalg.diagonal(low))))
@@ -434,7 +436,7 @@ def damped_cholesky(matrix, damping=0.0):
 def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
     damped = matrix + damping * eye_like(matrix, matrix.shape[0])
     try:
-        l_factor = xp.linalg.cholesky((damped + damped.T) / 2.0)
+        l_factor = cholesky_lower(xp, damped)
     except Exception as exc:  # backends raise their own LinAlgError types
         raise KFACValueError(
             f"{func}: matrix + damping·I must be positive definite; the Cholesky "

@@ -44,14 +44,12 @@ from an explicit :class:`numpy.random.Generator` on the host (:func:`subsample_r
 
 from __future__ import annotations
 
+import itertools
 import math
-
-import numpy as np  # host-side index arithmetic and random draws only (no array math)
 
 from ._backend import (
     KFACTypeError,
     KFACValueError,
-    asarray_like,
     check_array,
     check_int,
     check_rng,
@@ -199,14 +197,14 @@ def num_conv_locations(input_shape, filter_shape, strides, padding, dilation_rat
 # Patch extraction
 # --------------------------------------------------------------------------------------
 def _patches_channels_last(xp, x, geo):
-    """``x`` [N, *spatial, C] -> [N, *out, *kernel, C] by zero padding and ``take``."""
+    """``x`` [N, *spatial, C] -> [N, *out, *kernel, C]: zero padding, then one strided slice
+    per kernel offset δ (``x_pad[:, d⊙δ :: s]``), stacked in one copy that is already in the
+    returned order (no gather, no copying transpose)."""
     kernel = geo.kernel_shape
     rank = len(kernel)
-    for i in range(rank):
-        axis = 1 + 2 * i  # axes already processed were split into (out, k)
-        out = geo.output_spatial_shape[i]
-        lo, hi = geo.padding[i]
+    for i, (lo, hi) in enumerate(geo.padding):
         if lo or hi:
+            axis = 1 + i
             shp = list(x.shape)
             parts = []
             if lo:
@@ -217,17 +215,15 @@ def _patches_channels_last(xp, x, geo):
                 shp[axis] = hi
                 parts.append(zeros_like_shape(x, shp))
             x = xp.concat(parts, axis=axis)
-        # Host-side index arithmetic: padded index of (output o, offset k) is o·s + k·d.
-        idx = (np.arange(out)[:, None] * geo.strides[i]
-               + np.arange(kernel[i])[None, :] * geo.dilation[i])
-        idx = asarray_like(idx.reshape(-1), x, dtype=xp.int64)
-        x = xp.take(x, idx, axis=axis)
-        shp = list(x.shape)
-        x = xp.reshape(x, (*shp[:axis], out, kernel[i], *shp[axis + 1:]))
-    # [N, o1, k1, o2, k2, ..., C] -> [N, o1, ..., or, k1, ..., kr, C]
-    perm = (0, *[1 + 2 * i for i in range(rank)], *[2 + 2 * i for i in range(rank)],
-            1 + 2 * rank)
-    return xp.permute_dims(x, perm)
+    views = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        # output o of axis i reads padded index o·s + δ·d (an empty slice when no output)
+        index = tuple(slice(o * d, o * d + (s * (out - 1) + 1 if out else 0), s)
+                      for o, d, s, out in zip(offset, geo.dilation, geo.strides,
+                                              geo.output_spatial_shape, strict=True))
+        views.append(x[(slice(None), *index, slice(None))])
+    stacked = xp.stack(views, axis=1 + rank)  # [N, *out, Π kernel, C], kernel offsets row-major
+    return xp.reshape(stacked, (*stacked.shape[:1 + rank], *kernel, stacked.shape[-1]))
 
 
 def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dilation_rate=None,
