@@ -5,6 +5,8 @@
     python -m benchmarks --backend cupy        # on a GPU (the hand baseline runs on CuPy too)
     python -m benchmarks --out DIR             # where the JSON and Markdown go
                                                # (default ./benchmark-results/)
+    python -m benchmarks --peers-only          # in a peer's environment: kfac_ref's full
+                                               # update against curvlinops / kfac-jax
 
 Exits 1 when a hand baseline disagrees with kfac_ref (the ratio would be meaningless).
 """
@@ -36,6 +38,11 @@ def main(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(ESTIMATION_MODES),
                         choices=ESTIMATION_MODES, help="estimation modes of the update rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the conv memory rows")
+    parser.add_argument("--no-peers", action="store_true",
+                        help="skip the full-update rows against installed peers")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the full-update rows against installed peers (run inside "
+                             "a peer's environment)")
     parser.add_argument("--out", default="benchmark-results",
                         help="output folder (default ./benchmark-results/)")
     args = parser.parse_args(argv)
@@ -51,12 +58,15 @@ def main(argv=None):
         wl = makers[name](args.quick)
         for dtype in args.dtypes:
             print(f"{wl.title}, {dtype}, backend {backend.name}", flush=True)
-            runner.run_workload(wl, dtype)
-    if not args.no_memory:
+            if not args.peers_only:
+                runner.run_workload(wl, dtype)
+            if not args.no_peers and args.backend == "numpy":
+                runner.peer_rows(wl, dtype)
+    if not (args.no_memory or args.peers_only):
         for dtype in args.dtypes:
             runner.conv_memory_rows(dtype)
             runner.chunking_rows(dtype)
-    runner.peer_rows()
+    runner.missing_peer_rows()
     result = {"meta": {**suite.meta(args, backend),
                        "wall_s": time.perf_counter() - t0,
                        "workloads": {n: makers[n](args.quick).title for n in args.workloads}},

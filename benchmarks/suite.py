@@ -22,7 +22,6 @@ check fails is reported as failed and the run exits non-zero.  Ratios are
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -42,10 +41,9 @@ from kfac_ref.curvature.exact import ESTIMATION_MODES, estimation_output_vectors
 from kfac_ref.factors import conv_input_kronecker_factor
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
-from . import hand
+from . import hand, peers
 
-SCHEMA_VERSION = 1
-PEERS = ("curvlinops", "kfac_jax")
+SCHEMA_VERSION = 2
 DAMPING = 1e-2  # identity weight of the damped inverses and cached products
 
 
@@ -102,6 +100,7 @@ class Workload:
     in_shape: tuple
     hand_update: object
     scales: tuple  # the blocks' fixed scales (|T| for convolutions)
+    spec: list  # the same network as a portable spec (conformance.peers.nets), for the peers
 
 
 def mlp_workload(quick):
@@ -109,8 +108,10 @@ def mlp_workload(quick):
     net = nn.Sequential([("d1", nn.Dense(d_in, width)), ("a1", nn.Activation("tanh")),
                          ("d2", nn.Dense(width, width)), ("a2", nn.Activation("tanh")),
                          ("d3", nn.Dense(width, 10))])
+    spec = [_dense(d_in, width), _act("tanh"), _dense(width, width), _act("tanh"),
+            _dense(width, 10)]
     return Workload("mlp", f"MLP {d_in}→{width}→{width}→10 tanh, N={n}", net, (n, d_in),
-                    hand.mlp_update, (1.0, 1.0, 1.0))
+                    hand.mlp_update, (1.0, 1.0, 1.0), spec)
 
 
 def cnn_workload(quick):
@@ -123,7 +124,22 @@ def cnn_workload(quick):
     half = -(-size // 2)
     return Workload("cnn", f"CNN {size}×{size}×3, conv 3→{c1}, conv {c1}→{c2}/2, pool, "
                     f"dense {c2}→10, N={n}", net, (n, size, size, 3), hand.cnn_update,
-                    (float(size * size), float(half * half), 1.0))
+                    (float(size * size), float(half * half), 1.0),
+                    [_conv(3, c1, 1), _act("relu"), _conv(c1, c2, 2), _act("relu"),
+                     {"kind": "mean_pool"}, _dense(c2, 10)])
+
+
+def _dense(d_in, d_out):
+    return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": True}
+
+
+def _conv(c_in, c_out, stride):
+    return {"kind": "conv2d", "c_in": c_in, "c_out": c_out, "kernel": (3, 3), "stride": stride,
+            "dilation": 1, "padding": "SAME", "bias": True}
+
+
+def _act(fn):
+    return {"kind": "activation", "fn": fn}
 
 
 # --------------------------------------------------------------------------------------
@@ -341,12 +357,12 @@ class Runner:
                        "ratio": t["kfac_ref"]["median_s"] / t["hand"]["median_s"],
                        "check": check})
 
-    def peer_rows(self):
-        for peer in PEERS:
-            installed = importlib.util.find_spec(peer) is not None
-            self.rows.append({"row": f"peer {peer}", "op": "peer", "peer": peer,
-                              "status": ("installed; no adapter in this suite yet"
-                                         if installed else "skipped: not installed")})
+    def peer_rows(self, wl, dtype):
+        """Full updates against each installed peer (:mod:`benchmarks.peers`)."""
+        peers.peer_rows(self, wl, dtype, ce, DAMPING, time_pair, rel_err, _check)
+
+    def missing_peer_rows(self):
+        self.rows.extend(peers.missing_rows())
 
 
 def _host(a):
@@ -400,9 +416,21 @@ def markdown(result):
                          f"{r['kfac_ref_peak_bytes'] / 2**20:.1f} | "
                          f"{r['hand_peak_bytes'] / 2**20:.1f} | {r['im2col_bytes'] / 2**20:.1f} "
                          f"| {r['ratio']:.2f}× | {'ok' if r['check']['ok'] else '**FAILED**'} |")
-    peers = [r for r in result["rows"] if r["op"] == "peer"]
-    if peers:
-        lines += [""] + [f"- {r['peer']}: {r['status']}" for r in peers]
+    prows = [r for r in result["rows"] if r["op"] == "peer"]
+    if prows:
+        lines += ["", "Full update (factors, damped inverses, one product) against a peer; "
+                  "ratio kfac_ref / peer (below 1: kfac_ref faster); check: the peer's "
+                  "ggn_exact factors against kfac_ref's.", "",
+                  "| workload | dtype | peer | mode | kfac_ref | peer | ratio | check |",
+                  "|---|---|---|---|---:|---:|---:|---|"]
+        for r in prows:
+            chk = "ok" if r["check"]["ok"] else "**FAILED**"
+            lines.append(f"| {r['workload']} | {r['dtype']} | {r['peer']} | {r['mode']} | "
+                         f"{_ms(r['kfac_ref'])} | {_ms(r['peer_time'])} | {r['ratio']:.2f}× "
+                         f"| {chk} |")
+    missing = [r for r in result["rows"] if r["op"] == "peer_missing"]
+    if missing:
+        lines += [""] + [f"- {r['peer']}: {r['status']}" for r in missing]
     return "\n".join(lines) + "\n"
 
 

@@ -32,7 +32,7 @@ def test_quick_run_writes_json_and_markdown(quick_run):
     md = (out / "bench-numpy-quick.md").read_text()
     assert md in stdout  # the table is printed as well as written
     meta = result["meta"]
-    assert meta["schema_version"] == 1 and meta["quick"] is True
+    assert meta["schema_version"] == 2 and meta["quick"] is True
     assert meta["backend"] == "numpy" and meta["checks_passed"] is True
     assert set(meta["workloads"]) == {"mlp", "cnn"}
     rows = result["rows"]
@@ -53,7 +53,9 @@ def test_quick_run_writes_json_and_markdown(quick_run):
     mem = [r for r in rows if r["op"] == "conv_memory"]
     assert len(mem) == 4 and len({r["batch"] for r in mem}) == 2
     assert all(r["kfac_ref_peak_bytes"] > 0 and r["hand_peak_bytes"] > 0 for r in mem)
-    assert {r["peer"] for r in rows if r["op"] == "peer"} == {"curvlinops", "kfac_jax"}
+    # every peer is either timed (installed here) or named as not installed
+    named = {r["peer"] for r in rows if r["op"] in ("peer", "peer_missing")}
+    assert named == {"curvlinops", "kfac_jax"}
     # the memory bound's cost: chunked against one-shot kfac_ref, two rows per dtype
     chunking = [r for r in rows if r["op"] == "chunking"]
     assert len(chunking) == 4 and {r["dtype"] for r in chunking} == {"float32", "float64"}
@@ -64,7 +66,7 @@ def test_quick_run_writes_json_and_markdown(quick_run):
 def test_every_baseline_agreed_with_kfac_ref(quick_run):
     out, _ = quick_run
     result = json.loads((out / "bench-numpy-quick.json").read_text())
-    checked = [r for r in result["rows"] if "check" in r]
+    checked = [r for r in result["rows"] if "check" in r and r["op"] != "peer"]
     assert len(checked) == 2 * 2 * 8 + 4 + 4
     for r in checked:
         c = r["check"]
@@ -82,3 +84,30 @@ def test_wrong_baseline_fails_the_check():
     want = np.eye(3)
     assert not suite._check(suite.rel_err(2 * want, want), suite.Runner.tol(np.float32, 1e4))["ok"]
     assert suite._check(suite.rel_err(want, want), suite.Runner.tol(np.float64))["ok"]
+
+
+@pytest.mark.parametrize("peer", ["curvlinops", "kfac_jax"])
+def test_peer_rows_check_the_factors_before_timing(peer, monkeypatch):
+    """In a peer's environment: one full-update row per workload, dtype and mode, each
+    behind the factor agreement check; a peer whose factors are off by a factor 2 fails it."""
+    pytest.importorskip(peer)
+    import numpy as np
+
+    from benchmarks import peers, suite
+
+    def rows(runner):
+        return [r for r in runner.rows if r["op"] == "peer" and r["peer"] == peer]
+
+    runner = suite.Runner(suite.make_backend("numpy"), quick=True, repeats=1, log=lambda s: None)
+    for make in (suite.mlp_workload, suite.cnn_workload):
+        runner.peer_rows(make(True), np.float64)
+    got = rows(runner)
+    assert len(got) == 2 * len(peers.PEER_MODES)
+    assert all(r["check"]["ok"] and r["ratio"] > 0 for r in got)
+    cls = peers.PEER_CLASSES[peer]
+    real = cls.factors
+    monkeypatch.setattr(cls, "factors", lambda self, mode: [(a, 2 * g) for a, g in
+                                                             real(self, mode)])
+    runner.rows.clear()
+    runner.peer_rows(suite.mlp_workload(True), np.float64)
+    assert rows(runner) and not any(r["check"]["ok"] for r in rows(runner))

@@ -3,7 +3,7 @@
 
 Canonical spec semantics: dense ``s = x W + b`` on the last axis (inputs [N, d] or
 weight-shared [N, S, d]); conv2d NHWC with an HWIO kernel (padding "VALID", "SAME" with TF's
-split, or explicit pairs); ``activation`` tanh; ``mean_pool`` over positions/locations;
+split, or explicit pairs); ``activation`` tanh or relu; ``mean_pool`` over positions/locations;
 ``flatten`` in NHWC order; loss ``categorical`` (softmax cross-entropy, integer targets) or
 ``normal_mean`` (‖f − y‖²/(2v)); objective the mean over the N examples.
 
@@ -99,9 +99,9 @@ def torch_build(spec, inputs):
                 m
             ]
         elif k == "activation":
-            if s["fn"] != "tanh":
+            if s["fn"] not in ("tanh", "relu"):
                 raise NotImplementedError(f"activation {s['fn']!r}")
-            new = [nn.Tanh()]
+            new = [nn.Tanh() if s["fn"] == "tanh" else nn.ReLU()]
         elif k == "mean_pool":
             # after a conv: a full-window AvgPool2d + Flatten (modules BackPACK and nngeometry
             # know); after a weight-shared dense layer: a mean over the positions
@@ -189,7 +189,7 @@ def numpy_forward(spec, inputs):
                     out[:, a, b, :] = np.einsum("nijc,ijco->no", patch, kk)
             cur = out + (inputs[f"b{i}"] if s["bias"] else 0.0)
         elif k == "activation":
-            cur = np.tanh(cur)
+            cur = np.tanh(cur) if s["fn"] == "tanh" else np.maximum(cur, 0.0)
         elif k == "mean_pool":
             cur = cur.mean(axis=(1, 2)) if cur.ndim == 4 else cur.mean(axis=1)
         elif k == "flatten":
@@ -278,7 +278,7 @@ def jax_build(spec, inputs, params):
                 )
                 cur, k, c = out, k + 1, c + 1
             elif kind == "activation":
-                cur = jnp.tanh(cur)
+                cur = jnp.tanh(cur) if s["fn"] == "tanh" else jax.nn.relu(cur)
             elif kind == "mean_pool":
                 cur = cur.mean(axis=(1, 2)) if cur.ndim == 4 else cur.mean(axis=1)
             elif kind == "flatten":
