@@ -119,9 +119,11 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
         \qquad
         C_{XY} = \frac{X^\top Y}{n} \ \text{(with ``tensor_right``, not symmetrised)}.
 
-    The statistic is *uncentred* (no mean is subtracted), as K-FAC requires.  The explicit
-    symmetrisation matches TF K-FAC's ``compute_cov`` and removes the rounding asymmetry of
-    the product; kfac-jax does not symmetrise (the two differ only by rounding).
+    The statistic is *uncentred* (no mean is subtracted), as K-FAC requires.  The result is
+    exactly symmetric: the symmetrisation matches TF K-FAC's ``compute_cov`` and removes the
+    rounding asymmetry of a GEMM; on NumPy, whose ``X.T @ X`` is BLAS ``syrk`` (one triangle,
+    mirrored) and so already exactly symmetric, it is skipped.  kfac-jax does not symmetrise
+    (the two differ only by rounding).
 
     Parameters
     ----------
