@@ -14,6 +14,7 @@ import argparse
 import json
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -44,6 +45,11 @@ def _bars(ax, rows, label_of, other):
                 capsize=2, error_kw={"lw": 0.8})
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
+    # plain ratio labels (0.5×, 1×, 2×, ...) instead of crowded minor powers of ten
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(
+        [0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50]))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
