@@ -101,8 +101,8 @@ def test_max_temporary_bytes_is_checked(xp, rng):
 
 def test_conv_peak_memory_is_bounded():
     """NumPy's allocations (tracemalloc): with a 3 MB bound every Conv2D pass and the conv
-    factors of a 32-example 3×3 conv peak below the bound plus two outputs (the chunks'
-    results and their concatenation), where the one-shot passes hold the whole 9.4 MB patch
+    factors of a 32-example 3×3 conv peak below the bound (plus, for the passes that return
+    an input-sized array, two outputs: the chunks' results and their concatenation), where the one-shot passes hold the whole 9.4 MB patch
     matrix (so the check can fail)."""
     import tracemalloc
 
@@ -133,7 +133,10 @@ def test_conv_peak_memory_is_bounded():
             finally:
                 tracemalloc.stop()
             if expect_small:
-                assert peak <= budget + 2 * x.nbytes, (fn.__name__, peak)
+                # only forward and vjp_input return (and concatenate) input-sized arrays;
+                # the other results are kernel-sized, so their peak is the bound itself
+                outputs = 2 * x.nbytes if fn in (layer.forward, layer.vjp_input) else 0
+                assert peak <= budget + outputs, (fn.__name__, peak)
             elif kwargs.get("strides") is None:
                 assert peak >= patch_bytes, (fn.__name__, peak)
 

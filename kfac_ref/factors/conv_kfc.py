@@ -295,6 +295,17 @@ def _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng, factor,
                 max_num_patches_per_dimension=max_num_patches_per_dimension)
 
 
+def _sum_over_chunks(bounds, moment):
+    """``Σ moment(start, stop)`` over the chunks; a chunk's temporaries live only inside
+    ``moment``, so they are freed before the next chunk's are made (the memory bound counts
+    one chunk's)."""
+    total = None
+    for start, stop in bounds:
+        part = moment(start, stop)
+        total = part if total is None else total + part
+    return total
+
+
 @kernel_of(conv_input_kronecker_factor)
 def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_patches_fn=None,
                                  patch_mask=None, sub_sample_inputs=False,
@@ -310,14 +321,13 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
         n = inputs.shape[0]
         bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias)),
                                max_temporary_bytes, inputs.dtype)
-        total = None
-        for start, stop in bounds:
+        def moment(start, stop):
             p = _conv_patch_matrix(xp, inputs[start:stop, ...], geo, has_bias,
                                    extract_patches_fn=extract_patches_fn,
                                    patch_mask=patch_mask)
-            c = compute_cov.kernel(xp, p, None, n * geo.num_locations)
-            total = c if total is None else total + c
-        return total
+            return compute_cov.kernel(xp, p, None, n * geo.num_locations)
+
+        return _sum_over_chunks(bounds, moment)
     patches = _conv_patch_matrix(xp, inputs, geo, False, extract_patches_fn=extract_patches_fn,
                                  patch_mask=patch_mask)
     if sub_sample_patches:
@@ -390,12 +400,12 @@ def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
     n = outputs_grad.shape[0]
     per_example = math.prod(outputs_grad.shape[1:])
     rows = math.prod(outputs_grad.shape) // outputs_grad.shape[-1 if channels_last else 1]
-    total = None
-    for start, stop in _chunk_bounds(xp, n, per_example, max_temporary_bytes, outputs_grad.dtype):
+    def moment(start, stop):
         g = to_channels_last(xp, outputs_grad[start:stop, ...], channels_last)
-        c = compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)
-        total = c if total is None else total + c
-    return total
+        return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)
+
+    return _sum_over_chunks(_chunk_bounds(xp, n, per_example, max_temporary_bytes,
+                                          outputs_grad.dtype), moment)
 
 
 def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
@@ -518,16 +528,17 @@ def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patc
     """Unchecked kernel: mean over examples of the squared per-example gradients, by chunks."""
     n = inputs.shape[0]
     d = geo.patch_size + has_bias
+    # the per-example gradients and their square: two [C_out·d] arrays per example
     bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias))
-                           + geo.out_channels * d, max_temporary_bytes, inputs.dtype)
-    total = None
-    for start, stop in bounds:
+                           + 2 * geo.out_channels * d, max_temporary_bytes, inputs.dtype)
+
+    def moment(start, stop):
         per_example = _conv_per_example_gradients(
             xp, inputs[start:stop, ...], outputs_grad[start:stop, ...], geo,
             has_bias, patch_mask=patch_mask)
-        s = xp.sum(per_example * per_example, axis=0)
-        total = s if total is None else total + s
-    return total / float(n)
+        return xp.sum(per_example * per_example, axis=0)
+
+    return _sum_over_chunks(bounds, moment) / float(n)
 
 
 # --------------------------------------------------------------------------------------

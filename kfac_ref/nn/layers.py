@@ -650,11 +650,15 @@ class Conv2D(Layer):
                             (n, *kshape))
             gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (n, -1, self.c_out)), axis=1)
         else:  # Σ over chunks of Pᵀ g: one GEMM per chunk
-            gw = None
-            for lo, hi in bounds:
+            def chunk_weight_grad(lo, hi):  # a chunk's patches die before the next's
                 p2 = xp.reshape(self.patches(x[lo:hi, ...]), (-1, self.patch_size))
                 g2 = xp.reshape(self._to_nhwc(xp, g[lo:hi, ...]), (-1, self.c_out))
-                gw = p2.T @ g2 if gw is None else gw + p2.T @ g2
+                return p2.T @ g2
+
+            gw = None
+            for lo, hi in bounds:
+                part = chunk_weight_grad(lo, hi)
+                gw = part if gw is None else gw + part
             gw = xp.reshape(gw, kshape)
             gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (-1, self.c_out)), axis=0)
         return (gw, gb) if self.use_bias else (gw,)
