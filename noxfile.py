@@ -8,6 +8,7 @@
     nox -s conformance                            # the conformance run on the kfac_ref adapter
     nox -s conformance-kfac_jax                   # one peer in its own environment (see below)
     nox -s bench                                  # the benchmark suite (python -m benchmarks)
+    nox -s bench-curvlinops bench-kfac_jax        # full updates against a peer, in its env
 """
 
 from __future__ import annotations
@@ -158,6 +159,21 @@ def _peer_session(adapter: str, env: str):
 
 for _adapter, _env in PEERS.items():
     nox.session(python=PYTHON, name=f"conformance-{_adapter}")(_peer_session(_adapter, _env))
+
+
+def _bench_peer_session(env: str):
+    def run(session: nox.Session) -> None:
+        _install_recipe(session, env)
+        session.run("python", "-m", "benchmarks", "--peers-only", "--out",
+                    f"benchmark-results/{env}", *session.posargs)
+
+    run.__doc__ = (f"Full-update benchmark rows against the peer of the '{env}' environment "
+                   f"(python -m benchmarks --peers-only; results in benchmark-results/{env}/).")
+    return run
+
+
+for _peer in ("curvlinops", "kfac_jax"):
+    nox.session(python=PYTHON, name=f"bench-{_peer}")(_bench_peer_session(PEERS[_peer]))
 
 
 @nox.session(python=PYTHON, name="conformance-matrix")
