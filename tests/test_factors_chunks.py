@@ -102,8 +102,8 @@ def test_max_temporary_bytes_is_checked(xp, rng):
 def test_conv_peak_memory_is_bounded():
     """NumPy's allocations (tracemalloc): with a 3 MB bound every Conv2D pass and the conv
     factors of a 32-example 3×3 conv peak below the bound (plus, for the passes that return
-    an input-sized array, two outputs: the chunks' results and their concatenation), where the one-shot passes hold the whole 9.4 MB patch
-    matrix (so the check can fail)."""
+    an input-sized array, two outputs: the chunks' results and their concatenation), where
+    the one-shot passes hold the whole 9.4 MB patch matrix (so the check can fail)."""
     import tracemalloc
 
     from kfac_ref import nn
