@@ -36,6 +36,8 @@ import numpy as np
 
 from kfac_ref.curvature.estimators import BlockDiagonalCurvature
 
+from .common import DAMPING, agreement, ce, host_problem, rel_err, time_pair
+
 PEERS = ("curvlinops", "kfac_jax")
 PEER_MODES = ("ggn_exact", "fisher_empirical", "fisher_gradients")
 CURVLINOPS_FISHER = {"ggn_exact": "type-2", "fisher_empirical": "empirical",
@@ -46,7 +48,7 @@ def installed(peer):
     return importlib.util.find_spec(peer) is not None
 
 
-def spec_inputs(wl, host_params, x, y):
+def spec_inputs(host_params, x, y):
     """The portable spec's inputs (``w{i}``, ``b{i}`` per layer index, ``x``, ``targets``)."""
     inputs = {"x": x, "targets": y}
     for i, p in enumerate(host_params):
@@ -74,6 +76,7 @@ class Curvlinops:
         self.params = [p for m in pmods for p in (m.weight, m.bias)]
         self.names = {id(m): n for n, m in self.model.named_modules()}
         self.pmods = pmods
+        self.locations = wl.scales  # |T| of each parametric layer (1 for dense layers)
         self.damping = damping
         gen = torch.Generator().manual_seed(7)
         self.v = torch.randn(sum(p.numel() for p in self.params), generator=gen, dtype=tdt)
@@ -99,7 +102,7 @@ class Curvlinops:
         """``[(A, G)]`` in kfac_ref's layout: (kh, kw, C) patch rows, bias last, G/|T|."""
         op = self.operator(mode)
         out = []
-        for m in self.pmods:
+        for m, locations in zip(self.pmods, self.locations, strict=True):
             name = self.names[id(m)]
             a = op._input_covariances[name].detach().double().numpy()
             g = op._gradient_covariances[name].detach().double().numpy()
@@ -108,23 +111,9 @@ class Curvlinops:
                 perm = np.arange(c * kh * kw).reshape(c, kh, kw).transpose(1, 2, 0).ravel()
                 perm = np.concatenate([perm, [c * kh * kw]])
                 a = a[np.ix_(perm, perm)]
-                g = g / self._locations(m)
+                g = g / locations
             out.append((a, g))
         return out
-
-    def _locations(self, m):
-        import torch
-
-        seen = {}
-
-        def record(mod, inputs, output):  # a forward hook must return None
-            seen["t"] = output.shape[2:]
-
-        hook = m.register_forward_hook(record)
-        with torch.no_grad():
-            self.model(self.x[:1])
-        hook.remove()
-        return math.prod(seen["t"])
 
 
 # --------------------------------------------------------------------------------------
@@ -192,39 +181,35 @@ PEER_CLASSES = {"curvlinops": Curvlinops, "kfac_jax": KfacJax}
 # --------------------------------------------------------------------------------------
 # Rows
 # --------------------------------------------------------------------------------------
-def peer_rows(runner, wl, dtype, loss_fn, damping, time_pair, rel_err, check):
+def peer_rows(runner, wl, dtype):
     """Append one row per (installed peer, mode) to ``runner.rows``."""
-    rng = np.random.default_rng(runner.seed)
-    host_x = rng.standard_normal(wl.in_shape).astype(dtype)
-    host_y = rng.integers(0, 10, size=wl.in_shape[0])
-    host_params = tuple(tuple(np.asarray(a, dtype=dtype) for a in p)
-                        for p in wl.net.init_params(rng, np.zeros(1)))
-    inputs = spec_inputs(wl, host_params, host_x, host_y)
+    host_x, host_y, host_params = host_problem(wl, dtype, runner.seed)
+    inputs = spec_inputs(host_params, host_x, host_y)
     n = wl.in_shape[0]
     fa = (host_params, (host_x, host_y))
-    est = BlockDiagonalCurvature(wl.net, loss_fn)
+    est = BlockDiagonalCurvature(wl.net, ce)
     st0 = est.init(None, fa, approx_powers_to_cache=-1.0)
     v = np.random.default_rng(runner.seed + 5).standard_normal(est.dim).astype(dtype)
 
     def kfac_full(mode, seed):
         st = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n,
                                                   np.random.default_rng(seed), fa, mode)
-        st = est.update_cache(st, damping, None, -1.0, False)
-        return est.multiply_matpower(st, v, damping, -1.0, False, True)
+        st = est.update_cache(st, DAMPING, None, -1.0, False)
+        return est.multiply_matpower(st, v, DAMPING, -1.0, False, True)
 
     base = {"workload": wl.name, "dtype": np.dtype(dtype).name, "backend": "numpy",
             "op": "peer"}
     for peer in PEERS:
         if not installed(peer):
             continue
-        contestant = PEER_CLASSES[peer](wl, inputs, dtype, damping)
+        contestant = PEER_CLASSES[peer](wl, inputs, dtype, DAMPING)
         ref = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n, None, fa, "ggn_exact")
         err = 0.0
         for bs, (a, g) in zip(ref.blocks_states, contestant.factors("ggn_exact"), strict=True):
             ka, kg = (np.asarray(f.value) for f in bs.factors)
             err = max(err, rel_err(a, ka), rel_err(g, kg))
         terms = n * math.prod(wl.in_shape[1:-1]) * 10
-        chk = check(err, runner.tol(dtype, terms))
+        chk = agreement(err, runner.tol(dtype, terms))
         chk["compared"] = "ggn_exact Kronecker factors"
         for mode in PEER_MODES:
             seeds = iter(range(10_000))

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import tracemalloc
@@ -39,16 +38,12 @@ import kfac_ref.nn as nn
 from kfac_ref.curvature.estimators import BlockDiagonalCurvature
 from kfac_ref.curvature.exact import ESTIMATION_MODES, estimation_output_vectors
 from kfac_ref.factors import conv_input_kronecker_factor
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 from . import hand, peers
+from .common import DAMPING, ce, host_problem, rel_err, time_pair
+from .common import agreement as _check
 
 SCHEMA_VERSION = 2
-DAMPING = 1e-2  # identity weight of the damped inverses and cached products
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
 
 
 # --------------------------------------------------------------------------------------
@@ -143,45 +138,6 @@ def _act(fn):
 
 
 # --------------------------------------------------------------------------------------
-# Timing
-# --------------------------------------------------------------------------------------
-def _summary(times):
-    t = sorted(times)
-    q = statistics.quantiles(t, n=4) if len(t) >= 2 else [t[0], t[0], t[0]]
-    return {"median_s": statistics.median(t), "q1_s": q[0], "q3_s": q[2], "min_s": t[0],
-            "max_s": t[-1], "times_s": t}
-
-
-def time_pair(kfac_fn, hand_fn, repeats, sync, warmup=True):
-    """Time both contestants ``repeats`` times, interleaved, alternating who goes first."""
-    if warmup:
-        kfac_fn()
-        hand_fn()
-        sync()
-    out = {"kfac_ref": [], "hand": []}
-    for r in range(repeats):
-        pair = (("kfac_ref", kfac_fn), ("hand", hand_fn))
-        for who, fn in (pair if r % 2 == 0 else pair[::-1]):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            out[who].append(time.perf_counter() - t0)
-    return {k: _summary(v) for k, v in out.items()}
-
-
-def rel_err(got, want):
-    """Normwise relative error ``‖got − want‖_F / ‖want‖_F`` (host float64)."""
-    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
-    den = np.linalg.norm(want)
-    return float(np.linalg.norm(got - want) / (den if den else 1.0))
-
-
-def _check(err, tol):
-    return {"max_rel_err": err, "tol": tol, "ok": bool(err <= tol)}
-
-
-# --------------------------------------------------------------------------------------
 # Rows
 # --------------------------------------------------------------------------------------
 class Runner:
@@ -214,11 +170,7 @@ class Runner:
 
     def run_workload(self, wl, dtype):
         b, hp = self.b, self.b.hand
-        rng = np.random.default_rng(self.seed)
-        host_x = rng.standard_normal(wl.in_shape).astype(dtype)
-        host_y = rng.integers(0, 10, size=wl.in_shape[0])
-        host_params = tuple(tuple(np.asarray(a, dtype=dtype) for a in p)
-                            for p in wl.net.init_params(rng, np.zeros(1)))
+        host_x, host_y, host_params = host_problem(wl, dtype, self.seed)
         params = tuple(tuple(b.to(a) for a in p) for p in host_params)
         x, y = b.to(host_x), b.to(host_y)
         hparams = [tuple(b.hand_to(a) for a in p) for p in host_params if p]
@@ -359,7 +311,7 @@ class Runner:
 
     def peer_rows(self, wl, dtype):
         """Full updates against each installed peer (:mod:`benchmarks.peers`)."""
-        peers.peer_rows(self, wl, dtype, ce, DAMPING, time_pair, rel_err, _check)
+        peers.peer_rows(self, wl, dtype)
 
     def missing_peer_rows(self):
         self.rows.extend(peers.missing_rows())
