@@ -189,6 +189,8 @@ def is_lazy(x: Any) -> bool:
     Eager JAX arrays are not lazy here (``array_api_compat.is_lazy_array`` says they may
     be): outside a transformation their values are concrete, and they are checked.
     """
+    if isinstance(x, (np.ndarray, np.generic)):  # the common case, without the probes below
+        return False
     if array_api_compat.is_jax_array(x):
         jax = sys.modules.get("jax")
         return jax is not None and isinstance(x, jax.core.Tracer)
@@ -504,9 +506,10 @@ def check_array(
         if not ok:
             exp = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             _fail(func, name, f"an array of shape {exp}{what}", describe(x))
+    floating = dtype == "real floating"  # known after the dtype check below
     if dtype is not None and not xp.isdtype(x.dtype, dtype):
         _fail(func, name, f"an array of {dtype} dtype", describe(x), KFACTypeError)
-    if (finite and xp.isdtype(x.dtype, "real floating") and _static_size(x) != 0
+    if (finite and (floating or xp.isdtype(x.dtype, "real floating")) and _static_size(x) != 0
             and checks_values(x) and not all_finite(xp, x)):
         n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
         _fail(func, name, "finite (no NaN or Inf)",

@@ -400,6 +400,59 @@ def test_errors(xp, rng):
         est.to_dense_matrix(None)
 
 
+def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
+    # the estimator checks its arguments once (one finiteness scan of the flat vector, one
+    # namespace check over it and every block state) and runs the blocks' unchecked kernels;
+    # each bad argument is still refused, naming what is wrong
+    from kfac_ref import _backend
+
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est = BlockDiagonalCurvature(net, ce)
+    st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
+    st = est.update_cache(st, 0.1, None, -1.0, False)
+    v = xp.asarray(rng.standard_normal(net.num_params))
+    scanned = []
+    real = _backend.all_finite
+    monkeypatch.setattr(_backend, "all_finite", lambda ns, x: scanned.append(x) or real(ns, x))
+    for use_cached in (False, True):
+        scanned.clear()
+        est.multiply_matpower(st, v, 0.1, -1.0, False, use_cached)
+        assert [x is v for x in scanned] == [True]
+    monkeypatch.undo()
+    with pytest.raises(KFACValueError, match="parameter_structured_vector.*finite"):
+        est.multiply_matpower(st, xp.asarray(np.full(net.num_params, np.nan)), 0.1, -1.0, False,
+                              True)
+    states = st.blocks_states
+    swapped = C.estimators.BlockDiagonalState((states[1], states[0]) + states[2:])
+    with pytest.raises(KFACValueError, match="statistics of shapes"):
+        est.multiply_matpower(swapped, v, 0.1, -1.0, False, True)
+    # another precision (float32 next to float64), or NumPy next to a float32-only device
+    like = (xp.xp.asarray(np.zeros(()), dtype=xp.xp.float32, device=xp.device) if xp.float64
+            else np.zeros((), dtype=np.float64))
+    odd = B.BlockState(states[1].statistics, states[1].cache, like)
+    with pytest.raises(KFACTypeError, match=r"state\.blocks_states\[1\] (must have the "
+                                            r"floating dtype|is from)"):
+        est.multiply_matpower(C.estimators.BlockDiagonalState(
+            (states[0], odd) + states[2:]), v, 0.1, -1.0, False, True)
+    with pytest.raises(KFACValueError, match="power must be one of"):
+        est.multiply_matpower(st, v, 0.1, 0.25, False, False)
+    with pytest.raises(KFACValueError, match="cached approximate powers"):
+        est.multiply_matpower(st, v, 0.1, -0.5, False, True)
+    with pytest.raises(KFACValueError, match="norm_to_scale_identity_weight"):
+        est.multiply_matpower(st, v, 0.1, -1.0, False, True,
+                              norm_to_scale_identity_weight_per_block="frobenius")
+
+
+def test_factory_must_return_a_curvature_block(xp, rng):
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est = BlockDiagonalCurvature(net, ce, layer_to_block={"dense": lambda layer, shape: object()})
+    with pytest.raises(KFACTypeError, match="factory .* must return .*CurvatureBlock; got object"):
+        est.init(None, (bp, batch))
+
+
 @pytest.mark.parametrize("sharing", ["expand", "reduce"])
 def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharing):
     # an exact mode has C = 3 output vectors: every Kronecker block computes its input factor

@@ -14,7 +14,6 @@ from .._backend import (
     check_option,
     check_scalar,
     namespace_of,
-    value_checks,
     zeros_like_shape,
 )
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
@@ -96,9 +95,10 @@ class BlockDiagonalCurvature(EstimatorBase):
     layer_to_block : mapping, optional
         Overrides of :func:`default_layer_to_block`, keyed by layer name (first) or layer
         kind; values are block classes of :mod:`kfac_ref.blocks.kfac_jax` or factories
-        ``factory(layer, input_shape) -> block``.  ``Naive*`` / ``Full`` / ``Diagonal`` blocks
-        receive per-example parameter gradients as their sources, which makes ``NaiveFull``
-        the exact block.
+        ``factory(layer, input_shape) -> block`` returning a
+        :class:`~kfac_ref.blocks.kfac_jax.CurvatureBlock`.  ``Naive*`` / ``Full`` /
+        ``Diagonal`` blocks receive per-example parameter gradients as their sources, which
+        makes ``NaiveFull`` the exact block.
     weight_sharing : {"expand", "reduce"} or mapping name -> mode
         For dense layers on ``[N, T, d]`` inputs and convolutions (default ``"expand"``).
     num_samples : int
@@ -195,7 +195,12 @@ class BlockDiagonalCurvature(EstimatorBase):
             return ctor.from_layer(layer, tuple(input_shape),
                                    weight_sharing=self._sharing(name), **kw)
         if callable(ctor) and not isinstance(ctor, type):
-            return ctor(layer, input_shape)
+            block = ctor(layer, input_shape)
+            if not isinstance(block, CurvatureBlock):
+                raise KFACTypeError(
+                    f"BlockDiagonalCurvature: the factory for layer {name!r} must return a "
+                    f"kfac_ref.blocks.kfac_jax.CurvatureBlock; got {type(block).__name__}.")
+            return block
         raise KFACTypeError(f"BlockDiagonalCurvature: the block for layer {name!r} must be a "
                             f"kfac_ref.blocks.kfac_jax block class, a registered name or a "
                             f"factory; got {ctor!r}.")
@@ -220,6 +225,8 @@ class BlockDiagonalCurvature(EstimatorBase):
             shape = layer.output_shape(shape)
         self._input_shapes = tuple(shapes)
         self._blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
+        slices = self.net.layer_slices()
+        self._block_offsets = tuple(slices[i].start for i in self.layer_indices)
         like = params[self.layer_indices[0]][0]
         return BlockDiagonalState(tuple(
             b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
@@ -323,8 +330,7 @@ class BlockDiagonalCurvature(EstimatorBase):
     def _split(self, xp, flat):
         """Flat [P] -> per block, a tuple of arrays of the block's ``parameters_shapes``."""
         out = []
-        for i, bl in zip(self.layer_indices, self.blocks, strict=True):
-            start = self.net.layer_slices()[i].start
+        for start, bl in zip(self._block_offsets, self.blocks, strict=True):
             arrays = []
             for shape in bl.parameters_shapes:
                 size = math.prod(shape)
@@ -342,19 +348,26 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         ``identity_weight`` is a scalar or one value per block; with
         ``norm_to_scale_identity_weight_per_block`` each is multiplied by its block's norm.
+        The arguments are checked once here (one namespace check over the vector and every
+        block's state, one finiteness scan of the vector); the blocks then run their
+        unchecked product kernels.
         """
         func = "BlockDiagonalCurvature.multiply_matpower"
         self._check_state(func, state)
         flat, back = flat_or_structured(func, self.net, parameter_structured_vector)
-        xp = namespace_of(func, vector=flat)
         ws = self._weights(func, identity_weight)
+        options, likes = [], {}
+        for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
+            bl.check_state_structure(func, st)
+            likes[f"state.blocks_states[{k}]"] = st.like
+            options.append(bl.check_product_options(func, power, exact_power, use_cached,
+                                                    norm_to_scale_identity_weight_per_block))
+        xp = namespace_of(func, vector=flat, **likes)
         outs = []
-        with value_checks(False):  # flat was scanned once above; blocks still check shapes
-            for bl, st, v, w in zip(self.blocks, state.blocks_states, self._split(xp, flat),
-                                    ws, strict=True):
-                r = bl.multiply_matpower(st, v, w, power, exact_power, use_cached,
-                                         norm_to_scale_identity_weight_per_block)
-                outs.append(xp.concat([xp.reshape(a, (-1,)) for a in r]))
+        for bl, st, v, w, opts in zip(self.blocks, state.blocks_states, self._split(xp, flat),
+                                      ws, options, strict=True):
+            outs.extend(xp.reshape(a, (-1,))
+                        for a in bl.multiply_matpower_kernel(func, xp, st, v, w, *opts))
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):

@@ -36,7 +36,11 @@ gradients of the per-example loss terms, the convention of the docs page *Conven
 The statistics come from :mod:`kfac_ref.factors`; they are averaged into the state with
 kfac-jax's weighted moving average (``ema_old``, ``ema_new``;
 :class:`kfac_ref.averaging.WeightedMovingAverage`).  Each input array is validated once, by
-the method the user called.
+the method the user called.  A caller that holds many blocks checks their products' arguments
+once for all of them — :meth:`CurvatureBlock.check_state_structure`,
+:meth:`CurvatureBlock.check_product_options`, one namespace check over the vector and every
+state — and then calls :meth:`CurvatureBlock.multiply_matpower_kernel`, which checks nothing
+but what depends on the cache (as :class:`kfac_ref.curvature.BlockDiagonalCurvature` does).
 
 Vectors
 -------

@@ -348,7 +348,13 @@ class CurvatureBlock(abc.ABC):
         cache = {"declared": (exact, approx, cache_eigenvalues)}
         return BlockState(stats, MappingProxyType(cache), like0)
 
-    def _check_state(self, func, state):
+    def check_state_structure(self, func, state):
+        """Check that ``state`` is a :class:`BlockState` of this block's statistic shapes.
+
+        Structure only (type and shapes; no array is read), for callers that check the
+        namespace of many blocks' states at once (:class:`~kfac_ref.curvature.
+        BlockDiagonalCurvature`) before calling :meth:`multiply_matpower_kernel`.
+        """
         if not isinstance(state, BlockState):
             raise KFACTypeError(f"{func}: state must be a BlockState from {type(self).__name__}"
                                 f".init; got {describe(state)}.")
@@ -356,6 +362,9 @@ class CurvatureBlock(abc.ABC):
         if shapes != tuple(self._statistics_shapes()):
             raise KFACValueError(f"{func}: state must hold statistics of shapes "
                                  f"{tuple(self._statistics_shapes())}; got {shapes}.")
+
+    def _check_state(self, func, state):
+        self.check_state_structure(func, state)
         return namespace_of(func, like=state.like)
 
     def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new,
@@ -437,7 +446,11 @@ class CurvatureBlock(abc.ABC):
 
     def _effective_weight(self, func, xp, state, identity_weight, norm_type, use_cached):
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
-        norm_type = _check_norm(func, norm_type)
+        return self._damping(func, xp, state, w, _check_norm(func, norm_type), use_cached)
+
+    def _damping(self, func, xp, state, w, norm_type, use_cached):
+        r""":math:`\lambda` from a checked weight and norm name (see
+        :meth:`effective_identity_weight`)."""
         if norm_type is None:
             return w
         if use_cached:
@@ -472,16 +485,41 @@ class CurvatureBlock(abc.ABC):
         func = f"{type(self).__name__}.multiply_matpower"
         xp = self._check_state(func, state)
         vector = self._check_vector(func, state, vector)
+        w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        options = self.check_product_options(func, power, exact_power, use_cached,
+                                             norm_to_scale_identity_weight)
+        return self.multiply_matpower_kernel(func, xp, state, vector, w, *options)
+
+    def check_product_options(self, func, power, exact_power, use_cached, norm_type=None):
+        """The checked scalar options of :meth:`multiply_matpower`:
+        ``(power, exact_power, use_cached, norm_type)``, with ``norm_type`` None or a name of
+        :data:`~kfac_ref.linalg.FACTOR_NORMS`.  An approximate power the block cannot do is
+        refused here."""
         power = check_scalar(func, "power", power)
         exact = check_bool(func, "exact_power", exact_power)
         use_cached = check_bool(func, "use_cached", use_cached)
         if not exact:
             self._check_approx_power(func, power)
-        lam = self._effective_weight(func, xp, state, identity_weight,
-                                     norm_to_scale_identity_weight, use_cached)
+        return power, exact, use_cached, _check_norm(func, norm_type)
+
+    def multiply_matpower_kernel(self, func, xp, state, vector, identity_weight, power,
+                                 exact_power, use_cached, norm_type):
+        r"""The unchecked kernel of :meth:`multiply_matpower`: :math:`(sB + \lambda I)^p v`.
+
+        .. math:: (s B + \lambda I)^{p} v, \qquad \lambda = w \ \text{or}\ w\,\|sB\|
+
+        For a caller that has validated the arguments once for many blocks: ``state``
+        passed :meth:`check_state_structure`, ``state.like`` and ``vector`` share the
+        namespace ``xp``, ``vector`` is a tuple of arrays of :attr:`parameters_shapes`
+        already scanned for non-finite values, ``identity_weight`` is a checked
+        non-negative number and the options come from :meth:`check_product_options`.  What
+        depends on the cache's contents (a power or norm it was not built with) is still
+        refused here.
+        """
+        lam = self._damping(func, xp, state, identity_weight, norm_type, use_cached)
         if use_cached:
-            return self._multiply_cached(func, xp, state, vector, lam, power, exact)
-        return self._multiply_fresh(func, xp, state, vector, lam, power, exact)
+            return self._multiply_cached(func, xp, state, vector, lam, power, exact_power)
+        return self._multiply_fresh(func, xp, state, vector, lam, power, exact_power)
 
     def multiply(self, state, vector, identity_weight, exact_power, use_cached,
                  norm_to_scale_identity_weight=None):
