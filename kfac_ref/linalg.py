@@ -539,19 +539,25 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
             return xp.max(xp.abs(matrix))
         return xp.max(xp.abs(xp.linalg.eigvalsh((matrix + matrix.T) / 2.0)))
     n = matrix.shape[0]
+    if norm_type == "avg_diag":  # only the diagonal is read: scale it by its own max
+        diag = matrix if matrix.ndim == 1 else xp.linalg.diagonal(matrix)
+        unit = _nonzero_peak(xp, diag)
+        return unit * (xp.sum(diag / unit) / n)
     # Scale by max|M| before summing: float32 squares overflow above ~1e19 and underflow
     # below ~1e-19.  A zero matrix keeps the scale 1 (its norm is 0).
-    peak = xp.max(xp.abs(matrix))
-    unit = xp.where(peak > 0, peak, xp.ones_like(peak))
+    unit = _nonzero_peak(xp, matrix)
     m = matrix / unit
-    if norm_type == "avg_diag":
-        diag = m if m.ndim == 1 else xp.linalg.diagonal(m)
-        return unit * (xp.sum(diag) / n)
     if norm_type == "avg_fro":
         return unit * (xp.sqrt(xp.sum(m * m)) / math.sqrt(n))
     if m.ndim == 1:  # 1-norm of a diagonal matrix
         return unit * xp.max(xp.abs(m))
     return unit * xp.max(xp.sum(xp.abs(m), axis=0))
+
+
+def _nonzero_peak(xp, x):
+    """``max|x|``, or 1 where that is 0: the unit a norm's sum is taken in."""
+    peak = xp.max(xp.abs(x))
+    return xp.where(peak > 0, peak, xp.ones_like(peak))
 
 
 def pi_tracenorm(left_cov, right_cov):

@@ -67,6 +67,10 @@ CONV_CASES = [
     (5, 5, 1, 2, (2, 3), (2, 2), ((1, 0), (2, 1)), (1, 1), "NCHW"),
     (7, 6, 2, 3, (3, 2), (1, 2), "SAME", (2, 1), "NCHW"),
     (6, 7, 2, 2, (2, 2), (3, 2), "VALID", (1, 1), "NHWC"),  # last row and column never read
+    # the adjoint sums per stride phase: every offset in one phase (d = s), then each offset
+    # in its own phase with shifts (d = 3, s = 2), and padding wider than the kernel reach
+    (8, 7, 1, 2, (3, 3), (2, 2), "SAME", (2, 2), "NHWC"),
+    (9, 8, 2, 1, (3, 2), (2, 2), ((3, 1), (0, 2)), (3, 3), "NCHW"),
 ]
 
 

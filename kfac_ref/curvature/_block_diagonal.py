@@ -14,6 +14,7 @@ from .._backend import (
     check_option,
     check_scalar,
     namespace_of,
+    value_checks,
     zeros_like_shape,
 )
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
@@ -271,6 +272,14 @@ class BlockDiagonalCurvature(EstimatorBase):
         # with ema_old first, then 1, weight ema_new/C
         stacked = {k: [] for k, _, bl in layers if not bl.uses_params_grads}
         need_grads = any(bl.uses_params_grads for bl in self._blocks)
+        with value_checks(False):  # the blocks' data come from the arrays checked above
+            states = self._update_blocks(b, vectors, root, states, layers, stacked, need_grads,
+                                         ema_old, ema_new)
+        return BlockDiagonalState(tuple(states))
+
+    def _update_blocks(self, b, vectors, root, states, layers, stacked, need_grads, ema_old,
+                       ema_new):
+        c = len(vectors)
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
@@ -291,7 +300,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                 states[k] = block.update_from_output_vectors(
                     states[k], self.net.layers[i], b.inputs[i], stacked[k], b.n,
                     self._sharing(self.net.names[i]), ema_old, ema_new)
-        return BlockDiagonalState(tuple(states))
+        return states
 
     def _check_state(self, func, state):
         if not isinstance(state, BlockDiagonalState) or len(state.blocks_states) != len(

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np  # host-side index arithmetic (col2im gather indices) and draws
-
 from .._backend import (
     KFACValueError,
     check_array,
@@ -42,6 +40,7 @@ from .._backend import (
     device_of,
     kernel_of,
     namespace_of,
+    zeros_like_shape,
 )
 from ..factors import MAX_TEMPORARY_BYTES, conv_per_example_gradients
 from ..patches import (
@@ -370,9 +369,11 @@ class Conv2D(Layer):
         \partial x^{\text{pad}}_{n,u,v,c} = \sum_{a,b}\ \sum_{(i,j):\,
             i s_h + a d_h = u,\ j s_w + b d_w = v} (g K^\top)_{n,(i,j),(a,b,c)},
 
-    computed axis by axis (rows, then columns) as one gather of the contributing
-    (location, offset) pairs and one masked sum over the kernel offsets (temporaries of the
-    size of the patch cotangent, no dense :math:`[HW, |T| k_h k_w]` selection matrix).  Every
+    computed axis by axis (rows, then columns): writing the padded row as
+    :math:`u = q s_h + r`, offset :math:`a` reaches phase :math:`r = a d_h \bmod s_h` at
+    :math:`q = i + (a d_h - r)/s_h`, so each phase is a sum of shifted slices of the patch
+    cotangent and the phases interleave by one stack (no scatter, no gather, no dense
+    :math:`[HW, |T| k_h k_w]` selection matrix, nothing written in place).  Every
     pass runs over chunks of examples whose patch temporaries stay within
     ``max_temporary_bytes``.  Padding amounts, output grid and
     layout come from one :class:`kfac_ref.patches.ConvGeometry` (:meth:`geometry`), the
@@ -551,22 +552,43 @@ class Conv2D(Layer):
         return xp.concat([fn(*(a[lo:hi, ...] for a in arrays)) for lo, hi in bounds], axis=0)
 
     @staticmethod
-    def _col2im_index(xp, like, out_len, k, stride, dil, start, length):
-        """Gather index and 0/1 mask of the adjoint of patch extraction along one axis.
+    def _adjoint_along_axis(xp, g, k, stride, dil, start, length):
+        r"""Adjoint of patch extraction along one spatial axis, by stride phases.
 
-        Input position ``h`` (padded ``h + start``) receives, from kernel offset ``a``, the
-        output location ``i = (h + start - a·dil)/stride`` when that is an integer in
-        ``[0, out_len)``.  Returns the flat index ``i·k + a`` into an ``(out_len, k)`` axis pair
-        (``0`` where nothing contributes) as ``[length·k]`` and the mask as ``[length, 1, k]``.
-        Index arithmetic on the host: the sizes are static.
+        ``g`` is ``[*lead, O, B, k, R]`` (``O`` output positions, ``k`` kernel offsets);
+        returns ``[*lead, length, B, R]``.  Padded input position ``h^p = h + start``
+        receives :math:`\sum_a g_{i,a}` over the offsets with :math:`h^p = i s + a d`.
+        Writing :math:`h^p = q s + r`, offset ``a`` lands in phase :math:`r = a d \bmod s`
+        at row :math:`q = i + (a d - r)/s`: each phase is a sum of shifted slices of ``g``
+        (zero rows concatenated, no scatter), and the phases interleave by one stack and a
+        free reshape.  No array is written in place.
         """
-        hp = np.arange(length)[:, None] + start - np.arange(k)[None, :] * dil
-        i = hp // stride
-        valid = (hp >= 0) & (hp % stride == 0) & (i < out_len)
-        flat = np.where(valid, i * k + np.arange(k)[None, :], 0).reshape(-1)
-        dev = device_of(like)
-        mask = xp.astype(xp.asarray(valid.reshape(length, 1, k), device=dev), like.dtype)
-        return xp.asarray(flat, device=dev), mask
+        *lead, o, b, _, r = g.shape
+        q = -(-(start + length) // stride)  # phase rows that cover the padded [0, start+length)
+        axis = len(lead)
+
+        def zeros(rows):
+            return zeros_like_shape(g, (*lead, rows, b, r))
+
+        phases = []
+        for phase in range(stride):
+            total = None
+            for a in range(k):
+                if (a * dil) % stride != phase:
+                    continue
+                shift = (a * dil - phase) // stride
+                keep = min(o, q - shift)  # rows of this offset that land inside [0, q)
+                if keep <= 0:
+                    continue
+                term = g[..., :keep, :, a, :]
+                parts = ([zeros(shift)] if shift else []) + [term] + (
+                    [zeros(q - shift - keep)] if q - shift - keep else [])
+                placed = xp.concat(parts, axis=axis) if len(parts) > 1 else term
+                total = placed if total is None else total + placed
+            phases.append(zeros(q) if total is None else total)
+        inter = phases[0] if stride == 1 else xp.reshape(
+            xp.stack(phases, axis=axis + 1), (*lead, q * stride, b, r))
+        return inter[..., start:start + length, :, :]
 
     def _transpose_patches(self, xp, gp, hw):
         r"""Adjoint of patch extraction (col2im): gp ``[N, Ho, Wo, kh·kw·C_in]`` →
@@ -577,8 +599,8 @@ class Conv2D(Layer):
             \bar x_{n,h,w,c} = \sum_{a,b} [\,h^{p} - a d_h = i s_h,\ w^{p} - b d_w = j s_w\,]\;
             \bar P_{n,(i,j),(a,b,c)}
 
-        One gather and one masked sum over the kernel offsets per spatial axis (rows, then
-        columns): temporaries of the size of ``gp``, no zero insertion or padding copies.
+        Rows, then columns (:meth:`_adjoint_along_axis`): shifted slices summed per stride
+        phase, no gather, no zero insertion, no copying transpose.
         """
         geo = self.geometry((1, *hw, self.c_in) if self.data_format == "NHWC"
                             else (1, self.c_in, *hw))
@@ -586,17 +608,10 @@ class Conv2D(Layer):
         kh, kw = self.kernel_size
         (sh, sw), (dh, dw) = self.stride, self.dilation
         n, c = gp.shape[0], self.c_in
-        # rows: [N, Ho, kh, Wo·kw·C] so that (i, a) is one axis to gather from
-        g = xp.permute_dims(xp.reshape(gp, (n, ho, wo, kh, kw * c)), (0, 1, 3, 2, 4))
-        g = xp.reshape(g, (n, ho * kh, wo * kw * c))
-        idx, mask = self._col2im_index(xp, gp, ho, kh, sh, dh, top, hw[0])
-        g = xp.reshape(xp.take(g, idx, axis=1), (n, hw[0], kh, wo * kw * c))
-        rows = mask @ g  # [N, H, 1, Wo·kw·C]: Σ_a mask·g
-        # columns: (j, b) is already one axis of [N, H, Wo·kw, C]
-        g = xp.reshape(rows, (n * hw[0], wo * kw, c))
-        idx, mask = self._col2im_index(xp, gp, wo, kw, sw, dw, left, hw[1])
-        g = xp.reshape(xp.take(g, idx, axis=1), (n * hw[0], hw[1], kw, c))
-        full = mask @ g  # [N·H, W, 1, C]
+        g = xp.reshape(gp, (n, ho, wo, kh, kw * c))  # rows: O = Ho, B = Wo, k = kh
+        rows = self._adjoint_along_axis(xp, g, kh, sh, dh, top, hw[0])  # [N, H, Wo, kw·C]
+        g = xp.reshape(rows, (n, hw[0], wo, 1, kw, c))  # columns: O = Wo, B = 1, k = kw
+        full = self._adjoint_along_axis(xp, g, kw, sw, dw, left, hw[1])  # [N, H, W, 1, C]
         return xp.reshape(full, (n, hw[0], hw[1], c))
 
     # -- maps --------------------------------------------------------------------------------
