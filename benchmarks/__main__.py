@@ -7,6 +7,8 @@
                                                # (default ./benchmark-results/)
     python -m benchmarks --peers-only          # in a peer's environment: kfac_ref's full
                                                # update against curvlinops / kfac-jax
+    python -m benchmarks --peers-only --backend torch
+                                               # the same, kfac_ref on torch tensors
 
 Exits 1 when a hand baseline disagrees with kfac_ref (the ratio would be meaningless).
 """
@@ -60,7 +62,7 @@ def main(argv=None):
             print(f"{wl.title}, {dtype}, backend {backend.name}", flush=True)
             if not args.peers_only:
                 runner.run_workload(wl, dtype)
-            if not args.no_peers and args.backend == "numpy":
+            if not args.no_peers and args.backend in ("numpy", "torch"):
                 runner.peer_rows(wl, dtype)
     if not (args.no_memory or args.peers_only):
         for dtype in args.dtypes:

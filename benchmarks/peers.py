@@ -6,7 +6,8 @@ of one batch (forward and backward passes included), the damped power −1 of ev
 gradient-shaped vector ``v``:
 
 * kfac_ref: ``update_curvature_matrix_estimate`` → ``update_cache(λ, power −1)`` →
-  ``multiply_matpower(v, use_cached=True)``, on NumPy arrays;
+  ``multiply_matpower(v, use_cached=True)``, on NumPy arrays (or, with ``--backend torch``,
+  on torch tensors: the same code on the other array library);
 * curvlinops: ``KFACLinearOperator(...).compute_kronecker_factors()`` →
   ``KFACInverseLinearOperator(damping=λ, use_heuristic_damping=True) @ v`` (its Cholesky
   inverses are formed on that first product), on torch CPU tensors;
@@ -182,14 +183,16 @@ PEER_CLASSES = {"curvlinops": Curvlinops, "kfac_jax": KfacJax}
 # Rows
 # --------------------------------------------------------------------------------------
 def peer_rows(runner, wl, dtype):
-    """Append one row per (installed peer, mode) to ``runner.rows``."""
+    """Append one row per (installed peer, mode) to ``runner.rows``; kfac_ref runs on the
+    runner's backend (NumPy, or torch tensors with ``--backend torch``)."""
+    b = runner.b
     host_x, host_y, host_params = host_problem(wl, dtype, runner.seed)
     inputs = spec_inputs(host_params, host_x, host_y)
     n = wl.in_shape[0]
-    fa = (host_params, (host_x, host_y))
+    fa = (tuple(tuple(b.to(a) for a in p) for p in host_params), (b.to(host_x), b.to(host_y)))
     est = BlockDiagonalCurvature(wl.net, ce)
     st0 = est.init(None, fa, approx_powers_to_cache=-1.0)
-    v = np.random.default_rng(runner.seed + 5).standard_normal(est.dim).astype(dtype)
+    v = b.to(np.random.default_rng(runner.seed + 5).standard_normal(est.dim).astype(dtype))
 
     def kfac_full(mode, seed):
         st = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n,
@@ -197,7 +200,7 @@ def peer_rows(runner, wl, dtype):
         st = est.update_cache(st, DAMPING, None, -1.0, False)
         return est.multiply_matpower(st, v, DAMPING, -1.0, False, True)
 
-    base = {"workload": wl.name, "dtype": np.dtype(dtype).name, "backend": "numpy",
+    base = {"workload": wl.name, "dtype": np.dtype(dtype).name, "backend": b.name,
             "op": "peer"}
     for peer in PEERS:
         if not installed(peer):
@@ -206,7 +209,7 @@ def peer_rows(runner, wl, dtype):
         ref = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n, None, fa, "ggn_exact")
         err = 0.0
         for bs, (a, g) in zip(ref.blocks_states, contestant.factors("ggn_exact"), strict=True):
-            ka, kg = (np.asarray(f.value) for f in bs.factors)
+            ka, kg = (b.to_host(f.value) for f in bs.factors)
             err = max(err, rel_err(a, ka), rel_err(g, kg))
         terms = n * math.prod(wl.in_shape[1:-1]) * 10
         chk = agreement(err, runner.tol(dtype, terms))
@@ -215,7 +218,7 @@ def peer_rows(runner, wl, dtype):
             seeds = iter(range(10_000))
             t = time_pair(lambda mode=mode, s=seeds: kfac_full(mode, next(s)),
                           lambda mode=mode, s=seeds, c=contestant: c.full_update(mode, next(s)),
-                          runner.repeats, lambda: None)
+                          runner.repeats, b.sync)
             row = {**base, "row": f"full update {mode} vs {peer}", "peer": peer, "mode": mode,
                    "kfac_ref": t["kfac_ref"], "peer_time": t["hand"],
                    "ratio": t["kfac_ref"]["median_s"] / t["hand"]["median_s"], "check": chk}
