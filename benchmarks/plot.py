@@ -56,13 +56,19 @@ def _bars(ax, rows, label_of, other):
     return len(labels) * len(dtypes)
 
 
+def _on(row):
+    """`` [torch-cpu]`` for a peer row whose kfac_ref side did not run on NumPy."""
+    backend = row.get("backend", "numpy")
+    return "" if backend == "numpy" else f" [{backend}]"
+
+
 def plot(result, path):
     rows = [r for r in result["rows"]
             if r["op"] in ("update", "inverses", "cached_product", "chunking")]
     peer_rows = [r for r in result["rows"] if r["op"] == "peer" and "peer_time" in r]
     sizes = [n for n in (len({(r["workload"], r["row"], r["dtype"]) for r in rows}),
                          len({(r["workload"], r["row"], r["dtype"]) for r in peer_rows})) if n]
-    fig, axes = plt.subplots(len(sizes), 1, figsize=(7.5, 0.32 * sum(sizes) + 1.6 * len(sizes)),
+    fig, axes = plt.subplots(len(sizes), 1, figsize=(9.5, 0.32 * sum(sizes) + 1.6 * len(sizes)),
                              gridspec_kw={"height_ratios": sizes}, squeeze=False)
     axes = list(axes[:, 0])
     m = result["meta"]
@@ -81,8 +87,9 @@ def plot(result, path):
     if peer_rows:
         ax = axes.pop(0)
         _bars(ax, peer_rows, lambda r: f"{r['workload'].upper()} full update {r['mode']} vs "
-              f"{r['peer']}", "peer_time")
-        ax.set_xlabel("kfac_ref full update / peer full update (below 1: kfac_ref faster)")
+              f"{r['peer']}{_on(r)}", "peer_time")
+        ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster; "
+                      "[torch-cpu]: kfac_ref on torch tensors)", fontsize=8)
         ax.set_title("Full update (factors, damped inverses, one product) against peers",
                      fontsize=9)
         ax.legend(fontsize=7, loc="lower right")

@@ -373,11 +373,12 @@ def markdown(result):
         lines += ["", "Full update (factors, damped inverses, one product) against a peer; "
                   "ratio kfac_ref / peer (below 1: kfac_ref faster); check: the peer's "
                   "ggn_exact factors against kfac_ref's.", "",
-                  "| workload | dtype | peer | mode | kfac_ref | peer | ratio | check |",
-                  "|---|---|---|---|---:|---:|---:|---|"]
+                  "| workload | dtype | peer | mode | kfac_ref on | kfac_ref | peer | ratio "
+                  "| check |", "|---|---|---|---|---|---:|---:|---:|---|"]
         for r in prows:
             chk = "ok" if r["check"]["ok"] else "**FAILED**"
             lines.append(f"| {r['workload']} | {r['dtype']} | {r['peer']} | {r['mode']} | "
+                         f"{r.get('backend', 'numpy')} | "
                          f"{_ms(r['kfac_ref'])} | {_ms(r['peer_time'])} | {r['ratio']:.2f}× "
                          f"| {chk} |")
     missing = [r for r in result["rows"] if r["op"] == "peer_missing"]
