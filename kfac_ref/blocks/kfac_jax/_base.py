@@ -352,8 +352,9 @@ class CurvatureBlock(abc.ABC):
         """Check that ``state`` is a :class:`BlockState` of this block's statistic shapes.
 
         Structure only (type and shapes; no array is read), for callers that check the
-        namespace of many blocks' states at once (:class:`~kfac_ref.curvature.
-        BlockDiagonalCurvature`) before calling :meth:`multiply_matpower_kernel`.
+        namespace of many blocks' states at once
+        (:class:`~kfac_ref.curvature.BlockDiagonalCurvature`) before calling
+        :meth:`multiply_matpower_kernel`.
         """
         if not isinstance(state, BlockState):
             raise KFACTypeError(f"{func}: state must be a BlockState from {type(self).__name__}"
@@ -510,7 +511,7 @@ class CurvatureBlock(abc.ABC):
 
         For a caller that has validated the arguments once for many blocks: ``state``
         passed :meth:`check_state_structure`, ``state.like`` and ``vector`` share the
-        namespace ``xp``, ``vector`` is a tuple of arrays of :attr:`parameters_shapes`
+        namespace ``xp``, ``vector`` is a tuple of arrays of ``parameters_shapes``
         already scanned for non-finite values, ``identity_weight`` is a checked
         non-negative number and the options come from :meth:`check_product_options`.  What
         depends on the cache's contents (a power or norm it was not built with) is still
