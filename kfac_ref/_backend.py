@@ -129,6 +129,48 @@ def is_array(x: Any) -> bool:
     return array_api_compat.is_array_api_obj(x) and not isinstance(x, (numbers.Number, bool))
 
 
+# array_api_compat.array_namespace probes a dozen libraries per call (~1 µs, a tenth of a
+# small block's product); its answer depends only on the array's type and, for JAX's
+# float0 arrays, its dtype, so it is looked up once per (type, dtype).
+_NAMESPACES: dict[tuple[type, Any], Any] = {}
+_FLOATING: dict[tuple[Any, Any], bool] = {}
+
+
+def array_namespace(x: Any):
+    """``array_api_compat.array_namespace(x)`` for one array, remembered per (type, dtype)."""
+    try:
+        return _NAMESPACES[type(x), x.dtype]
+    except (KeyError, AttributeError, TypeError):  # new pair, no dtype, unhashable dtype
+        pass
+    xp = array_api_compat.array_namespace(x)
+    if is_array(x):  # never remember a scalar type (NumPy scalars have a dtype)
+        try:
+            _NAMESPACES[type(x), x.dtype] = xp
+        except TypeError:
+            pass
+    return xp
+
+
+def _known_array_namespace(x: Any):
+    """The namespace of ``x`` when an array of its type and dtype was seen before, else
+    None (then :func:`is_array` decides)."""
+    try:
+        return _NAMESPACES.get((type(x), x.dtype))
+    except (AttributeError, TypeError):
+        return None
+
+
+def is_floating(xp: Any, dtype: Any) -> bool:
+    """``xp.isdtype(dtype, "real floating")``, remembered per (namespace, dtype)."""
+    try:
+        return _FLOATING[xp, dtype]
+    except KeyError:
+        out = _FLOATING[xp, dtype] = bool(xp.isdtype(dtype, "real floating"))
+        return out
+    except TypeError:  # unhashable dtype
+        return bool(xp.isdtype(dtype, "real floating"))
+
+
 
 # --------------------------------------------------------------------------------------
 # Value checks: the switch, lazy arrays, the one finiteness scan
@@ -200,7 +242,7 @@ def is_lazy(x: Any) -> bool:
     if array_api_compat.is_dask_array(x):
         return True
     if (array_api_compat.is_numpy_array(x) or array_api_compat.is_cupy_array(x)
-            or array_api_compat.is_array_api_strict_namespace(array_api_compat.array_namespace(x))):
+            or array_api_compat.is_array_api_strict_namespace(array_namespace(x))):
         return False
     return bool(array_api_compat.is_lazy_array(x))
 
@@ -211,15 +253,30 @@ def checks_values(*arrays: Any) -> bool:
 
 
 def all_finite(xp, x) -> bool:
-    """The one finiteness scan of kfac_ref: ``all(isfinite(x))`` read back to the host.
+    r"""The one finiteness scan of kfac_ref: ``all(isfinite(x))`` read back to the host.
 
     Every NaN/Inf check of an argument goes through here (tests count the scans of a
     call by wrapping it), and only :func:`check_array` calls it.  Inside a trace
     (``jax.jit``) even a concrete array's reduction is staged out; its answer cannot be
     read, and the check passes as it does for a lazy argument.
+
+    On PyTorch, CuPy and JAX the scan is one sum: a NaN or Inf entry makes
+    :math:`\sum_i x_i` non-finite, so a finite sum proves every entry finite, and only a
+    non-finite sum (a non-finite entry, or an overflow of finite ones) is re-checked
+    entry-wise.  The sum needs no boolean temporary (PyTorch on CPU: 12 µs against 210 µs
+    for ``all(isfinite)`` of 2·10⁵ floats).  NumPy's fused ``isfinite`` is faster than its
+    pairwise sum (and NumPy warns when a sum overflows), so NumPy and NumPy-backed
+    namespaces keep ``all(isfinite)``.
     """
+    if _sum_scan(xp) and _read_flag(xp.isfinite(xp.sum(x)), when_lazy=True):
+        return True
     # all(isfinite) is one pass fewer than any(~isfinite); an unreadable flag passes
     return _read_flag(xp.all(xp.isfinite(x)), when_lazy=True)
+
+
+def _sum_scan(xp) -> bool:
+    return (array_api_compat.is_torch_namespace(xp) or array_api_compat.is_cupy_namespace(xp)
+            or array_api_compat.is_jax_namespace(xp))
 
 
 def any_true(xp, condition) -> bool:
@@ -302,10 +359,12 @@ def namespace_of(func: str, **arrays: Any):
     for name, x in arrays.items():
         if x is None or isinstance(x, (numbers.Number, bool)):
             continue
-        if not is_array(x):
-            _fail(func, name, "an array of an array-API-compatible library", describe(x),
-                  KFACTypeError)
-        xp = array_api_compat.array_namespace(x)
+        xp = _known_array_namespace(x)
+        if xp is None:
+            if not is_array(x):
+                _fail(func, name, "an array of an array-API-compatible library", describe(x),
+                      KFACTypeError)
+            xp = array_namespace(x)
         found.append((name, x, xp, array_api_compat.device(x)))
     if not found:
         if arrays:  # name the argument the caller got wrong, not "no arrays"
@@ -326,7 +385,7 @@ def namespace_of(func: str, **arrays: Any):
                 f"{func}: all arrays must live on one device; {known[0][0]} is on "
                 f"{known[0][1]!r} but {name} is on {dev!r}."
             )
-    floats = [(name, x.dtype) for name, x, _, _ in found if xp0.isdtype(x.dtype, "real floating")]
+    floats = [(name, x.dtype) for name, x, _, _ in found if is_floating(xp0, x.dtype)]
     for name, dtype in floats[1:]:
         if dtype != floats[0][1]:
             raise KFACTypeError(
@@ -488,9 +547,11 @@ def check_array(
     layout : str, optional
         A layout description such as ``"[N, d]"`` used in the message.
     """
-    if not is_array(x):
-        _fail(func, name, "an array", describe(x), KFACTypeError)
-    xp = array_api_compat.array_namespace(x)
+    xp = _known_array_namespace(x)
+    if xp is None:
+        if not is_array(x):
+            _fail(func, name, "an array", describe(x), KFACTypeError)
+        xp = array_namespace(x)
     what = f" {layout}" if layout else ""
     if ndim is not None:
         ranks = (ndim,) if isinstance(ndim, int) else tuple(ndim)
@@ -506,10 +567,11 @@ def check_array(
         if not ok:
             exp = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             _fail(func, name, f"an array of shape {exp}{what}", describe(x))
-    floating = dtype == "real floating"  # known after the dtype check below
-    if dtype is not None and not xp.isdtype(x.dtype, dtype):
+    floating = is_floating(xp, x.dtype)
+    if dtype is not None and not (floating if dtype == "real floating"
+                                  else xp.isdtype(x.dtype, dtype)):
         _fail(func, name, f"an array of {dtype} dtype", describe(x), KFACTypeError)
-    if (finite and (floating or xp.isdtype(x.dtype, "real floating")) and _static_size(x) != 0
+    if (finite and floating and _static_size(x) != 0
             and checks_values(x) and not all_finite(xp, x)):
         n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
         _fail(func, name, "finite (no NaN or Inf)",
@@ -535,7 +597,7 @@ def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
     non-symmetric argument.
     """
     check_square(func, name, x)
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     if rtol is None:
         rtol = math.sqrt(float(xp.finfo(x.dtype).eps))
     if _static_size(x) == 0 or not checks_values(x):
@@ -569,8 +631,8 @@ def check_scalar(
     if value is None and allow_none:
         return None
     if not integer and is_array(value):
-        xp = array_api_compat.array_namespace(value)
-        if value.ndim != 0 or not xp.isdtype(value.dtype, "real floating"):
+        xp = array_namespace(value)
+        if value.ndim != 0 or not is_floating(xp, value.dtype):
             _fail(func, name, "a real number or a 0-D real floating array", describe(value),
                   KFACTypeError)
         if checks_values(value):
@@ -631,21 +693,21 @@ def check_rng(func: str, name: str, rng: Any):
 # --------------------------------------------------------------------------------------
 def eye_like(x: Any, n: int, dtype=None):
     """``n × n`` identity in the namespace, device and (default) dtype of ``x``."""
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     return xp.eye(n, dtype=x.dtype if dtype is None else dtype,
                   device=array_api_compat.device(x))
 
 
 def zeros_like_shape(x: Any, shape: Sequence[int], dtype=None):
     """Zeros of ``shape`` in the namespace, device and (default) dtype of ``x``."""
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     return xp.zeros(tuple(shape), dtype=x.dtype if dtype is None else dtype,
                     device=array_api_compat.device(x))
 
 
 def ones_like_shape(x: Any, shape: Sequence[int], dtype=None):
     """Ones of ``shape`` in the namespace, device and (default) dtype of ``x``."""
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     return xp.ones(tuple(shape), dtype=x.dtype if dtype is None else dtype,
                    device=array_api_compat.device(x))
 
@@ -653,7 +715,7 @@ def ones_like_shape(x: Any, shape: Sequence[int], dtype=None):
 def asarray_like(value: Any, x: Any, dtype=None):
     """Convert host data (Python scalars, lists, NumPy arrays) to the namespace and device
     of ``x``, in ``x``'s dtype unless ``dtype`` is given."""
-    xp = array_api_compat.array_namespace(x)
+    xp = array_namespace(x)
     dtype = x.dtype if dtype is None else dtype
     dev = array_api_compat.device(x)
     return xp.asarray(value, dtype=dtype, device=dev)

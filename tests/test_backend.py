@@ -248,3 +248,21 @@ def test_check_eager_names_function_and_argument():
                                             r"arrays \(it returns floats\); x must be an "
                                             r"eager array; got a lazy"):
         jax.jit(f)(jnp.ones(2))
+
+
+def test_finiteness_scan_finds_every_non_finite_entry_and_passes_an_overflowing_sum(xp):
+    big = float(np.finfo(np.float64 if xp.float64 else np.float32).max) / 2
+    # the entries are finite but their sum overflows: the sum scan must re-check entry-wise
+    ok = xp.asarray(np.array([big, big, big, -1.0]))
+    assert B.check_array("f", "x", ok) is ok
+    for bad, n in (([1.0, np.nan, 2.0], 1), ([np.inf, -np.inf], 2), ([big, big, np.inf], 1),
+                   ([-np.inf, 0.0], 1)):
+        with pytest.raises(KFACValueError, match=rf"f: x must be finite .*; got {n} non-finite"):
+            B.check_array("f", "x", xp.asarray(np.array(bad)))
+
+
+def test_remembered_namespaces_never_admit_a_scalar():
+    B.array_namespace(np.float64(1.0))  # a NumPy scalar has a type and a dtype, too
+    with pytest.raises(KFACTypeError, match=r"f: x must be an array; got np.float64\(1.0\)"):
+        B.check_array("f", "x", np.float64(1.0))
+    assert B.namespace_of("f", a=np.ones(2), b=np.float64(2.0)) is B.array_namespace(np.ones(2))
