@@ -446,20 +446,23 @@ def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
         ) from None
     n = matrix.shape[0]
     if n and checks_values(l_factor):
-        # Some backends (PyTorch, JAX) return NaN instead of raising.
+        # Some backends (PyTorch, JAX) return NaN instead of raising.  A NaN or Inf pivot
+        # fails the comparison too, so one host read decides; the message is worked out
+        # only when it fails.
         pivots = xp.linalg.diagonal(l_factor) ** 2
+        tol = _singular_tolerance(xp, pivots, n)
+        if bool(xp.min(pivots) > tol):
+            return l_factor
         if not bool(xp.all(xp.isfinite(pivots))):
             raise KFACValueError(
                 f"{func}: matrix + damping·I must be positive definite; the Cholesky factor "
                 "has non-finite entries. Add damping."
             )
-        tol = _singular_tolerance(xp, pivots, n)
-        if not bool(xp.min(pivots) > tol):
-            raise KFACValueError(
-                f"{func}: matrix + damping·I must be positive definite; its smallest squared "
-                f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
-                f"{float(tol):.3g} (numerically singular). Add damping."
-            )
+        raise KFACValueError(
+            f"{func}: matrix + damping·I must be positive definite; its smallest squared "
+            f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
+            f"{float(tol):.3g} (numerically singular). Add damping."
+        )
     return l_factor
 
 
@@ -603,10 +606,11 @@ def _check_pi_args(func, left, right, norm_type):
 
 
 @kernel_of(pi_tracenorm)
-def _pi(xp, left, right, norm_type="avg_diag"):
-    """π = sqrt(‖L‖/‖R‖), 1 when either norm is 0 (any norm of :func:`factor_norm`)."""
-    left_norm = _factor_norm(xp, left, norm_type)
-    right_norm = _factor_norm(xp, right, norm_type)
+def _pi(xp, left, right, norm_type="avg_diag", *, norms=None):
+    """π = sqrt(‖L‖/‖R‖), 1 when either norm is 0 (any norm of :func:`factor_norm`);
+    ``norms``: the pair ``(‖L‖, ‖R‖)`` when the caller has computed it already."""
+    left_norm, right_norm = norms if norms is not None else (
+        _factor_norm(xp, left, norm_type), _factor_norm(xp, right, norm_type))
     zero = (left_norm == 0) | (right_norm == 0)
     one = xp.ones_like(left_norm)
     # sqrt of each norm, then the ratio: the ratio of two float32 norms can overflow.
@@ -642,8 +646,8 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
 
 
 @kernel_of(pi_adjusted_damping)
-def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag"):
-    pi = _pi(xp, left, right, norm_type)
+def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norms=None):
+    pi = _pi(xp, left, right, norm_type, norms=norms)
     root = math.sqrt(damping)
     return pi * root, root / pi
 

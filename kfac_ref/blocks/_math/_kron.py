@@ -29,12 +29,12 @@ from ._common import (
 )
 
 
-def _factor_norm_is_zero(xp, f, norm_type):
-    # The norm that sets π (kfac-jax tests the same norms for its zero-factor special case);
-    # kfac_ref.linalg.factor_norm is the one home of the factor norms.  For a PSD factor every
-    # one of them is zero exactly when the factor is zero.  A 0-D bool array: it is read on
-    # the host only for eager arrays.
-    return factor_norm.kernel(xp, f, "avg_diag" if norm_type == "off" else norm_type) == 0.0
+def _factor_norms(xp, a, g, norm_type):
+    # The norms that set π; kfac-jax tests the same norms for its zero-factor special case,
+    # so both uses share them.  kfac_ref.linalg.factor_norm is the one home of the factor
+    # norms; for a PSD factor every one of them is zero exactly when the factor is zero.
+    kind = "avg_diag" if norm_type == "off" else norm_type
+    return factor_norm.kernel(xp, a, kind), factor_norm.kernel(xp, g, kind)
 
 
 # --------------------------------------------------------------------------------------
@@ -90,10 +90,12 @@ def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero
     """
     lam = damping / scale
     lazy = is_lazy(a) or is_lazy(g) or (is_array(damping) and is_lazy(damping))
-    zero = None
+    zero = norms = None
+    if zero_factor_fallback == "identity" or norm_type != "off":
+        norms = _factor_norms(xp, a, g, norm_type)
     if zero_factor_fallback == "identity":
-        zero = xp.logical_or(_factor_norm_is_zero(xp, a, norm_type),
-                             _factor_norm_is_zero(xp, g, norm_type))
+        # a 0-D bool array: read on the host only for eager arrays
+        zero = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
         if not lazy:  # eager: decide on the host, as kfac-jax's Python branch does
             if bool(zero):
                 # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
@@ -107,7 +109,7 @@ def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero
     if norm_type == "off":
         delta_a = delta_g = lam**0.5
     else:
-        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type)
+        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type, norms=norms)
     a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
     g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
     if zero is not None:  # traced: both branches, selected per call (jnp.where semantics)
