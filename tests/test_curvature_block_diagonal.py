@@ -458,8 +458,9 @@ def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharin
     # an exact mode has C = 3 output vectors: every Kronecker block computes its input factor
     # once and its output factor once, from the C·N stacked rows (not once per vector)
     from kfac_ref import factors
+    from kfac_ref.nn import layers
 
-    calls = {"dense": [], "conv_in": 0, "conv_out": []}
+    calls = {"dense": [], "conv_in": 0, "conv_out": [], "tap": 0}
     dense_k = factors.fully_connected_kronecker_factor.kernel
     conv_in_k = factors.conv_input_kronecker_factor.kernel
     conv_out_k = factors.conv_output_kronecker_factor.kernel
@@ -479,13 +480,131 @@ def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharin
     monkeypatch.setattr(factors.fully_connected_kronecker_factor, "kernel", dense)
     monkeypatch.setattr(factors.conv_input_kronecker_factor, "kernel", conv_in)
     monkeypatch.setattr(factors.conv_output_kronecker_factor, "kernel", conv_out)
+    tap_rows = layers.patch_rows
+
+    def tap(*a, **k):
+        calls["tap"] += 1
+        return tap_rows(*a, **k)
+
+    monkeypatch.setattr(layers, "patch_rows", tap)
     net = convnet()  # conv (Kronecker), scale-and-shift (diagonal), dense (Kronecker)
     n, c = 4, 3
     bp, batch = make_data(xp, rng, net, ce, n, (2, 3, 3))
     run(net, ce, bp, batch, "ggn_exact", weight_sharing=sharing)
-    if sharing == "expand":  # the dense layer's A and G; the conv layer's Ω and Γ
+    if sharing == "expand":  # the dense layer's A and G; the conv layer's Γ, and its Ω
+        # once, in the forward pass (the patches it reads are the forward's own)
         assert sorted(calls["dense"]) == [n, c * n]
-        assert calls["conv_in"] == 1 and calls["conv_out"] == [c * n]
+        assert calls["conv_out"] == [c * n]
+        assert calls["conv_in"] == 0 and calls["tap"] == 1
     else:  # the reduced conv block is a dense Kronecker block on pooled rows
         assert sorted(calls["dense"]) == [n, n, c * n, c * n]
-        assert calls["conv_in"] == 0 and calls["conv_out"] == []
+        assert calls["conv_in"] == 0 and calls["conv_out"] == [] and calls["tap"] == 0
+
+
+# every block family: the estimator's flat products (the blocks' flat kernels, which take
+# the [W; b] matrix of a Kronecker block as a reshape of the flat slice) equal each block's
+# own product on the parameter tuple, fresh and cached, exact and approximate
+FAMILIES = {"kronecker": {}, "ekfac": {"dense": "ekfac", "conv2d": "ekfac"},
+            "full": {"dense": "full", "conv2d": "full", "scale_and_shift": "full"},
+            "diagonal": {"dense": "diagonal", "conv2d": "diagonal"},
+            "kronecker_reduce": {"conv2d": "kronecker_reduce"}}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_flat_products_equal_each_blocks_tuple_product(xp, rng, family):
+    net = convnet()
+    bp, batch = make_data(xp, rng, net, ce, 3, (2, 3, 3))
+    fa = (bp, batch)
+    est = BlockDiagonalCurvature(net, ce, layer_to_block=FAMILIES[family])
+    st = est.init(None, fa, exact_powers_to_cache=-1.0, approx_powers_to_cache=-1.0)
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, fa, "ggn_exact")
+    st = est.update_cache(st, 0.3, -1.0, -1.0, False)
+    v = rng.standard_normal(net.num_params)
+    per_block = []  # each block's slice as a tuple of its parameters_shapes
+    for bl, i in zip(est.blocks, net.parametric_layers, strict=True):
+        flat, start = v[net.layer_slices()[i]], 0
+        arrays = []
+        for shape in bl.parameters_shapes:
+            size = int(np.prod(shape))
+            arrays.append(xp.asarray(flat[start:start + size].reshape(shape)))
+            start += size
+        per_block.append(tuple(arrays))
+    for exact_power in (True, False):
+        for use_cached in (False, True):
+            got = est.multiply_matpower(st, xp.asarray(v), 0.3, -1.0, exact_power, use_cached)
+            exp = np.concatenate([
+                np.concatenate([xp.to_numpy(a).reshape(-1) for a in bl.multiply_matpower(
+                    bs, vec, 0.3, -1.0, exact_power, use_cached)])
+                for bl, bs, vec in zip(est.blocks, st.blocks_states, per_block, strict=True)])
+            xp.assert_close(got, exp, rtol=tol(xp))
+
+
+# the conv layer's forward pass hands its KFC input factor Ω to the Kronecker block
+# (Conv2D.forward_with_tap): the update equals the one that recomputes Ω from the inputs
+def tapnet(fmt, use_bias, max_bytes):
+    extra = {} if max_bytes is None else {"max_temporary_bytes": max_bytes}
+    return nn.Sequential([
+        ("c1", nn.Conv2D(2, 3, (2, 2), padding="SAME", data_format=fmt, use_bias=use_bias,
+                         **extra)),
+        ("a1", nn.Activation("tanh")),
+        ("c2", nn.Conv2D(3, 2, (2, 1), stride=(2, 1), dilation=(1, 2), data_format=fmt,
+                         use_bias=not use_bias, **extra)),
+        ("f", nn.Flatten()), ("d", nn.Dense(20, 3))])
+
+
+@pytest.mark.parametrize("fmt", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("max_bytes", [None, 1])  # one chunk; one example per chunk
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_empirical"])
+def test_conv_forward_tap_update_equals_recomputing_the_input_factor(xp, rng, monkeypatch, fmt,
+                                                                     use_bias, max_bytes, mode):
+    net = tapnet(fmt, use_bias, max_bytes)
+    in_shape = (4, 5, 2) if fmt == "NHWC" else (2, 4, 5)
+    bp, batch = make_data(xp, rng, net, ce, 3, in_shape)
+    est, tapped = run(net, ce, bp, batch, mode)
+    assert est._taps == (True, False, True, False, False)
+    monkeypatch.setattr(B.Conv2DTwoKroneckerFactored, "uses_layer_tap",
+                        lambda self, layer, shape: False)
+    est2, recomputed = run(net, ce, bp, batch, mode)
+    assert not any(est2._taps)
+    for one, two in zip(tapped.blocks_states, recomputed.blocks_states, strict=True):
+        for s1, s2 in zip(one.statistics, two.statistics, strict=True):
+            xp.assert_close(s1.value, xp.to_numpy(s2.value), rtol=tol(xp))
+
+
+def test_a_conv_block_reads_the_tap_only_of_a_layer_with_its_own_patches(xp):
+    layer = nn.Conv2D(2, 3, (2, 2), padding="SAME")
+    shape = (5, 4, 4, 2)
+    block = B.Conv2DTwoKroneckerFactored.from_layer(layer, shape)
+    assert block.uses_layer_tap(layer, shape)
+    assert block.uses_layer_tap(layer, (7, 4, 4, 2))  # Ω does not depend on N
+    assert not block.uses_layer_tap(layer, (5, 6, 4, 2))  # other locations T
+    for other in (nn.Conv2D(2, 3, (2, 2), padding="VALID"),
+                  nn.Conv2D(2, 3, (2, 2), padding="SAME", stride=2),
+                  nn.Conv2D(2, 3, (2, 2), padding="SAME", use_bias=False),
+                  nn.Conv2D(2, 3, (2, 2), padding="SAME", data_format="NCHW"),
+                  nn.Dense(2, 3)):
+        assert not block.uses_layer_tap(other, shape)
+    unsym = B.Conv2DTwoKroneckerFactored.from_layer(layer, shape, symmetrize=False)
+    assert not unsym.uses_layer_tap(layer, shape)  # its A is not the symmetrised Ω
+    assert not B.Conv2DFull.from_layer(layer, shape).uses_layer_tap(layer, shape)
+
+
+def test_a_user_block_that_takes_no_tap_is_updated_without_one(xp, rng):
+    class OldSignature(B.Conv2DTwoKroneckerFactored):  # an override written before taps
+        def uses_layer_tap(self, layer, input_shape):
+            return False
+
+        def update_from_output_vectors(self, state, layer, inputs, outputs_grads, batch_size,
+                                       weight_sharing, ema_old, ema_new):
+            return super().update_from_output_vectors(state, layer, inputs, outputs_grads,
+                                                      batch_size, weight_sharing, ema_old,
+                                                      ema_new)
+
+    net = convnet()
+    bp, batch = make_data(xp, rng, net, ce, 3, (2, 3, 3))
+    _, got = run(net, ce, bp, batch, "ggn_exact", layer_to_block={"c": OldSignature})
+    _, want = run(net, ce, bp, batch, "ggn_exact")
+    for s1, s2 in zip(got.blocks_states[0].statistics, want.blocks_states[0].statistics,
+                      strict=True):
+        xp.assert_close(s1.value, xp.to_numpy(s2.value), rtol=tol(xp))

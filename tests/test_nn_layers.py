@@ -96,6 +96,55 @@ def test_conv_forward_matches_loop(xp, rng, case):
     xp.assert_close(out, exp)
 
 
+def kfc_input_factor_oracle(x, k, stride, pads, dilation, use_bias):
+    """Ω = Σ_{n,t} p̄ p̄ᵀ / (N|T|) from patches read by explicit loops (NHWC input; the
+    patch is ordered (kernel row, kernel column, channel), the HWIO kernel's row order)."""
+    n, h, wd, c = x.shape
+    xp_ = np.zeros((n, h + pads[0][0] + pads[0][1], wd + pads[1][0] + pads[1][1], c))
+    xp_[:, pads[0][0]:pads[0][0] + h, pads[1][0]:pads[1][0] + wd] = x
+    ho = (xp_.shape[1] - (k[0] - 1) * dilation[0] - 1) // stride[0] + 1
+    wo = (xp_.shape[2] - (k[1] - 1) * dilation[1] - 1) // stride[1] + 1
+    rows = []
+    for i, j in itertools.product(range(ho), range(wo)):
+        p = np.concatenate([xp_[:, i * stride[0] + a * dilation[0], j * stride[1] + b * dilation[1]]
+                            for a, b in itertools.product(range(k[0]), range(k[1]))], axis=1)
+        rows.append(np.concatenate([p, np.ones((n, 1))], axis=1) if use_bias else p)
+    rows = np.concatenate(rows, axis=0)
+    return rows.T @ rows / rows.shape[0]
+
+
+@pytest.mark.parametrize("case", CONV_CASES)
+@pytest.mark.parametrize("use_bias", [True, False])
+@pytest.mark.parametrize("max_bytes", [None, 1])  # one chunk; one example per chunk
+def test_conv_forward_tap_is_the_kfc_input_factor_of_the_forwards_patches(xp, rng, case,
+                                                                          use_bias, max_bytes):
+    h, w, ci, co, k, s, pad, d, fmt = case
+    extra = {} if max_bytes is None else {"max_temporary_bytes": max_bytes}
+    layer = nn.Conv2D(ci, co, k, stride=s, padding=pad, dilation=d, data_format=fmt,
+                      use_bias=use_bias, **extra)
+    x = rng.standard_normal((3, h, w, ci))
+    params = (xp.asarray(rng.standard_normal((*k, ci, co))),)
+    if use_bias:
+        params += (xp.asarray(rng.standard_normal(co)),)
+    if pad == "SAME":
+        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
+    else:
+        pads = ((0, 0), (0, 0)) if pad == "VALID" else pad
+    xin = xp.asarray(x if fmt == "NHWC" else x.transpose(0, 3, 1, 2))
+    out, omega = layer.forward_with_tap(params, xin)
+    xp.assert_close(out, xp.to_numpy(layer.forward(params, xin)))
+    xp.assert_close(omega, kfc_input_factor_oracle(xp.round_host(x), k, s, pads, d, use_bias))
+
+
+def test_layers_without_a_forward_statistic_tap_nothing(xp, rng):
+    layer = nn.Dense(3, 2)
+    params = tuple(xp.asarray(a) for a in layer.init_params(rng, np.zeros(1)))
+    x = xp.asarray(rng.standard_normal((4, 3)))
+    out, tap = layer.forward_with_tap(params, x)
+    assert tap is None
+    xp.assert_close(out, xp.to_numpy(layer.forward(params, x)))
+
+
 @pytest.mark.parametrize("case", CONV_CASES)
 def test_conv_vjp_input_is_transpose_of_loop_convolution(xp, rng, case):
     """vjp_input(g) = J_xᵀ g with J_x assembled column by column from the explicit-loop

@@ -65,7 +65,12 @@ class BlockDiagonalCurvature(EstimatorBase):
     :math:`A` every :math:`\hat S_c` is the same :math:`\hat A(x)`, computed once; for
     :math:`G` the mean over vectors of :math:`\frac1R\sum_r (\sqrt C g_{c,r})(\sqrt C
     g_{c,r})^\top` (:math:`R` rows per vector) is the second moment of the :math:`CR`
-    stacked rows, one GEMM.  Other blocks are updated once per vector as above.
+    stacked rows, one GEMM.  Other blocks are updated once per vector as above.  A block
+    that reads a statistic its layer's forward pass computes
+    (:meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.uses_layer_tap`: the KFC input factor
+    :math:`\Omega` of a :class:`kfac_ref.nn.Conv2D`, from the patches of the forward's own
+    chunks, :meth:`kfac_ref.nn.Conv2D.forward_with_tap`) is handed it, so a convolution's
+    patches are extracted once per update for the forward pass and :math:`\Omega` together.
 
     Dense layers on ``[N, T, d]`` inputs (weight sharing) use KFAC-expand or KFAC-reduce
     (Eschenhagen et al. 2023), chosen by ``weight_sharing``:
@@ -227,7 +232,11 @@ class BlockDiagonalCurvature(EstimatorBase):
         self._input_shapes = tuple(shapes)
         self._blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
         slices = self.net.layer_slices()
-        self._block_offsets = tuple(slices[i].start for i in self.layer_indices)
+        self._block_slices = tuple(slices[i] for i in self.layer_indices)
+        # the layers whose forward pass computes a statistic their block reads (Conv2D's Ω)
+        wants = {i: not bl.uses_params_grads and bl.uses_layer_tap(self.net.layers[i], shapes[i])
+                 for i, bl in zip(self.layer_indices, self._blocks, strict=True)}
+        self._taps = tuple(wants.get(i, False) for i in range(len(self.net.layers)))
         like = params[self.layer_indices[0]][0]
         return BlockDiagonalState(tuple(
             b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
@@ -250,7 +259,8 @@ class BlockDiagonalCurvature(EstimatorBase):
             raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
                                  f"got an uninitialised estimator.")
         self._check_state(func, state)
-        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch)
+        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch,
+                                 taps=self._taps if any(self._taps) else None)
         self._check_batch_size(func, batch_size, b.n)
         for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
             got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
@@ -297,9 +307,11 @@ class BlockDiagonalCurvature(EstimatorBase):
                                                                    ema_new / c, rows)
         for k, i, block in layers:
             if k in stacked:
+                # only blocks that asked for a tap (uses_layer_tap) are given one
+                tap = {} if b.taps[i] is None else {"layer_tap": b.taps[i]}
                 states[k] = block.update_from_output_vectors(
                     states[k], self.net.layers[i], b.inputs[i], stacked[k], b.n,
-                    self._sharing(self.net.names[i]), ema_old, ema_new)
+                    self._sharing(self.net.names[i]), ema_old, ema_new, **tap)
         return states
 
     def _check_state(self, func, state):
@@ -336,18 +348,6 @@ class BlockDiagonalCurvature(EstimatorBase):
                             norm_to_scale_identity_weight_per_block)
             for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
 
-    def _split(self, xp, flat):
-        """Flat [P] -> per block, a tuple of arrays of the block's ``parameters_shapes``."""
-        out = []
-        for start, bl in zip(self._block_offsets, self.blocks, strict=True):
-            arrays = []
-            for shape in bl.parameters_shapes:
-                size = math.prod(shape)
-                arrays.append(xp.reshape(flat[start:start + size], shape))
-                start += size
-            out.append(tuple(arrays))
-        return out
-
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
                           exact_power, use_cached, pmap_axis_name=None,
                           norm_to_scale_identity_weight_per_block=None):
@@ -372,11 +372,9 @@ class BlockDiagonalCurvature(EstimatorBase):
             options.append(bl.check_product_options(func, power, exact_power, use_cached,
                                                     norm_to_scale_identity_weight_per_block))
         xp = namespace_of(func, vector=flat, **likes)
-        outs = []
-        for bl, st, v, w, opts in zip(self.blocks, state.blocks_states, self._split(xp, flat),
-                                      ws, options, strict=True):
-            outs.extend(xp.reshape(a, (-1,))
-                        for a in bl.multiply_matpower_kernel(func, xp, st, v, w, *opts))
+        outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
+                for bl, st, sl, w, opts in zip(self.blocks, state.blocks_states,
+                                               self._block_slices, ws, options, strict=True)]
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):

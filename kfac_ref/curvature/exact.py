@@ -114,7 +114,7 @@ r"""``"mean"``: :math:`\frac1N\sum_n g_n g_n^\top` (TF K-FAC, curvlinops, the de
 class _Batch:
     """Forward pass of one batch with the loss object built on its output."""
 
-    def __init__(self, func, net, loss_fn, params, batch):
+    def __init__(self, func, net, loss_fn, params, batch, taps=None):
         if not isinstance(net, Sequential):
             raise KFACTypeError(f"{func}: net must be a kfac_ref.nn.Sequential; got "
                                 f"{type(net).__name__}.")
@@ -124,7 +124,11 @@ class _Batch:
         params = net.check_params(func, params)
         net.check_input(func, x, net._like(params))
         self.net, self.params, self.x, self.targets = net, params, x, y
-        self.out, self.inputs = net._forward(params, x)
+        if taps is not None:  # what marked layers' forward passes leave for the blocks
+            self.out, self.inputs, self.taps = net._forward(params, x, taps)
+        else:
+            self.out, self.inputs = net._forward(params, x)
+            self.taps = (None,) * len(net.layers)
         self._vjp_caches = None
         self.n = int(self.out.shape[0])
         self.d = math.prod(self.out.shape[1:])
@@ -194,12 +198,14 @@ class _Batch:
         return xp.stack(cols, axis=1)
 
 
-def evaluate_batch(func, net, loss_fn, params, batch):
+def evaluate_batch(func, net, loss_fn, params, batch, taps=None):
     """Validate ``(net, loss_fn, params, batch)`` once, in the name of the public function
     ``func``, run the forward pass and build the loss on its output: the evaluated batch that
-    the kernels of this module take (``ggn_matrix.kernel(b)`` ...).  Internal API of
-    :mod:`kfac_ref.curvature`."""
-    return _Batch(func, net, loss_fn, params, batch)
+    the kernels of this module take (``ggn_matrix.kernel(b)`` ...).  With ``taps`` (one bool
+    per layer) the marked layers' :meth:`~kfac_ref.nn.Layer.forward_with_tap` taps are kept
+    (``b.taps``).
+    Internal API of :mod:`kfac_ref.curvature`."""
+    return _Batch(func, net, loss_fn, params, batch, taps)
 
 
 def unpack_batch(func, batch):

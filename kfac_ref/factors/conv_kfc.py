@@ -171,12 +171,25 @@ def _conv_patch_matrix(xp, inputs, geo, has_bias=False, *, extract_patches_fn=No
         patches = extract_pointwise_conv2d_patches.kernel(xp, inputs, geo)
     else:  # the image variant gives the same patches as the general one
         patches = extract_convolution_patches.kernel(xp, inputs, geo)
-    patches = xp.reshape(patches, (-1, geo.patch_size))
+    return patch_rows(xp, patches, geo.patch_size, has_bias, patch_mask)
+
+
+def patch_rows(xp, patches, patch_size, has_bias=False, patch_mask=None):
+    r"""Unchecked kernel: extracted patches (any leading shape, the patch entries last or
+    last three) → the rows :math:`[\![A]\!]_H` ``[rows, K (+1)]`` of the KFC input factor.
+
+    .. math:: \bar p_{n,t} = (p_{n,t} \odot m,\ 1)
+
+    (mask :math:`m` when given, the homogeneous 1 with a bias).  Shared by the factor's own
+    patch extraction and by callers that already hold the patches (a conv layer's forward
+    pass, :meth:`kfac_ref.nn.Conv2D.forward_with_tap`).
+    """
+    rows = xp.reshape(patches, (-1, patch_size))
     if patch_mask is not None:
-        patches = patches * xp.reshape(patch_mask, (geo.patch_size,))
+        rows = rows * xp.reshape(patch_mask, (patch_size,))
     if has_bias:
-        patches = append_homog.kernel(xp, patches)
-    return patches
+        rows = append_homog.kernel(xp, rows)
+    return rows
 
 
 def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dilation_rate=None,

@@ -43,6 +43,8 @@ from .._backend import (
     zeros_like_shape,
 )
 from ..factors import MAX_TEMPORARY_BYTES, conv_per_example_gradients
+from ..factors.conv_kfc import patch_rows
+from ..linalg import compute_cov
 from ..patches import (
     ConvGeometry,
     example_chunks,
@@ -172,6 +174,18 @@ class Layer:
         .. math:: y_n = f(\theta, x_n)
         """
         raise NotImplementedError
+
+    def forward_with_tap(self, params, x):
+        r"""The layer map and what the pass computed that a curvature block may reuse.
+
+        .. math:: (y, \tau) = (f(\theta, x), \tau(\theta, x))
+
+        ``τ`` is ``None`` for the base class; :class:`Conv2D` returns the KFC input factor
+        of its patches.  A block that reads ``τ``
+        (:class:`~kfac_ref.blocks.kfac_jax.Conv2DTwoKroneckerFactored`) then does not
+        recompute it (:class:`~kfac_ref.curvature.BlockDiagonalCurvature` passes it on).
+        """
+        return self.forward(params, x), None
 
     def jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
         r"""Forward-mode tangent (``None`` tangents are zero; returns ``None`` if both are).
@@ -400,6 +414,8 @@ class Conv2D(Layer):
         :meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`.  Peak
         memory is then about this bound plus twice the output (the chunks' results and their
         concatenation).  Outputs are unchanged up to the rounding of the chunked sums.
+        :meth:`forward_with_tap` runs the same chunks and adds each chunk's share of the
+        KFC input factor, a :math:`(K+b)^2` accumulator.
 
     Raises
     ------
@@ -536,11 +552,11 @@ class Conv2D(Layer):
     def _kernel_matrix(self, xp, w):
         return xp.reshape(w, (self.patch_size, self.c_out))
 
-    def _chunks(self, xp, like, spatial_in):
+    def _chunks(self, xp, like, spatial_in, extra_columns=0):
         """``(start, stop)`` chunks of examples whose patch temporaries
         (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example` entries
         per example) fit in :attr:`max_temporary_bytes`."""
-        entries = self.geometry(tuple(spatial_in)).temporary_entries_per_example()
+        entries = self.geometry(tuple(spatial_in)).temporary_entries_per_example(extra_columns)
         return example_chunks(like.shape[0], entries,
                               xp.finfo(like.dtype).bits // 8, self.max_temporary_bytes)
 
@@ -628,6 +644,35 @@ class Conv2D(Layer):
     def forward(self, params, x):
         xp = namespace_of("Conv2D.forward", x=x)
         return self._conv(xp, x, params[0], params[1] if self.use_bias else None)
+
+    def forward_with_tap(self, params, x):
+        r"""The output and the KFC input factor of the patches it was computed from.
+
+        .. math::
+
+            y = P(x) K + b, \qquad
+            \tau = \Omega = \frac{1}{N|T|}\sum_{n,t} \bar p_{n,t}\bar p_{n,t}^\top
+            \in \mathbb R^{(K+b) \times (K+b)}
+
+        (:func:`kfac_ref.factors.conv_input_kronecker_factor` on the layer's geometry,
+        :math:`\bar p = (p, 1)` with a bias), accumulated chunk by chunk while each chunk's
+        patches are alive, so a Kronecker block needs no second patch extraction.  The
+        chunks hold at most :attr:`max_temporary_bytes` of patches, as in :meth:`forward`.
+        """
+        xp = namespace_of("Conv2D.forward_with_tap", x=x)
+        k = self._kernel_matrix(xp, params[0])
+        bias = params[1] if self.use_bias else None
+        rows = x.shape[0] * self.geometry(tuple(x.shape)).num_locations
+        outs, omega = [], None
+        for lo, hi in self._chunks(xp, x, x.shape, int(self.use_bias)):
+            p = self.patches(x if (lo, hi) == (0, x.shape[0]) else x[lo:hi, ...])
+            y = p @ k
+            outs.append(y if bias is None else y + bias)
+            part = compute_cov.kernel(xp, patch_rows(xp, p, self.patch_size, self.use_bias),
+                                      None, rows)
+            omega = part if omega is None else omega + part
+        y = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
+        return self._from_nhwc(xp, y), omega
 
     def jvp(self, params, x, dparams, dx):
         xp = namespace_of("Conv2D.jvp", x=x)

@@ -78,6 +78,7 @@ class Sequential:
             objs.append(item[1])
         self.names = tuple(names)
         self.layers = tuple(objs)
+        self._layer_sizes = tuple(layer.num_params for layer in self.layers)
 
     # -- structure --------------------------------------------------------------------------
     def __len__(self):
@@ -94,7 +95,7 @@ class Sequential:
 
         .. math:: (P_1, \dots, P_L)
         """
-        return tuple(layer.num_params for layer in self.layers)
+        return self._layer_sizes
 
     @property
     def num_params(self) -> int:
@@ -102,7 +103,7 @@ class Sequential:
 
         .. math:: P = \textstyle\sum_l P_l
         """
-        return sum(self.layer_sizes)
+        return sum(self._layer_sizes)
 
     def layer_slices(self) -> tuple[slice, ...]:
         r"""Slice of each layer in the flat parameter vector.
@@ -251,13 +252,20 @@ class Sequential:
         return self.unflatten(v)
 
     # -- passes (unvalidated internals) ---------------------------------------------------
-    def _forward(self, params, x):
-        inputs = []
+    def _forward(self, params, x, taps=None):
+        """``(output, inputs of every layer)``; with ``taps`` (one bool per layer) also the
+        :meth:`~kfac_ref.nn.Layer.forward_with_tap` tap of each layer it marks (``None``
+        for the others and where a layer has none)."""
+        inputs, kept = [], []
         h = x
-        for layer, p in zip(self.layers, params, strict=False):
+        for j, (layer, p) in enumerate(zip(self.layers, params, strict=False)):
             inputs.append(h)
-            h = layer.forward(p, h)
-        return h, inputs
+            if taps is not None and taps[j]:
+                h, tap = layer.forward_with_tap(p, h)
+            else:
+                h, tap = layer.forward(p, h), None
+            kept.append(tap)
+        return (h, inputs) if taps is None else (h, inputs, tuple(kept))
 
     def _jvp(self, params, inputs, dparams, dx=None):
         dins = []

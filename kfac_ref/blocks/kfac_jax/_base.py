@@ -29,7 +29,7 @@ from ..._backend import (
 )
 from ...averaging import WeightedMovingAverage
 from ...linalg import FACTOR_NORMS
-from .._math import flatten, unflatten, validated_internals
+from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
 
 __all__ = ["BlockState", "CurvatureBlock"]
 
@@ -133,16 +133,21 @@ class CurvatureBlock(abc.ABC):
       ``_statistics_shapes``) from ``data``, the output of ``_check_estimation_arrays``;
       :meth:`update_curvature_matrix_estimate` averages them into the state.
     * ``_multiply_fresh(func, xp, state, vector, lam, power, exact)`` and
-      ``_multiply_cached(...)``: :math:`(sB + \lambda I)^p v` for a tuple ``vector`` of
-      parameter-shaped arrays, from the statistics or from the snapshot of
-      ``_build_cache``; both run the same product code.
+      ``_multiply_cached(...)``: :math:`(sB + \lambda I)^p v` for ``vector`` in the
+      family's working form (a tuple of parameter-shaped arrays unless the family
+      overrides the working-form hooks below), from the statistics or from the snapshot
+      of ``_build_cache``; both run the same product code.
     * ``_build_cache(func, xp, state, lam, exact, approx, eigenvalues)``: the mapping the
       cached products need (powers in ``exact``/``approx``, ``lam`` the effective weight).
     * ``_eigenvalues(func, xp, state)``: :math:`\operatorname{spec}(sB)`, length :attr:`dim`.
     * ``_dense_unscaled(xp, state)``: :math:`B` as a ``[dim, dim]`` array.
     * ``_norm_unscaled(xp, state, norm_type)``: :math:`\|B\|` as a 0-D array or a number.
 
-    Optional hooks: ``_check_estimation_arrays`` (the checks of ``estimation_data``),
+    Optional hooks: the working form of a vector, ``_to_working_form(xp, vector)`` /
+    ``_from_working_form(xp, work)`` and ``_flat_to_working_form(xp, flat)`` /
+    ``_working_form_to_flat(xp, work)`` (the Kronecker families work on the ``[W; b]``
+    matrix, which is the block's flat slice reshaped, so a flat product copies nothing),
+    ``_check_estimation_arrays`` (the checks of ``estimation_data``),
     ``_check_approx_power``, :meth:`from_layer`, :meth:`layer_estimation_data` and
     :meth:`update_from_output_vectors` (one update from several back-propagated vectors).
 
@@ -214,7 +219,7 @@ class CurvatureBlock(abc.ABC):
         return {"inputs": inputs, "outputs_grad": outputs_grad}, batch_size
 
     def update_from_output_vectors(self, state, layer, inputs, outputs_grads, batch_size,
-                                   weight_sharing, ema_old, ema_new):
+                                   weight_sharing, ema_old, ema_new, layer_tap=None):
         r"""One moving-average update from the :math:`C` back-propagated output vectors of a
         batch (:class:`kfac_ref.curvature.BlockDiagonalCurvature` calls this once per update).
 
@@ -229,7 +234,10 @@ class CurvatureBlock(abc.ABC):
         1, each with the weight ``ema_new / C`` (the same average); Kronecker blocks override
         it to form the input factor once and the output factor from the stacked vectors in
         one GEMM.  Only for blocks that read layer quantities, not per-example parameter
-        gradients (:attr:`uses_params_grads` false).
+        gradients (:attr:`uses_params_grads` false).  ``layer_tap`` is what the layer's
+        forward pass kept (:meth:`kfac_ref.nn.Layer.forward_with_tap`; ``None`` when it kept
+        nothing); a block that can use it instead of recomputing it from ``inputs`` does
+        (the KFC input factor from a convolution's patches), the others ignore it.
         """
         if self.uses_params_grads:
             raise KFACValueError(
@@ -247,6 +255,19 @@ class CurvatureBlock(abc.ABC):
             state = self.update_curvature_matrix_estimate(
                 state, data, ema_old if j == 0 else 1.0, ema_new / c, rows)
         return state
+
+    def uses_layer_tap(self, layer, input_shape):
+        r"""Whether this block reads the tap of ``layer``'s forward pass for inputs of shape
+        ``input_shape`` (:meth:`kfac_ref.nn.Layer.forward_with_tap`): then
+        :class:`kfac_ref.curvature.BlockDiagonalCurvature` asks the layer for it and passes
+        it to :meth:`update_from_output_vectors` as ``layer_tap``.
+
+        .. math:: \tau(\theta, x) \text{ is one of the block's statistics }\hat S(x, g)
+
+        ``False`` here; :class:`Conv2DTwoKroneckerFactored` reads the KFC input factor
+        :math:`\Omega` of a :class:`kfac_ref.nn.Conv2D` of its own geometry and bias.
+        """
+        return False
 
     @property
     def uses_params_grads(self):
@@ -517,10 +538,48 @@ class CurvatureBlock(abc.ABC):
         depends on the cache's contents (a power or norm it was not built with) is still
         refused here.
         """
+        work = self._multiply_working_form(func, xp, state, self._to_working_form(xp, vector),
+                                           identity_weight, power, exact_power, use_cached,
+                                           norm_type)
+        return self._from_working_form(xp, work)
+
+    def multiply_matpower_flat_kernel(self, func, xp, state, flat, identity_weight, power,
+                                      exact_power, use_cached, norm_type):
+        r""":meth:`multiply_matpower_kernel` on the block's flat slice ``[dim]`` (the
+        row-major flattenings of ``parameters_shapes``, concatenated); returns the flat
+        product.
+
+        .. math:: \mathrm{vec}\big((s B + \lambda I)^{p} v\big)
+
+        Same contract as :meth:`multiply_matpower_kernel`, with ``flat`` checked and
+        scanned by the caller.  For a family whose working form is a reshape of the flat
+        slice (the Kronecker ``[W; b]`` matrix) no vector is copied on the way in or out.
+        """
+        work = self._multiply_working_form(func, xp, state,
+                                           self._flat_to_working_form(xp, flat),
+                                           identity_weight, power, exact_power, use_cached,
+                                           norm_type)
+        return self._working_form_to_flat(xp, work)
+
+    def _multiply_working_form(self, func, xp, state, work, identity_weight, power,
+                               exact_power, use_cached, norm_type):
         lam = self._damping(func, xp, state, identity_weight, norm_type, use_cached)
         if use_cached:
-            return self._multiply_cached(func, xp, state, vector, lam, power, exact_power)
-        return self._multiply_fresh(func, xp, state, vector, lam, power, exact_power)
+            return self._multiply_cached(func, xp, state, work, lam, power, exact_power)
+        return self._multiply_fresh(func, xp, state, work, lam, power, exact_power)
+
+    # -- the working form of a vector: the parameter tuple unless a family overrides it --
+    def _to_working_form(self, xp, vector):
+        return vector
+
+    def _from_working_form(self, xp, work):
+        return work
+
+    def _flat_to_working_form(self, xp, flat):
+        return self._to_working_form(xp, unflatten(xp, flat, self.parameters_shapes))
+
+    def _working_form_to_flat(self, xp, work):
+        return flatten(xp, self._from_working_form(xp, work))
 
     def multiply(self, state, vector, identity_weight, exact_power, use_cached,
                  norm_to_scale_identity_weight=None):
@@ -620,3 +679,29 @@ class CurvatureBlock(abc.ABC):
 
     def _norm(self, xp, state, norm_type):
         return self.scale(state, False) * self._norm_unscaled(xp, state, norm_type)
+
+
+class MatrixWorkingForm:
+    r"""Working form of the Kronecker families: the row-major ``[W; b]`` matrix
+    ``[K (+1), C_out]`` (kernel reshaped to ``[-1, C_out]``, bias as the last row).
+
+    .. math:: X = \begin{bmatrix} W \\ b^\top \end{bmatrix}, \qquad
+              \mathrm{vec}_r X = (\mathrm{vec}_r W, b)
+
+    The block's flat slice is :math:`\mathrm{vec}_r X`, so the flat forms are reshapes.
+    Needs ``input_size`` and ``output_size`` on the block."""
+
+    def _to_working_form(self, xp, vector):
+        return to_mat2d(xp, vector[0], vector[1] if len(vector) == 2 else None,
+                        self.output_size)
+
+    def _from_working_form(self, xp, work):
+        has_bias = len(self.parameters_shapes) == 2
+        kernel, bias = from_mat2d(xp, work, self.parameters_shapes[0], has_bias)
+        return (kernel, bias) if has_bias else (kernel,)
+
+    def _flat_to_working_form(self, xp, flat):
+        return xp.reshape(flat, (self.input_size, self.output_size))
+
+    def _working_form_to_flat(self, xp, work):
+        return xp.reshape(work, (-1,))

@@ -27,8 +27,8 @@ import math
 from ... import factors
 from ..._backend import KFACValueError, check_bool
 from ...linalg import append_homog, clipped_eigh, compute_cov, factor_norm, kron
-from .._math import apply_diagonal, from_mat2d, to_mat2d
-from ._base import CurvatureBlock
+from .._math import apply_diagonal
+from ._base import CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer
 from ._registry import register_layer_block
 
@@ -45,7 +45,7 @@ def _from_kfe(xp, q_a, q_g, y):
     return xp.matmul(xp.matmul(q_a, y), xp.matrix_transpose(q_g))
 
 
-class EigenbasisKroneckerFactored(CurvatureBlock):
+class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     r"""EKFAC blocks (George et al. 2018): :math:`s\,Q\operatorname{diag}(s^*)Q^\top` in the
     eigenbasis :math:`Q = Q_A \otimes Q_G` of the Kronecker factors.
 
@@ -107,14 +107,10 @@ class EigenbasisKroneckerFactored(CurvatureBlock):
         return self._kfe(xp, a, g, f)
 
     # -- products -------------------------------------------------------------------------
-    def _product(self, func, xp, kfe, vector, lam, power, s):
+    def _product(self, func, xp, kfe, x, lam, power, s):
         q_a, q_g, s_star = kfe
-        has_bias = len(self.parameters_shapes) == 2
-        x = to_mat2d(xp, vector[0], vector[1] if has_bias else None, self.output_size)
-        y = _from_kfe(xp, q_a, q_g,
-                      apply_diagonal(func, xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
-        kernel, bias = from_mat2d(xp, y, self.parameters_shapes[0], has_bias)
-        return (kernel, bias) if has_bias else (kernel,)
+        return _from_kfe(xp, q_a, q_g,
+                         apply_diagonal(func, xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         return self._product(func, xp, self._fresh_kfe(xp, state), vector, lam, power,

@@ -37,9 +37,21 @@ class Full(CurvatureBlock):
     def _statistics_shapes(self):
         return ((self.dim, self.dim),)
 
-    def _product(self, func, xp, matrix, eig, vector, lam, power, s):
-        out = apply_full(func, xp, matrix, eig, self._flatten(xp, vector), power, lam, s)
-        return self._unflatten(xp, out)
+    # the working form is the flat vector, the order of the dense matrix
+    def _to_working_form(self, xp, vector):
+        return self._flatten(xp, vector)
+
+    def _from_working_form(self, xp, work):
+        return self._unflatten(xp, work)
+
+    def _flat_to_working_form(self, xp, flat):
+        return flat
+
+    def _working_form_to_flat(self, xp, work):
+        return work
+
+    def _product(self, func, xp, matrix, eig, flat, lam, power, s):
+        return apply_full(func, xp, matrix, eig, flat, power, lam, s)
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         matrix = state.statistics[0].value

@@ -22,15 +22,13 @@ from .._math import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
     apply_kron,
-    from_mat2d,
     kron_product_path,
     kron_spectrum,
     prepare_kron,
     prepare_kron_eigen,
-    to_mat2d,
     validated_internals,
 )
-from ._base import BlockState, CurvatureBlock
+from ._base import BlockState, CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
 from ._registry import register_layer_block
 
@@ -41,7 +39,7 @@ KFAC_JAX_APPROX_POWERS = (-1.0, -0.5, 0.5, 1.0)
 """Powers kfac-jax's Kronecker blocks compute approximately (π-damped factors)."""
 
 
-class TwoKroneckerFactored(CurvatureBlock):
+class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     r"""Kronecker-factored blocks (kfac-jax ``TwoKroneckerFactored``), :math:`s\,A\otimes G`.
 
     .. math::
@@ -106,12 +104,8 @@ class TwoKroneckerFactored(CurvatureBlock):
         return prepare_kron(path, func, xp, a, g, power, lam, s, self.pi_norm,
                             self.zero_factor_fallback, self.eigenvalue_clipping_threshold)
 
-    def _product(self, path, func, xp, a, g, prepared, vector, lam, power, s):
-        has_bias = len(self.parameters_shapes) == 2
-        x = to_mat2d(xp, vector[0], vector[1] if has_bias else None, self.output_size)
-        y = apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
-        kernel, bias = from_mat2d(xp, y, self.parameters_shapes[0], has_bias)
-        return (kernel, bias) if has_bias else (kernel,)
+    def _product(self, path, func, xp, a, g, prepared, x, lam, power, s):
+        return apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         a, g = (f.value for f in state.statistics)
@@ -179,7 +173,7 @@ class TwoKroneckerFactored(CurvatureBlock):
         return first["inputs"], [d["outputs_grad"] for d, _ in datas], rows
 
     def update_from_output_vectors(self, state, layer, inputs, outputs_grads, batch_size,
-                                   weight_sharing, ema_old, ema_new):
+                                   weight_sharing, ema_old, ema_new, layer_tap=None):
         r"""One moving-average update from the :math:`C` back-propagated vectors of a batch
         (used by :class:`kfac_ref.curvature.BlockDiagonalCurvature`).
 
@@ -192,7 +186,8 @@ class TwoKroneckerFactored(CurvatureBlock):
         with :math:`R` rows per vector: :math:`\hat A` is computed once and :math:`G` from
         the :math:`C R` stacked rows in one GEMM.  This equals :math:`C` calls of
         :meth:`update_curvature_matrix_estimate`, the first with ``ema_old`` and the others
-        with 1, each with the weight ``ema_new / C``, up to rounding.
+        with 1, each with the weight ``ema_new / C``, up to rounding.  ``layer_tap``: see
+        :meth:`CurvatureBlock.update_from_output_vectors`.
         """
         func = f"{type(self).__name__}.update_from_output_vectors"
         if not outputs_grads:
@@ -207,9 +202,11 @@ class TwoKroneckerFactored(CurvatureBlock):
         for g in gs[1:]:  # same shapes as the first (one backward pass each): finiteness
             check_array(func, "outputs_grad", g)
         g = gs[0] if len(gs) == 1 else xp.concat(gs, axis=0)
+        stats_data = {"inputs": data["inputs"], "outputs_grad": g}
+        if layer_tap is not None and self.uses_layer_tap(layer, tuple(inputs.shape)):
+            stats_data["input_factor"] = layer_tap
         with validated_internals():
-            new = self._batch_statistics(xp, {"inputs": data["inputs"], "outputs_grad": g},
-                                         rows)
+            new = self._batch_statistics(xp, stats_data, rows)
             stats = tuple(s.update(x, ema_old, ema_new)
                           for s, x in zip(state.statistics, new, strict=True))
         return BlockState(stats, state.cache, state.like)
@@ -307,16 +304,35 @@ class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
         return ReducedConv2DTwoKroneckerFactored(layer.patch_size, layer.c_out,
                                                  has_bias=layer.use_bias, **kwargs)
 
+    def uses_layer_tap(self, layer, input_shape):
+        r"""Whether ``layer``'s forward tap is this block's :math:`\Omega`: a
+        :class:`kfac_ref.nn.Conv2D` whose patches for ``input_shape`` are this block's
+        patches (same geometry and bias), with ``symmetrize`` (the KFC factor).
+
+        .. math:: \tau = \Omega = \frac{1}{N|T|}\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top
+        """
+        if not (self.symmetrize and getattr(layer, "kind", None) == "conv2d"):
+            return False
+        mine, its = self.geometry, layer.geometry(tuple(input_shape))
+        same = ("filter_shape", "strides", "dilation", "padding", "channels_last",
+                "output_spatial_shape")
+        return (mine.input_shape[1:] == its.input_shape[1:]
+                and all(getattr(mine, f) == getattr(its, f) for f in same)
+                and getattr(layer, "use_bias", None) == self.has_bias)
+
     def fixed_scale(self):
         return float(self.num_locations)
 
     def _batch_statistics(self, xp, data, batch_size):
         x, g = data["inputs"], data["outputs_grad"]
+        # the layer's forward pass computed Ω from its patches (Conv2D.forward_with_tap):
+        # the same statistic, summed over the forward's chunks
+        tap = data.get("input_factor")
         if self.symmetrize:
-            return (factors.conv_input_kronecker_factor.kernel(xp, x, self.geometry,
-                                                               self.has_bias),
-                    factors.conv_output_kronecker_factor.kernel(
-                        xp, g, self.geometry.channels_last))
+            a = tap if tap is not None else factors.conv_input_kronecker_factor.kernel(
+                xp, x, self.geometry, self.has_bias)
+            return (a, factors.conv_output_kronecker_factor.kernel(
+                xp, g, self.geometry.channels_last))
         gl = self._grads_channels_last(xp, g)
         return (self._second_moment(xp, self._patches(x)),
                 self._second_moment(xp, xp.reshape(gl, (-1, gl.shape[-1]))))
