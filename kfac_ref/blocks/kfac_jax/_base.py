@@ -264,8 +264,9 @@ class CurvatureBlock(abc.ABC):
 
         .. math:: \tau(\theta, x) \text{ is one of the block's statistics }\hat S(x, g)
 
-        ``False`` here; :class:`Conv2DTwoKroneckerFactored` reads the KFC input factor
-        :math:`\Omega` of a :class:`kfac_ref.nn.Conv2D` of its own geometry and bias.
+        ``False`` here; :class:`~kfac_ref.blocks.kfac_jax.Conv2DTwoKroneckerFactored`
+        reads the KFC input factor :math:`\Omega` of a :class:`kfac_ref.nn.Conv2D` of its
+        own geometry and bias.
         """
         return False
 

@@ -187,7 +187,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         the :math:`C R` stacked rows in one GEMM.  This equals :math:`C` calls of
         :meth:`update_curvature_matrix_estimate`, the first with ``ema_old`` and the others
         with 1, each with the weight ``ema_new / C``, up to rounding.  ``layer_tap``: see
-        :meth:`CurvatureBlock.update_from_output_vectors`.
+        :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.update_from_output_vectors`.
         """
         func = f"{type(self).__name__}.update_from_output_vectors"
         if not outputs_grads:
