@@ -657,7 +657,7 @@ class Conv2D(Layer):
         (:func:`kfac_ref.factors.conv_input_kronecker_factor` on the layer's geometry,
         :math:`\bar p = (p, 1)` with a bias), accumulated chunk by chunk while each chunk's
         patches are alive, so a Kronecker block needs no second patch extraction.  The
-        chunks hold at most :attr:`max_temporary_bytes` of patches, as in :meth:`forward`.
+        chunks hold at most ``max_temporary_bytes`` of patches, as in :meth:`forward`.
         """
         xp = namespace_of("Conv2D.forward_with_tap", x=x)
         k = self._kernel_matrix(xp, params[0])
