@@ -80,8 +80,10 @@ def plot(result, path):
         if any(r["op"] == "chunking" for r in rows):
             ax.axvline(1.3, color="tab:purple", lw=0.8, ls="-.",
                        label="goal 1.3× (chunked / one shot)")
-        ax.set_xlabel("kfac_ref time / hand-written NumPy time (median; bars: quartile ratios)")
-        ax.set_title(f"kfac_ref {m['kfac_ref_version']} vs hand NumPy, {m['backend']}, "
+        hand_lib = {"numpy": "NumPy", "cupy": "CuPy"}.get(m.get("hand", "numpy"), m.get("hand"))
+        ax.set_xlabel(f"kfac_ref time / hand-written {hand_lib} time (median; bars: quartile "
+                      "ratios)")
+        ax.set_title(f"kfac_ref {m['kfac_ref_version']} vs hand {hand_lib}, {m['backend']}, "
                      f"{m['cpu_count']} CPUs, {m['repeats']} repeats", fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
     if peer_rows:

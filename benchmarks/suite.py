@@ -73,9 +73,22 @@ def make_backend(name):
         import torch
 
         dev = "cuda" if torch.cuda.is_available() else "cpu"
-        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-        return Backend(f"torch-{dev}", lambda a: torch.asarray(a, device=dev),
-                       lambda a: a.detach().cpu().numpy(), sync)
+        to = lambda a: torch.asarray(a, device=dev)  # noqa: E731
+        to_host = lambda a: a.detach().cpu().numpy()  # noqa: E731
+        if dev == "cpu":
+            return Backend("torch-cpu", to, to_host)
+        try:  # the hand baseline on the same GPU, through CuPy, when it is installed
+            import cupy
+        except ImportError:
+            cupy = None
+        if cupy is None:
+            return Backend("torch-cuda", to, to_host, torch.cuda.synchronize)
+
+        def sync():  # torch's and CuPy's streams: wait for the whole device
+            torch.cuda.synchronize()
+            cupy.cuda.Device().synchronize()
+
+        return Backend("torch-cuda", to, to_host, sync, cupy, cupy.asarray)
     if name == "cupy":
         import cupy
 
@@ -334,6 +347,7 @@ def meta(args, backend):
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "backend": backend.name,
+        "hand": backend.hand.__name__,  # the array library of the hand baseline
         "quick": bool(args.quick),
         "repeats": args.repeats,
         "damping": DAMPING,
@@ -352,7 +366,8 @@ def markdown(result):
              f"(median and interquartile range, ms){' — QUICK sizes' if m['quick'] else ''}.",
              "(The `chunking` rows compare kfac_ref with an 8 MiB memory bound against kfac_ref "
              "in one shot: there the second column is kfac_ref unchunked.)",
-             "", "| workload | dtype | row | kfac_ref | hand NumPy | ratio | check |",
+             "", f"| workload | dtype | row | kfac_ref | hand ({m.get('hand', 'numpy')}) "
+             "| ratio | check |",
              "|---|---|---|---:|---:|---:|---|"]
     for r in result["rows"]:
         if r["op"] in ("update", "inverses", "cached_product", "chunking"):

@@ -86,6 +86,9 @@ def pytest_sessionfinish(session, exitstatus):
     the evidence for editing the declarations in kfac_ref/capabilities.py."""
     path = os.environ.get("KFAC_REF_SUPPORT_DUMP")
     if path:
+        # under pytest-xdist each worker records only its own calls: one file per worker
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        path = f"{path}.{worker}" if worker else path
         import json
 
         with open(path, "w", encoding="utf-8") as f:
@@ -212,6 +215,17 @@ def _backends():
                                     True), id="torch-cpu"))
         params.append(pytest.param(("torch-cpu-float32", atorch, torch.device("cpu"),
                                     torch.float32, False), id="torch-cpu-float32"))
+        if torch.cuda.is_available():
+            # the device an array reports is cuda:0; torch.device("cuda") (index None)
+            # would not compare equal to it
+            cuda = torch.device("cuda", 0)
+            params.append(pytest.param(("torch-cuda", atorch, cuda, torch.float64, True),
+                                       id="torch-cuda"))
+            params.append(pytest.param(("torch-cuda-float32", atorch, cuda, torch.float32,
+                                        False), id="torch-cuda-float32"))
+        else:
+            params.append(pytest.param(None, id="torch-cuda", marks=pytest.mark.skip(
+                reason="torch CUDA tensors need a CUDA GPU")))
     except ImportError:
         params.append(pytest.param(None, id="torch-cpu",
                                    marks=pytest.mark.skip(reason="torch not installed")))
@@ -239,6 +253,8 @@ def _backends():
 
         params.append(pytest.param(("cupy", acp, cupy.cuda.Device(0), acp.float64, True),
                                    id="cupy"))
+        params.append(pytest.param(("cupy-float32", acp, cupy.cuda.Device(0), acp.float32,
+                                    False), id="cupy-float32"))
     except Exception as exc:  # ImportError, or CUDA errors on a machine without a GPU
         params.append(pytest.param(None, id="cupy", marks=pytest.mark.skip(
             reason=f"CuPy needs a CUDA GPU ({type(exc).__name__}: {exc})")))

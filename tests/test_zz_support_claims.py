@@ -17,7 +17,7 @@ import support_recorder
 from kfac_ref import capabilities
 
 _CELL_TO_COLUMN = {"numpy": "numpy", "strict": "array_api_strict", "torch-cpu": "torch",
-                   "jax": "jax", "cupy": "cupy"}
+                   "torch-cuda": "torch", "jax": "jax", "cupy": "cupy"}
 
 
 def test_no_stale_declarations():
