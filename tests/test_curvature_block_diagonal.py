@@ -501,6 +501,42 @@ def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharin
         assert calls["conv_in"] == 0 and calls["conv_out"] == [] and calls["tap"] == 0
 
 
+STACKED_NETS = [("mlp", mlp, (3,)), ("conv", convnet, (2, 3, 3)),
+                ("conv_chunked", lambda: tapnet("NHWC", True, 1), (4, 5, 2))]
+
+
+@pytest.mark.parametrize("case", STACKED_NETS, ids=[c[0] for c in STACKED_NETS])
+@pytest.mark.parametrize("mode", ["ggn_exact", "fisher_exact"])
+def test_stacked_backward_equals_one_backward_pass_per_vector(xp, rng, monkeypatch, case, mode):
+    # with Kronecker and diagonal-of-layer blocks only, the C output vectors of an exact
+    # mode are back-propagated stacked, in one pass; the statistics must equal those of C
+    # separate passes (the network's own per-vector backward, stacked afterwards)
+    _, make, in_shape = case
+    net = make()
+    bp, batch = make_data(xp, rng, net, ce, 3, in_shape)
+    calls = {"n": 0}
+    stacked = nn.Sequential._backward_stacked
+
+    def counted(self, *a, **k):
+        calls["n"] += 1
+        return stacked(self, *a, **k)
+
+    monkeypatch.setattr(nn.Sequential, "_backward_stacked", counted)
+    _, one_pass = run(net, ce, bp, batch, mode)
+    assert calls["n"] == 1
+
+    def per_vector(self, params, inputs, g, caches=None):
+        passes = [self._backward(params, inputs, g[j, ...], param_grads=False,
+                                 caches=caches)[1] for j in range(g.shape[0])]
+        return [xp.xp.stack([p[i] for p in passes], axis=0) for i in range(len(passes[0]))]
+
+    monkeypatch.setattr(nn.Sequential, "_backward_stacked", per_vector)
+    _, separate = run(net, ce, bp, batch, mode)
+    for one, two in zip(one_pass.blocks_states, separate.blocks_states, strict=True):
+        for s1, s2 in zip(one.statistics, two.statistics, strict=True):
+            xp.assert_close(s1.value, xp.to_numpy(s2.value), rtol=tol(xp))
+
+
 # every block family: the estimator's flat products (the blocks' flat kernels, which take
 # the [W; b] matrix of a Kronecker block as a reshape of the flat slice) equal each block's
 # own product on the parameter tuple, fresh and cached, exact and approximate

@@ -316,6 +316,57 @@ def test_layer_jvp_vjp_rvjp(xp, rng, case):
         xp.assert_close(got, exp, rtol=_rtol(xp))
 
 
+class _NoStackedOverride(nn.Activation):
+    """A layer that relies on the base class's per-vector vjp_input_stacked."""
+
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        return nn.Layer.vjp_input_stacked(self, params, x, g, cache)
+
+
+@pytest.mark.parametrize("case", [*LAYER_CASES, ("base_default", _NoStackedOverride("tanh"),
+                                                 (3, 4))],
+                         ids=[c[0] for c in LAYER_CASES] + ["base_default"])
+@pytest.mark.parametrize("cached", [False, True])
+def test_stacked_vjp_is_the_per_vector_vjp(xp, rng, case, cached):
+    """vjp_input_stacked on C stacked cotangents [C, *out] = the C calls of vjp_input,
+    stacked: row c of the result is vector c's input cotangent (a sum or mean over C, or
+    vectors mixed with examples, would not match)."""
+    _, layer, shape = case
+    c = 3
+    params = tuple(xp.asarray(np.asarray(p)) for p in layer.init_params(rng, np.zeros(1)))
+    x = xp.asarray(rng.standard_normal(shape))
+    out_shape = tuple(layer.forward(tuple(np.asarray(xp.to_numpy(p)) for p in params),
+                                    rng.standard_normal(shape)).shape)
+    g = rng.standard_normal((c, *out_shape))
+    cache = layer.vjp_cache(params, x) if cached else None
+    got = layer.vjp_input_stacked(params, x, xp.asarray(g), cache)
+    for j in range(c):
+        want = layer.vjp_input(params, x, xp.asarray(g[j]))
+        xp.assert_close(got[j, ...], xp.to_numpy(want))
+    assert tuple(got.shape) == (c, *shape)
+
+
+@pytest.mark.parametrize("case", CONV_CASES[:4])
+def test_conv_stacked_vjp_chunks_the_stacked_examples(xp, rng, case):
+    """With one example per chunk the stacked C·N examples run in C·N chunks and still give
+    each vector's cotangent (the chunk bound counts stacked examples, not N)."""
+    h, w, c_in, c_out, kernel, stride, padding, dilation, fmt = case
+    layer = nn.Conv2D(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation,
+                      data_format=fmt, max_temporary_bytes=1)
+    whole = nn.Conv2D(c_in, c_out, kernel, stride=stride, padding=padding, dilation=dilation,
+                      data_format=fmt)
+    shape = (2, h, w, c_in) if fmt == "NHWC" else (2, c_in, h, w)
+    x = rng.standard_normal(shape)
+    params = tuple(np.asarray(p) for p in layer.init_params(rng, np.zeros(1)))
+    y = np.asarray(layer.forward(params, x))
+    g = rng.standard_normal((3, *y.shape))
+    bp = tuple(xp.asarray(p) for p in params)
+    got = layer.vjp_input_stacked(bp, xp.asarray(x), xp.asarray(g))
+    for j in range(3):
+        want = whole.vjp_input(bp, xp.asarray(x), xp.asarray(g[j]))
+        xp.assert_close(got[j, ...], xp.to_numpy(want))
+
+
 def test_embedding_param_grads_and_rvjp(xp, rng):
     layer = nn.Embedding(6, 3)
     ids = rng.integers(0, 6, size=(5, 4))

@@ -290,6 +290,16 @@ class BlockDiagonalCurvature(EstimatorBase):
     def _update_blocks(self, b, vectors, root, states, layers, stacked, need_grads, ema_old,
                        ema_new):
         c = len(vectors)
+        if not need_grads and c > 1:
+            # every block reads layer cotangents only: back-propagate the C vectors stacked,
+            # one batched call per layer (Sequential._backward_stacked); each block gets
+            # its layer's C cotangents as views of the stacked result
+            u = b.xp.stack([b.as_output(v) for v in vectors], axis=0)
+            cots = self.net._backward_stacked(b.params, b.inputs, u * root if root != 1.0
+                                              else u, caches=b.vjp_caches)
+            for k, i, _ in layers:
+                stacked[k] = [cots[i][j, ...] for j in range(c)]
+            vectors = ()
         for j, u in enumerate(vectors):
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),

@@ -201,6 +201,23 @@ class Layer:
         """
         raise NotImplementedError
 
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        r"""Input cotangents of :math:`C` output cotangents stacked on a leading axis.
+
+        .. math:: \bar x_c = (\partial_x f)^\top g_c, \qquad c = 1, \dots, C
+
+        ``g`` is ``[C, *output_shape]`` (``output_shape`` with the batch axis); the result is
+        ``[C, *x.shape]``.  The base class runs :meth:`vjp_input` once per cotangent and
+        stacks the results; the reference layers override it with one batched call (a
+        curvature estimate back-propagates all :math:`C` vectors of an estimation mode in
+        one pass, :class:`kfac_ref.curvature.BlockDiagonalCurvature`).  ``cache`` is the
+        layer's :meth:`vjp_cache`, where it has one.
+        """
+        xp = namespace_of(f"{type(self).__name__}.vjp_input_stacked", x=x, g=g)
+        kw = {} if cache is None else {"cache": cache}
+        outs = [self.vjp_input(params, x, g[c, ...], **kw) for c in range(g.shape[0])]
+        return None if outs[0] is None else xp.stack(outs, axis=0)
+
     def vjp_cache(self, params, x):
         r"""What :meth:`vjp_input` reuses for every cotangent of one forward pass, or ``None``.
 
@@ -319,6 +336,12 @@ class Dense(Layer):
 
     def vjp_input(self, params, x, g):
         return g @ params[0].T
+
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        # one 2-D GEMM over every leading axis (a stacked matmul runs one GEMM per vector)
+        xp = namespace_of("Dense.vjp_input_stacked", x=x, g=g)
+        out = xp.reshape(g, (-1, g.shape[-1])) @ params[0].T
+        return xp.reshape(out, (*g.shape[:-1], out.shape[-1]))
 
     def param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Dense.param_grads", x=x, g=g)
@@ -685,15 +708,28 @@ class Conv2D(Layer):
 
     def vjp_input(self, params, x, g):
         xp = namespace_of("Conv2D.vjp_input", x=x, g=g)
+        return self._vjp_input_rows(xp, params, tuple(x.shape), g)
+
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        # the input cotangent does not read x: the C·N stacked cotangents are one batch
+        xp = namespace_of("Conv2D.vjp_input_stacked", x=x, g=g)
+        c = g.shape[0]
+        rows = xp.reshape(g, (c * g.shape[1], *g.shape[2:]))
+        out = self._vjp_input_rows(xp, params, tuple(x.shape), rows)
+        return xp.reshape(out, (c, *x.shape))
+
+    def _vjp_input_rows(self, xp, params, x_shape, g):
+        """Input cotangents of the rows of ``g`` (any number of examples) for inputs of
+        shape ``x_shape``, chunked within :attr:`max_temporary_bytes`."""
         g = self._to_nhwc(xp, g)
         kt = self._kernel_matrix(xp, params[0]).T
-        hw = tuple(x.shape[1:3]) if self.data_format == "NHWC" else tuple(x.shape[2:4])
+        hw = x_shape[1:3] if self.data_format == "NHWC" else x_shape[2:4]
 
         def cotangent(gc):  # the patch cotangent g Kᵀ is the chunk's largest temporary
             return self._transpose_patches(xp, gc @ kt, hw)
 
         return self._from_nhwc(xp, self._concat_chunks(xp, cotangent,
-                                                      self._chunks(xp, x, x.shape), g))
+                                                      self._chunks(xp, g, x_shape), g))
 
     def param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Conv2D.param_grads", x=x, g=g)
@@ -837,6 +873,9 @@ class ScaleAndShift(Layer):
     def vjp_input(self, params, x, g):
         s, _ = self._split(params)
         return g * s if s is not None else g
+
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        return self.vjp_input(params, x, g)  # the per-channel scale broadcasts
 
     def param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("ScaleAndShift.param_grads", x=x, g=g)
@@ -1071,6 +1110,9 @@ class Activation(Layer):
     def vjp_input(self, params, x, g, cache=None):
         return (self.vjp_cache(params, x) if cache is None else cache) * g
 
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        return self.vjp_input(params, x, g, cache)  # σ'(x) [N, ...] broadcasts over C
+
     def rvjp(self, params, x, dparams, dx, g, rg):
         _, d1, d2 = self._derivs(x, 2)
         out = None if rg is None else d1 * rg
@@ -1117,6 +1159,12 @@ class MeanPool(Layer):
         shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
         return xp.broadcast_to(xp.reshape(g / s, shape), x.shape)
 
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        xp = namespace_of("MeanPool.vjp_input_stacked", x=x, g=g)
+        s = math.prod(x.shape[1:-1])
+        shape = (g.shape[0], x.shape[0]) + (1,) * (x.ndim - 2) + (x.shape[-1],)
+        return xp.broadcast_to(xp.reshape(g / s, shape), (g.shape[0], *x.shape))
+
     def rvjp(self, params, x, dparams, dx, g, rg):
         return (), None if rg is None else self.vjp_input(params, x, rg)
 
@@ -1144,6 +1192,10 @@ class Flatten(Layer):
     def vjp_input(self, params, x, g):
         xp = namespace_of("Flatten.vjp_input", g=g)
         return xp.reshape(g, x.shape)
+
+    def vjp_input_stacked(self, params, x, g, cache=None):
+        xp = namespace_of("Flatten.vjp_input_stacked", g=g)
+        return xp.reshape(g, (g.shape[0], *x.shape))
 
     def rvjp(self, params, x, dparams, dx, g, rg):
         return (), None if rg is None else self.vjp_input(params, x, rg)

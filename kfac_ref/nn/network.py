@@ -301,6 +301,20 @@ class Sequential:
                      else layer.vjp_input(p, xin, g, cache=cache))
         return tuple(grads), cots
 
+    def _backward_stacked(self, params, inputs, g, caches=None):
+        """Cotangents of every layer's output for :math:`C` output cotangents stacked on a
+        leading axis (``g``: ``[C, *output_shape]``; each result ``[C, *layer_output]``):
+        one pass through :meth:`~kfac_ref.nn.Layer.vjp_input_stacked`, so each layer runs
+        one batched call (one GEMM for a dense layer) instead of :math:`C`.  No parameter
+        gradients.  ``caches``: as in :meth:`_backward`."""
+        cots = [None] * len(self.layers)
+        for i in range(len(self.layers) - 1, -1, -1):
+            cots[i] = g
+            if i > 0:
+                cache = None if caches is None else caches[i]
+                g = self.layers[i].vjp_input_stacked(params[i], inputs[i], g, cache)
+        return cots
+
     def _r_backward(self, params, inputs, dparams, dins, g, rg):
         n = len(self.layers)
         rgrads = [None] * n
