@@ -550,7 +550,10 @@ class KFACOptimizer:
         Model change for ``"regular"``/``"adam"`` (kfac-jax
         ``always_use_exact_qmodel_for_damping_adjustment``).
     quad_model_matrix : {"ggn", "fisher"}
-        Exact curvature of the quadratic model.
+        Exact curvature of the quadratic model.  The two give the same steps for every loss
+        of :mod:`kfac_ref.losses`: each is the negative log-likelihood of an exponential
+        family in its natural parameters, whose Fisher equals its GGN.  Kept for the
+        peers' vocabulary and for user-defined losses whose Fisher is not their GGN.
     precon_damping_mult : float
     norm_constraint : float, optional
         :math:`c > 0`; only with ``"regular"``/``"adam"`` (both peers).
@@ -559,6 +562,10 @@ class KFACOptimizer:
     curvature_ema : float
         :math:`d \in [0, 1]`.
     ema_style : {"kfac_jax", "tf"}
+        Equivalent choices: the estimator divides its moving average by the sum of its
+        weights, so :math:`(d, 1)` and :math:`(d, 1 - d)` give the same normalised
+        average :math:`\sum_s d^{t-s} \hat C_s / \sum_s d^{t-s}` (TF's zero-debiased
+        EMA).  Kept so that each peer's hyper-parameters map one to one.
     curvature_update_period, inverse_update_period : int
         :math:`T_{\text{cov}}`, :math:`T_{\text{inv}} \ge 1` (kfac-jax: 1 and 5).
     exact_power : bool
