@@ -78,7 +78,8 @@ from ._reference import (
     output_vectors,
     sample_targets,
 )
-from ._torch import check_torch_kfac, reference_torch_kfac, torch_conv_padding
+from ._torch import reference_torch_kfac, torch_conv_padding
+from ._torch_check import check_torch_kfac
 
 __all__ = ["reference_torch_kfac", "check_torch_kfac", "sample_targets", "output_vectors",
            "check_factors", "layer_alternatives", "torch_conv_padding",
