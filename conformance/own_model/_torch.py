@@ -78,7 +78,9 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
     per example, see :func:`sample_targets`) or ``samples`` (the draws themselves).
     Returns ``{module name: {"A", "G", "N", "T", "K", "kind"}}`` in float64 (``T`` = number
     of output locations or shared positions, ``K`` = vectors per example, ``kind`` =
-    ``"dense"`` or ``"conv2d"``; conv layers also carry ``"kernel"`` and ``"c_in"``).
+    ``"dense"`` or ``"conv2d"``, ``dtype`` = the model output's floating type; conv layers
+    also carry their geometry ``"kernel"``, ``"c_in"``, ``"padding"``, ``"strides"``,
+    ``"dilation"``, and the captured input and output vectors as ``"_x"``, ``"_g"``).
     """
     import torch
 
@@ -119,10 +121,13 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
                 sharing=sharing)
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "conv2d",
                          "kernel": list(mod.kernel_size), "c_in": mod.in_channels,
-                         "order": "chw"}
+                         "order": "chw", "padding": torch_conv_padding(mod),
+                         "strides": tuple(mod.stride), "dilation": tuple(mod.dilation),
+                         "_x": a, "_g": g}  # the layer's data, for geometry alternatives
         else:
             fa, fg, t = dense_reference_factors(a, g, bias=mod.bias is not None,
                                                 sharing=sharing)
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "dense"}
         res[name]["bias"] = mod.bias is not None
+        res[name]["dtype"] = str(out.dtype).removeprefix("torch.")
     return res
