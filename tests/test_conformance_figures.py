@@ -192,3 +192,188 @@ def test_the_committed_matrix_fits_a_docs_column(tmp_path):
     assert len(cells) == len(impls) * len(caps)
     assert all(cells[i, j][0] == grid[i][j] for i in range(len(caps))
                for j in range(len(impls)))
+
+
+# -- Layout: nothing overlaps, for any number of columns ------------------------------------
+# The figure's artists are measured in display units (pixels at the figure's dpi) after a
+# draw: every text as its (possibly rotated) rectangle, every cell as its rectangle, every
+# rule as a segment.  Two shapes "overlap" when they share more than a hair (TOL pixels).
+TOL = 0.5
+
+
+def _overlap(p, q, tol=TOL) -> bool:
+    """Whether the convex polygons (or segments) ``p`` and ``q`` (lists of (x, y)) overlap
+    by more than ``tol`` along every separating direction (separating-axis theorem)."""
+    import numpy as np
+
+    p, q = np.asarray(p, float), np.asarray(q, float)
+    for poly in (p, q):
+        edges = np.roll(poly, -1, axis=0) - poly
+        for ex, ey in edges:
+            n = np.array([-ey, ex])
+            if not np.hypot(*n):
+                continue
+            n /= np.hypot(*n)
+            a, b = p @ n, q @ n
+            if a.max() <= b.min() + tol or b.max() <= a.min() + tol:
+                return False
+    return True
+
+
+def _inside(inner, outer, tol=TOL) -> bool:
+    """Whether the polygon ``inner`` lies within the axis-aligned box of ``outer``."""
+    import numpy as np
+
+    inner, outer = np.asarray(inner, float), np.asarray(outer, float)
+    return bool((inner.min(0) >= outer.min(0) - tol).all()
+                and (inner.max(0) <= outer.max(0) + tol).all())
+
+
+def _text_polygon(text, renderer):
+    """The four corners of a text's glyph box, rotated as drawn."""
+    import numpy as np
+
+    angle = text.get_rotation()
+    if not angle:
+        b = text.get_window_extent(renderer)
+        return [(b.x0, b.y0), (b.x1, b.y0), (b.x1, b.y1), (b.x0, b.y1)]
+    assert text.get_rotation_mode() == "anchor"
+    text.set_rotation(0)
+    b = text.get_window_extent(renderer)
+    text.set_rotation(angle)
+    ax, ay = text.get_transform().transform(text.get_position())
+    c, s = np.cos(np.radians(angle)), np.sin(np.radians(angle))
+    return [(ax + c * (x - ax) - s * (y - ay), ay + s * (x - ax) + c * (y - ay))
+            for x, y in [(b.x0, b.y0), (b.x1, b.y0), (b.x1, b.y1), (b.x0, b.y1)]]
+
+
+def _layout(matrix):
+    """Draw ``matrix``; return (texts, cells, rules, figure box) in display pixels: texts
+    and cells as {gid or label: polygon}, rules as {gid: segment}."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Rectangle
+    from matplotlib.text import Text
+
+    from conformance.figures import matrix_figure
+
+    fig = matrix_figure(matrix)
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = {}
+        for k, t in enumerate(fig.findobj(Text)):
+            if t.get_visible() and t.get_text().strip():
+                texts[t.get_gid() or f"text-{k}:{t.get_text()}"] = _text_polygon(t, renderer)
+        cells = {r.get_gid(): [tuple(v) for v in r.get_verts()[:4]]
+                 for r in fig.findobj(Rectangle) if (r.get_gid() or "").startswith("cell-")}
+        rules = {}
+        for line in fig.findobj(Line2D):
+            if (line.get_gid() or "").endswith(tuple("0123456789")):
+                xy = line.get_transform().transform(line.get_xydata())
+                rules[line.get_gid()] = [tuple(xy[0]), tuple(xy[-1])]
+        w, h = fig.canvas.get_width_height()
+        frame = [(0, 0), (w, 0), (w, h), (0, h)]
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+    return texts, cells, rules, frame
+
+
+def _synthetic(n_cols: int, interleave: bool = True) -> dict:
+    """A matrix with ``n_cols`` implementations, kfac_ref's runs and peers interleaved in
+    ``cells`` (as an alphabetical merge gives them), long names, every outcome, wide marks
+    and every kind of verdict."""
+    names = []
+    for j in range(n_cols):
+        own = (j % 2 == 1) if interleave else True
+        names.append(f"kfac_ref_backend_{j}" if own else f"peer_{'x' * (j % 5)}{j}")
+    caps = ["linalg.a_rather_long_capability_name", "factors.b", "networks.kfac",
+            "losses.d"]
+    kinds = ["pass", "pass (convention: kron_order=GA)", "FAIL 12/120 (scale:N)",
+             "FAIL 3/7 (error)", "xfail 1/2", "skip (unsupported)"]
+    cells = {n: {c: kinds[(i + j) % len(kinds)] for i, c in enumerate(caps)}
+             for j, n in enumerate(names)}
+    verdicts = [{"ok": True, "unavailable": ""}, {"ok": False, "unavailable": ""},
+                {"ok": None, "unavailable": "no module named it"}]
+    return {"date": "2030-01-01", "capabilities": caps, "cells": cells,
+            "implementations": {n: verdicts[j % 3] for j, n in enumerate(names)}}
+
+
+def _committed_matrix() -> dict:
+    return json.loads((ROOT / "conformance/peers/reports/matrix.json")
+                      .read_text(encoding="utf-8"))
+
+
+LAYOUTS = {
+    "committed": _committed_matrix,
+    "tiny": lambda: TINY,
+    **{f"{n}-columns": (lambda n=n: _synthetic(n)) for n in (1, 2, 3, 7, 16)},
+    "own-only": lambda: _synthetic(4, interleave=False),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_matrix_figure_labels_cells_and_rules_do_not_overlap(name):
+    pytest.importorskip("matplotlib")
+    matrix = LAYOUTS[name]()
+    texts, cells, rules, frame = _layout(matrix)
+    impls, caps, grid = outcome_grid(matrix)
+    assert len(cells) == len(impls) * len(caps)
+    clashes = []
+    items = list(texts.items())
+    for a, (ka, pa) in enumerate(items):
+        if not _inside(pa, frame):
+            clashes.append(f"{ka} runs off the figure")
+        clashes += [f"{ka} overlaps {kb}" for kb, pb in items[a + 1:] if _overlap(pa, pb)]
+        for kc, pc in cells.items():
+            own_cell = ka.startswith("mark-") and kc.startswith(ka.replace("mark", "cell") + "-")
+            if own_cell:
+                if not _inside(pa, pc):
+                    clashes.append(f"{ka} is not inside its cell {kc}")
+            elif _overlap(pa, pc):
+                clashes.append(f"{ka} overlaps {kc}")
+        clashes += [f"{ka} is crossed by {kr}" for kr, pr in rules.items() if _overlap(pa, pr)]
+    boxes = list(cells.items())
+    for a, (ka, pa) in enumerate(boxes):
+        clashes += [f"{ka} overlaps {kb}" for kb, pb in boxes[a + 1:] if _overlap(pa, pb)]
+        clashes += [f"{ka} is crossed by {kr}" for kr, pr in rules.items() if _overlap(pa, pr)]
+    assert not clashes, f"{len(clashes)} overlaps, e.g. " + "; ".join(clashes[:8])
+
+
+@pytest.mark.parametrize("name", ["committed", "7-columns", "16-columns"])
+def test_matrix_figure_draws_kfac_ref_runs_first_then_a_rule_then_the_peers(name):
+    pytest.importorskip("matplotlib")
+    matrix = LAYOUTS[name]()
+    texts, cells, rules, _ = _layout(matrix)
+    impls, caps, _ = outcome_grid(matrix)
+    left = {j: min(x for x, _ in cells[next(k for k in cells if k.startswith(f"cell-0-{j}-"))])
+            for j in range(len(impls))}
+    own = sorted(left[j] for j, n in enumerate(impls) if n.startswith("kfac_ref"))
+    peers = sorted(left[j] for j, n in enumerate(impls) if not n.startswith("kfac_ref"))
+    assert own and peers and own[-1] < peers[0]
+    # Columns keep their relative order within each group, one column width apart.
+    assert [left[j] for j, n in enumerate(impls) if n.startswith("kfac_ref")] == own
+    (rule,) = [r for k, r in rules.items() if k.startswith("group-rule")]
+    assert rule[0][0] == pytest.approx(rule[1][0])  # vertical
+    right_of_own = max(x for k, p in cells.items() for x, _ in p
+                       if impls[int(k.split("-")[2])].startswith("kfac_ref"))
+    assert right_of_own < rule[0][0] < peers[0]
+    # Each name and verdict sits over its own column.
+    for j, n in enumerate(impls):
+        col = next(p for k, p in cells.items() if k.startswith(f"cell-0-{j}-"))
+        x0, x1 = min(x for x, _ in col), max(x for x, _ in col)
+        if f"verdict-{j}" in texts:
+            xs = [x for x, _ in texts[f"verdict-{j}"]]
+            assert x0 - TOL <= min(xs) and max(xs) <= x1 + TOL, n
+        name_x = min(x for x, _ in texts[f"name-{j}"])
+        assert x0 <= name_x <= x1, n
+
+
+def test_column_order_puts_kfac_ref_runs_first():
+    from conformance.figures import column_order
+
+    assert column_order(["asdl", "kfac_jax", "kfac_ref", "kfac_ref_torch", "tf_kfac"]) == [
+        2, 3, 0, 1, 4]
+    assert column_order(["a", "b"]) == [0, 1]
+    assert column_order(["kfac_ref"]) == [0]
