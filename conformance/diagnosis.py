@@ -312,6 +312,46 @@ PITFALLS = {
     "ema_weight_untied": (
         "new-statistic weight not tied to 1 − decay",
         "the passed weight is used where 1 − δ is declared", "tensorflow/kfac#37"),
+    "ema_identity_init": (
+        "moving average started at the identity",
+        "m₀ = I, m_k = δ·m_{k−1} + (1 − δ)·X_k: after k updates the factor is δᵏ·I plus the "
+        "average, an implicit damping that decays with the steps (decay recovered)",
+        "n-gao/pytorch-kfac#6"),
+    "ema_zero_init_no_debias": (
+        "moving average started at zero and not debiased",
+        "m = (1 − δ)·Σ δ^(k−i) X_i not divided by 1 − δᵏ: the early factors are too small "
+        "(decay recovered)", "tensorflow/kfac#37"),
+    "ema_decay": (
+        "moving average with another decay",
+        "a debiased average whose decay differs from the declared one (decay recovered)",
+        "tensorflow/kfac#37"),
+    "factors_swapped": (
+        "A and G swapped", "the input factor is given where the output factor is expected "
+        "and vice versa", "Martens & Grosse 2015"),
+    "dilation_ignored": (
+        "convolution dilation ignored",
+        "patches read from adjacent pixels instead of every d-th: the input factor of the "
+        "undilated convolution", "kfac-jax 0.0.8 conv patches (rhs_dilation dropped)"),
+    "padding_ignored": (
+        "convolution padding ignored",
+        "patches read only at the valid locations (no zero padding)",
+        "Grosse & Martens 2016"),
+    "padding_split": (
+        "'same' padding split the other way",
+        "an odd total padding put before instead of after (TF and PyTorch put the extra row "
+        "or column after)", "Grosse & Martens 2016"),
+    "stride_ignored": (
+        "convolution stride ignored",
+        "patches read at every location instead of every s-th", "Grosse & Martens 2016"),
+    "spurious_damping_normalisation": (
+        "damping divided by |T| on a block without the scale",
+        "λ/|T| split between the factors of a block A⊗G whose G already holds the |T| "
+        "locations (KFAC-expand): TF's normalize_damping applied to factors that are not "
+        "TF's Γ = G/|T|", "tensorflow/kfac#41"),
+    "no_damping": (
+        "damping not applied",
+        "the inverse of the undamped A⊗G where a damped inverse is expected (λ dropped or "
+        "never passed on)", "Martens & Grosse 2015"),
     "per_layer": (
         "a different fault in each layer",
         "the curvature matrix is block diagonal over layers and no single explanation "
@@ -381,6 +421,12 @@ DOCS = {
     "damping_parameterisation": _SPLIT,
     "ema_first_statistic": _EMA, "ema_zero_start": _EMA, "ema_weight_tied": _EMA,
     "ema_weight_untied": _EMA,
+    "ema_identity_init": _EMA, "ema_zero_init_no_debias": _EMA, "ema_decay": _EMA,
+    "factors_swapped": _VEC, "dilation_ignored": ("conventions", "Convolutions"),
+    "padding_ignored": ("conventions", "Convolutions"),
+    "padding_split": ("conventions", "Convolutions"),
+    "stride_ignored": ("conventions", "Convolutions"),
+    "spurious_damping_normalisation": _SHARED, "no_damping": _SPLIT,
 }
 
 #: environment variable: where the built documentation lives (a URL or a directory); links in

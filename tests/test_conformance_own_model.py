@@ -117,9 +117,10 @@ def test_weight_shared_linear_expand_and_reduce():
     # per-location rows, A over N·S, G = (1/N) Σ_{n,s} g gᵀ: KFAC-expand
     mine = _hand_written_kfac(net, x, y, "fisher_exact")
     del mine["fc2"]  # fc2 is not shared; check only the shared layer
-    assert check_torch_kfac(net, "cross_entropy", x, y, mine, mode="fisher_exact").ok
+    assert check_torch_kfac(net, "cross_entropy", x, y, mine, mode="fisher_exact",
+                            layers=["fc1"]).ok
     res = check_torch_kfac(net, "cross_entropy", x, y, mine, mode="fisher_exact",
-                           sharing="reduce")
+                           sharing="reduce", layers=["fc1"])
     assert {c.diagnosis for c in res.checks} == {"expand_instead_of_reduce"}
     assert reference_torch_kfac(net, "cross_entropy", x, y)["fc1"]["T"] == 3
 
