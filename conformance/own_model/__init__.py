@@ -65,6 +65,7 @@ JAX version is :mod:`conformance.own_model_jax`.
 from __future__ import annotations
 
 from ._check import HINTS, LayerCheck, ModelCheck, check_factors, layer_alternatives
+from ._precond import check_torch_preconditioner
 from ._reference import (
     LOSSES,
     MODES,
@@ -81,7 +82,8 @@ from ._reference import (
 from ._torch import reference_torch_kfac, torch_conv_padding
 from ._torch_check import check_torch_kfac
 
-__all__ = ["reference_torch_kfac", "check_torch_kfac", "sample_targets", "output_vectors",
+__all__ = ["reference_torch_kfac", "check_torch_kfac", "check_torch_preconditioner",
+           "sample_targets", "output_vectors",
            "check_factors", "layer_alternatives", "torch_conv_padding",
            "conv_reference_factors", "dense_reference_factors", "check_mode_args", "as_rng",
            "check_samples", "model_output_vectors",

@@ -1,0 +1,358 @@
+"""The own-model preconditioner check: a hand-written torch K-FAC preconditioner (written
+here with torch.linalg: explicit π, explicit inverses, no kfac_ref, no conformance code)
+agrees with the reference damped inverse product; each damping or Kronecker-order mutant of
+it is named exactly; the reference itself against a dense NumPy solve."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from conformance.own_model import check_torch_preconditioner  # noqa: E402
+from conformance.own_model._precond import (  # noqa: E402
+    preconditioner_alternatives,
+    preconditioner_reference,
+)
+
+LAM = 1e-2
+
+
+def _mlp():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(5, 8), torch.nn.Tanh(),
+        torch.nn.Linear(8, 9), torch.nn.Tanh(),  # square: d_A = 8 + 1 = d_G
+        torch.nn.Linear(9, 3)).double()
+    x = torch.randn(10, 5, dtype=torch.float64)
+    y = torch.randn(10, 3, dtype=torch.float64)
+    return net, x, y, "mse", "fisher_exact"
+
+
+def _cnn():
+    torch.manual_seed(1)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3, stride=2, padding=1), torch.nn.Tanh(),  # 7×7 -> 4×4
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Tanh(),            # 4×4, |T| = 16
+        torch.nn.Flatten(), torch.nn.Linear(64, 5)).double()
+    x = torch.randn(6, 2, 7, 7, dtype=torch.float64)
+    y = torch.randint(0, 5, (6,))
+    return net, x, y, "cross_entropy", "fisher_empirical"
+
+
+def _kfac_factors(net, x, y, loss):
+    """Hand-written K-FAC factors: A = Σ āāᵀ/(N|T|) over [a, 1] (conv: unfold patches),
+    G = Σ ggᵀ/N over the per-example output vectors: the columns of F = I for the
+    squared error (true Fisher), the label gradient of the summed cross-entropy
+    (empirical Fisher)."""
+    acts, outs, hooks = {}, {}, []
+    mods = {n: m for n, m in net.named_modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    for name, m in mods.items():
+        def keep(mod, inputs, output, name=name):
+            acts[name], outs[name] = inputs[0].detach(), output
+        hooks.append(m.register_forward_hook(keep))
+    out = net(x)
+    for h in hooks:
+        h.remove()
+    names = list(mods)
+    if loss == "mse":
+        vecs = [torch.autograd.grad(out[:, k].sum(), [outs[n] for n in names],
+                                    retain_graph=True) for k in range(out.shape[1])]
+    else:
+        total = torch.nn.functional.cross_entropy(out, y, reduction="sum")
+        vecs = [torch.autograd.grad(total, [outs[n] for n in names])]
+    n = x.shape[0]
+    factors = {}
+    for i, name in enumerate(names):
+        m = mods[name]
+        if isinstance(m, torch.nn.Conv2d):
+            p = torch.nn.functional.unfold(acts[name], m.kernel_size, dilation=m.dilation,
+                                           padding=m.padding, stride=m.stride)
+            a = p.transpose(1, 2).reshape(-1, p.shape[1])          # rows (n, t)
+            gs = [v[i].permute(0, 2, 3, 1).reshape(-1, m.out_channels) for v in vecs]
+        else:
+            a, gs = acts[name], [v[i] for v in vecs]
+        a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], dim=1)
+        factors[name] = {"A": a.T @ a / len(a), "G": sum(g.T @ g for g in gs) / n}
+    return factors
+
+
+def _mean_loss_grads(net, x, y, loss):
+    """The user's own gradient of the mean loss (loss.backward(), then .grad)."""
+    net.zero_grad()
+    out = net(x)
+    if loss == "mse":
+        total = 0.5 * ((out - y) ** 2).sum(dim=1).mean()
+    else:
+        total = torch.nn.functional.cross_entropy(out, y)
+    total.backward()
+    grads = {n: {"weight": m.weight.grad.clone(), "bias": m.bias.grad.clone()}
+             for n, m in net.named_modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    net.zero_grad()
+    return grads
+
+
+def _precondition(factors, grads, lam=LAM, variant="correct", t=None, layers=None):
+    """A hand-written K-FAC preconditioner with factored Tikhonov damping and the
+    trace-norm π, and its mutants (applied to ``layers``, default all)."""
+    out = {}
+    for name, g in grads.items():
+        a, gg = factors[name]["A"], factors[name]["G"]
+        d_a, d_g = a.shape[0], gg.shape[0]
+        w = g["weight"].reshape(d_g, -1)
+        gam = torch.cat([w, g["bias"][:, None]], dim=1)                 # [out, in + 1]
+        v = variant if layers is None or name in layers else "correct"
+        lam_l = lam * (t[name] if v == "lambda_times_T" else 1.0)
+        lam_l = lam_l / (t[name] if v == "lambda_over_T" else 1.0)
+        i_a, i_g = torch.eye(d_a, dtype=a.dtype), torch.eye(d_g, dtype=a.dtype)
+        pi = torch.sqrt((torch.trace(a) / d_a) / (torch.trace(gg) / d_g))
+        if v == "pi_off":
+            pi = torch.ones_like(pi)
+        if v == "pi_without_dimensions":
+            pi = torch.sqrt(torch.trace(a) / torch.trace(gg))
+        r = math.sqrt(lam_l)
+        da, dg = pi * r, r / pi
+        if v == "unsplit":
+            da, dg = lam_l, lam_l
+        if v == "per_factor":
+            da, dg = pi * lam_l, lam_l / pi
+        if v == "no_damping":
+            da, dg = 0.0, 0.0
+        if v == "exact":
+            s_a, q_a = torch.linalg.eigh(a)
+            s_g, q_g = torch.linalg.eigh(gg)
+            p = q_g @ ((q_g.T @ gam @ q_a) / (s_g[:, None] * s_a[None, :] + lam_l)) @ q_a.T
+        elif v == "kron_swapped":  # the G-side inverse on the input side (square layer)
+            p = torch.linalg.inv(a + da * i_a) @ gam @ torch.linalg.inv(gg + dg * i_g)
+        else:
+            p = torch.linalg.solve(gg + dg * i_g, gam) @ torch.linalg.inv(a + da * i_a)
+        if v == "sum_loss":
+            p = p * 10.0  # the gradient of the sum over the N = 10 examples
+        out[name] = {"weight": p[:, :-1].reshape(g["weight"].shape), "bias": p[:, -1]}
+    return out
+
+
+def _check(net, x, y, loss, mode, pre, **kw):
+    kw.setdefault("damping", LAM)
+    return check_torch_preconditioner(net, loss, x, y, pre, mode=mode, **kw)
+
+
+@pytest.mark.parametrize("make", [_mlp, _cnn])
+def test_a_correct_preconditioner_passes(make):
+    net, x, y, loss, mode = make()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads))
+    assert res.ok, str(res)
+    assert [c.layer for c in res.checks] == list(grads)
+    assert all(c.rtol < 1e-9 for c in res.checks), str(res)
+    assert str(res).splitlines()[0].endswith("all agree")
+    # with the preconditioner's own factors given
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads), factors=factors)
+    assert res.ok, str(res)
+    # a callable: the inverse product applied to the check's own gradients
+    res = _check(net, x, y, loss, mode, lambda gr: _precondition(factors, gr))
+    assert res.ok, str(res)
+
+
+@pytest.mark.parametrize("make", [_mlp, _cnn])
+def test_a_slightly_wrong_preconditioner_fails(make):
+    """The tolerance is not vacuous: a relative error of 1e-8 in one layer fails there."""
+    net, x, y, loss, mode = make()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+    name = next(iter(pre))
+    pre[name]["weight"] = pre[name]["weight"] * (1 + 1e-8)
+    res = _check(net, x, y, loss, mode, pre)
+    assert not res.ok
+    assert [c.ok for c in res.checks] == [c.layer != name for c in res.checks]
+
+
+MLP_MUTANTS = [  # variant, layers it changes (None: all), declared style, expected id
+    ("pi_off", None, "factored", "pi_off"),
+    ("pi_without_dimensions", ["0", "4"], "factored", "pi_without_dimensions"),
+    ("unsplit", None, "factored", "unsplit_damping"),
+    ("per_factor", None, "factored", "damping_parameterisation"),
+    ("exact", None, "factored", "exact_damping"),
+    ("correct", None, "exact", "factored_damping"),
+    ("no_damping", ["0"], "factored", "no_damping"),
+    ("kron_swapped", ["2"], "factored", "kron_order_swapped"),
+    ("sum_loss", None, "factored", "scale:N"),
+]
+
+
+@pytest.mark.parametrize("variant,layers,style,want", MLP_MUTANTS,
+                         ids=[m[0] + "_" + m[2] for m in MLP_MUTANTS])
+def test_mlp_mutants_are_named(variant, layers, style, want):
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads, variant=variant, layers=layers)
+    res = _check(net, x, y, loss, mode, pre, damping_style=style)
+    wrong = layers if layers is not None else list(grads)
+    got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
+    assert got == {name: want for name in wrong}, str(res)
+    assert not res.ok and f"diagnosis: {want}:" in str(res)
+
+
+CNN_MUTANTS = [
+    ("lambda_times_T", ["0", "2"], "damping_not_normalised"),
+    ("lambda_over_T", ["0", "2"], "spurious_damping_normalisation"),
+    ("pi_off", ["2"], "pi_off"),
+    ("unsplit", ["0"], "unsplit_damping"),
+    ("exact", ["2"], "exact_damping"),
+]
+
+
+@pytest.mark.parametrize("variant,layers,want", CNN_MUTANTS, ids=[m[0] for m in CNN_MUTANTS])
+def test_cnn_mutants_are_named(variant, layers, want):
+    net, x, y, loss, mode = _cnn()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    t = {"0": 16, "2": 16, "5": 1}
+    pre = _precondition(factors, grads, variant=variant, t=t, layers=layers)
+    res = _check(net, x, y, loss, mode, pre)
+    got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
+    assert got == {name: want for name in layers}, str(res)
+
+
+def test_own_factors_isolate_the_damping_check():
+    """Factors with a bug (G of the mean-loss gradients, 1/N² too small) used consistently:
+    the damped product passes against those factors and fails against the reference's."""
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    bad = {k: {"A": v["A"], "G": v["G"] / 100.0} for k, v in factors.items()}
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(bad, grads)
+    assert _check(net, x, y, loss, mode, pre, factors=bad).ok
+    res = _check(net, x, y, loss, mode, pre)
+    assert not any(c.ok for c in res.checks)
+    # and a damping mutant on top of the buggy factors is still named
+    res = _check(net, x, y, loss, mode, _precondition(bad, grads, variant="pi_off"),
+                 factors=bad)
+    assert {c.diagnosis for c in res.checks} == {"pi_off"}, str(res)
+
+
+def test_flat_vectors_and_the_kron_order_on_a_non_square_layer():
+    """flat=True: [weight.flatten(), bias] per layer.  Code that applies kron(A⁻¹, G⁻¹) to
+    the row-major vec of [W, b] (the order for a [in + 1, out] kernel) is named on every
+    layer, square or not."""
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+
+    def flat(grads, swapped=False):
+        out = {}
+        for name, g in grads.items():
+            a, gg = factors[name]["A"], factors[name]["G"]
+            d_a, d_g = a.shape[0], gg.shape[0]
+            n_w = d_g * (d_a - 1)
+            gam = torch.cat([g[:n_w].reshape(d_g, -1), g[n_w:, None]], dim=1)
+            pi = torch.sqrt((torch.trace(a) / d_a) / (torch.trace(gg) / d_g))
+            r = math.sqrt(LAM)
+            ia = torch.linalg.inv(a + pi * r * torch.eye(d_a, dtype=a.dtype))
+            ig = torch.linalg.inv(gg + r / pi * torch.eye(d_g, dtype=a.dtype))
+            k = torch.kron(ia, ig) if swapped else torch.kron(ig, ia)
+            p = (k @ gam.reshape(-1)).reshape(d_g, d_a)
+            out[name] = torch.cat([p[:, :-1].reshape(-1), p[:, -1]])
+        return out
+
+    res = _check(net, x, y, loss, mode, flat, flat=True)
+    assert res.ok, str(res)
+    res = _check(net, x, y, loss, mode, lambda g: flat(g, swapped=True), flat=True)
+    assert {c.layer: c.diagnosis for c in res.checks} == {
+        "0": "kron_order_swapped", "2": "kron_order_swapped", "4": "kron_order_swapped"}
+    grads = {k: torch.cat([v["weight"].reshape(-1), v["bias"]])
+             for k, v in _mean_loss_grads(net, x, y, loss).items()}
+    assert _check(net, x, y, loss, mode, flat(grads), flat=True).ok
+
+
+def test_missing_layers_fail_and_are_listed():
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+    del pre["2"]
+    res = _check(net, x, y, loss, mode, pre)
+    assert not res.ok and res.missing == ["2"]
+    assert "FAIL not checked (no preconditioned gradient given): 2" in str(res)
+    res = _check(net, x, y, loss, mode, lambda g: {})  # a callable that returns nothing
+    assert not res.ok and res.missing == ["0", "2", "4"] and not res.checks
+    assert _check(net, x, y, loss, mode, pre, layers=["0", "4"]).ok  # an explicit subset
+
+
+def test_bad_input_is_named():
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+    fn = "check_torch_preconditioner"
+    with pytest.raises(TypeError, match=rf"{fn}: preconditioned must be a dict"):
+        _check(net, x, y, loss, mode, [1, 2])
+    with pytest.raises(ValueError, match=rf"{fn}: damping must be a finite real number"):
+        _check(net, x, y, loss, mode, pre, damping=0.0)
+    with pytest.raises(ValueError, match=rf"{fn}: damping_style must be one of"):
+        _check(net, x, y, loss, mode, pre, damping_style="eigen")
+    with pytest.raises(ValueError, match=rf"{fn}: preconditioned must name supported "
+                                         r"layers of the model \(0, 2, 4\); got fc"):
+        _check(net, x, y, loss, mode, {**pre, "fc": pre["0"]})
+    w = pre["0"]["weight"]
+    with pytest.raises(ValueError, match=r"preconditioned\['0'\]\['weight'\] must have shape "
+                                         r"\(8, 5\) \(the weight's\); got \(5, 8\) \(the "
+                                         r"transpose of the expected shape\)"):
+        _check(net, x, y, loss, mode, {**pre, "0": {"weight": w.T, "bias": pre["0"]["bias"]}})
+    with pytest.raises(ValueError, match=r"preconditioned\['2'\] must be a dict with keys "
+                                         r"\['bias', 'weight'\]"):
+        _check(net, x, y, loss, mode, {**pre, "2": {"weight": pre["2"]["weight"]}})
+    with pytest.raises(ValueError, match=r"preconditioned\(gradients\)\['0'\] must have "
+                                         r"shape \(48,\)"):
+        _check(net, x, y, loss, mode, lambda g: {"0": torch.zeros(40)}, flat=True)
+    with pytest.raises(TypeError, match=r"\['0'\]\['bias'\] must be a real floating"):
+        _check(net, x, y, loss, mode, {"0": {"weight": w, "bias": np.zeros(8, dtype=int)}})
+    with pytest.raises(ValueError, match=rf"{fn}: factors must hold every checked layer"):
+        _check(net, x, y, loss, mode, pre, factors={"0": factors["0"]})
+    skew = {k: dict(v) for k, v in factors.items()}
+    skew["4"]["G"] = skew["4"]["G"] + torch.triu(torch.ones(3, 3, dtype=torch.float64), 1)
+    with pytest.raises(ValueError, match=r"factors\['4'\]\['G'\] must be symmetric"):
+        _check(net, x, y, loss, mode, pre, factors=skew)
+    with pytest.raises(ValueError, match=rf"{fn}: layers must name supported layers"):
+        _check(net, x, y, loss, mode, pre, layers=["1"])
+
+
+def test_reference_against_a_dense_solve_pins_the_kronecker_order():
+    """P against np.linalg.solve with the dense Kronecker product: the row-major vec of the
+    [d_G, d_A] gradient takes kron(G, A) (the column-major vec kron(A, G)); factored damping
+    with an explicit π, exact damping with λI; the swapped-order alternative is kron(A, G)
+    applied to the row-major vec."""
+    r = np.random.default_rng(0)
+    d_a, d_g = 4, 3
+    xa, xg = r.standard_normal((9, d_a)), r.standard_normal((9, d_g)) * 0.3
+    a, g = xa.T @ xa / 9, xg.T @ xg / 9
+    grad = r.standard_normal((d_g, d_a))
+    lam = 0.05
+    pi = math.sqrt((np.trace(a) / d_a) / (np.trace(g) / d_g))
+    a_d = a + pi * math.sqrt(lam) * np.eye(d_a)
+    g_d = g + math.sqrt(lam) / pi * np.eye(d_g)
+    oracle = np.linalg.solve(np.kron(g_d, a_d), grad.ravel()).reshape(d_g, d_a)
+    p = preconditioner_reference(a, g, grad, lam, "factored")
+    np.testing.assert_allclose(p, oracle, rtol=1e-12, atol=0)
+    col = np.linalg.solve(np.kron(a_d, g_d), grad.ravel(order="F")).reshape((d_g, d_a),
+                                                                             order="F")
+    np.testing.assert_allclose(p, col, rtol=1e-12, atol=0)
+    exact = np.linalg.solve(np.kron(g, a) + lam * np.eye(d_a * d_g),
+                            grad.ravel()).reshape(d_g, d_a)
+    np.testing.assert_allclose(preconditioner_reference(a, g, grad, lam, "exact"), exact,
+                               rtol=1e-12, atol=0)
+    alts = preconditioner_alternatives(a, g, grad, lam, "factored", t=5)
+    swapped = np.linalg.solve(np.kron(a_d, g_d), grad.ravel()).reshape(d_g, d_a)
+    np.testing.assert_allclose(alts["kron_order_swapped"], swapped, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(alts["exact_damping"], exact, rtol=1e-12, atol=0)
+    unsplit = np.linalg.solve(np.kron(g + lam * np.eye(d_g), a + lam * np.eye(d_a)),
+                              grad.ravel()).reshape(d_g, d_a)
+    np.testing.assert_allclose(alts["unsplit_damping"], unsplit, rtol=1e-12, atol=0)
+    assert not np.allclose(p, swapped, rtol=1e-3)  # the order matters here
