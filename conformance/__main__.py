@@ -10,6 +10,9 @@ import argparse
 import json
 import os
 import re
+import shlex
+import shutil
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -31,6 +34,55 @@ exit status:
      golden file is missing, corrupt or out of date
   2  usage error: an unknown option, an adapter that cannot be loaded or is unavailable
      here (not installed), golden files that cannot be read"""
+
+
+#: widest line ``list`` prints (a terminal of 100 columns)
+LIST_WIDTH = 100
+
+
+def _same_python(candidate: str) -> bool:
+    """Whether the interpreter ``candidate`` (a path) runs in this environment."""
+    if os.path.abspath(candidate) == os.path.abspath(sys.executable):
+        return True
+    try:
+        out = subprocess.run([candidate, "-c", "import sys; print(sys.prefix)"],
+                             capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.strip() == sys.prefix
+
+
+def command(prog: str = PROG) -> str:
+    """The command that runs the suite again from the current directory, for hints.
+
+    ``python -m conformance`` when ``python`` on the PATH is this environment's interpreter
+    (an activated virtual environment), else this interpreter's path (relative to the
+    current directory when that is shorter): ``.venv/bin/python -m conformance`` run from a
+    shell that has not activated ``.venv``.  The console script likewise: its name when the
+    PATH finds it, else the path it was run by."""
+    if prog == PROG:
+        for name in ("python", "python3"):
+            found = shutil.which(name)
+            if found and _same_python(found):
+                return f"{name} -m conformance"
+        return f"{shlex.quote(_short_path(sys.executable))} -m conformance"
+    if prog == SCRIPT:
+        argv0 = sys.argv[0] if sys.argv else ""
+        found = shutil.which(SCRIPT)
+        if Path(argv0).name == SCRIPT and not (
+                found and os.path.abspath(found) == os.path.abspath(argv0)):
+            return shlex.quote(_short_path(argv0))
+    return prog
+
+
+def _short_path(path: str) -> str:
+    """``path`` relative to the current directory when it lies below it, else absolute."""
+    full = os.path.abspath(path)
+    try:
+        rel = os.path.relpath(full)
+    except ValueError:  # another drive (Windows)
+        return full
+    return rel if not rel.startswith("..") else full
 
 
 def version() -> str:
@@ -55,9 +107,10 @@ def _conventions_text(adapter) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in diff.items()) or "canonical"
 
 
-def _adapter_lines(conventions: bool = False) -> list[str]:
+def _adapter_lines(conventions: bool = False, width: int | None = None) -> list[str]:
     """One line per shipped and external (entry-point) adapter: name and description; with
-    ``conventions``, a second line with its declared conventions."""
+    ``conventions``, a second line with its declared conventions (wrapped).  With ``width``,
+    descriptions are cut to fit that many columns (the entry-point note is kept)."""
     from .adapter import load_adapter
     from .adapters import ENTRY_POINT_GROUP, distribution_of, external, shipped
 
@@ -71,16 +124,22 @@ def _adapter_lines(conventions: bool = False) -> list[str]:
             conv = _conventions_text(adapter)
         except Exception as exc:  # noqa: BLE001 - a broken adapter module is listed as such
             desc = f"(cannot be loaded: {type(exc).__name__}: {exc})"
+        note = ""
         if name in ext:
             dist = distribution_of(name)
-            desc += f" [entry point {ENTRY_POINT_GROUP}" + (f" of {dist}]" if dist else "]")
-        rows.append((name, desc, conv))
-    width = max(len(n) for n, _, _ in rows)
+            note = f" [entry point {ENTRY_POINT_GROUP}" + (f" of {dist}]" if dist else "]")
+        rows.append((name, desc, conv, note))
+    w = max(len(n) for n, *_ in rows)
     out = []
-    for n, d, c in rows:
-        out.append(f"  {n:<{width}}  {d}")
+    for n, d, c, note in rows:
+        line = f"  {n:<{w}}  {d}"
+        if width and not note:  # an entry point's note names its distribution: kept whole
+            line = _fit(line, width)
+        out.append(line + note)
         if conventions and c:
-            out.append(f"  {'':<{width}}    conventions: {c}")
+            out.append(textwrap.fill(f"conventions: {c}", width=width or 10**6,
+                                     initial_indent=" " * (w + 6),
+                                     subsequent_indent=" " * (w + 8), break_on_hyphens=False))
     return out
 
 
@@ -111,6 +170,16 @@ def _epilog(prog: str) -> str:
         "",
         EXIT_STATUS,
     ])
+
+
+def _run_options_text(run_parser, prog: str) -> str:
+    """The options of ``run`` formatted as in ``run --help``, for the top-level help (``run``
+    is the default command, so they are the options most runs need)."""
+    fmt = argparse.HelpFormatter(prog)
+    fmt.start_section("run options (run is the default command; `run --help` says the same)")
+    fmt.add_arguments([a for a in run_parser._actions if a.dest != "help"])
+    fmt.end_section()
+    return fmt.format_help().strip("\n")
 
 
 def _parser(prog: str = PROG):
@@ -152,6 +221,9 @@ def _parser(prog: str = PROG):
                    help=f"report directory (default: ./{DEFAULT_OUT}, under the current "
                         "directory)")
     r.add_argument("--quiet", "-q", action="store_true", help="no progress output")
+    r.add_argument("--verbose", "-v", action="store_true",
+                   help="each failure in full: the case, its numbers, the diagnosis and what "
+                        "it means, and where the formula is documented")
 
     g = sub.add_parser("golden", help="write or check the golden vector files",
                        description="Write the golden vectors from kfac_ref, or check them: "
@@ -164,7 +236,14 @@ def _parser(prog: str = PROG):
     g.add_argument("--dir", default=None,
                    help="golden directory (default: the package's conformance/golden)")
 
-    ls = sub.add_parser("list", help="list capabilities, cases and adapters")
+    ls = sub.add_parser("list", help="list capabilities, cases and adapters (one line each; "
+                                     "`list NAME` for one in full)",
+                        description="One line per capability (with the kfac_ref functions it "
+                                    "checks) and per adapter; `list NAME` shows a capability, "
+                                    "a family, an adapter or a mutant in full.")
+    ls.add_argument("name", nargs="?", metavar="NAME",
+                    help="a capability (linalg.kron), a family (linalg), an adapter or a "
+                         "mutant: show it in full, with its cases")
     ls.add_argument("--cases", action="store_true", help="list every case")
     ls.add_argument("--markdown", action="store_true",
                     help="print the capability table as Markdown (for the README)")
@@ -184,6 +263,7 @@ def _parser(prog: str = PROG):
     m.add_argument("reports", nargs="+", help="report.json files")
     m.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
                    help=f"where matrix.md/.json go (default: ./{DEFAULT_OUT})")
+    p.epilog = _run_options_text(r, prog) + "\n\n" + epilog
     return p
 
 
@@ -225,8 +305,8 @@ def _cmd_run(args) -> int:
         except AdapterUnavailable as exc:
             print(f"error: adapter {spec!r} is unavailable: {locate(str(exc))}",
                   file=sys.stderr)
-            print(locate(f"hint: `{prog} list` shows the adapters; peers run in their own "
-                         "environments, see conformance/peers/README.md"), file=sys.stderr)
+            print(locate(f"hint: `{command(prog)} list` shows the adapters; peers run in their "
+                         "own environments, see conformance/peers/README.md"), file=sys.stderr)
             return 2
         except Exception as exc:  # noqa: BLE001 - a broken spec, module or setup
             print(f"error: cannot load adapter {spec!r}: {type(exc).__name__}: {exc}",
@@ -273,21 +353,45 @@ def _cmd_run(args) -> int:
         if report.unavailable:  # only with --all-adapters: one line, not a table of skips
             print(f"   unavailable here, not compared: {locate(report.unavailable)}")
         else:
-            print(terminal_summary(report, with_legend=single is not None))
+            print(terminal_summary(report, with_legend=single is not None,
+                                   verbose=args.verbose))
             print("reports: " + ", ".join(str(p) for p in paths.values()))
             if not (args.all_adapters and adapter.name in mutants()):
                 all_ok &= report.ok
         reports.append(report.to_dict())
         if self_check:
+            cmd = command(prog)
             print("next: this was a self-check of the reference.  To check another "
-                  f"implementation:\n  {prog} list             shows the adapters\n"
-                  f"  {prog} --adapter NAME   runs one (a name, a module or a file.py; "
+                  f"implementation:\n  {cmd} list             shows the adapters\n"
+                  f"  {cmd} --adapter NAME   runs one (a name, a module or a file.py; "
                   "conformance/README.md says how to write an adapter)")
+        elif single is not None and not report.ok:
+            _failure_hint(report, args, paths)
     if args.all_adapters:
         print(legend())
         write_matrix(reports, args.out)
         print(f"matrix: {Path(args.out) / 'matrix.md'}, {Path(args.out) / 'matrix.json'}")
     return 0 if all_ok else 1
+
+
+def _failure_hint(report, args, paths) -> None:
+    """``next:`` after a failing run: the command that shows its first failure in full, and
+    the report to read.  On stderr, with the other hints (stdout is the run's results)."""
+    bad = [r for r in report.results if r.status in ("fail", "error")]
+    if not bad:  # nothing was compared
+        print(f"next: `{command(args.prog)} list` shows the capabilities and their cases",
+              file=sys.stderr)
+        return
+    first = bad[0]
+    spec = args.adapter or os.environ.get("KFAC_CONFORMANCE_ADAPTER") or report.adapter.get(
+        "name", "")
+    parts = [command(args.prog), "--adapter", shlex.quote(str(spec)), "-k",
+             shlex.quote(first.case_id), "-v"]
+    if args.out != str(DEFAULT_OUT):
+        parts[3:3] = ["--out", shlex.quote(args.out)]
+    print(f"next: {len(bad)} case(s) failed; the first in full:\n  {' '.join(parts)}\n"
+          f"  every case, with its diagnosis: {paths['html']} (open in a browser) or "
+          f"{paths['markdown']}", file=sys.stderr)
 
 
 def _cmd_golden(args) -> int:
@@ -315,9 +419,25 @@ def _cmd_golden(args) -> int:
     return 0 if not problems else 1
 
 
+def _fit(text: str, width: int = LIST_WIDTH) -> str:
+    """``text`` cut to ``width`` columns (… when cut)."""
+    return text if len(text) <= width else text[:width - 1].rstrip() + "…"
+
+
+def _short_function(name: str) -> str:
+    """A checked function's name for a one-line listing: ``kron()`` for
+    ``kfac_ref.linalg.kron``, a method with its class (``BlockDiagonalCurvature.
+    to_dense_matrix()``), a class as it is (``list NAME`` gives the full paths)."""
+    parts = name.split(".")
+    cls = next((i for i, p in enumerate(parts) if p[:1].isupper()), None)
+    if cls is not None and cls == len(parts) - 1:
+        return parts[-1]
+    return ".".join(parts[cls if cls is not None else -1:]) + "()"
+
+
 def _cmd_list(args) -> int:
     from .adapters import mutants
-    from .catalogue import FAMILY_MODULES, build_catalogue, capabilities, family_status
+    from .catalogue import FAMILY_MODULES, FUNCTIONS, build_catalogue, capabilities, family_status
 
     caps = capabilities()
     if args.markdown:
@@ -327,24 +447,100 @@ def _cmd_list(args) -> int:
             conv = ", ".join(c for c in cap.conventions if c != "symmetrised") or "—"
             print(f"| `{name}` | {cap.summary} | {cap.signature} | {conv} |")
         return 0
+    if args.name:
+        return _list_one(args)
+    cmd = command(args.prog)
     cases, absent = build_catalogue() if args.cases else ([], {})
+    width = max(len(n) for n in caps)
+    print("capabilities, each with the kfac_ref function(s) whose numbers it checks")
+    print(_fit(f"(`{cmd} list NAME`: one of them, a family or an adapter in full):"))
     for fam in FAMILY_MODULES:
         ok, why = family_status(fam)
-        print(f"[{fam}] " + ("available" if ok else f"absent: {why}"))
+        print(_fit(f"[{fam}] " + ("available" if ok else f"absent: {why}")))
         for name, cap in caps.items():
             if cap.family == fam:
-                conv = f" (conventions: {', '.join(cap.conventions)})" if cap.conventions else ""
-                print(f"  {name}: {cap.summary}{conv}")
+                checks = ", ".join(dict.fromkeys(
+                    _short_function(f) for f in FUNCTIONS.get(name, ()) if "." in f
+                    and f.startswith("kfac_ref.")))
+                print(_fit(f"  {name:<{width}}  {checks or cap.summary}"))
                 for c in cases:
                     if c.capability == name:
-                        print(f"      {c.id}  rtol64={c.tolerance.rtol():.1e} "
-                              f"({c.tolerance.derivation})")
+                        print(_fit(f"      {c.id}  rtol64={c.tolerance.rtol():.1e} "
+                                   f"({c.tolerance.derivation})"))
     print("adapters (--adapter NAME; declared conventions: where each differs from the "
           "reference):")
-    print("\n".join(_adapter_lines(conventions=True)))
-    print("mutants (deliberately wrong adapters that test the diagnosis): " +
-          ", ".join(mutants()))
+    print("\n".join(_adapter_lines(conventions=True, width=LIST_WIDTH)))
+    print(textwrap.fill("mutants (deliberately wrong adapters that test the diagnosis; "
+                        "`list NAME` shows one's pitfall): " + ", ".join(mutants()),
+                        width=LIST_WIDTH, subsequent_indent="  ", break_on_hyphens=False))
     return 0
+
+
+def _wrap(label: str, text: str) -> str:
+    return textwrap.fill(text, width=LIST_WIDTH, initial_indent=f"  {label:<13}",
+                         subsequent_indent=" " * 15, break_on_hyphens=False,
+                         break_long_words=False)
+
+
+def _list_one(args) -> int:
+    """``list NAME``: a capability, a family, an adapter or a mutant in full."""
+    import difflib
+
+    from .adapter import load_adapter
+    from .adapters import external, mutants, shipped
+    from .catalogue import FAMILY_MODULES, build_catalogue, capabilities, describe_functions
+
+    caps = capabilities()
+    name = args.name
+    if name in caps:
+        names = [name]
+    elif name in FAMILY_MODULES:
+        names = [n for n, c in caps.items() if c.family == name]
+    else:
+        names = []
+    if names:
+        fam = caps[names[0]].family
+        cases, absent = build_catalogue([fam])
+        for n in names:
+            cap = caps[n]
+            print(n)
+            print(_wrap("checks:", describe_functions(n) or "(no kfac_ref function listed)"))
+            print(_wrap("returns:", cap.summary))
+            print(_wrap("inputs:", cap.signature))
+            print(_wrap("conventions:", ", ".join(cap.conventions) or "none (canonical only)"))
+            mine = [c for c in cases if c.capability == n]
+            print(f"  cases ({len(mine)}):" if mine else
+                  f"  cases: none here ({absent.get(fam, 'the family built no case')})")
+            for c in mine:
+                print(_fit(f"    {c.id}  rtol64={c.tolerance.rtol():.1e}"))
+                print(textwrap.fill(c.tolerance.derivation, width=LIST_WIDTH,
+                                    initial_indent="      ", subsequent_indent="      "))
+        return 0
+    adapters = {**shipped(), **external(), **mutants()}
+    if name in adapters:
+        try:
+            adapter = load_adapter(name)
+        except Exception as exc:  # noqa: BLE001 - a broken adapter module is shown as such
+            print(f"{name}: cannot be loaded: {type(exc).__name__}: {exc}")
+            return 1
+        print(name)
+        print(_wrap("what:", adapter.description))
+        print(_wrap("conventions:", _conventions_text(adapter)))
+        if name in mutants():
+            print(_wrap("pitfall:", str(getattr(adapter, "pitfall", ""))))
+            expected = getattr(adapter, "EXPECTED", {})
+            print(_wrap("expected:", ", ".join(f"{c} → {p}" for c, p in expected.items())))
+        unsupported = sorted(getattr(adapter, "unsupported", ()) or ())
+        if unsupported:
+            print(_wrap("unsupported:", ", ".join(unsupported)))
+        print(f"  run it: {command(args.prog)} --adapter {name}")
+        return 0
+    known = [*caps, *FAMILY_MODULES, *adapters]
+    close = difflib.get_close_matches(name, known, n=3)
+    print(f"error: no capability, family, adapter or mutant is called {name!r}"
+          + (f"; did you mean {', '.join(close)}?" if close else "")
+          + f" (`{command(args.prog)} list` shows them all)", file=sys.stderr)
+    return 2
 
 
 def readme_tables() -> dict:
@@ -412,7 +608,7 @@ def _cmd_new_adapter(args) -> int:
         return 2
     path.write_text(text, encoding="utf-8")
     print(f"wrote {path}: every capability is listed as unsupported; implement one, delete "
-          f"its line from `unsupported`, then run\n  {args.prog} --adapter {path}")
+          f"its line from `unsupported`, then run\n  {command(args.prog)} --adapter {path}")
     return 0
 
 

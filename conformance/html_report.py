@@ -5,17 +5,22 @@ picture is an inline SVG (one row per capability, one square per case, coloured 
 with the colours of :data:`conformance.figures.OUTCOMES`; hover a square for the case id).
 Above it: the verdict and counts, the declared conventions and every failing or erroring case
 with its numbers (relative error against the tolerance), the diagnosis (pitfall, explanation)
-and a link to the docs section of the formula the pitfall gets wrong
-(:func:`conformance.diagnosis.docs_link`); below it a table per capability and the skip
-reasons.
+and the docs section of the formula the pitfall gets wrong: a link to the built docs
+(:func:`conformance.diagnosis.docs_link`) when they exist, else the section's text in the
+page itself (:func:`section_text`), so the report needs no docs build; below it a table
+per capability and the skip reasons.
 """
 
 from __future__ import annotations
 
 import html
+from pathlib import Path
 
-from .diagnosis import PITFALLS, docs_link
+from .diagnosis import DOCS, DOCS_URL_VAR, PITFALLS, docs_link
 from .figures import OUTCOMES
+
+#: the docs sources of a source checkout (absent from an installed suite)
+_DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 __all__ = ["html_report", "outcome_svg"]
 
@@ -83,6 +88,8 @@ table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px so
  padding:.6em 1em;margin:1em 0;background:#fffafa} .case.error{border-left-color:#762a83}
 .case h3{margin:.1em 0 .4em;font-size:1em;font-family:monospace} .pit{font-weight:bold}
 code{background:#f4f4f4;padding:0 .2em} .svg{overflow-x:auto}
+details.formula pre{white-space:pre-wrap;background:#f8f8f8;border:1px solid #ddd;
+ padding:.5em;font-size:.85em;max-height:30em;overflow:auto}
 """
 
 
@@ -145,6 +152,67 @@ def html_report(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _docs_built() -> bool:
+    """Whether the docs links of :func:`conformance.diagnosis.docs_link` lead somewhere: a
+    docs URL is set, or the pages of a source checkout are built."""
+    import os
+
+    return bool(os.environ.get(DOCS_URL_VAR)) or (_DOCS / "_build" / "html" / "index.html"
+                                                  ).is_file()
+
+
+def section_text(page: str, section: str) -> str | None:
+    """The reStructuredText of the section titled ``section`` of ``docs/<page>.rst`` in a
+    source checkout (up to the next title of the same or a higher level), or None."""
+    path = _DOCS / f"{page}.rst"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+
+    def underline(i):
+        if i + 1 >= len(lines) or not lines[i].strip():
+            return None
+        u = lines[i + 1].strip()
+        return u[0] if u and len(set(u)) == 1 and not u[0].isalnum() and \
+            len(u) >= len(lines[i].strip()) else None
+
+    start = next((i for i in range(len(lines)) if lines[i].strip() == section and underline(i)),
+                 None)
+    if start is None:
+        return None
+    order = list(dict.fromkeys(u for u in map(underline, range(len(lines))) if u))
+    level = order.index(underline(start))  # title levels in order of first use, as docutils
+    body = []
+    for i in range(start + 2, len(lines)):
+        u = underline(i)
+        if u and order.index(u) <= level:
+            break
+        body.append(lines[i])
+    return "\n".join(body).strip("\n")
+
+
+def _formula_html(pid: str) -> str:
+    """Where the formula a pitfall gets wrong is documented: a link to the docs section
+    (:func:`conformance.diagnosis.docs_link`); when the docs are not built here (and no
+    ``$KFAC_REF_DOCS_URL`` is set) the section's text is shipped in the page too, from the
+    checkout's docs sources, so that the report reads without a docs build."""
+    link = docs_link(pid)
+    if not link:
+        return ""
+    out = f'<div>formula: <a href="{_e(link[1])}">{_e(link[0])}</a></div>'
+    if _docs_built():
+        return out
+    page, section = DOCS[pid.split("+")[0]]
+    text = section_text(page, section)
+    if text is None:  # an installed suite without the docs sources
+        return out[:-6] + (f" (not built here: set {DOCS_URL_VAR} to the documentation's "
+                           "address)</div>")
+    return (out[:-6] + " (not built here: its text follows)</div>"
+            f'<details class="formula" open><summary>{_e(section)} — from '
+            f"docs/{_e(page)}.rst</summary><pre>{_e(text)}</pre></details>")
+
+
 def _num(x) -> str:
     return "—" if x is None else f"{x:.3e}"
 
@@ -164,9 +232,7 @@ def _case_html(r: dict) -> str:
         out.append(f'<div>diagnosis: <span class="pit"><code>{_e(pid)}</code>'
                    f"{' — ' + _e(title) if title and title != pid else ''}</span>: "
                    f"{_e(d.get('explanation', ''))}</div>")
-        link = docs_link(pid)
-        if link:
-            out.append(f'<div>formula: <a href="{_e(link[1])}">{_e(link[0])}</a></div>')
+        out.append(_formula_html(pid))
     if not d:  # an error, or a failure without diagnosis: the message says what happened
         out.append(f'<div class="meta">{_e(r.get("message", ""))}</div>')
     out.append("</div>")

@@ -5,6 +5,7 @@ capability)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -13,7 +14,8 @@ from .diagnosis import PITFALLS
 from .runner import RunReport
 
 __all__ = ["Progress", "terminal_summary", "legend", "write_reports", "write_matrix",
-           "matrix_cell"]
+           "matrix_cell", "failure_text", "failure_details", "pitfall_title",
+           "pitfall_meanings"]
 
 _CHAR = {"pass": ".", "convention": "c", "fail": "F", "error": "E", "xfail": "x", "skip": "s"}
 
@@ -74,7 +76,9 @@ def legend() -> str:
     return LEGEND.format(symbols=symbols)
 
 
-def terminal_summary(report: RunReport, with_legend: bool = True) -> str:
+def terminal_summary(report: RunReport, with_legend: bool = True, verbose: bool = False) -> str:
+    """The run as text: a table per capability, the legend, one line per failure in plain
+    words (``verbose``: each failure in full, :func:`failure_details`), the verdict."""
     a = report.adapter
     lines = [f"\nkfac_ref conformance — adapter {a.get('name')} {a.get('version', '')} "
              f"(dtype {a.get('dtype')}; expected values: {report.source})"]
@@ -98,7 +102,14 @@ def terminal_summary(report: RunReport, with_legend: bool = True) -> str:
     if bad:
         lines.append("\nFailures:")
         for r in bad:
-            lines.append(f"  {r.status.upper():5} {r.case_id}: {r.message}")
+            if verbose:
+                lines += failure_details(r)
+            else:
+                lines.append(f"  {r.status.upper():5} {r.case_id}: {failure_text(r)}")
+        meanings = pitfall_meanings(r.diagnosis["pitfall"] for r in bad if r.diagnosis)
+        if meanings and not verbose:
+            lines.append("What the diagnoses mean:")
+            lines += [f"  {m}" for m in meanings]
     for fam, why in report.absent.items():
         lines.append(f"absent family {fam}: {why}")
     n_cmp = tot["pass"] + tot["convention"]
@@ -109,6 +120,84 @@ def terminal_summary(report: RunReport, with_legend: bool = True) -> str:
                  f"conventions, {tot['fail']} failed, {tot['error']} errors, {tot['xfail']} "
                  f"expected failures, {tot['skip']} skipped in {report.duration_s:.1f} s")
     return "\n".join(lines)
+
+
+_CIRCULAR = re.compile(r"matches what the reference computes with the pitfall '[^']*'(, )?")
+
+
+def _pitfall_ids(pitfall: str) -> list[str]:
+    """The known pitfall ids a diagnosis names (``a+b`` pairs, ``per_layer:...``)."""
+    if pitfall.startswith("per_layer"):
+        return ["per_layer"]
+    return [p for p in pitfall.split("+") if p in PITFALLS] or [pitfall]
+
+
+def pitfall_title(pitfall: str) -> str:
+    """A diagnosis's pitfall id in plain words (``a+b``: both titles)."""
+    return " + ".join(PITFALLS.get(p, (p,))[0] for p in _pitfall_ids(pitfall))
+
+
+def pitfall_meanings(pitfalls) -> list[str]:
+    """``title (id): what it means`` for each distinct pitfall named in ``pitfalls``."""
+    seen = []
+    for pid in pitfalls:
+        seen += [p for p in _pitfall_ids(pid)
+                 if p in PITFALLS and p != "unexplained" and p not in seen]
+    return [f"{PITFALLS[p][0]} ({p}): {PITFALLS[p][1]}" for p in seen]
+
+
+def failure_text(result) -> str:
+    """One failing or erroring result in plain words: the numbers, then the pitfall's title
+    and the diagnosis's evidence (without the circular "matches what the reference computes
+    with the pitfall ..." when the title already says it)."""
+    message = getattr(result, "message", None)
+    diagnosis = getattr(result, "diagnosis", None)
+    if isinstance(result, dict):
+        message, diagnosis = result.get("message", ""), result.get("diagnosis")
+    if not diagnosis:
+        return message
+    detail = message.split("; diagnosis: ", 1)[0]
+    pid = diagnosis["pitfall"]
+    evidence = _CIRCULAR.sub("", diagnosis.get("explanation", "")).strip(" ,")
+    if pid == "unexplained":
+        return f"{detail}; not explained by any known pitfall (nor up to three together)"
+    text = f"{detail} — diagnosis: {pitfall_title(pid)}"
+    return text + (f" ({evidence})" if evidence else "")
+
+
+def failure_details(result) -> list[str]:
+    """One failing or erroring result in full, as indented lines: the case, its numbers, the
+    diagnosis in plain words with its evidence, and the documented formula it concerns."""
+    from .diagnosis import DOCS, DOCS_PAGES, docs_link
+    from .html_report import _DOCS, _docs_built
+
+    r = result
+    out = [f"  {r.status.upper():5} {r.case_id}"]
+    if getattr(r, "description", ""):
+        out.append(f"        case: {r.description}")
+    d = r.diagnosis
+    if not d:
+        return out + [f"        {r.message}"]
+    out.append("        " + r.message.split("; diagnosis: ", 1)[0])
+    pid = d["pitfall"]
+    for p in _pitfall_ids(pid):
+        if p in PITFALLS:
+            title, meaning, evidence = PITFALLS[p]
+            out.append(f"        diagnosis: {title} ({p}): {meaning}")
+            if evidence and p != "unexplained":
+                out.append(f"        reported in: {evidence}")
+            if p in DOCS:
+                page, section = DOCS[p]
+                where = ""
+                if _docs_built():
+                    where = f" ({docs_link(p)[1]})"
+                elif (_DOCS / f"{page}.rst").is_file():
+                    where = f" ({_DOCS / page}.rst)"
+                out.append(f"        formula: docs page {DOCS_PAGES[page]} › {section}{where}")
+    explanation = _CIRCULAR.sub("", d.get("explanation", "")).strip(" ,")
+    if explanation:
+        out.append(f"        evidence: {explanation}")
+    return out
 
 
 def _junit(report: RunReport) -> bytes:

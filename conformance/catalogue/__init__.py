@@ -12,7 +12,8 @@ import importlib
 
 from ..model import Capability, Case
 
-__all__ = ["FAMILY_MODULES", "capabilities", "build_catalogue", "family_status"]
+__all__ = ["FAMILY_MODULES", "FUNCTIONS", "capabilities", "build_catalogue", "family_status",
+           "describe_functions", "functions_checked"]
 
 #: family name -> module (relative to this package), in report order
 FAMILY_MODULES = {
@@ -26,6 +27,91 @@ FAMILY_MODULES = {
     "sampling": ".sampling_cases",
     "optimizer": ".optimizer_cases",
 }
+
+
+_EST = "kfac_ref.curvature.estimators.BlockDiagonalCurvature"
+_LOSS = "kfac_ref.losses.NegativeLogProbLoss"
+#: capability -> the public kfac_ref functions (or methods) whose numbers it checks: the
+#: reference computes each case's expected output with them, and an implementation passes
+#: when it agrees.  A capability's name is the suite's, not a kfac_ref function's
+#: (``linalg.homog_cov`` is ``compute_cov(append_homog(a))``); the last element may be a
+#: note on the arguments.  Every dotted name imports (tests/test_conformance_cli_help.py).
+FUNCTIONS: dict[str, tuple[str, ...]] = {
+    "linalg.compute_cov": ("kfac_ref.linalg.compute_cov",),
+    "linalg.cross_cov": ("kfac_ref.linalg.compute_cov", "(x, y)"),
+    "linalg.homog_cov": ("kfac_ref.linalg.compute_cov", "kfac_ref.linalg.append_homog"),
+    "linalg.kron": ("kfac_ref.linalg.kron",),
+    "linalg.kron_matvec": ("kfac_ref.linalg.kron_matvec",),
+    "linalg.damped_matpower": ("kfac_ref.linalg.damped_matpower",),
+    "linalg.damped_inverse": ("kfac_ref.linalg.damped_inverse",),
+    "linalg.pi_tracenorm": ("kfac_ref.linalg.pi_tracenorm",),
+    "linalg.pi_adjusted_damping": ("kfac_ref.linalg.pi_adjusted_damping",),
+    "linalg.factored_damped_inverse_matvec": ("kfac_ref.linalg.kron_damped_inverse_matvec",
+                                              'damping_method="factored"'),
+    "linalg.exact_damped_inverse_matvec": ("kfac_ref.linalg.kron_damped_inverse_matvec",
+                                           'damping_method="exact"'),
+    "linalg.factored_damped_matpower_matvec": ("kfac_ref.linalg.kron_damped_matpower_matvec",
+                                               'damping_method="factored"'),
+    "linalg.factor_norm": ("kfac_ref.linalg.factor_norm",),
+    "averaging.ema": ("kfac_ref.averaging.MovingAverageVariable.update",),
+    "factors.dense_input": ("kfac_ref.factors.dense.fully_connected_kronecker_factor",),
+    "factors.dense_output": ("kfac_ref.factors.dense.fully_connected_kronecker_factor",),
+    "factors.dense_diagonal": ("kfac_ref.factors.dense.fully_connected_diagonal_factor",),
+    "factors.conv_input": ("kfac_ref.factors.conv_kfc.conv_input_kronecker_factor",),
+    "factors.conv_output": ("kfac_ref.factors.conv_kfc.conv_output_kronecker_factor",),
+    "factors.conv_diagonal": ("kfac_ref.factors.conv_kfc.conv_diagonal_factor",),
+    "factors.embedding_input": ("kfac_ref.factors.embedding.embedding_input_kronecker_factor",),
+    "factors.naive_diagonal": ("kfac_ref.factors.diagonal.naive_diagonal_factor",),
+    "factors.series_cov_dt1": ("kfac_ref.factors.series.fully_connected_multi_kf_cov_dt1",),
+    "losses.fisher": (f"{_LOSS}.fisher_matrix", "of the five losses"),
+    "losses.gradient": ("kfac_ref.losses.LossFunction.grad_of_evaluate", "of the five losses"),
+    "losses.hessian": (f"{_LOSS}.hessian_matrix", "of the five losses"),
+    "losses.fisher_factor": (f"{_LOSS}.multiply_fisher_factor", "of the five losses"),
+    "losses.fisher_factor_transpose": (f"{_LOSS}.multiply_fisher_factor_transpose",
+                                       "of the five losses"),
+    "losses.ggn_factor": ("kfac_ref.losses.LossFunction.multiply_ggn_factor",
+                          "of the five losses"),
+    "losses.sample": (f"{_LOSS}.sample", "of the five losses"),
+    "blocks.kron_matpower": ("kfac_ref.blocks.kronecker_block_matpower",),
+    "blocks.kron_eigenvalues": ("kfac_ref.blocks.kronecker_block_eigenvalues",),
+    "blocks.diagonal_matpower": ("kfac_ref.blocks.diagonal_block_matpower",),
+    "blocks.series_inverse": ("kfac_ref.blocks.tf.FullyConnectedSeriesFB.multiply_matpower",),
+    "blocks.kron_cached_inverse": (
+        "kfac_ref.blocks.kfac_jax.DenseTwoKroneckerFactored.update_cache",
+        "kfac_ref.blocks.kfac_jax.DenseTwoKroneckerFactored.multiply_matpower"),
+    "estimator.kfac_ema": (f"{_EST}.update_curvature_matrix_estimate",
+                           f"{_EST}.to_dense_matrix"),
+    "estimator.full_blocks": (f"{_EST}.update_curvature_matrix_estimate",
+                              "kfac_ref.blocks.kfac_jax.DenseFull",
+                              "kfac_ref.blocks.kfac_jax.NaiveFull",
+                              "kfac_ref.blocks.kfac_jax.DenseDiagonal",
+                              "kfac_ref.blocks.kfac_jax.NaiveDiagonal"),
+    "networks.ggn": ("kfac_ref.curvature.exact.ggn_matrix",),
+    "networks.empirical_fisher": ("kfac_ref.curvature.exact.empirical_fisher_matrix",),
+    "networks.kfac": (f"{_EST}.update_curvature_matrix_estimate", f"{_EST}.to_dense_matrix"),
+    "networks.kfac_input_factors": (f"{_EST}.update_curvature_matrix_estimate",
+                                    "(the blocks' input factors)"),
+    "networks.kfac_output_factors": (f"{_EST}.update_curvature_matrix_estimate",
+                                     "(the blocks' output factors)"),
+    "networks.kfac_inverse_matvec": (f"{_EST}.multiply_matpower", "exp=-1"),
+    "sampling.kfac": (f"{_EST}.update_curvature_matrix_estimate", f"{_EST}.to_dense_matrix",
+                      "sampling estimation modes"),
+    "optimizer.kfac_steps": ("kfac_ref.optim.KFACOptimizer.step",),
+}
+
+
+def functions_checked(capability: str) -> tuple[str, ...]:
+    """The dotted names of the public kfac_ref functions ``capability`` checks (notes on the
+    arguments dropped); empty for a capability the table does not know."""
+    return tuple(f for f in FUNCTIONS.get(capability, ()) if f.startswith("kfac_ref."))
+
+
+def describe_functions(capability: str) -> str:
+    """``FUNCTIONS[capability]`` as one phrase: the names, then the note in brackets."""
+    items = FUNCTIONS.get(capability, ())
+    names = [f for f in items if f.startswith("kfac_ref.")]
+    notes = [f.strip("()") for f in items if not f.startswith("kfac_ref.")]
+    return ", ".join(names) + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _family_module(family):

@@ -4,8 +4,9 @@ Run after the HTML build (``docs/build.sh`` does)::
 
     python docs/_ext/kfac_pagecheck.py docs/_build/html --screenshots docs/_build/screenshots
 
-Each page of ``PAGES`` is loaded in headless Chromium at a laptop width (1280 px), after
-MathJax has typeset it, and fails the check when
+Every page of the build (each ``.html`` outside ``_static``-style folders, less the
+generated index and search pages: :func:`all_pages`) is loaded in headless Chromium at a
+laptop width (1280 px), after MathJax has typeset it, and fails the check when
 
 * the main column (``article.bd-article``) is wider than its box (``scrollWidth >
   clientWidth``): something pushes the text column sideways;
@@ -18,7 +19,8 @@ MathJax has typeset it, and fails the check when
   entries would be cut).
 
 Code blocks that scroll are listed as notes, not failures.  A full-width screenshot (the top
-``--max-height`` pixels) of every page is written as PNG.  Without a Chromium the check says
+``--max-height`` pixels) of each key page (``PAGES``; of every page with
+``--screenshot-all``) is written as PNG.  Without a Chromium the check says
 so and exits 0: the build does not depend on a browser being installed.
 
 Chromium is driven through its DevTools protocol over a pipe (``--remote-debugging-pipe``:
@@ -41,7 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Key pages (paths under the HTML root).  A page missing from the build is an error.
+# Key pages (paths under the HTML root): screenshotted, and a page missing from the build is
+# an error.  Every page of the build is measured.
 PAGES = [
     "index.html",
     "quickstart.html",
@@ -178,6 +181,23 @@ READY_JS = r"""
   return Math.ceil(Math.max(document.documentElement.scrollHeight, document.body.scrollHeight));
 })()
 """
+
+
+#: pages of the build that are not documentation: Sphinx's generated index and search pages
+NOT_PAGES = {"genindex.html", "search.html", "py-modindex.html"}
+
+
+def all_pages(html: Path) -> list[str]:
+    """Every documentation page under the HTML root ``html`` (paths relative to it): each
+    ``.html`` file outside folders whose name starts with ``_`` (static files, sources,
+    downloads), less :data:`NOT_PAGES`; sorted."""
+    out = []
+    for path in html.rglob("*.html"):
+        rel = path.relative_to(html)
+        if rel.as_posix() in NOT_PAGES or any(part.startswith("_") for part in rel.parts[:-1]):
+            continue
+        out.append(rel.as_posix())
+    return sorted(out)
 
 
 def find_browser() -> str | None:
@@ -338,21 +358,26 @@ def main(argv=None) -> int:
                     help="screenshot at most this many pixels of each page (default 4000)")
     ap.add_argument("--width", type=int, default=WIDTH,
                     help=f"window width in CSS pixels (default {WIDTH})")
-    ap.add_argument("pages", nargs="*", help=f"pages to check (default: {len(PAGES)} key pages)")
+    ap.add_argument("--verbose", "-v", action="store_true",
+                    help="list every page, not only those that fail, note or are screenshotted")
+    ap.add_argument("--screenshot-all", action="store_true",
+                    help=f"screenshot every page checked (default: the {len(PAGES)} key pages)")
+    ap.add_argument("pages", nargs="*", help="pages to check (default: every page of the "
+                                             "build)")
     args = ap.parse_intermixed_args(argv)
     exe = find_browser()
     if exe is None:
         print("pagecheck: SKIPPED - no Chromium found (install Debian's `chromium`, or set "
               "KFAC_DOCS_CHROMIUM); the layout of the pages was not checked.")
         return 0
-    pages = args.pages or PAGES
-    missing = [p for p in pages if not (args.html / p).is_file()]
+    pages = args.pages or all_pages(args.html)
+    missing = [p for p in (args.pages or PAGES) if not (args.html / p).is_file()]
     if missing:
         print(f"pagecheck: FAILED - pages missing from the build: {', '.join(missing)}")
         return 1
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    failed = formulas = 0
     try:
         browser = Browser(exe, width=args.width)
     except (RuntimeError, TimeoutError, OSError) as exc:
@@ -365,25 +390,30 @@ def main(argv=None) -> int:
             m = json.loads(browser.evaluate(MEASURE_JS))
             bad = problems(m)
             shot = ""
-            if args.screenshots:
+            if args.screenshots and (args.screenshot_all or page in PAGES or args.pages):
                 png = args.screenshots / (page.removesuffix(".html").replace("/", "__") + ".png")
                 browser.screenshot(png, min(height, args.max_height))
                 shot = f", screenshot {png}"
             status = "FAIL" if bad else "ok"
-            print(f"pagecheck: {status:4s} {page} (column {m.get('article_width')} px, "
-                  f"{m.get('formula_count', 0)} display formulas{shot})")
+            formulas += m.get("formula_count", 0)
+            notes = m.get("pre_scroll", [])
+            if bad or shot or notes or args.verbose:  # a passing page is counted, not listed
+                print(f"pagecheck: {status:4s} {page} (column {m.get('article_width')} px, "
+                      f"{m.get('formula_count', 0)} display formulas{shot})")
             for line in bad:
                 print(f"    {line}")
-            for p in m.get("pre_scroll", []):
+            for p in notes:
                 print(f"    note: code block scrolls ({p['need']} px in {p['have']} px): "
                       f"{p['text']!r}")
             failed += bool(bad)
     finally:
         browser.close()
     if failed:
-        print(f"pagecheck: FAILED - {failed} of {len(pages)} pages overflow at {args.width} px")
+        print(f"pagecheck: FAILED - {len(pages)} pages checked ({formulas} display formulas), "
+              f"{failed} overflow at {args.width} px")
         return 1
-    print(f"pagecheck: passed - {len(pages)} pages fit the main column at {args.width} px")
+    print(f"pagecheck: passed - {len(pages)} pages checked ({formulas} display formulas), 0 "
+          f"overflow: every page fits the main column at {args.width} px")
     return 0
 
 
