@@ -288,3 +288,94 @@ def test_sampled_mse_against_the_hand_computed_gradient():
     again = reference_torch_kfac(net, "mse", x, y, mode="fisher_sampled",
                                  rng=np.random.default_rng(3), mc_samples=6)
     np.testing.assert_allclose(again[""]["G"], expected, rtol=1e-13)
+
+
+def _unfold_a(x, kernel, pads, stride, dilation, bias=True):
+    """A of patches read with the given geometry (explicit zero padding, then unfold)."""
+    (top, bottom), (left, right) = pads
+    xp = torch.nn.functional.pad(x, (left, right, top, bottom))
+    p = torch.nn.functional.unfold(xp, kernel, dilation=dilation, stride=stride)
+    p = p.transpose(1, 2).reshape(-1, p.shape[1])
+    if bias:
+        p = torch.cat([p, torch.ones(len(p), 1, dtype=p.dtype)], 1)
+    return p.T @ p / len(p)
+
+
+@pytest.mark.parametrize("name, wrong, pitfall", [
+    ("valid_dilated", dict(dilation=(1, 1)), "dilation_ignored"),
+    ("pad1", dict(pads=((0, 0), (0, 0))), "padding_ignored"),
+    ("same_uneven", dict(pads=((2, 1), (1, 0))), "padding_split"),
+    ("pad_tuple_stride", dict(stride=(1, 1)), "stride_ignored"),
+])
+def test_conv_geometry_faults_are_named(name, wrong, pitfall):
+    net, x, y = _net(name)
+    conv = net.conv
+    geo = dict(pads=torch_conv_padding(conv), stride=conv.stride, dilation=conv.dilation)
+    good = _hand_written(net, x, y, "fisher_exact")
+    assert torch.allclose(_unfold_a(x, conv.kernel_size, **geo), good["conv"]["A"],
+                          rtol=1e-12, atol=1e-14)  # the oracle reads the right patches
+    user = {"conv": {"A": _unfold_a(x, conv.kernel_size, **(geo | wrong)),
+                     "G": good["conv"]["G"]}}
+    res = check_conv(net, "cross_entropy", x, y, user)
+    by = _by(res)
+    assert by["conv", "A"].diagnosis == pitfall, str(res)
+    assert by["conv", "G"].ok and not res.ok
+
+
+def _by(res):
+    return {(c.layer, c.factor): c for c in res.checks}
+
+
+def test_a_T_split_conv_convention_passes_as_equivalent():
+    """A/|T| ⊗ |T|·G is the reference block: the layer passes, the split is named."""
+    net, x, y = _net("pad_tuple_stride")
+    good = _hand_written(net, x, y, "fisher_exact")
+    t = reference_torch_kfac(net, "cross_entropy", x, y)["conv"]["T"]
+    user = {"conv": {"A": good["conv"]["A"] / t, "G": good["conv"]["G"] * t}}
+    res = check_conv(net, "cross_entropy", x, y, user)
+    assert res.ok, str(res)
+    assert res.blocks[0].verdict == "equivalent"
+    assert res.blocks[0].split == f"A × 1/|T| = 1/{t}, G × |T| = {t}"
+    assert not check_conv(net, "cross_entropy", x, y, user, level="factors").ok
+    # TF's Γ = G/|T| passes when declared, and is named when not
+    tf = {"conv": {"A": good["conv"]["A"], "G": good["conv"]["G"] / t}}
+    assert check_conv(net, "cross_entropy", x, y, tf, conventions={"conv_style": "kfc"}).ok
+    assert _by(check_conv(net, "cross_entropy", x, y, tf))["conv", "G"].diagnosis == \
+        "scale:1/T"
+
+
+def test_identity_started_average_after_two_steps_is_named_with_its_decay():
+    net, x1, y1 = _net("pad1")
+    gen = torch.Generator().manual_seed(5)
+    x2 = torch.randn(x1.shape, dtype=x1.dtype, generator=gen)
+    y2 = torch.randint(0, CLASSES, (N,), generator=gen)
+    d = 0.9
+    state = {"A": torch.eye(19, dtype=x1.dtype), "G": torch.eye(C_OUT, dtype=x1.dtype)}
+    for xb, yb in ((x1, y1), (x2, y2)):  # an optimiser's identity-started running average
+        stats = _hand_written(net, xb, yb, "fisher_exact")["conv"]
+        state = {k: d * state[k] + (1 - d) * stats[k] for k in state}
+    res = check_conv(net, "cross_entropy", x2, y2, {"conv": state}, earlier=[(x1, y1)],
+                     decay=d)
+    for fac in ("A", "G"):
+        c = _by(res)["conv", fac]
+        assert c.diagnosis == "ema_identity_init", str(res)
+        assert "decay δ = 0.9 over the 2 batches" in c.explanation
+    ok = check_conv(net, "cross_entropy", x2, y2, {"conv": state}, earlier=[(x1, y1)],
+                    decay=d, conventions={"ema_init": "identity"})
+    assert ok.ok, str(ok)
+
+
+def test_a_partial_factors_dict_fails_and_the_users_tensors_are_copied():
+    net, x, y = _net("pad1")
+    good = _hand_written(net, x, y, "fisher_exact")
+    res = check_torch_kfac(net, "cross_entropy", x, y, good)
+    assert not res.ok and res.unchecked == ["fc"]
+    a = good["conv"]["A"]
+    before = a.clone()
+    hook = net.conv.register_forward_hook(lambda m, i, o: [a.mul_(2.0)] and None)  # live
+    try:
+        res = check_conv(net, "cross_entropy", x, y, good)
+    finally:
+        hook.remove()
+    assert res.ok, str(res)  # checked as given, before the check's passes ran the hook
+    assert not torch.equal(a, before)
