@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kfac_ref.conv_geometry import ConvGeometry
+
 from .own_model import (
     as_rng,
     check_factors,
@@ -146,39 +148,25 @@ def reference_jax_kfac(model, params, inputs, targets, layers, *, loss="cross_en
                 padding=pad.upper() if isinstance(pad, str) else pad,
                 strides=_pair(spec.get("strides", 1)), dilation=_pair(spec.get("dilation", 1)),
                 bias=bias, sharing=sharing, data_format="NHWC", order="hwc")
+            geo = ConvGeometry.from_shapes(
+                a.shape, (*spec["kernel"], a.shape[-1], g.shape[-1]),
+                strides=_pair(spec.get("strides", 1)),
+                padding=pad.upper() if isinstance(pad, str) else pad,
+                dilation=_pair(spec.get("dilation", 1)))
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "conv2d",
-                         "kernel": list(spec["kernel"]), "c_in": a.shape[-1], "order": "hwc"}
+                         "kernel": list(spec["kernel"]), "c_in": a.shape[-1], "order": "hwc",
+                         "padding": tuple(geo.padding), "strides": tuple(geo.strides),
+                         "dilation": tuple(geo.dilation), "_x": a, "_g": g}
         else:
             fa, fg, t = dense_reference_factors(a, g, bias=bias, sharing=sharing)
             res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "dense"}
         res[name]["bias"] = bias
+        res[name]["dtype"] = str(np.dtype(out.dtype))
     return res
 
 
-def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cross_entropy",
-                   mode="fisher_exact", sharing="expand", rng=None, samples=None,
-                   mc_samples=1):
-    r"""Compare a user's K-FAC factors of the JAX function ``model`` with the reference of
-    :func:`reference_jax_kfac`, per layer and factor, and name the pitfall behind each
-    disagreement (as :func:`conformance.own_model.check_torch_kfac`; the other patch order
-    is unfold's ``(C, kh, kw)``).
-
-    .. math::
-
-        \frac{\|A_\text{user} - A\|_F}{\|A\|_F} \le \text{rtol}, \qquad
-        \frac{\|G_\text{user} - G\|_F}{\|G\|_F} \le \text{rtol}
-
-    ``factors``: ``{layer name: {"A": ..., "G": ...}}`` (JAX or NumPy arrays).
-    """
-    fn = "check_jax_kfac"
-    check_mode_args(fn, loss, mode, sharing, rng, samples)
-    _check_layers(fn, layers)
-    if mode == "fisher_sampled" and samples is None:  # one set of draws for every reference
-        out, _ = _taps(fn, model, params, inputs, {}, layers)
-        samples = sample_targets(loss, np.asarray(out, dtype=np.float64), as_rng(fn, rng),
-                                 mc_samples)
+def _batch_references(args, mode, samples, loss, sharing, fn):
     kw = dict(loss=loss, sharing=sharing, _fn=fn)
-    args = (model, params, inputs, targets, layers)
     ref = reference_jax_kfac(*args, mode=mode, samples=samples, **kw)
     others = {}
     if mode != "fisher_empirical":
@@ -190,4 +178,48 @@ def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cro
             *args, mode=mode, samples=samples, loss=loss, _fn=fn,
             sharing="reduce" if sharing == "expand" else "expand")
     alts = {name: layer_alternatives(name, ref[name], others, mode, sharing) for name in ref}
-    return check_factors(ref, factors, alts, mode, fn)
+    return ref, alts
+
+
+def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cross_entropy",
+                   mode="fisher_exact", sharing="expand", rng=None, samples=None,
+                   mc_samples=1, conventions=None, level="block", check_layers=None,
+                   earlier=None, decay=None):
+    r"""Compare a user's K-FAC factors of the JAX function ``model`` with the reference of
+    :func:`reference_jax_kfac`, per layer — each factor and the layer's block — and name
+    the pitfall behind each disagreement (as :func:`conformance.own_model.check_torch_kfac`,
+    with the same ``conventions``, ``level``, ``earlier`` and ``decay``; the subset to check
+    is ``check_layers``, since ``layers`` describes the model's layers here; the other
+    patch order is unfold's ``(C, kh, kw)``).
+
+    .. math::
+
+        \frac{\|A_\text{user}\otimes G_\text{user} - A\otimes G\|_F}
+             {\|A\otimes G\|_F} \le \text{rtol}_A + \text{rtol}_G
+
+    ``factors``: ``{layer name: {"A": ..., "G": ...}}`` (JAX or NumPy arrays), copied
+    first; ``earlier``: the ``(inputs, targets)`` of earlier statistics updates, oldest
+    first.
+    """
+    from .own_model._check import copy_factors, declared_conventions, resolve_sharing
+
+    fn = "check_jax_kfac"
+    check_mode_args(fn, loss, mode, sharing, rng, samples)
+    _check_layers(fn, layers)
+    factors = copy_factors(fn, factors)
+    sharing = resolve_sharing(fn, sharing, declared_conventions(fn, conventions))
+    if earlier and samples is not None:
+        raise ValueError(f"{fn}: with earlier batches, give rng (draws for every batch), "
+                         "not samples.")
+    gen = as_rng(fn, rng) if rng is not None else None
+    history = []
+    for x_i, y_i in list(earlier or []) + [(inputs, targets)]:
+        s_i = samples
+        if mode == "fisher_sampled" and samples is None:  # one set of draws per batch
+            out, _ = _taps(fn, model, params, x_i, {}, layers)
+            s_i = sample_targets(loss, np.asarray(out, dtype=np.float64), gen, mc_samples)
+        history.append(_batch_references((model, params, x_i, y_i, layers), mode, s_i, loss,
+                                         sharing, fn))
+    ref, alts = history[-1]
+    return check_factors(ref, factors, alts, mode, fn, conventions=conventions, level=level,
+                         layers=check_layers, earlier=history[:-1], decay=decay, loss=loss)

@@ -7,7 +7,7 @@ order ``(kh, kw, C_in)`` with the ones column last, ``A = Σ ā āᵀ / (N·|T|)
 ``G = Σ g gᵀ / (N·|T|)`` for a convolution and ``/N`` for a dense layer.  The documented
 conversion into conformance.own_model's convention is ``G ← |T|·G`` for the convolution
 (``A`` unchanged), and for ``fisher_empirical`` one more ``N`` on every ``G`` (kfac-jax's
-empirical-Fisher scale): the raw factors are diagnosed ``scale:1/T`` (``scale:1/NT``,
+empirical-Fisher scale): the raw factors are diagnosed ``scale:1/T`` (``scale:1/(N·T)``,
 ``scale:1/N``), the converted ones agree.  Skipped where kfac-jax is not installed.
 """
 
@@ -118,7 +118,7 @@ def test_kfac_jax_empirical_factors():
     theirs = _kfac_jax_factors(loss_fn, theta, x, y, "fisher_empirical")
     raw = check_jax_kfac(model, theta, x, y, layers, theirs, mode="fisher_empirical")
     assert {(c.layer, c.factor): c.diagnosis for c in raw.checks} == {
-        ("conv", "A"): "", ("conv", "G"): "scale:1/NT", ("fc", "A"): "",
+        ("conv", "A"): "", ("conv", "G"): "scale:1/(N·T)", ("fc", "A"): "",
         ("fc", "G"): "scale:1/N"}, str(raw)
     t = reference_jax_kfac(model, theta, x, y, layers)["conv"]["T"]
     converted = {"conv": {"A": theirs["conv"]["A"], "G": N * t * theirs["conv"]["G"]},
@@ -130,7 +130,7 @@ def test_kfac_jax_empirical_factors():
 def test_kfac_jax_dilated_conv_input_factor_ignores_the_dilation():
     """Observed with kfac-jax 0.0.8: with rhs_dilation != 1 its input factor is the one of
     the same convolution without dilation (its patch extraction drops rhs_dilation); the
-    check finds no pitfall for it (the reference's dilated patches are checked against the
+    check names it ``dilation_ignored`` (the reference's dilated patches are checked against the
     kernel Jacobian in test_conformance_own_model_jax.py)."""
     from kfac_ref.factors import conv_input_kronecker_factor
 
@@ -138,7 +138,7 @@ def test_kfac_jax_dilated_conv_input_factor_ignores_the_dilation():
     theirs = _kfac_jax_factors(loss_fn, theta, x, y, "ggn_exact")
     res = check_jax_kfac(model, theta, x, y, layers, theirs)
     by = {(c.layer, c.factor): c for c in res.checks}
-    assert not by["conv", "A"].ok and by["conv", "A"].diagnosis == "unexplained", str(res)
+    assert not by["conv", "A"].ok and by["conv", "A"].diagnosis == "dilation_ignored", str(res)
     assert by["fc", "A"].ok
     undilated = conv_input_kronecker_factor(np.asarray(x), (*KERNEL, C_IN, C_OUT), PADS,
                                             strides=STRIDES, dilation_rate=(1, 1),
