@@ -220,3 +220,121 @@ def dense_reference_factors(a, g, *, bias, sharing="expand"):
     g2 = g.reshape(-1, g.shape[-1])
     # fc divides by the number of rows: K·N·S for G, N·S for A (expand), N (reduce)
     return np.asarray(fc(a2, has_bias=bias)), np.asarray(fc(g2)) * (g2.shape[0] / n), t
+
+
+def _khw_to_chw(c_in, kernel):
+    """Index map of an N-d patch: entry ``c·|Δ| + δ`` (channel slowest, the order of
+    ``weight.reshape(out, -1)``) <- ``δ·C + c`` (kfac_ref's channels-last order)."""
+    k = int(np.prod(kernel))
+    return np.arange(k * c_in).reshape(k, c_in).T.ravel()
+
+
+def conv_patches(x, *, kernel, padding, strides, dilation):
+    r"""``[N, |T|, C·|Δ|]`` patches of an N-d convolution (``x``: ``[N, C, *spatial]``),
+    channel slowest then the kernel offsets row-major (the order of
+    ``weight.reshape(out, -1)``), zero padding ``((before, after), ...)`` per spatial axis,
+    by :func:`kfac_ref.factors.conv_patch_matrix` (channels last, any rank):
+
+    .. math:: p_{n,t} = \big(x^\text{pad}_{n,c,\,s\odot t + d\odot\delta}\big)_{c,\delta}
+    """
+    from kfac_ref.factors import conv_patch_matrix
+
+    n, c = x.shape[:2]
+    xl = np.moveaxis(x, 1, -1)  # channels last
+    rows = np.asarray(conv_patch_matrix(
+        xl, tuple(kernel) + (c, 1), tuple(tuple(int(q) for q in p) for p in padding),
+        tuple(strides), tuple(dilation), data_format=None))
+    rows = rows[:, _khw_to_chw(c, kernel)]
+    return rows.reshape(n, -1, rows.shape[-1])
+
+
+def grouped_reference_factors(p, g, *, groups, bias, sharing="expand"):
+    r"""Reference ``(A, G)`` of a layer whose inputs ``p`` ``[N, P, d]`` (``P`` positions:
+    uses × locations) and output vectors ``g`` ``[K, N, P, o]`` split into ``groups``
+    contiguous blocks of ``d/g`` input and ``o/g`` output coordinates (a grouped
+    convolution: group :math:`j` reads input channels :math:`jC/g \dots (j+1)C/g - 1` and
+    writes output channels :math:`jO/g \dots`):
+
+    .. math::
+
+        A_j = \frac{1}{NP}\sum_{n,p}\bar a^{(j)}_{n,p}\bar a^{(j)\top}_{n,p}, \qquad
+        G_j = \frac1N\sum_{n,p,k} g^{(j)}_{n,p,k} g^{(j)\top}_{n,p,k}
+
+    (KFAC-expand; ``sharing="reduce"``: the mean input and the summed vectors over ``P``),
+    by :func:`dense_reference_factors` per group.  ``groups == 1``: ``A`` ``[d(+1), d(+1)]``
+    and ``G`` ``[o, o]``; otherwise stacked ``[g, d/g(+1), d/g(+1)]`` and ``[g, o/g, o/g]``."""
+    if groups == 1:
+        a, gg, _ = dense_reference_factors(p, g, bias=bias, sharing=sharing)
+        return a, gg
+    d, o = p.shape[-1] // groups, g.shape[-1] // groups
+    fa, fg = [], []
+    for j in range(groups):  # a loop over groups, not over examples or locations
+        a, gg, _ = dense_reference_factors(p[..., j * d:(j + 1) * d], g[..., j * o:(j + 1) * o],
+                                           bias=bias, sharing=sharing)
+        fa.append(a)
+        fg.append(gg)
+    return np.stack(fa), np.stack(fg)
+
+
+def embedding_reference_factors(ids, g, *, vocab, padding_idx=None, sharing="expand"):
+    r"""Reference ``(A, G)`` of an embedding ``y = \mathrm{onehot}(i)\,W`` (``W``
+    ``[V, D]``) from the ids ``[N, P]`` (``P`` positions: uses × locations) and the output
+    vectors ``g`` ``[K, N, P, D]``.  KFAC-expand (TF K-FAC's ``EmbeddingKFACFB``):
+
+    .. math::
+
+        A = \frac{1}{NP}\,\mathrm{diag}(\mathrm{counts}), \qquad
+        G = \frac1N\sum_{n,p,k} g_{n,p,k} g_{n,p,k}^\top,
+
+    the counts by :func:`kfac_ref.factors.embedding_input_kronecker_factor`.  KFAC-reduce:
+    :math:`A = \frac1N\sum_n m_n m_n^\top` with :math:`m_n = \mathrm{counts}_n / P` the mean
+    one-hot of example :math:`n` (not diagonal in general) and :math:`G` over
+    :math:`\sum_p g_{n,p,k}`.  Occurrences of ``padding_idx`` are not counted (PyTorch
+    gives that row no gradient): its row and column of ``A`` are zero.  Returns ``A`` as a
+    ``[V, V]`` matrix."""
+    from kfac_ref.factors import embedding_input_kronecker_factor
+    from kfac_ref.factors import fully_connected_kronecker_factor as fc
+
+    n, p = ids.shape
+    ids = ids.astype(np.int64)
+    if sharing == "expand":
+        d = np.asarray(embedding_input_kronecker_factor(ids.reshape(-1), vocab,
+                                                        dtype="float64"))
+        if padding_idx is not None:
+            d[padding_idx] = 0.0
+        a = np.diag(d)
+        g2 = g.reshape(-1, g.shape[-1])
+    else:
+        m = (ids[:, :, None] == np.arange(vocab)).sum(axis=1) / float(p)  # [N, V]
+        if padding_idx is not None:
+            m[:, padding_idx] = 0.0
+        a = np.asarray(fc(m))
+        g2 = g.sum(axis=2).reshape(-1, g.shape[-1])
+    return a, np.asarray(fc(g2)) * (g2.shape[0] / n)
+
+
+def scale_shift_reference_factors(xhat, g, *, has_shift=True):
+    r"""Reference ``(F, diag)`` of an elementwise scale-and-shift ``y = γ ⊙ x̂ + β``
+    (LayerNorm / BatchNorm / GroupNorm affine) from the normalised input ``xhat``
+    ``[N, P, q]`` (``P`` positions sharing :math:`γ, β` of ``q`` entries each) and the
+    output vectors ``g`` ``[K, N, P, q]``: the per-example second moment of the parameter
+    gradient, not a Kronecker product,
+
+    .. math::
+
+        u_{n,k} = \Big[\sum_p g_{n,p,k} \odot \hat x_{n,p} \;;\; \sum_p g_{n,p,k}\Big],
+        \qquad F = \frac1N \sum_{n,k} u_{n,k} u_{n,k}^\top,
+
+    :math:`γ` first, then :math:`β` (``named_parameters`` order), by
+    :func:`kfac_ref.factors.scale_and_shift_factor` (kfac-jax's ``ScaleAndShiftFull`` and
+    ``ScaleAndShiftDiagonal`` blocks); ``diag`` is the diagonal of ``F``."""
+    from kfac_ref.factors import scale_and_shift_factor
+
+    k, n = g.shape[:2]
+    x = np.broadcast_to(xhat[None], g.shape).reshape(k * n, *g.shape[2:])
+    gg = g.reshape(k * n, *g.shape[2:])
+    kw = dict(broadcast_dims_scale=(1,), broadcast_dims_shift=(1,) if has_shift else None,
+              has_shift=has_shift)
+    f = np.asarray(scale_and_shift_factor(x, gg, approx="full", **kw)) * k
+    d = np.asarray(scale_and_shift_factor(x, gg, approx="diagonal", **kw)) * k
+    return f, d

@@ -1,0 +1,252 @@
+"""The own-model reference for the layers people train (issue 32 §7): attention, modules
+called several times, residual graphs, scale-and-shift (LayerNorm / BatchNorm / GroupNorm),
+embeddings, Conv1d / Conv3d and grouped convolutions — each against an oracle that does not
+use the code under test (per-example autograd gradients, hand formulas and loops, or the
+same layer written another way through the plain nn.Linear / nn.Conv2d path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+from conformance.own_model import reference_torch_kfac  # noqa: E402
+
+RTOL = 1e-12  # float64 throughout
+
+
+def _rel(x, ref):
+    x, ref = np.asarray(x, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _agree(x, ref, rtol=RTOL):
+    """``x`` equals ``ref`` to ``rtol``, and ``ref`` is not trivially matched (twice it, or
+    it with one entry moved, would fail: the comparison can fail)."""
+    r = _rel(x, ref)
+    assert r <= rtol, r
+    assert _rel(2 * np.asarray(ref), ref) > rtol
+    return r
+
+
+def _per_example_fisher(model, x, params, n_out):
+    """Exact per-example Fisher block of the squared error ½‖f − y‖² (Fisher factor = I):
+    Σ_k vec_r(∇_θ f_k) vec_r(∇_θ f_k)ᵀ over the outputs k of the single example, by
+    autograd, ``params`` a list of tensors flattened row-major and concatenated."""
+    out = model(x)
+    assert out.shape[0] == 1
+    rows = []
+    for k in range(n_out):
+        gs = torch.autograd.grad(out[0, k], params, retain_graph=True, allow_unused=True)
+        rows.append(torch.cat([(torch.zeros_like(p) if g is None else g).reshape(-1)
+                               for g, p in zip(gs, params, strict=True)]))
+    d = torch.stack(rows).detach().numpy()
+    return d.T @ d
+
+
+def _kron_block(entry):
+    """A ⊗ G as the Fisher block of the row-major ``[W | b]`` (``[out, in(+1)]``): G ⊗ A."""
+    return np.kron(entry["G"], entry["A"])
+
+
+# -- nn.MultiheadAttention --------------------------------------------------------------
+
+E, HEADS, L, S, CLASSES = 6, 2, 4, 3, 3
+
+
+class _MHANet(nn.Module):
+    """x [N, L, E] -> attention -> mean over positions -> Linear head."""
+
+    def __init__(self, *, batch_first=True, bias=True, cross=False, kdim=None, masks=False,
+                 need_weights=True):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(E, HEADS, bias=bias, batch_first=batch_first,
+                                          kdim=kdim, vdim=kdim)
+        self.ctx = nn.Linear(E, kdim or E) if cross else None
+        self.head = nn.Linear(E, CLASSES)
+        self.batch_first, self.cross, self.masks = batch_first, cross, masks
+        self.need_weights = need_weights
+
+    def qkv(self, x):
+        if not self.cross:
+            return x, x, x
+        c = self.ctx(x[:, :S])
+        return x, torch.tanh(c), torch.sin(c)
+
+    def mask_args(self, x):
+        if not self.masks:
+            return {}
+        lk = S if self.cross else L
+        causal = torch.ones(L, lk, dtype=torch.bool).triu(1)
+        kpm = torch.zeros(x.shape[0], lk, dtype=torch.bool)
+        kpm[0, -1] = True
+        return dict(attn_mask=causal, key_padding_mask=kpm)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        if not self.batch_first:
+            same = q is k and k is v
+            q = q.transpose(0, 1)
+            k, v = (q, q) if same else (k.transpose(0, 1), v.transpose(0, 1))
+        h = self.attn(q, k, v, need_weights=self.need_weights, **self.mask_args(x))[0]
+        if not self.batch_first:
+            h = h.transpose(0, 1)
+        return self.head(h.mean(dim=1))
+
+
+class _LinearAttention(nn.Module):
+    """The same attention written with nn.Linear layers and F.scaled_dot_product_attention."""
+
+    def __init__(self, mha: nn.MultiheadAttention, fused: bool):
+        super().__init__()
+        e, b = mha.embed_dim, mha.in_proj_bias is not None
+        self.h, self.e, self.fused = mha.num_heads, e, fused
+        with torch.no_grad():
+            if fused:
+                self.qkv = nn.Linear(e, 3 * e, bias=b).double()
+                self.qkv.weight.copy_(mha.in_proj_weight)
+                if b:
+                    self.qkv.bias.copy_(mha.in_proj_bias)
+            else:
+                ws = ((mha.in_proj_weight[:e], mha.in_proj_weight[e:2 * e],
+                       mha.in_proj_weight[2 * e:]) if mha._qkv_same_embed_dim else
+                      (mha.q_proj_weight, mha.k_proj_weight, mha.v_proj_weight))
+                for j, (nm, w) in enumerate(zip(("q", "k", "v"), ws, strict=True)):
+                    lin = nn.Linear(w.shape[1], e, bias=b).double()
+                    lin.weight.copy_(w)
+                    if b:
+                        lin.bias.copy_(mha.in_proj_bias[j * e:(j + 1) * e])
+                    setattr(self, nm, lin)
+            self.out = nn.Linear(e, e, bias=mha.out_proj.bias is not None).double()
+            self.out.weight.copy_(mha.out_proj.weight)
+            if mha.out_proj.bias is not None:
+                self.out.bias.copy_(mha.out_proj.bias)
+
+    def forward(self, q, k, v, attn_mask=None, key_padding_mask=None, **_):
+        if self.fused:
+            q, k, v = self.qkv(q).split(self.e, dim=-1)
+        else:
+            q, k, v = self.q(q), self.k(k), self.v(v)
+        n, hd = q.shape[0], self.e // self.h
+        q, k, v = (t.reshape(n, -1, self.h, hd).transpose(1, 2) for t in (q, k, v))
+        allowed = None
+        if attn_mask is not None or key_padding_mask is not None:
+            allowed = torch.ones(n, 1, q.shape[2], k.shape[2], dtype=torch.bool)
+            if attn_mask is not None:
+                allowed = allowed & ~attn_mask
+            if key_padding_mask is not None:
+                allowed = allowed & ~key_padding_mask[:, None, None, :]
+        c = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return (self.out(c.transpose(1, 2).reshape(n, -1, self.e)), None)
+
+
+def _linear_twin(net):
+    """``net`` with its attention replaced by :class:`_LinearAttention` (batch first)."""
+    import copy
+
+    twin = copy.deepcopy(net)
+    fused = not net.cross and net.attn._qkv_same_embed_dim
+    twin.attn = _LinearAttention(net.attn, fused)
+    twin.batch_first = True
+    return twin
+
+
+MHA_CASES = {
+    "self": dict(),
+    "self_seq_first": dict(batch_first=False),
+    "self_no_bias_masks": dict(bias=False, masks=True),
+    "self_no_weights": dict(need_weights=False, masks=True),
+    "cross": dict(cross=True),
+    "cross_seq_first_masks": dict(cross=True, batch_first=False, masks=True),
+    "cross_kdim": dict(cross=True, kdim=5),
+    "cross_kdim_no_bias": dict(cross=True, kdim=5, bias=False),
+}
+
+
+@pytest.mark.parametrize("case", list(MHA_CASES))
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_mha_equals_the_same_attention_written_with_linears(case, sharing):
+    torch.manual_seed(1)
+    net = _MHANet(**MHA_CASES[case]).double().eval()
+    x = torch.randn(5, L, E, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (5,))
+    twin = _linear_twin(net)
+    with torch.no_grad():
+        assert torch.allclose(net(x), twin(x), rtol=1e-12, atol=1e-12)
+    ref = reference_torch_kfac(net, "cross_entropy", x, y, sharing=sharing)
+    oracle = reference_torch_kfac(twin, "cross_entropy", x, y, sharing=sharing)
+    if net.cross or not net.attn._qkv_same_embed_dim:
+        pairs = {f"attn.{p}_proj": f"attn.{p}" for p in "qkv"}
+        assert "attn.in_proj" not in ref
+    else:
+        pairs = {"attn.in_proj": "attn.qkv"}
+        assert not any(f"attn.{p}_proj" in ref for p in "qkv")
+    pairs["attn.out_proj"] = "attn.out"
+    pairs["head"] = "head"
+    expand = reference_torch_kfac(net, "cross_entropy", x, y)
+    for mine, theirs in pairs.items():
+        for fac in ("A", "G"):
+            if (mine, fac, sharing) == ("attn.k_proj", "G", "reduce"):
+                # the scores are invariant to a shift of all keys: Σ_s ∂ℓ/∂k_s = 0, so the
+                # reduce G of the key projection is rounding noise in both
+                size = np.linalg.norm(expand[mine]["G"])
+                assert np.linalg.norm(ref[mine]["G"]) <= 1e-12 * size
+                assert np.linalg.norm(oracle[theirs]["G"]) <= 1e-12 * size
+                continue
+            _agree(ref[mine][fac], oracle[theirs][fac])
+        assert ref[mine]["kind"] == "dense" and ref[mine]["uses"] == 1
+        assert ref[mine]["T"] == oracle[theirs]["T"]
+        assert ref[mine]["bias"] == oracle[theirs]["bias"]
+    assert ref["attn.k_proj" if net.cross else "attn.out_proj"]["T"] == (S if net.cross else L)
+    # the model is left as it was: no hook, the same output
+    with torch.no_grad():
+        assert torch.equal(net(x), net(x)) and not net.attn._forward_hooks
+
+
+def test_mha_blocks_equal_the_per_example_fisher_at_one_location():
+    """N = 1, one position: A ⊗ G of in_proj and out_proj is the exact Fisher block of the
+    squared error, from autograd parameter gradients."""
+    torch.manual_seed(2)
+    net = _MHANet().double().eval()
+    x = torch.randn(1, 1, E, dtype=torch.float64)
+    y = torch.randn(1, CLASSES, dtype=torch.float64)
+    ref = reference_torch_kfac(net, "mse", x, y)
+    a = net.attn
+    for name, w, b in (("attn.in_proj", a.in_proj_weight, a.in_proj_bias),
+                       ("attn.out_proj", a.out_proj.weight, a.out_proj.bias)):
+        # parameters [W | b] row-major: the per-example gradient of W and b, interleaved
+        fisher = _per_example_fisher_wb(net, x, w, b, CLASSES)
+        _agree(_kron_block(ref[name]), fisher)
+        assert _rel(np.kron(ref[name]["A"], ref[name]["G"]), fisher) > 1e-3
+
+
+def _per_example_fisher_wb(model, x, w, b, n_out):
+    """:func:`_per_example_fisher` over the row-major ``[W | b]`` (``[out, in+1]``)."""
+    out = model(x)
+    rows = []
+    for k in range(n_out):
+        gw, gb = torch.autograd.grad(out[0, k], [w, b], retain_graph=True)
+        rows.append(torch.cat([gw, gb[:, None]], dim=1).reshape(-1))
+    d = torch.stack(rows).detach().numpy()
+    return d.T @ d
+
+
+def test_mha_refuses_training_dropout_and_unsupported_options():
+    torch.manual_seed(0)
+    x, y = torch.randn(3, L, E, dtype=torch.float64), torch.randint(0, CLASSES, (3,))
+    net = _MHANet().double()
+    net.attn.dropout = 0.1
+    net.train()
+    with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'attn' must not drop out: "
+                                         r"call model.eval\(\) or set dropout=0"):
+        reference_torch_kfac(net, "cross_entropy", x, y)
+    net.eval()  # eval mode: dropout is off, the reference runs
+    assert "attn.in_proj" in reference_torch_kfac(net, "cross_entropy", x, y)
+    bad = _MHANet().double()
+    bad.attn = nn.MultiheadAttention(E, HEADS, batch_first=True, add_bias_kv=True).double()
+    with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'attn' must have "
+                                         r"add_bias_kv=False and add_zero_attn=False"):
+        reference_torch_kfac(bad, "cross_entropy", x, y)
