@@ -265,3 +265,37 @@ def test_zero_started_average_after_one_update_is_named_when_no_power_explains()
     # a power of N is named first: 1/N is no moving average
     g = _by(_check(ref, {"L": {"A": ref["L"]["A"], "G": ref["L"]["G"] / N}}))["L", "G"]
     assert g.diagnosis == "scale:1/N"
+
+
+def test_first_statistic_start_over_three_batches_is_named():
+    rng = np.random.default_rng(16)
+    refs = [{"L": _layer(rng)} for _ in range(3)]
+    d = 0.6
+    user = {}
+    for fac in ("A", "G"):
+        m = refs[0]["L"][fac]  # m₁ = X₁, then mᵢ = δ mᵢ₋₁ + (1 − δ) Xᵢ
+        for r in refs[1:]:
+            m = d * m + (1 - d) * r["L"][fac]
+        user[fac] = m
+    alts = {"L": {"A": {}, "G": {}}}
+    earlier = [(r, alts) for r in refs[:2]]
+    res = check_factors(refs[2], {"L": user}, alts, "fisher_exact", earlier=earlier, decay=d)
+    assert {c.diagnosis for c in res.checks} == {"ema_first_statistic"}, str(res)
+    assert check_factors(refs[2], {"L": user}, alts, "fisher_exact", earlier=earlier, decay=d,
+                         conventions={"ema_init": "first"}).ok
+
+
+@pytest.mark.parametrize("field, value, mode, scale_g", [
+    ("curvature_of", "sum", "fisher_exact", N),
+    ("empirical_fisher_scale", "kfac_jax", "fisher_empirical", 1 / N),
+])
+def test_declared_loss_scalings_pass_and_are_named_when_undeclared(field, value, mode,
+                                                                   scale_g):
+    rng = np.random.default_rng(17)
+    ref = {"L": _layer(rng, t=1)}
+    alts = {"L": {"A": {}, "G": {}}}
+    user = {"L": {"A": ref["L"]["A"], "G": scale_g * ref["L"]["G"]}}
+    assert check_factors(ref, user, alts, mode, conventions={field: value}).ok
+    res = check_factors(ref, user, alts, mode)
+    assert _by(res)["L", "G"].diagnosis == ("scale:N" if scale_g == N else "scale:1/N")
+    assert field in _by(res)["L", "G"].explanation  # the explanation names the declaration
