@@ -26,6 +26,13 @@ kernels; code inside kfac_ref calls kernels, never public functions (a public fu
 Mixed floating precisions are rejected, never promoted: a reference library does not change
 a user's precision behind their back (:func:`namespace_of`).
 
+Precision policy: float32 and float64 only.  A real floating array of fewer than 32 bits
+(float16, and bfloat16 where the library has it) is refused by :func:`check_array` — the
+one dtype check every public function goes through — with a :class:`KFACTypeError` that
+names the argument: LAPACK, which every eigendecomposition, Cholesky factor and solve of
+kfac_ref calls, has no half precision, so such input would either fail deep inside a kernel
+or come back silently promoted to float32.  Cast to float32 first.
+
 Error conventions
 -----------------
 The messages produced here all have the form::
@@ -134,6 +141,7 @@ def is_array(x: Any) -> bool:
 # float0 arrays, its dtype, so it is looked up once per (type, dtype).
 _NAMESPACES: dict[tuple[type, Any], Any] = {}
 _FLOATING: dict[tuple[Any, Any], bool] = {}
+_HALF: dict[tuple[Any, Any], bool] = {}
 
 
 def array_namespace(x: Any):
@@ -158,6 +166,18 @@ def _known_array_namespace(x: Any):
         return _NAMESPACES.get((type(x), x.dtype))
     except (AttributeError, TypeError):
         return None
+
+
+def is_half(xp: Any, dtype: Any) -> bool:
+    """Whether a real floating ``dtype`` has fewer than 32 bits (float16, bfloat16): refused
+    by :func:`check_array` (the precision policy in this module's docstring)."""
+    try:
+        return _HALF[xp, dtype]
+    except KeyError:
+        out = _HALF[xp, dtype] = int(xp.finfo(dtype).bits) < 32
+        return out
+    except TypeError:  # unhashable dtype
+        return int(xp.finfo(dtype).bits) < 32
 
 
 def is_floating(xp: Any, dtype: Any) -> bool:
@@ -292,7 +312,22 @@ def any_true(xp, condition) -> bool:
 
 def _read_flag(flag, when_lazy):
     """The one device→host read of a value check; ``when_lazy`` when it cannot be read."""
-    return when_lazy if is_lazy(flag) else bool(flag)
+    return when_lazy if is_lazy(flag) else bool(_detached(flag))
+
+
+def _detached(x: Any) -> Any:
+    """``x`` without its autograd history when it is a torch tensor (a host read of a tensor
+    that requires grad warns in torch), else ``x`` itself."""
+    detach = getattr(x, "detach", None)
+    return detach() if detach is not None and array_api_compat.is_torch_array(x) else x
+
+
+def host_float(x: Any) -> float:
+    """A 0-D array (or number) read back to the host as a Python float: the host read of
+    the value checks, from a detached view of a torch tensor, so that an argument that
+    requires grad reads without torch's "Converting a tensor with requires_grad=True to a
+    scalar" warning."""
+    return float(_detached(x))
 
 
 def check_eager(func: str, why: str, **arrays: Any) -> None:
@@ -571,6 +606,9 @@ def check_array(
     if dtype is not None and not (floating if dtype == "real floating"
                                   else xp.isdtype(x.dtype, dtype)):
         _fail(func, name, f"an array of {dtype} dtype", describe(x), KFACTypeError)
+    if floating and dtype in ("real floating", "numeric") and is_half(xp, x.dtype):
+        _fail(func, name, "a float32 or float64 array (half precision is not supported: "
+              "LAPACK has no half precision; cast to float32)", describe(x), KFACTypeError)
     if (finite and floating and _static_size(x) != 0
             and checks_values(x) and not all_finite(xp, x)):
         n_bad = int(xp.sum(xp.astype(~xp.isfinite(x), xp.int32)))
@@ -605,8 +643,8 @@ def check_symmetric(func: str, name: str, x: Any, *, rtol: float | None = None):
     asym_arr = xp.max(xp.abs(x - x.T))
     if is_lazy(asym_arr):  # staged out by a trace: cannot be read (see any_true)
         return x
-    asym = float(asym_arr)
-    scale = max(float(xp.max(xp.abs(x))), float(xp.finfo(x.dtype).smallest_normal))
+    asym = host_float(asym_arr)
+    scale = max(host_float(xp.max(xp.abs(x))), float(xp.finfo(x.dtype).smallest_normal))
     if asym > rtol * scale:
         _fail(func, name, "a symmetric matrix",
               f"max|M - Mᵀ| = {asym:.3g} for max|M| = {scale:.3g}")
@@ -636,7 +674,7 @@ def check_scalar(
             _fail(func, name, "a real number or a 0-D real floating array", describe(value),
                   KFACTypeError)
         if checks_values(value):
-            _check_scalar_value(func, name, float(value), value, nonnegative, positive)
+            _check_scalar_value(func, name, host_float(value), value, nonnegative, positive)
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         kind = "an integer" if integer else "a real number"
