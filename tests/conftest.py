@@ -83,16 +83,130 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """KFAC_REF_SUPPORT_DUMP=path writes what the run exercised (object, backend) as JSON,
-    the evidence for editing the declarations in kfac_ref/capabilities.py."""
-    path = os.environ.get("KFAC_REF_SUPPORT_DUMP")
-    if path:
-        # under pytest-xdist each worker records only its own calls: one file per worker
-        worker = os.environ.get("PYTEST_XDIST_WORKER")
-        path = f"{path}.{worker}" if worker else path
-        import json
+    the evidence for editing the declarations in kfac_ref/capabilities.py.
 
+    Under pytest-xdist each worker hands its record to the controller, which merges them and
+    compares the support claims with the merged record (what
+    ``test_every_eager_claim_was_exercised`` does in a run without workers), failing the run
+    when a claim was not exercised; with KFAC_REF_SUPPORT_DUMP the controller writes the
+    merged record to ``path`` and each worker its own to ``path.<worker id>``."""
+    import json
+
+    path = os.environ.get("KFAC_REF_SUPPORT_DUMP")
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["kfac_ref_support"] = json.dumps(
+            {"calls": sorted(support_recorder.CALLS), "full": FULL_RUN["value"],
+             "cells": list(FULL_RUN["cells"])})
+        if path:
+            with open(f"{path}.{XDIST_WORKER}", "w", encoding="utf-8") as f:
+                json.dump(sorted(support_recorder.CALLS), f, indent=0)
+        return
+    records = _WORKER_RECORDS
+    calls = set(support_recorder.CALLS)
+    for rec in records:
+        calls |= {tuple(c) for c in rec["calls"]}
+    if path:
         with open(path, "w", encoding="utf-8") as f:
-            json.dump(sorted(support_recorder.CALLS), f, indent=0)
+            json.dump(sorted(calls), f, indent=0)
+    stopped_early = exitstatus not in (0, 1) or (exitstatus == 1 and session.config.option.maxfail)
+    if records and all(r["full"] for r in records) and not stopped_early:
+        missing = support_recorder.unexercised_claims(records[0]["cells"], calls)
+        _SUPPORT_VERDICT.append((len(records), missing))
+        if missing:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+# -- pytest-xdist: the default run uses the CPUs when xdist is installed -----------------------
+#: the xdist worker id ("gw0", ...) in a worker, "" otherwise
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+#: the support records the workers handed back (controller only)
+_WORKER_RECORDS: list = []
+#: (number of workers, unexercised claims) once the controller compared them
+_SUPPORT_VERDICT: list = []
+#: at most this many workers (each imports every backend and builds its own fixtures)
+MAX_WORKERS = 8
+
+
+def _cpus():
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config):
+    """The whole suite (``pytest`` with no paths, as the README runs it) is spread over
+    min(CPUs, 8) pytest-xdist workers when xdist is installed (the ``test`` extra installs
+    it) and the command line does not choose: ``-n 0`` or ``-p no:xdist`` runs in one
+    process, ``-n N`` / ``--dist`` choose for themselves, and a run of named files or tests
+    stays in one process (no start-up cost for a quick check)."""
+    opt = config.option
+    if (config.pluginmanager.hasplugin("xdist") and not XDIST_WORKER
+            and not hasattr(config, "workerinput")
+            and getattr(opt, "numprocesses", 0) is None and getattr(opt, "dist", "") == "no"
+            and not getattr(opt, "tx", None) and not opt.usepdb and not opt.collectonly
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS):
+        n = min(_cpus(), MAX_WORKERS)
+        if n > 1:
+            opt.numprocesses = n
+    return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist (controller): keep the support record a worker handed back."""
+    import json
+
+    rec = getattr(node, "workeroutput", {}).get("kfac_ref_support")
+    if rec is not None:
+        _WORKER_RECORDS.append(json.loads(rec))
+
+
+# -- the end of the run: skips counted per reason, the merged support claims -----------------
+def _reason(rep):
+    longrepr = rep.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        reason = str(longrepr[2])
+    else:
+        reason = str(getattr(rep, "wasxfail", "") or longrepr)
+    return reason.removeprefix("Skipped: ").strip()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips and xfails in a few lines, counted per reason (``-rs`` lists each one), and,
+    under pytest-xdist, the support claims compared on the workers' merged records."""
+    tr = terminalreporter
+    for verdict in _SUPPORT_VERDICT:
+        workers, missing = verdict
+        if missing:
+            tr.write_sep("=", "support claims (merged records of the xdist workers)", red=True)
+            tr.write_line("FAILED " + support_recorder.unexercised_message(missing))
+        else:
+            tr.write_line(f"support claims: every declared 'yes' of the cells that ran was "
+                          f"exercised (records of {workers} xdist workers merged)")
+    chars = getattr(config.option, "reportchars", "") or ""
+    for key, what, char in (("skipped", "skipped", "s"), ("xfailed", "xfailed", "x")):
+        if char in chars or "a" in chars or "A" in chars:
+            continue  # listed one by one already
+        reports = tr.stats.get(key, [])
+        if not reports:
+            continue
+        counts = {}
+        for rep in reports:
+            reason = _reason(rep)
+            counts[reason] = counts.get(reason, 0) + 1
+        top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        tr.write_sep("-", f"{len(reports)} {what}, by reason (-r{char} lists each)")
+        shown = top[:10]
+        width = len(str(shown[0][1]))
+        for reason, n in shown:
+            line = f"{n:>{width}}  {reason}"
+            tr.write_line(line if len(line) <= 160 else line[:157] + "...")
+        rest = top[10:]
+        if rest:
+            tr.write_line(f"{sum(n for _, n in rest):>{width}}  in {len(rest)} other reasons")
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,38 @@ def install():
             if w is not None:
                 setattr(mod, attr, w)
     return {d for d, _ in names.values()}
+
+
+_CELL_TO_COLUMN = {"numpy": "numpy", "strict": "array_api_strict", "torch-cpu": "torch",
+                   "torch-cuda": "torch", "jax": "jax", "cupy": "cupy"}
+
+
+def unexercised_claims(cells, calls):
+    """The declared "yes" entries of eager backends among ``cells`` (the matrix cells that
+    ran) that no call in ``calls`` exercised, sorted ``(name, column)`` pairs.  A base class
+    counts as exercised through its public subclasses.  Used by
+    ``tests/test_zz_support_claims.py`` and, under pytest-xdist, by the controller on the
+    records of all workers merged (``tests/conftest.py``)."""
+    from kfac_ref import capabilities
+
+    ran = {_CELL_TO_COLUMN[c] for c in cells if c in _CELL_TO_COLUMN}
+    calls = {tuple(c) for c in calls}
+    objects = {name: obj for name, obj in capabilities._canonical_names().values()}
+    inherited = set()
+    for name, obj in objects.items():
+        if inspect.isclass(obj):
+            for sub_name, sub in objects.items():
+                if inspect.isclass(sub) and sub is not obj and issubclass(sub, obj):
+                    inherited |= {(name, b) for n, b in calls if n == sub_name}
+    calls |= inherited
+    return sorted(
+        (name, col)
+        for name, sup in capabilities.support_table().items()
+        for col in capabilities.EAGER_BACKENDS
+        if col in ran and sup.state(col) == "yes" and (name, col) not in calls
+    )
+
+
+def unexercised_message(missing):
+    return (f"{len(missing)} declared 'yes' entries were not exercised by the suite (declare "
+            f"them 'untested' or add a test): {missing[:40]}")
