@@ -65,8 +65,8 @@ def test_one_step_is_newton_on_a_convex_quadratic(xp, rng, estimator):
     new_params, state = opt.step(state, params, batch)
     xr, yr = xp.round_host(x), xp.round_host(y)
     coef, *_ = np.linalg.lstsq(np.hstack([xr, np.ones((len(xr), 1))]), yr, rcond=None)
-    xp.assert_close(new_params[0][0], coef[:-1], rtol=8 * xp.rtol)
-    xp.assert_close(new_params[0][1], coef[-1], rtol=8 * xp.rtol)
+    xp.assert_close(new_params[0][0], coef[:-1], rtol=xp.rtol)
+    xp.assert_close(new_params[0][1], coef[-1], rtol=xp.rtol)
     assert state.step == 1 and state.stats.updated_inverse and state.stats.updated_curvature
 
 
@@ -77,8 +77,8 @@ def test_qmodel_first_step_on_quadratic_is_newton(xp, rng):
     new_params, state = opt.step(opt.init(params, batch), params, batch)
     coef, *_ = np.linalg.lstsq(np.hstack([xp.round_host(x), np.ones((len(x), 1))]),
                                xp.round_host(y), rcond=None)
-    xp.assert_close(new_params[0][0], coef[:-1], rtol=8 * xp.rtol)
-    assert abs(float(state.stats.learning_rate) - 1.0) < 8 * xp.rtol
+    xp.assert_close(new_params[0][0], coef[:-1], rtol=xp.rtol)
+    assert abs(float(state.stats.learning_rate) - 1.0) < xp.rtol
     assert float(state.stats.momentum) == 0.0
 
 
@@ -136,7 +136,7 @@ def test_qmodel_alpha_mu_equal_the_2x2_solution(xp, rng):
     vs = np.stack([p, delta0])
     m = vs @ big_g @ vs.T + lam * vs @ vs.T
     alpha, mu = -np.linalg.solve(m, vs @ g)
-    tol = 64 * xp.rtol
+    tol = xp.rtol
     assert float(state.stats.learning_rate) == pytest.approx(-alpha, rel=tol)
     assert float(state.stats.momentum) == pytest.approx(mu, rel=tol)
     step = flat_np(xp, net, params2) - flat_np(xp, net, params1)
@@ -175,7 +175,7 @@ def test_damping_falls_when_the_model_is_exact(xp, rng):
     opt = KFACOptimizer(net, gaussian, exact(net), learning_rate=1.0, damping=0.5,
                         adapt_damping=True, damping_adaptation_interval=1, curvature_ema=0.0)
     _, state = opt.step(opt.init(params, batch), params, batch)
-    assert float(state.stats.rho) == pytest.approx(1.0, rel=64 * xp.rtol)
+    assert float(state.stats.rho) == pytest.approx(1.0, rel=xp.rtol)
     assert float(state.damping) == pytest.approx(0.5 * 0.9, rel=xp.rtol)  # omega = 0.9^1
 
 
@@ -229,13 +229,13 @@ def test_norm_constraint(xp, rng, c):
     p = np.linalg.solve(k_hat, g)
     step = flat_np(xp, net, new_params) - flat_np(xp, net, params)
     sq = lr ** 2 * p @ g
-    assert float(state.stats.scaled_grad_norm_sq) == pytest.approx(sq, rel=64 * xp.rtol)
+    assert float(state.stats.scaled_grad_norm_sq) == pytest.approx(sq, rel=xp.rtol)
     if c < sq:  # active: holds with equality
         assert float(state.stats.clip_coefficient) < 1
-        assert step @ k_hat @ step == pytest.approx(c, rel=64 * xp.rtol)
+        assert step @ k_hat @ step == pytest.approx(c, rel=xp.rtol)
     else:
         assert float(state.stats.clip_coefficient) == 1.0
-        np.testing.assert_allclose(step, -lr * p, rtol=0, atol=64 * xp.rtol * np.abs(step).max())
+        np.testing.assert_allclose(step, -lr * p, rtol=0, atol=xp.rtol * np.abs(step).max())
 
 
 def test_norm_constraint_coefficient_function(xp, rng):
@@ -256,7 +256,7 @@ def test_preconditioned_direction(xp, rng):
     d = optim.preconditioned_direction(est, s, g, 0.2)
     k_hat = xp.to_numpy(est.to_dense_matrix(s))
     xp.assert_close(d, -np.linalg.solve(k_hat + 0.2 * np.eye(len(k_hat)), xp.to_numpy(g)),
-                    rtol=16 * xp.rtol)
+                    rtol=xp.rtol)
 
 
 def test_update_periods_stale_inverse_until_refresh(xp, rng):
@@ -279,7 +279,7 @@ def test_update_periods_stale_inverse_until_refresh(xp, rng):
             step = flat_np(xp, net, params) - flat_np(xp, net, before)
             expected = -lr * np.linalg.solve(k0 + lam * np.eye(len(g)), g)
             np.testing.assert_allclose(step, expected, rtol=0,
-                                       atol=64 * xp.rtol * np.abs(expected).max())
+                                       atol=xp.rtol * np.abs(expected).max())
     assert flags == [(True, True), (False, False), (True, False), (False, True)]
     assert snaps[1] is snaps[0] and snaps[2] is snaps[0] and snaps[3] is not snaps[0]
     assert est_states[1] is est_states[0] and est_states[2] is not est_states[1]
@@ -298,7 +298,7 @@ def test_weight_decay_and_momentum_types(xp, rng):
     p2, _ = decayed.step(decayed.init(params, batch), params, batch)
     theta = flat_np(xp, net, params)
     diff = flat_np(xp, net, p2) - flat_np(xp, net, p1)
-    np.testing.assert_allclose(diff, -0.3 * 0.2 * theta, rtol=0, atol=16 * xp.rtol)
+    np.testing.assert_allclose(diff, -0.3 * 0.2 * theta, rtol=0, atol=xp.rtol)
 
     # regular: v <- mu v + p, delta = -lr v;  adam: v <- mu v + g, delta = -lr (K + lam)^-1 v
     for mt in ("regular", "adam"):
@@ -318,7 +318,7 @@ def test_weight_decay_and_momentum_types(xp, rng):
             expected = -0.3 * np.linalg.solve(k1, 0.5 * g0 + g1)
         step = flat_np(xp, net, q2) - flat_np(xp, net, q1)
         np.testing.assert_allclose(step, expected, rtol=0,
-                                   atol=64 * xp.rtol * np.abs(expected).max())
+                                   atol=xp.rtol * np.abs(expected).max())
 
 
 def test_state_is_immutable_and_inputs_untouched(xp, rng):
