@@ -6,6 +6,8 @@ same layer written another way through the plain nn.Linear / nn.Conv2d path)."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ torch = pytest.importorskip("torch")
 nn = torch.nn
 F = torch.nn.functional
 
-from conformance.own_model import reference_torch_kfac  # noqa: E402
+from conformance.own_model import check_torch_kfac, reference_torch_kfac  # noqa: E402
 
 RTOL = 1e-12  # float64 throughout
 
@@ -250,3 +252,146 @@ def test_mha_refuses_training_dropout_and_unsupported_options():
     with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'attn' must have "
                                          r"add_bias_kv=False and add_zero_attn=False"):
         reference_torch_kfac(bad, "cross_entropy", x, y)
+
+
+# -- a hand-written K-FAC of nn.Linear layers (independent of the conformance code) --------
+
+def _loss_vectors(out, loss, y=None, mode="fisher_exact"):
+    """Per-example output-space vectors v_k [N, C] with Σ_k v vᵀ the per-example curvature:
+    the identity columns for ½‖f − y‖², sqrt(p_k)(e_k − p) for the softmax cross-entropy,
+    the label gradient for the empirical Fisher."""
+    n, c = out.shape
+    eye = torch.eye(c, dtype=out.dtype)
+    if loss == "mse":
+        return [eye[k].expand(n, c) for k in range(c)]
+    p = torch.softmax(out.detach(), dim=1)
+    if mode == "fisher_empirical":
+        return [p - F.one_hot(y, c).to(p.dtype)]
+    return [p[:, k:k + 1].sqrt() * (eye[k] - p) for k in range(c)]
+
+
+def _hand_kfac(model, x, y, loss, names, *, sharing="expand", mode="fisher_exact"):
+    """K-FAC of the nn.Linear layers ``names`` of ``model``, by hooks and einsum: every call
+    of a layer is one more use; rows [N, U·S, d] with the bias's 1 last."""
+    mods = dict(model.named_modules())
+    calls = {nm: [] for nm in names}
+    hooks = [mods[nm].register_forward_hook(
+        lambda m, i, o, nm=nm: calls[nm].append((i[0].detach(), o))) for nm in names]
+    try:
+        out = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    n = out.shape[0]
+    sites = [o for nm in names for _, o in calls[nm]]
+    gs = [torch.autograd.grad(out, sites, v, retain_graph=True)
+          for v in _loss_vectors(out, loss, y, mode)]
+    factors, j = {}, 0
+    for nm in names:
+        u = len(calls[nm])
+        a = torch.cat([i.reshape(n, -1, i.shape[-1]) for i, _ in calls[nm]], dim=1)
+        if mods[nm].bias is not None:
+            a = torch.cat([a, torch.ones(*a.shape[:2], 1, dtype=a.dtype)], dim=2)
+        g = torch.stack([torch.cat([gk[j + q].reshape(n, -1, gk[j + q].shape[-1])
+                                    for q in range(u)], dim=1) for gk in gs])  # [K, N, P, o]
+        j += u
+        if sharing == "expand":
+            fa = torch.einsum("npi,npj->ij", a, a) / (a.shape[0] * a.shape[1])
+            fg = torch.einsum("knpi,knpj->ij", g, g) / n
+        else:
+            am, gsum = a.mean(dim=1), g.sum(dim=2)
+            fa = am.T @ am / n
+            fg = torch.einsum("kni,knj->ij", gsum, gsum) / n
+        factors[nm] = {"A": fa.detach(), "G": fg.detach()}
+    return factors
+
+
+def _layers_kw(names):
+    """``layers=`` for check_torch_kfac where it has the parameter (the checker being
+    rewritten asks for every supported layer unless a subset is named)."""
+    if "layers" in inspect.signature(check_torch_kfac).parameters:
+        return {"layers": list(names)}
+    return {}
+
+
+# -- modules called several times; residual graphs ---------------------------------------
+
+class _Twice(nn.Module):
+    """One Linear (or Conv2d) applied twice, with a residual; or two copies of it."""
+
+    def __init__(self, conv=False, copies=False, seq=False):
+        super().__init__()
+        self.f = nn.Conv2d(3, 3, 3, padding=1) if conv else nn.Linear(4, 4)
+        if copies:
+            self.f2 = nn.Conv2d(3, 3, 3, padding=1) if conv else nn.Linear(4, 4)
+            self.f2.load_state_dict(self.f.state_dict())
+        self.copies, self.conv, self.seq = copies, conv, seq
+        self.head = nn.Linear(3 * 4 * 4 if conv else 4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.f(x))
+        h = h + (self.f2 if self.copies else self.f)(h)  # residual
+        if self.seq:
+            h = h.mean(dim=1)
+        return self.head(h.reshape(len(h), -1))
+
+
+@pytest.mark.parametrize("conv", [False, True])
+def test_a_module_called_twice_is_two_copies_pooled(conv):
+    """KFAC-expand of U uses: A over all (use, location) rows = the mean of the copies' A,
+    G = the sum of the copies' G."""
+    torch.manual_seed(3)
+    x = torch.randn(6, 3, 4, 4, dtype=torch.float64) if conv else \
+        torch.randn(6, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (6,))
+    net = _Twice(conv).double()
+    twin = _Twice(conv, copies=True).double()
+    twin.load_state_dict({**net.state_dict(),
+                          **{k.replace("f.", "f2."): v for k, v in net.state_dict().items()
+                             if k.startswith("f.")}})
+    ref = reference_torch_kfac(net, "cross_entropy", x, y)["f"]
+    two = reference_torch_kfac(twin, "cross_entropy", x, y)
+    assert ref["uses"] == 1 + 1 and two["f"]["uses"] == 1 and ref["groups"] == 1
+    assert ref["T"] == (16 if conv else 1) and ref["kind"] == ("conv2d" if conv else "dense")
+    _agree(ref["A"], (two["f"]["A"] + two["f2"]["A"]) / 2)
+    _agree(ref["G"], two["f"]["G"] + two["f2"]["G"])
+    assert "_x" not in ref  # the data of a single call only
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("seq", [False, True])
+def test_uses_and_residuals_match_a_hand_written_kfac(sharing, seq):
+    torch.manual_seed(4)
+    net = _Twice(seq=seq).double()
+    x = torch.randn(5, *((3, 4) if seq else (4,)), dtype=torch.float64)
+    y = torch.randint(0, 3, (5,))
+    ref = reference_torch_kfac(net, "cross_entropy", x, y, sharing=sharing)
+    mine = _hand_kfac(net, x, y, "cross_entropy", ["f", "head"], sharing=sharing)
+    for nm in ("f", "head"):
+        for fac in ("A", "G"):
+            _agree(ref[nm][fac], mine[nm][fac].numpy())
+    assert ref["f"]["uses"] == 2 and ref["head"]["uses"] == 1
+    assert ref["f"]["T"] == (3 if seq else 1)
+    if sharing == "expand" or not seq:
+        res = check_torch_kfac(net, "cross_entropy", x, y, mine, sharing=sharing,
+                               **_layers_kw(mine))
+        assert res.ok, str(res)
+    # reduce differs from expand for a module used twice, even without positions
+    other = reference_torch_kfac(net, "cross_entropy", x, y,
+                                 sharing="reduce" if sharing == "expand" else "expand")
+    assert _rel(other["f"]["A"], ref["f"]["A"]) > 1e-3
+
+
+def test_residual_mlp_passes_and_a_planted_bug_is_named():
+    torch.manual_seed(5)
+    net = _Twice(copies=True).double()
+    x, y = torch.randn(7, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    names = ["f", "f2", "head"]
+    mine = _hand_kfac(net, x, y, "cross_entropy", names)
+    res = check_torch_kfac(net, "cross_entropy", x, y, mine, **_layers_kw(names))
+    assert res.ok, str(res)
+    mine["f2"]["G"] = mine["f2"]["G"] / 49  # the mean loss's gradients: 1/N²
+    res = check_torch_kfac(net, "cross_entropy", x, y, mine, **_layers_kw(names))
+    bad = {(c.layer, c.factor) for c in res.checks if not c.ok}
+    assert not res.ok and bad <= {("f2", "G"), ("f2", "block")}, str(res)
+    assert any(c.layer == "f2" and "1/N" in c.diagnosis for c in res.checks if not c.ok)
