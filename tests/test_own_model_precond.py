@@ -107,14 +107,17 @@ def _precondition(factors, grads, lam=LAM, variant="correct", t=None, layers=Non
         w = g["weight"].reshape(d_g, -1)
         gam = torch.cat([w, g["bias"][:, None]], dim=1)                 # [out, in + 1]
         v = variant if layers is None or name in layers else "correct"
-        lam_l = lam * (t[name] if v == "lambda_times_T" else 1.0)
+        lam_l = lam * (t[name] if v in ("lambda_times_T", "pi_nd_lambda_times_T",
+                                        "exact_lambda_times_T") else 1.0)
         lam_l = lam_l / (t[name] if v == "lambda_over_T" else 1.0)
         i_a, i_g = torch.eye(d_a, dtype=a.dtype), torch.eye(d_g, dtype=a.dtype)
         pi = torch.sqrt((torch.trace(a) / d_a) / (torch.trace(gg) / d_g))
         if v == "pi_off":
             pi = torch.ones_like(pi)
-        if v == "pi_without_dimensions":
+        if v in ("pi_without_dimensions", "pi_nd_lambda_times_T"):
             pi = torch.sqrt(torch.trace(a) / torch.trace(gg))
+        if v == "pi_squared":
+            pi = pi * pi
         r = math.sqrt(lam_l)
         da, dg = pi * r, r / pi
         if v == "unsplit":
@@ -123,7 +126,7 @@ def _precondition(factors, grads, lam=LAM, variant="correct", t=None, layers=Non
             da, dg = pi * lam_l, lam_l / pi
         if v == "no_damping":
             da, dg = 0.0, 0.0
-        if v == "exact":
+        if v in ("exact", "exact_lambda_times_T"):
             s_a, q_a = torch.linalg.eigh(a)
             s_g, q_g = torch.linalg.eigh(gg)
             p = q_g @ ((q_g.T @ gam @ q_a) / (s_g[:, None] * s_a[None, :] + lam_l)) @ q_a.T
@@ -177,6 +180,7 @@ def test_a_slightly_wrong_preconditioner_fails(make):
 MLP_MUTANTS = [  # variant, layers it changes (None: all), declared style, expected id
     ("pi_off", None, "factored", "pi_off"),
     ("pi_without_dimensions", ["0", "4"], "factored", "pi_without_dimensions"),
+    ("pi_squared", None, "factored", "pi_squared"),
     ("unsplit", None, "factored", "unsplit_damping"),
     ("per_factor", None, "factored", "damping_parameterisation"),
     ("exact", None, "factored", "exact_damping"),
@@ -201,25 +205,96 @@ def test_mlp_mutants_are_named(variant, layers, style, want):
     assert not res.ok and f"diagnosis: {want}:" in str(res)
 
 
-CNN_MUTANTS = [
-    ("lambda_times_T", ["0", "2"], "damping_not_normalised"),
-    ("lambda_over_T", ["0", "2"], "spurious_damping_normalisation"),
-    ("pi_off", ["2"], "pi_off"),
-    ("unsplit", ["0"], "unsplit_damping"),
-    ("exact", ["2"], "exact_damping"),
+CNN_T = {"0": 16, "2": 16, "5": 1}
+CNN_MUTANTS = [  # variant, layers it changes, declared style, expected id
+    ("lambda_times_T", ["0", "2"], "factored", "damping_not_normalised"),
+    ("lambda_over_T", ["0", "2"], "factored", "spurious_damping_normalisation"),
+    ("pi_nd_lambda_times_T", ["0", "2"], "factored",
+     "pi_without_dimensions+damping_not_normalised"),
+    ("pi_off", ["2"], "factored", "pi_off"),
+    ("unsplit", ["0"], "factored", "unsplit_damping"),
+    ("exact", ["2"], "factored", "exact_damping"),
+    ("exact_lambda_times_T", ["0", "2"], "exact", "damping_not_normalised"),
+    ("correct", ["5"], "exact", "factored_damping"),
+    ("lambda_over_T", ["0", "2"], "exact", "factored_damping+spurious_damping_normalisation"),
 ]
 
 
-@pytest.mark.parametrize("variant,layers,want", CNN_MUTANTS, ids=[m[0] for m in CNN_MUTANTS])
-def test_cnn_mutants_are_named(variant, layers, want):
+@pytest.mark.parametrize("variant,layers,style,want", CNN_MUTANTS,
+                         ids=[m[0] + "_" + m[2] for m in CNN_MUTANTS])
+def test_cnn_mutants_are_named(variant, layers, style, want):
     net, x, y, loss, mode = _cnn()
     factors = _kfac_factors(net, x, y, loss)
     grads = _mean_loss_grads(net, x, y, loss)
-    t = {"0": 16, "2": 16, "5": 1}
-    pre = _precondition(factors, grads, variant=variant, t=t, layers=layers)
-    res = _check(net, x, y, loss, mode, pre)
+    other = "exact" if style == "exact" else "correct"  # the layers left right
+    pre = _precondition(factors, grads, variant=other, t=CNN_T)
+    pre.update({k: v for k, v in _precondition(factors, grads, variant=variant, t=CNN_T,
+                                               layers=layers).items() if k in layers})
+    res = _check(net, x, y, loss, mode, pre, damping_style=style)
     got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
     assert got == {name: want for name in layers}, str(res)
+
+
+def _precondition_tf(factors, grads, lam=LAM, fault=None):
+    """TF K-FAC's convolution convention, written out: Γ_TF = G/|T|, the block
+    |T|·(A ⊗ Γ_TF), the damping normalised to λ/|T| and split with π of (A, Γ_TF).  The
+    same preconditioner as the reference's, so it passes; without the block scale or the
+    normalisation it is named."""
+    out = {}
+    for name, g in grads.items():
+        a, t = factors[name]["A"], CNN_T[name]
+        gam_tf = factors[name]["G"] / t
+        d_a, d_g = a.shape[0], gam_tf.shape[0]
+        grad = torch.cat([g["weight"].reshape(d_g, -1), g["bias"][:, None]], dim=1)
+        lam_n = lam if fault == "no_normalisation" else lam / t
+        pi = torch.sqrt((torch.trace(a) / d_a) / (torch.trace(gam_tf) / d_g))
+        r = math.sqrt(lam_n)
+        p = torch.linalg.solve(gam_tf + r / pi * torch.eye(d_g, dtype=a.dtype), grad) \
+            @ torch.linalg.inv(a + pi * r * torch.eye(d_a, dtype=a.dtype))
+        p = p if fault == "no_block_scale" else p / t  # (|T|·X)⁻¹ = X⁻¹/|T|
+        out[name] = {"weight": p[:, :-1].reshape(g["weight"].shape), "bias": p[:, -1]}
+    return out
+
+
+def test_tf_convolution_convention_passes_and_its_faults_are_named():
+    net, x, y, loss, mode = _cnn()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    res = _check(net, x, y, loss, mode, _precondition_tf(factors, grads))
+    assert res.ok, str(res)
+    res = _check(net, x, y, loss, mode, _precondition_tf(factors, grads, fault="no_block_scale"))
+    assert {c.layer: c.diagnosis for c in res.checks if not c.ok} == {
+        "0": "scale:T", "2": "scale:T"}, str(res)
+    assert "TF's Γ = G/|T| (with λ/|T|) used without its block scale" in str(res)
+    res = _check(net, x, y, loss, mode,
+                 _precondition_tf(factors, grads, fault="no_normalisation"))
+    assert {c.layer: c.diagnosis for c in res.checks if not c.ok} == {
+        "0": "damping_not_normalised", "2": "damping_not_normalised"}, str(res)
+
+
+def test_float32_model_gets_float32_tolerances():
+    net, x, y, loss, mode = _mlp()
+    net, x, y = net.float(), x.float(), y.float()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads))
+    assert res.ok, str(res)
+    assert all(1e-6 < c.rtol < 1e-2 for c in res.checks), str(res)
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads, variant="pi_off"))
+    assert {c.diagnosis for c in res.checks} == {"pi_off"}, str(res)
+
+
+def test_sampled_fisher_reference_runs_with_the_users_draws():
+    """mode='fisher_sampled' with the draws: the reference factors are the sampled ones; a
+    preconditioner built on the true-Fisher factors then fails (no quiet pass)."""
+    net, x, y, loss, _ = _cnn()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+    res = _check(net, x, y, loss, "fisher_sampled", pre, samples=y.numpy()[None])
+    assert res.ok, str(res)  # the data labels as the one draw: the empirical Fisher
+    res = _check(net, x, y, loss, "fisher_sampled", pre, rng=0)
+    assert not res.ok
 
 
 def test_own_factors_isolate_the_damping_check():

@@ -76,6 +76,8 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
     * ``t > 1`` (a convolution's or a shared layer's |T|): ``damping_not_normalised``
       (λ·|T|: TF's Γ = G/|T| with its block scale |T| but λ not divided by |T|) and
       ``spurious_damping_normalisation`` (λ/|T| on a block A⊗G that holds no scale);
+      each also in the other damping style; factored, also
+      ``pi_without_dimensions+damping_not_normalised`` (both at once);
     * ``no_damping``: the undamped inverse (left out where a factor is singular);
     * ``kron_order_swapped``: the damped inverses applied in the other Kronecker order to
       the row-major vec of Γ, :math:`\mathrm{vec}_r(\Gamma)` read as a ``[d_A, d_G]``
@@ -109,8 +111,8 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
         return preconditioner_reference(a, g, grad, lam_, style)
 
     other = "exact" if damping_style == "factored" else "factored"
-    add("exact_damping" if damping_style == "factored" else "factored_damping",
-        lambda: styled(lam, other))
+    other_id = "exact_damping" if damping_style == "factored" else "factored_damping"
+    add(other_id, lambda: styled(lam, other))
     if damping_style == "factored":
         add("pi_off", lambda: split(root, root))
         pi_nd = pi * math.sqrt(d_a / d_g) if pi != 1.0 else 1.0  # sqrt(tr A / tr G)
@@ -121,6 +123,12 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
     if t > 1:
         add("damping_not_normalised", lambda: styled(lam * t))
         add("spurious_damping_normalisation", lambda: styled(lam / t))
+        add(f"{other_id}+damping_not_normalised", lambda: styled(lam * t, other))
+        add(f"{other_id}+spurious_damping_normalisation", lambda: styled(lam / t, other))
+        if damping_style == "factored":  # both at once: common in hand-written conv K-FAC
+            full = math.sqrt(lam * t)
+            add("pi_without_dimensions+damping_not_normalised",
+                lambda: split(pi_nd * full, full / pi_nd))
     add("no_damping", lambda: split(0.0, 0.0))
     x_swapped = grad.reshape(d_a, d_g)  # vec_r(Γ) read in the other order's layout
 
@@ -139,25 +147,28 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
 
 
 def damped_condition(a, g, damping, damping_style="factored"):
-    r"""The condition number κ of the damped block whose inverse :math:`P` applies:
-    :math:`\kappa(A_\lambda)\,\kappa(G_\lambda) = \kappa(A_\lambda\otimes G_\lambda)` for
-    factored damping (:math:`A_\lambda = A + \pi\sqrt\lambda I`, :math:`G_\lambda = G +
-    \tfrac{\sqrt\lambda}{\pi} I`), :math:`\kappa(A\otimes G + \lambda I)` for exact damping,
-    from the eigenvalues of the (symmetric) factors; ``inf`` when the damped block is not
-    positive definite."""
+    r"""``(κ_factors, κ_block)``: how much the damped inverse product amplifies relative
+    errors of the factors and of the gradient (see :func:`check_torch_preconditioner`'s
+    tolerance).  Factored damping (:math:`A_\lambda = A + \pi\sqrt\lambda I`,
+    :math:`G_\lambda = G + \tfrac{\sqrt\lambda}{\pi} I`): :math:`\kappa(A_\lambda) +
+    \kappa(G_\lambda)` and :math:`\kappa(A_\lambda)\,\kappa(G_\lambda) =
+    \kappa(A_\lambda\otimes G_\lambda)`; exact damping: :math:`\kappa(A\otimes G +
+    \lambda I)` for both.  From the eigenvalues of the (symmetric) factors; ``inf`` when
+    the damped block is not positive definite."""
     from kfac_ref.linalg import pi_adjusted_damping
 
     s_a, s_g = np.linalg.eigvalsh(a), np.linalg.eigvalsh(g)
     if damping_style == "factored":
         left, right = (float(v) for v in pi_adjusted_damping(a, g, float(damping)))
-        lo = (s_a[0] + left) * (s_g[0] + right)
-        hi = (s_a[-1] + left) * (s_g[-1] + right)
-        ok = s_a[0] + left > 0 and s_g[0] + right > 0
-    else:
-        prods = np.outer(s_a, s_g)
-        lo, hi = prods.min() + damping, prods.max() + damping
-        ok = lo > 0
-    return float(hi / lo) if ok else math.inf
+        if s_a[0] + left <= 0 or s_g[0] + right <= 0:
+            return math.inf, math.inf
+        k_a = float((s_a[-1] + left) / (s_a[0] + left))
+        k_g = float((s_g[-1] + right) / (s_g[0] + right))
+        return k_a + k_g, k_a * k_g
+    prods = np.outer(s_a, s_g)
+    lo, hi = float(prods.min()) + damping, float(prods.max()) + damping
+    k = hi / lo if lo > 0 else math.inf
+    return k, k
 
 
 # --------------------------------------------------------------------------------------
@@ -166,7 +177,8 @@ def damped_condition(a, g, damping, damping_style="factored"):
 @dataclass
 class PreconditionerLayerCheck:
     """One layer's preconditioned gradient against the reference: agreement, or the
-    diagnosed pitfall; ``kappa`` is the condition number the tolerance carries."""
+    diagnosed pitfall; ``kappa`` is the damped block's condition number κ_B (see the
+    tolerance of :func:`check_torch_preconditioner`)."""
 
     layer: str
     shape: tuple
@@ -179,7 +191,7 @@ class PreconditionerLayerCheck:
 
     def line(self) -> str:
         d_g, d_a = self.shape
-        head = f"{self.layer} [{d_g}×{d_a}, κ {self.kappa:.1e}]: "
+        head = f"{self.layer} [{d_g}×{d_a}, κ_B {self.kappa:.1e}]: "
         if self.ok:
             return head + f"ok (relative error {self.rel_err:.1e} <= {self.rtol:.1e})"
         return head + (f"FAIL relative error {self.rel_err:.3e} > {self.rtol:.1e}; "
@@ -459,11 +471,29 @@ def _k_of_mode(loss, mode, out_shape, samples):
     return int(out_shape[1])
 
 
+#: what a scalar pitfall means for a preconditioned gradient (P is linear in Γ, and a
+#: constant on the whole damped block scales P by its inverse)
+HINTS = {
+    "scale:N": "the gradient of the summed loss where the mean loss's is expected",
+    "scale:1/N": "the mean-loss gradient divided by N once more",
+    "scale:T": "the block |T| times too small: TF's Γ = G/|T| (with λ/|T|) used without "
+               "its block scale |T|",
+    "scale:1/T": "the whole damped block |T| times too large (a block scale |T| on "
+                 "factors that already hold it, damping included)",
+    "scale:2": "twice the reference: a gradient doubled (a squared error without the ½)",
+    "scale:1/2": "half the reference: a gradient halved",
+}
+
+
 def _describe(pitfall, explanation):
     from ..diagnosis import PITFALLS
 
-    parts = [f"{PITFALLS[p][0]}: {PITFALLS[p][1]}" for p in pitfall.split("+")
-             if p in PITFALLS and not p.startswith("scale") and p != "unexplained"]
+    parts = []
+    for p in pitfall.split("+"):
+        if p in HINTS:
+            parts.append(HINTS[p])
+        elif p in PITFALLS and not p.startswith("scale") and p != "unexplained":
+            parts.append(f"{PITFALLS[p][0]}: {PITFALLS[p][1]}")
     return explanation + (f" [{'; '.join(parts)}]" if parts else "")
 
 
@@ -514,32 +544,45 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
 
     .. math::
 
-        \text{rtol} = 16\,\varepsilon\,\kappa\,\big(N|T|K + d_A + d_G + N|T|\,c_\Gamma\big),
-        \qquad \kappa = \kappa(A_\lambda)\,\kappa(G_\lambda) = \kappa(A_\lambda\otimes
-        G_\lambda)
+        \text{rtol} = 16\,\varepsilon\,\big[\kappa_F\,(N|T|K + d_A + d_G)
+                      + \kappa_B\,N|T|\,c_\Gamma\big],
 
-    (:math:`\kappa(A\otimes G + \lambda I)` for exact damping; :math:`\varepsilon` the unit
-    roundoff of the coarser of the user's and the model's floating types; :math:`K` the
-    vectors per example of ``mode``).  Derivation: :math:`P` solves
-    :math:`M\,\mathrm{vec}(P) = \mathrm{vec}(\Gamma)`, :math:`M` the damped block.  To
-    first order, relative errors :math:`\delta_M` of :math:`M` and :math:`\delta_\Gamma`
-    of :math:`\Gamma` move the solution by at most :math:`\kappa(M)\,(\delta_M +
-    \delta_\Gamma)` relative (the perturbation bound of a linear system, Higham, *Accuracy
-    and Stability of Numerical Algorithms*, Thm. 7.2), and a backward-stable solve
-    (Cholesky or ``eigh`` of each factor) adds :math:`O(d\,\varepsilon)` backward error,
-    i.e. :math:`O(d\,\varepsilon\,\kappa)`.  :math:`\delta_M`: each factor is a sum of
-    :math:`N|T|K` outer products (``check_factors``' :math:`(N|T|K + d)\varepsilon`),
-    π is a ratio of two traces (:math:`(d_A + d_G)\varepsilon`), so
-    :math:`\delta_M \le (N|T|K + d_A + d_G)\,\varepsilon` up to the constant.
-    :math:`\delta_\Gamma`: the gradient is a sum of :math:`N|T|` terms
-    :math:`g_{n,t}\bar a_{n,t}^\top`; a sum's rounding is at most :math:`N|T|\,\varepsilon
-    \sum|x|`, so :math:`\delta_\Gamma \le N|T|\,\varepsilon\,c_\Gamma` with
-    :math:`c_\Gamma = \|\sum_{n,t}|g_{n,t}||\bar a_{n,t}|^\top\|_F/\|\Gamma\|_F \ge 1`
-    (computed here; large when the batch gradient cancels).  A callable is handed the
-    gradient, so it has no :math:`\delta_\Gamma` and that term is dropped.  The constant
-    16 (the suite's ``SAFETY``) covers the constants of the GEMMs, factorisations and
-    norm equivalences.  κ is printed per layer: choose λ so that κ stays moderate, or the
-    check cannot tell the damping conventions apart.
+    :math:`\kappa_F = \kappa(A_\lambda) + \kappa(G_\lambda)`, :math:`\kappa_B =
+    \kappa(A_\lambda)\kappa(G_\lambda)` for factored damping (:math:`A_\lambda = A +
+    \pi\sqrt\lambda I`, :math:`G_\lambda = G + \tfrac{\sqrt\lambda}\pi I`),
+    :math:`\kappa_F = \kappa_B = \kappa(A\otimes G + \lambda I)` for exact damping
+    (:func:`damped_condition`); :math:`\varepsilon` is the machine epsilon of the coarsest
+    of the model's, the user's output's and the user's factors' floating types, and
+    :math:`K` the vectors per example of ``mode``.  Derivation, to first order:
+
+    * a perturbation :math:`\Delta A` of :math:`A_\lambda` changes
+      :math:`P = G_\lambda^{-1}\Gamma A_\lambda^{-1}` by :math:`-P\,\Delta A\,
+      A_\lambda^{-1}`, so :math:`\|\Delta P\|_F/\|P\|_F \le \kappa(A_\lambda)\,
+      \|\Delta A\|_2/\|A_\lambda\|_2`; the same for :math:`G_\lambda`.  Under exact
+      damping :math:`M = A\otimes G + \lambda I` moves by :math:`\|\Delta A\otimes G +
+      A\otimes\Delta G\| \le (\delta_A + \delta_G)\|M\|`, and the bound of a linear
+      system (Higham, *Accuracy and Stability of Numerical Algorithms*, Thm. 7.2) gives
+      :math:`\kappa(M)(\delta_A + \delta_G)`;
+    * the factors' relative errors: each is a sum of :math:`N|T|K` outer products,
+      :math:`\delta \le (N|T|K + d)\,\varepsilon` as in ``check_factors``; the trace
+      ratio π (relative :math:`(d_A + d_G)\varepsilon`) perturbs the damped factors by no
+      more, and a backward-stable solve (Cholesky or ``eigh``) adds a backward error of
+      :math:`O(d\,\varepsilon)` — together the :math:`\kappa_F` term;
+    * a perturbation :math:`\Delta\Gamma` changes :math:`P` by
+      :math:`G_\lambda^{-1}\Delta\Gamma A_\lambda^{-1}`, and :math:`\|\Gamma\|_F \le
+      \|G_\lambda\|_2\|A_\lambda\|_2\|P\|_F`, so relative errors of :math:`\Gamma` grow by
+      at most :math:`\kappa_B` (:math:`\kappa(M)` under exact damping).  The gradient is a
+      sum of :math:`N|T|` terms :math:`g_{n,t}\bar a_{n,t}^\top`, whose rounding is at
+      most :math:`N|T|\,\varepsilon\sum|g_{n,t}||\bar a_{n,t}|^\top`:
+      :math:`\delta_\Gamma \le N|T|\,\varepsilon\,c_\Gamma`,
+      :math:`c_\Gamma = \|\sum_{n,t}|g_{n,t}||\bar a_{n,t}|^\top\|_F/\|\Gamma\|_F \ge 1`
+      (computed here; large when the batch gradient cancels).  A callable is handed the
+      check's own gradient, so that term is dropped for it.
+
+    The constant 16 (the suite's ``SAFETY``) covers the constants of the GEMMs,
+    factorisations and norm equivalences.  :math:`\kappa_B` is printed per layer: choose
+    λ so that the damped factors are well conditioned, or the check cannot tell the damping
+    conventions apart.
 
     **Diagnosis** of a disagreement (:func:`conformance.diagnosis.diagnose`, up to three
     pitfalls composed): the alternatives of :func:`preconditioner_alternatives` (the other
@@ -553,7 +596,7 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
 
     from ..compare import compare
     from ..diagnosis import diagnose
-    from ..model import EPS32, EPS64, SAFETY, Capability, Case, Tolerance
+    from ..model import SAFETY, Capability, Case, Tolerance
 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{_FN}: model must be a torch.nn.Module; got {type(model).__name__}.")
@@ -601,8 +644,6 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
     else:
         fac = mine
         k_vec = _k_of_mode(loss, mode, out_shape, samples)
-    model_eps = EPS32 if out_dtype in (torch.float32, torch.float16, torch.bfloat16) \
-        else EPS64
     cap = Capability("own_model.preconditioner",
                      "a K-FAC preconditioned gradient of the user's model", "")
     result = PreconditionerCheck(mode, lam, damping_style,
@@ -621,18 +662,20 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
             raise ValueError(f"{_FN}: the damped block of layer {name!r} is numerically "
                              f"singular with damping {lam:g} ({e}); give a larger damping "
                              "or positive semi-definite factors.") from e
-        kappa = damped_condition(a, g, lam, damping_style)
-        eps = max(model_eps, EPS32 if dtype in (np.float32, np.float16) else EPS64,
-                  *(EPS32 if fac[name][k] in (np.float32, np.float16) else EPS64
-                    for k in ("A_dtype", "G_dtype")))
+        k_fac, k_block = damped_condition(a, g, lam, damping_style)
+        eps = max(float(torch.finfo(out_dtype).eps), float(np.finfo(dtype).eps),
+                  float(np.finfo(fac[name]["A_dtype"]).eps),
+                  float(np.finfo(fac[name]["G_dtype"]).eps))
         t, n = ts[name], out_shape[0]
         d_g, d_a = grad.shape
-        grad_term = 0.0 if callable(preconditioned) else n * t * cancel[name]
-        work = n * t * k_vec + d_a + d_g + grad_term
-        tol = Tolerance(SAFETY * kappa * work,
-                        f"κ = {kappa:.3g} × (N|T|K + d_A + d_G + N|T|·c_Γ) = {work:.4g}: a "
-                        "linear solve with the damped block, whose factors are sums of "
-                        "N|T|K outer products, applied to a sum of N|T| gradient terms")
+        factor_work = n * t * k_vec + d_a + d_g
+        grad_work = 0.0 if callable(preconditioned) else n * t * cancel[name]
+        budget = k_fac * factor_work + k_block * grad_work
+        tol = Tolerance(SAFETY * budget,
+                        f"κ_F = {k_fac:.3g} × (N|T|K + d_A + d_G = {factor_work}) + κ_B = "
+                        f"{k_block:.3g} × N|T|·c_Γ = {grad_work:.4g}: the damped inverse "
+                        "of factors that are sums of N|T|K outer products, applied to a "
+                        "sum of N|T| gradient terms")
         rtol = tol.rtol(eps)
         alts = preconditioner_alternatives(a, g, grad, lam, damping_style, t)
         alts = {k: v for k, v in alts.items() if compare(v, expected, rtol).rel_err > rtol}
@@ -640,7 +683,7 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
         case = Case(f"{name}.P", cap.name, {}, {}, expected, tol, meta=meta,
                     alternatives=alts)
         c = compare(act, expected, rtol)
-        check = PreconditionerLayerCheck(name, (d_g, d_a), c.ok, c.rel_err, rtol, kappa)
+        check = PreconditionerLayerCheck(name, (d_g, d_a), c.ok, c.rel_err, rtol, k_block)
         if not c.ok:
             d = diagnose(act, case, cap, None, rtol)
             check.diagnosis = d.pitfall
