@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 import matplotlib
 import matplotlib.ticker
@@ -45,15 +46,50 @@ def _bars(ax, rows, label_of, other):
                 capsize=2, error_kw={"lw": 0.8})
     ax.axvline(1.0, color="k", lw=0.8)
     ax.set_xscale("log")
-    # plain ratio labels (0.5×, 1×, 2×, ...) instead of crowded minor powers of ten
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(
-        [0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50]))
+    return labels, dtypes
+
+
+def ratio_ticks(lo: float, hi: float, least: int = 4) -> list[float]:
+    """Tick positions for a log axis of ratios from ``lo`` to ``hi``: the 1-2-5 sequence
+    (…, 0.2, 0.5, 1, 2, 5, …) inside the range, and — when that gives fewer than ``least``
+    ticks, as for ratios between 0.7 and 1.5 — the finer 1-1.25-1.5-2-3-5-7.5 steps of each
+    decade, so that every axis is labelled at several plain ratios, 1 among them."""
+    if not (0 < lo < hi):
+        raise ValueError(f"ratio_ticks: need 0 < lo < hi; got lo={lo!r}, hi={hi!r}")
+    decades = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+    ticks = []
+    for steps in ((1, 2, 5), (1, 1.25, 1.5, 2, 3, 5, 7.5), (1, 1.1, 1.25, 1.5, 1.75, 2, 2.5, 3,
+                                                            4, 5, 6, 7.5, 9)):
+        ticks = [round(m * 10.0 ** e, 12) for e in decades for m in steps]
+        ticks = [t for t in ticks if lo <= t <= hi]
+        if len(ticks) >= least:
+            break
+    return ticks
+
+
+def _ratio_axis(ax, values):
+    """Label the log x axis of ``ax`` at plain ratios (0.5×, 1×, 2×, …) that cover
+    ``values`` (bar ends, whiskers, goal lines) with a margin."""
+    lo, hi = min(min(values), 1.0) / 1.15, max(max(values), 1.0) * 1.15
+    ax.set_xlim(lo, hi)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ratio_ticks(lo, hi)))
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}×"))
+
+
+def _extent(rows, other):
+    """Every ratio the bars and whiskers of ``rows`` reach."""
+    out = []
+    for r in rows:
+        k, h = r["kfac_ref"], r[other]
+        out += [k["median_s"] / h["median_s"], k["q1_s"] / h["q3_s"], k["q3_s"] / h["q1_s"]]
+    return [v for v in out if v > 0]
+
+
+def _labels(ax, labels):
     ax.set_yticks(range(len(labels)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
-    return len(labels) * len(dtypes)
 
 
 def _on(row):
@@ -74,12 +110,16 @@ def plot(result, path):
     m = result["meta"]
     if rows:
         ax = axes.pop(0)
-        _bars(ax, rows, lambda r: f"{r['workload'].upper()} {r['row']}", "hand")
+        labels, _ = _bars(ax, rows, lambda r: f"{r['workload'].upper()} {r['row']}", "hand")
+        _labels(ax, labels)
+        goals = [1.1, 1.5]
         ax.axvline(1.1, color="tab:green", lw=0.8, ls="--", label="goal 1.1×")
         ax.axvline(1.5, color="tab:olive", lw=0.8, ls=":", label="goal 1.5× (cached)")
         if any(r["op"] == "chunking" for r in rows):
+            goals.append(1.3)
             ax.axvline(1.3, color="tab:purple", lw=0.8, ls="-.",
                        label="goal 1.3× (chunked / one shot)")
+        _ratio_axis(ax, _extent(rows, "hand") + goals)
         hand_lib = {"numpy": "NumPy", "cupy": "CuPy"}.get(m.get("hand", "numpy"), m.get("hand"))
         ax.set_xlabel(f"kfac_ref time / hand-written {hand_lib} time (median; bars: quartile "
                       "ratios)")
@@ -88,8 +128,10 @@ def plot(result, path):
         ax.legend(fontsize=7, loc="lower right")
     if peer_rows:
         ax = axes.pop(0)
-        _bars(ax, peer_rows, lambda r: f"{r['workload'].upper()} full update {r['mode']} vs "
-              f"{r['peer']}{_on(r)}", "peer_time")
+        labels, _ = _bars(ax, peer_rows, lambda r: f"{r['workload'].upper()} full update "
+                          f"{r['mode']} vs {r['peer']}{_on(r)}", "peer_time")
+        _labels(ax, labels)
+        _ratio_axis(ax, _extent(peer_rows, "peer_time"))
         ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster; "
                       "[torch-cpu]: kfac_ref on torch tensors)", fontsize=8)
         ax.set_title("Full update (factors, damped inverses, one product) against peers",
