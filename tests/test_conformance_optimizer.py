@@ -63,8 +63,10 @@ def test_reference_on_every_backend(xp, case):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_pieces_loop_equals_the_optimiser(case):
     """Two implementations: KFACOptimizer vs the loop over kfac_ref's batch factors and
-    gradients with EMA, π split, inverses, momentum and step in NumPy."""
-    assert _rel(pitfall_steps(case.params, case.inputs), case.expected) <= 64 * EPS64
+    gradients with EMA, π split, inverses, momentum and step in NumPy (the case's expected
+    value), within the case's own budget (its derivation is in optimizer_cases.py)."""
+    assert _rel(reference_steps(case.params, case.inputs), case.expected) <= (
+        case.tolerance.rtol(EPS64))
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -77,7 +79,8 @@ def test_pitfalls_equal_the_optimisers_own_options(case, fault, options):
     """Three built-in faults are options of KFACOptimizer: exact damping, period 1, TF's
     'adam' momentum (momentum on the gradient, then preconditioned)."""
     ref = reference_steps(case.params, case.inputs, **options)
-    assert _rel(pitfall_steps(case.params, case.inputs, fault), ref) <= 64 * EPS64
+    # the case's own budget (derived in optimizer_cases.py) at float64
+    assert _rel(pitfall_steps(case.params, case.inputs, fault), ref) <= case.tolerance.rtol(EPS64)
 
 
 # -- independent oracles -------------------------------------------------------------------

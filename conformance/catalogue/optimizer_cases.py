@@ -31,11 +31,14 @@ This is :class:`kfac_ref.optim.KFACOptimizer` with ``momentum_type="regular"``,
 initial parameters ``w{i}``, ``b{i}`` and the hyper-parameters, and returns an array
 [K, 2, P]: ``out[t, 0]`` the direction d_t, ``out[t, 1]`` the parameters θ_{t+1}.
 
-The expected values are kfac_ref's ``KFACOptimizer`` (float64 NumPy); the alternatives (each
-pitfall built in) come from :func:`pitfall_steps`, a loop over kfac_ref's batch factors and
-gradients with the rest in NumPy.  Tolerance derivation: the network budget (work = N·D + P,
-×4 for the chain depth) times κ, the largest condition number of a damped factor product at a
-refresh, times K (every step adds its rounding to the parameters).
+The expected values come from :func:`pitfall_steps` without a fault: a loop over kfac_ref's
+batch factors and gradients (each tested against explicit sums elsewhere) with the moving
+average, π split, inverses, momentum and step written out in NumPy, independent of
+:class:`kfac_ref.optim.KFACOptimizer` (:func:`reference_steps`, which must agree with it);
+the alternatives are the same loop with one pitfall built in.  Tolerance derivation: the
+network budget (work = N·D + P, ×4 for the chain depth) times κ, the largest condition
+number of a damped factor product at a refresh, times K (every step adds its rounding to
+the parameters).
 """
 
 from __future__ import annotations
@@ -353,8 +356,9 @@ def build_cases() -> list[Case]:
         cid = f"optimizer.kfac_steps/{name}"
         inputs = _make_inputs(cid, spec, x_shape, hyper["steps"], lossp["loss"], n_out)
         params = {"net": spec, **lossp, "mode": "ggn_exact", **hyper}
-        expected = reference_steps(params, inputs)
-        _, kappa = pitfall_steps(params, inputs, return_kappa=True)
+        # the expected trajectory is the NumPy loop (independent of KFACOptimizer, which
+        # tests/test_conformance_optimizer.py checks against it on every backend)
+        expected, kappa = pitfall_steps(params, inputs, return_kappa=True)
         alts = {f: pitfall_steps(params, inputs, f) for f in PITFALLS}
         n = x_shape[0]
         p_total = int(expected.shape[-1])
