@@ -28,8 +28,8 @@ import numpy as np
 from ._diagnose import diagnose_factor, ema_value, state_candidates
 from ._reference import _np
 
-#: what a named structural pitfall means for a hand-written K-FAC (appended to the
-#: diagnosis; powers of N, |T| and 2 are explained per factor by the diagnosis itself)
+#: what a named structural pitfall means for a hand-written K-FAC (the diagnosis' words; other
+#: ids use conformance.diagnosis.PITFALLS; powers of N, |T| and 2 are explained per factor)
 HINTS = {
     "patch_order": "patch vector in the other order: (kh, kw, C_in) with C_in fastest "
                    "(TF/JAX HWC) against unfold's (C_in, kh, kw) with the channel slowest",
@@ -185,6 +185,18 @@ class BlockCheck:
         return f"{self.layer}: block FAIL ({rel} > {self.rtol:.1e})"
 
 
+def _wrap(line, width):
+    """``line`` wrapped at ``width`` characters, continuation lines indented past its own
+    indentation (a diagnosis stays readable in a terminal and on a docs page)."""
+    import textwrap
+
+    if not width or len(line) <= width:
+        return line
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent=indent,
+                                    break_long_words=False, break_on_hyphens=False))
+
+
 @dataclass
 class ModelCheck:
     """Every :class:`LayerCheck` (``checks``) and :class:`BlockCheck` (``blocks``) of a
@@ -198,6 +210,8 @@ class ModelCheck:
     level: str = "block"
     unchecked: list = field(default_factory=list)
     declared: dict = field(default_factory=dict)
+    #: ``str()`` wraps lines at this many characters (``0``: no wrapping)
+    width: int = 100
 
     @property
     def ok(self) -> bool:
@@ -228,7 +242,7 @@ class ModelCheck:
         if self.unchecked:
             lines.append("  NOT CHECKED (no factors given; pass layers= to check a subset): "
                          + ", ".join(self.unchecked))
-        return "\n".join(lines)
+        return "\n".join(_wrap(line, self.width) for line in lines)
 
 
 def _geometry_alternatives(ref):
@@ -468,6 +482,14 @@ def _selection(fn, ref, factors, layers):
     return want, missing
 
 
+def _plain(pid):
+    """Plain words for a structural pitfall id (``a+b``: both)."""
+    from ..diagnosis import PITFALLS
+
+    return "; ".join(HINTS.get(p) or (PITFALLS[p][1] if p in PITFALLS else p)
+                     for p in pid.split("+"))
+
+
 def _history(batches, name, fac, pick, r, conv, mode, loss):
     """``pick(entry, alternatives)`` of layer ``name`` in every batch (oldest first), in the
     declared conventions (``None`` where a batch lacks it).  Under ``conv_style="hybrid"``
@@ -596,7 +618,7 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                         continue
                     arrs = hist_of(lambda e, al, pid=pid: al.get(pid))
                     if all(a is not None for a in arrs):
-                        text = f"matches what the reference computes with the pitfall '{pid}'"
+                        text = _plain(pid)
                         bases.append((pid, text, _average(arrs, conv, decay)))
                 if fac == "A" and r.get("bias", True) and conv["bias_position"] != "separate":
                     for pid, text, arr in list(bases) + [("", "", exp)]:
@@ -604,17 +626,16 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                             continue
                         moved = _other_bias_end(arr, conv["bias_position"])
                         bases.append(((pid + "+" if pid else "") + "bias_position",
-                                      (text + ", " if text else "") + "the bias coordinate at "
-                                      "the other end", moved))
+                                      (text + "; " if text else "") + HINTS["bias_position"],
+                                      moved))
                 if key != "diag" and exp.ndim == 2 and exp.shape[0] == exp.shape[1]:
                     bases += [(pid, text, arr) for pid, text, arr in state_candidates(
                         xf, hist if key == fac else [np.diagonal(h) for h in hist], decay)]
                 bases.append(("negated", "equals −expected", -exp))
                 d = diagnose_factor(xf, exp, bases, factor=fac, n=n, t=t, rtol=rtol,
                                     loss=loss)
-                hints = [HINTS[p] for p in d.pitfall.split("+") if p in HINTS]
                 check.diagnosis = d.pitfall
-                check.explanation = d.explanation + (f" [{'; '.join(hints)}]" if hints else "")
+                check.explanation = d.explanation
                 if d.pitfall == "unexplained" and fac == "G" and mode != "fisher_sampled" \
                         and c.rel_err < 1:
                     check.explanation += (
