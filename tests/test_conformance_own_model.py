@@ -163,53 +163,58 @@ def test_errors_name_the_function_and_argument():
         reference_torch_kfac(net, "cross_entropy", x, y, sharing="pool")
 
 
-def test_the_docs_page_prints_what_it_shows(tmp_path):
-    """docs/conformance/own_model.md: its example runs and prints the output on the page."""
-    import os
+def _page_examples():
+    """{name: (code, shown output)} of docs/conformance/own_model.md: the ```python block
+    after ``% example: NAME`` and the ```text block after ``% output: NAME``."""
     import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "conformance" / "own_model.md"
+    if not page.exists():
+        pytest.skip("docs sources not present")
+    text = page.read_text(encoding="utf-8")
+    code = dict(re.findall(r"^% example: (\w+)\n\n```python\n(.*?)```", text, re.S | re.M))
+    shown = dict(re.findall(r"^% output: (\w+)\n\n```text\n(.*?)```", text, re.S | re.M))
+    assert code and set(code) == set(shown), (sorted(code), sorted(shown))
+    return {name: (code[name], shown[name]) for name in code}
+
+
+def _run_example(tmp_path, code, name):
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    page = root / "docs" / "conformance" / "own_model.md"
-    if not page.exists():
-        pytest.skip("docs sources not present")
-    text = page.read_text(encoding="utf-8")
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    shown = re.search(r"```text\n(.*?)```", text, re.S).group(1)
-    (tmp_path / "example.py").write_text(code)
+    (tmp_path / f"{name}.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(root))
-    p = subprocess.run([sys.executable, "-W", "ignore", str(tmp_path / "example.py")],
-                       capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr
-    assert p.stdout == shown
+    # warnings are errors: the page's examples run without a warning
+    return subprocess.run([sys.executable, "-W", "error", str(tmp_path / f"{name}.py")],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_docs_page_prints_what_it_shows(tmp_path):
+    """docs/conformance/own_model.md: each example runs, without a warning, and prints the
+    output shown on the page."""
+    for name, (code, shown) in _page_examples().items():
+        p = _run_example(tmp_path, code, name)
+        assert p.returncode == 0, (name, p.stderr)
+        assert p.stderr == "", (name, p.stderr)
+        assert p.stdout == shown, name
 
 
 def test_the_docs_pages_fix_makes_every_line_ok(tmp_path):
     """The page's claim: with the three bugs fixed, every layer agrees."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    page = root / "docs" / "conformance" / "own_model.md"
-    if not page.exists():
-        pytest.skip("docs sources not present")
-    code = re.search(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S).group(1)
+    code = _page_examples()["flawed"][0]
     fixes = [("torch.cat([torch.ones(len(a), 1), a], dim=1)",
               "torch.cat([a, torch.ones(len(a), 1)], dim=1)"),
              ('"G": g.T @ g / len(a)}', '"G": (g * len(x)).T @ (g * len(x)) / len(x)}')]
     for old, new in fixes:
         assert code.count(old) == 1, old
         code = code.replace(old, new)
-    (tmp_path / "fixed.py").write_text(code)
-    env = dict(os.environ, PYTHONPATH=str(root))
-    p = subprocess.run([sys.executable, "-W", "ignore", str(tmp_path / "fixed.py")],
-                       capture_output=True, text=True, env=env, timeout=300)
+    p = _run_example(tmp_path, code, "fixed")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0].endswith("all agree") and len(lines) == 5
-    assert all(": ok (" in line for line in lines[1:])
+    assert lines[0].endswith("all agree") and len(lines) == 7
+    assert [line.split(": ")[1][:8] for line in lines[1:]] == ["block ok", "ok (rela",
+                                                               "ok (rela"] * 2
