@@ -395,3 +395,133 @@ def test_residual_mlp_passes_and_a_planted_bug_is_named():
     bad = {(c.layer, c.factor) for c in res.checks if not c.ok}
     assert not res.ok and bad <= {("f2", "G"), ("f2", "block")}, str(res)
     assert any(c.layer == "f2" and "1/N" in c.diagnosis for c in res.checks if not c.ok)
+
+
+# -- scale-and-shift: LayerNorm, BatchNorm, GroupNorm affine ------------------------------
+
+def _per_example_param_fisher(model, x, names):
+    """F = (1/N) Σ_{n,k} u_{n,k} u_{n,k}ᵀ of the squared error (Fisher factor I): u_{n,k} the
+    per-example gradient of output k w.r.t. the parameters ``names`` (concatenated in that
+    order, each row-major), by torch.func.vmap(jacrev) — the exact Fisher block."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def f(p, xi):
+        return torch.func.functional_call(model, (p, buffers), (xi[None],))[0]
+
+    jac = torch.func.vmap(torch.func.jacrev(f), in_dims=(None, 0))(params, x)
+    n, c = x.shape[0], jac[names[0]].shape[1]
+    u = torch.cat([jac[nm].reshape(n, c, -1) for nm in names], dim=2)
+    return (torch.einsum("nkp,nkq->pq", u, u) / n).numpy()
+
+
+class _NormNet(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        if kind.startswith("layernorm"):
+            self.pre = nn.Linear(3, 4)
+            shape = (5, 4) if kind == "layernorm_2d" else 4
+            self.norm = nn.LayerNorm(shape, bias=kind != "layernorm_no_bias")
+            self.head = nn.Linear(4, 3)
+        elif kind == "batchnorm1d_flat":
+            self.pre, self.norm, self.head = nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 3)
+        elif kind == "batchnorm1d_seq":
+            self.pre = nn.Conv1d(2, 4, 3, padding=1)
+            self.norm, self.head = nn.BatchNorm1d(4), nn.Linear(4 * 5, 3)
+        else:
+            self.pre = nn.Conv2d(2, 4, 3, padding=1)
+            self.norm = nn.BatchNorm2d(4) if kind == "batchnorm2d" else nn.GroupNorm(2, 4)
+            self.head = nn.Linear(4 * 3 * 3, 3)
+        with torch.no_grad():  # a scale and shift that are not the initial 1 and 0, one γ 0
+            self.norm.weight.copy_(torch.randn_like(self.norm.weight))
+            self.norm.weight.view(-1)[1] = 0.0
+            if self.norm.bias is not None:
+                self.norm.bias.copy_(torch.randn_like(self.norm.bias))
+            if isinstance(self.norm, nn.modules.batchnorm._BatchNorm):
+                self.norm.running_mean.copy_(torch.randn(4))
+                self.norm.running_var.copy_(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.pre(x)))
+        if self.kind.startswith("layernorm"):
+            h = h.mean(dim=1)
+        return self.head(h.reshape(len(h), -1))
+
+
+NORM_INPUTS = {"layernorm": (5, 3), "layernorm_2d": (5, 3), "layernorm_no_bias": (5, 3),
+               "batchnorm1d_flat": (3,), "batchnorm1d_seq": (2, 5),
+               "batchnorm2d": (2, 3, 3), "groupnorm": (2, 3, 3)}
+
+
+@pytest.mark.parametrize("kind", list(NORM_INPUTS))
+def test_scale_shift_is_the_per_example_fisher_of_gamma_and_beta(kind):
+    torch.manual_seed(6)
+    net = _NormNet(kind).double().eval()
+    x = torch.randn(6, *NORM_INPUTS[kind], dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    ref = reference_torch_kfac(net, "mse", x, y)
+    e = ref["norm"]
+    names = ["norm.weight"] + (["norm.bias"] if net.norm.bias is not None else [])
+    oracle = _per_example_param_fisher(net, x, names)
+    _agree(e["F"], oracle)
+    _agree(e["diag"], np.diag(oracle))
+    q = net.norm.weight.numel()
+    assert e["F"].shape == (len(names) * q,) * 2 and "A" not in e and "G" not in e
+    assert e["kind"] == "scale_shift" and e["bias"] == (len(names) == 2)
+    t = {"layernorm": 5, "layernorm_no_bias": 5, "layernorm_2d": 1, "batchnorm1d_flat": 1,
+         "batchnorm1d_seq": 5}.get(kind, 9)
+    assert e["T"] == t and e["uses"] == 1 and e["K"] == 3
+    # the reduce reference of a scale-and-shift layer is the same (it is exact, not Kronecker)
+    _agree(reference_torch_kfac(net, "mse", x, y, sharing="reduce")["norm"]["F"], oracle)
+
+
+def test_train_mode_batchnorm_uses_batch_statistics_and_keeps_running_stats():
+    """Training mode: x̂ from the batch's statistics, the per-example vectors are the rows of
+    one backward pass of the batch (what hook-based optimisers see).  BatchNorm's own (γ, β)
+    block equals that of an eval-mode copy whose running statistics are the batch's; a layer
+    *before* it sees the coupling of the examples through the batch statistics."""
+    torch.manual_seed(7)
+    net = _NormNet("batchnorm2d").double().train()
+    x = torch.randn(6, 2, 3, 3, dtype=torch.float64)
+    y = torch.randn(6, 3, dtype=torch.float64)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    ref = reference_torch_kfac(net, "mse", x, y)
+    for k, v in net.state_dict().items():  # running statistics restored
+        assert torch.equal(v, before[k]), k
+    import copy
+
+    frozen = copy.deepcopy(net).eval()
+    with torch.no_grad():
+        h = net.pre(x)
+        frozen.norm.running_mean.copy_(h.mean(dim=(0, 2, 3)))
+        frozen.norm.running_var.copy_(h.var(dim=(0, 2, 3), unbiased=False))
+    fr = reference_torch_kfac(frozen, "mse", x, y)
+    _agree(ref["norm"]["F"], fr["norm"]["F"])
+    _agree(ref["head"]["G"], fr["head"]["G"])
+    _agree(ref["pre"]["A"], fr["pre"]["A"])
+    assert _rel(ref["pre"]["G"], fr["pre"]["G"]) > 1e-3  # coupled through the batch statistics
+
+
+def test_a_norm_layer_called_twice_sums_its_uses():
+    """u_{n,k} sums over every position sharing γ, β: both calls of one LayerNorm."""
+    torch.manual_seed(8)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.mid = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+            with torch.no_grad():
+                self.norm.weight.copy_(torch.randn(4))
+                self.norm.bias.copy_(torch.randn(4))
+
+        def forward(self, x):
+            return self.head(self.norm(torch.tanh(self.mid(self.norm(x)))))
+
+    net = Net().double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    e = reference_torch_kfac(net, "mse", x, y)["norm"]
+    assert e["uses"] == 2 and e["T"] == 1
+    _agree(e["F"], _per_example_param_fisher(net, x, ["norm.weight", "norm.bias"]))

@@ -324,13 +324,25 @@ def reference_torch_kfac(model, loss, inputs, targets, *, mode="fisher_exact",
         hooks.append(mod.register_forward_hook(hook))
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        out = model(inputs)
-    finally:
-        for h in hooks:
-            h.remove()
+        try:
+            out = model(inputs)
+        finally:
+            for h in hooks:
+                h.remove()
+        return _reference(_fn, layers, sites, out, loss, targets, mode, samples, rng,
+                          mc_samples, sharing)
+    finally:  # the running statistics the forward pass moved (after every backward pass)
         with torch.no_grad():
             for b, v in saved:
-                b.copy_(v)
+                if not torch.equal(b, v):
+                    b.copy_(v)
+
+
+def _reference(_fn, layers, sites, out, loss, targets, mode, samples, rng, mc_samples,
+               sharing):
+    """The entries of :func:`reference_torch_kfac` from the captured uses ``sites``."""
+    import torch
+
     sites = {k: v for k, v in sites.items() if v}
     out_np = _np(out, np.float64)
     vecs = model_output_vectors(_fn, loss, out_np, targets, mode, samples=samples, rng=rng,
