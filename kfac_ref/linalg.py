@@ -726,11 +726,12 @@ def kron_matvec(a, b, x, order="C"):
 
     .. math::
 
-        (A \otimes B)\,\mathrm{vec}_r(X) = \mathrm{vec}_r(A X B^\top)
-        \quad (\texttt{order="C"},\ X \in \mathbb{R}^{p' \times q'}),
-        \qquad
-        (A \otimes B)\,\mathrm{vec}_c(X) = \mathrm{vec}_c(B X A^\top)
-        \quad (\texttt{order="F"},\ X \in \mathbb{R}^{q' \times p'}).
+        \begin{aligned}
+        (A \otimes B)\,\mathrm{vec}_r(X) &= \mathrm{vec}_r(A X B^\top)
+        &&(\texttt{order="C"},\ X \in \mathbb{R}^{p' \times q'}),\\
+        (A \otimes B)\,\mathrm{vec}_c(X) &= \mathrm{vec}_c(B X A^\top)
+        &&(\texttt{order="F"},\ X \in \mathbb{R}^{q' \times p'}).
+        \end{aligned}
 
     Parameters
     ----------

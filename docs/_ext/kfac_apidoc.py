@@ -218,13 +218,50 @@ def _attribute_doc(module_name, name):
     return "\n".join(lines) if lines else None
 
 
+def _imported_from(module_name, name, depth=6):
+    """The modules ``name`` is imported from in ``module_name``'s source (``from .x import
+    name`` followed through re-exports, up to ``depth`` steps): where a re-exported constant,
+    and its docstring, are defined."""
+    import ast
+    import importlib.util
+
+    out = []
+    for _ in range(depth):
+        try:
+            spec = importlib.util.find_spec(module_name)
+            source = open(spec.origin, encoding="utf-8").read()  # noqa: SIM115
+            tree = ast.parse(source)
+        except Exception:  # noqa: BLE001 - no source: nothing to follow
+            return out
+        nxt = None
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and any(a.name == name and a.asname in
+                                                          (None, name) for a in node.names):
+                if node.level:
+                    package = module_name if spec.submodule_search_locations else \
+                        module_name.rpartition(".")[0]
+                    for _ in range(node.level - 1):
+                        package = package.rpartition(".")[0]
+                    nxt = f"{package}.{node.module}" if node.module else package
+                else:
+                    nxt = node.module
+                break
+        if not nxt or nxt in out:
+            return out
+        out.append(nxt)
+        module_name = nxt
+    return out
+
+
 def _doc_of(entry: Entry) -> str:
-    """The docstring of a public object; for a constant, the string literal after it."""
+    """The docstring of a public object; for a constant, the string literal after it (in
+    its public module, or where that module imports it from)."""
     if entry.kind == "data":
         for candidate in [entry.module, *entry.exported_by]:
-            doc = _attribute_doc(candidate, entry.name)
-            if doc:
-                return doc
+            for module in [candidate, *_imported_from(candidate, entry.name)]:
+                doc = _attribute_doc(module, entry.name)
+                if doc:
+                    return doc
         return ""
     return inspect.getdoc(entry.obj) or ""
 

@@ -245,10 +245,12 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
 
     .. math::
 
+        \begin{aligned}
         \big(s\,(A + \pi\sqrt{\lambda/s}\,I) \otimes (G + \tfrac{1}{\pi}\sqrt{\lambda/s}\,I)
         \big)^{p}\,\mathrm{vec}_r(X)
-        = s^{p}\,\mathrm{vec}_r\big((A + \delta_A I)^{p}\, X\, (G + \delta_G I)^{p}\big),
-        \qquad \pi = \sqrt{\|A\| / \|G\|}.
+        &= s^{p}\,\mathrm{vec}_r\big((A + \delta_A I)^{p}\, X\, (G + \delta_G I)^{p}\big),\\
+        \pi &= \sqrt{\|A\| / \|G\|}.
+        \end{aligned}
 
     For :math:`s = |T|` this is TF's ``ConvKFCBasicFB`` and kfac-jax's
     ``Conv2DTwoKroneckerFactored`` (damping :math:`\lambda/|T|` reaches the factors).

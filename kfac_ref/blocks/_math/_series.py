@@ -88,10 +88,12 @@ def series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, num_timestep
 
     .. math::
 
-        F_\infty^{-1} = \tfrac1T (I - \mathcal P^\top)(V_0 - \mathcal P V_0\mathcal P^\top)^{-1}
-        (I - \mathcal P), \qquad
+        \begin{aligned}
+        F_\infty^{-1} &= \tfrac1T (I - \mathcal P^\top)(V_0 - \mathcal P V_0\mathcal P^\top)^{-1}
+        (I - \mathcal P),\\
         (V_0 - \mathcal P V_0\mathcal P^\top)^{-1}
-        = (K_A\otimes K_G)\,\mathrm{diag}\big(1/(1 - \mu_A\otimes\mu_G)\big)(K_A\otimes K_G)^\top,
+        &= (K_A\otimes K_G)\,\mathrm{diag}\big(1/(1 - \mu_A\otimes\mu_G)\big)(K_A\otimes K_G)^\top,
+        \end{aligned}
 
     computed on ``X`` [p, q] (row-major) as
     :math:`X \leftarrow X - P_A X P_G^\top`, :math:`X \leftarrow K_A^\top X K_G`,

@@ -454,9 +454,10 @@ class CurvatureBlock(abc.ABC):
 
         .. math::
 
-            \lambda = \begin{cases} w & \text{norm} = \text{None (TF; kfac-jax default)} \\
-            w \cdot \texttt{norm}(\text{state}, \text{norm}) &
-            \text{kfac-jax } \texttt{norm\_to\_scale\_identity\_weight\_per\_block}
+            \lambda = \begin{cases} w & \text{norm} = \text{None}
+            \quad \text{(TF; kfac-jax default)}, \\
+            w \cdot \texttt{norm}(\text{state}, \text{norm}) & \text{otherwise: kfac-jax's}
+            \\ & \texttt{norm\_to\_scale\_identity\_weight\_per\_block}.
             \end{cases}
 
         With ``use_cached`` the norm is the cached snapshot's, so a cached product and the
@@ -671,7 +672,8 @@ class CurvatureBlock(abc.ABC):
         .. math::
 
             \|sB\| = s\,\|B\|, \qquad \|A \otimes G\| = \|A\|\,\|G\|
-            \ \text{(all four norms are multiplicative over } \otimes).
+
+        (all four norms are multiplicative over :math:`\otimes`).
         """
         func = f"{type(self).__name__}.norm"
         xp = self._check_state(func, state)

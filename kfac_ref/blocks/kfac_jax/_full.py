@@ -94,7 +94,8 @@ class NaiveFull(ParamsGradsSources, Full):
 
         \begin{aligned}
         F &= \frac1N \sum_s \hat g_s \hat g_s^\top
-            &&\text{(per\_source, default; TF, and kfac-jax's extra leading axis)},\\
+            &&\text{(per\_source, default; TF,}\\
+          & &&\ \text{and kfac-jax's extra leading axis)},\\
         F &= \frac1N \Big(\sum_s \hat g_s\Big)\Big(\sum_s \hat g_s\Big)^\top
             &&\text{(summed)},
         \end{aligned}

@@ -179,9 +179,11 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
 
         .. math::
 
-            A \leftarrow \texttt{ema\_old}\,A + \texttt{ema\_new}\,\hat A(x),\qquad
-            G \leftarrow \texttt{ema\_old}\,G + \texttt{ema\_new}\,
+            \begin{aligned}
+            A &\leftarrow \texttt{ema\_old}\,A + \texttt{ema\_new}\,\hat A(x),\\
+            G &\leftarrow \texttt{ema\_old}\,G + \texttt{ema\_new}\,
             \frac{1}{CR}\sum_{c=1}^{C}\sum_{r=1}^{R} g_{c,r} g_{c,r}^\top ,
+            \end{aligned}
 
         with :math:`R` rows per vector: :math:`\hat A` is computed once and :math:`G` from
         the :math:`C R` stacked rows in one GEMM.  This equals :math:`C` calls of

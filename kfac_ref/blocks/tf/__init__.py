@@ -8,10 +8,12 @@ arrays or factor objects with a ``get_cov()`` method (the TF-named factors of
 
 .. math::
 
-    \texttt{multiply\_matpower}(v, p) = \big(c\,(A + \delta_A I) \otimes (G + \delta_G I)
-    \big)^{p} v, \qquad
-    (\delta_A, \delta_G) = \texttt{compute\_pi\_adjusted\_damping}\big(A, G,
-    \sqrt{\texttt{normalize\_damping}(\lambda, k)}\big),
+    \begin{aligned}
+    \texttt{multiply\_matpower}(v, p) &= \big(c\,(A + \delta_A I) \otimes (G + \delta_G I)
+    \big)^{p} v,\\
+    (\delta_A, \delta_G) &= \texttt{compute\_pi\_adjusted\_damping}\big(A, G,\\
+    &\qquad \sqrt{\texttt{normalize\_damping}(\lambda, k)}\big),
+    \end{aligned}
 
 for Kronecker blocks with renormalisation coefficient :math:`c` (TF ``_renorm_coeff``) and
 damping normalisation :math:`k` (``_setup_damping(damping, normalization=k)``); diagonal and

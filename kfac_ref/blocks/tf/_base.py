@@ -134,11 +134,21 @@ class FisherBlock:
 
     .. math::
 
-        \texttt{multiply}(v) = \texttt{multiply\_matpower}(v, 1), \qquad
-        \texttt{multiply\_inverse}(v) = \texttt{multiply\_matpower}(v, -1).
+        \begin{aligned}
+        \texttt{multiply}(v) &= \texttt{multiply\_matpower}(v, 1),\\
+        \texttt{multiply\_inverse}(v) &= \texttt{multiply\_matpower}(v, -1).
+        \end{aligned}
     """
 
     def multiply_matpower(self, vector, exp):  # pragma: no cover - abstract
+        r"""The damped block's power ``exp`` times ``vector`` (each block defines it).
+
+        .. math:: (F + \lambda I)^{p} v
+
+        for the block's damped curvature :math:`F + \lambda I` (a Kronecker block damps
+        its factors instead: :class:`KroneckerProductFB`); ``vector`` in the block's
+        structure (a kernel array, ``(kernel, bias)`` or a tuple of arrays).
+        """
         raise NotImplementedError
 
     def multiply_inverse(self, vector):

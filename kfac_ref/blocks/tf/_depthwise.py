@@ -94,8 +94,10 @@ class DepthwiseConvDiagonalFB(_DepthwiseVector, ConvDiagonalFB):
 
     .. math::
 
-        \texttt{op}_{\mathrm{dw}}(v) = S^\top\,\texttt{op}(S v), \qquad
-        \texttt{multiply\_matpower}: \ S^\top\big((D + \lambda)^{\odot p} \odot S(v)\big),
+        \begin{aligned}
+        \texttt{op}_{\mathrm{dw}}(v) &= S^\top\,\texttt{op}(S v),\\
+        \texttt{multiply\_matpower}&: \ S^\top\big((D + \lambda)^{\odot p} \odot S(v)\big),
+        \end{aligned}
 
     with :math:`D` ``[kh·kw·C, C·M]`` the sum-of-squares diagonal of the conv with kernel
     :math:`S(w)` (:func:`kfac_ref.factors.conv_diagonal_factor` with ``filter_shape =
@@ -142,9 +144,11 @@ class DepthwiseConvKFCBasicFB(_DepthwiseVector, ConvKFCBasicFB):
 
     .. math::
 
-        \texttt{op}_{\mathrm{dw}}(v) = S^\top\,\texttt{op}(S v), \qquad
-        \texttt{multiply\_matpower}: \ S^\top\big(|T|^{p}(\Omega + \delta_\Omega I)^{p}\,
+        \begin{aligned}
+        \texttt{op}_{\mathrm{dw}}(v) &= S^\top\,\texttt{op}(S v),\\
+        \texttt{multiply\_matpower}&: \ S^\top\big(|T|^{p}(\Omega + \delta_\Omega I)^{p}\,
         S(v)\,(\Gamma + \delta_\Gamma I)^{p}\big),
+        \end{aligned}
 
     :math:`\Omega` ``[kh·kw·C]`` from the input patches, :math:`\Gamma` ``[C·M]`` from the
     output gradients, both normalised by :math:`N|T|`, damping :math:`\lambda/|T|` split by π

@@ -117,7 +117,8 @@ class FullFB(_FlatVector, FisherBlock):
 
         .. math::
 
-            L v \ (\texttt{transpose=False}), \qquad L^\top v \ (\texttt{True}), \qquad
+            L v \ (\texttt{transpose=False}), \qquad L^\top v \ (\texttt{True}),
+
             L L^\top = F + \lambda I, \ L \text{ lower triangular}
 
         (:func:`kfac_ref.linalg.damped_cholesky`).
@@ -423,9 +424,11 @@ class ScaleAndShiftFullFB(FullFB):
 
     .. math::
 
-        \texttt{multiply\_matpower}(v, p) = (F + \lambda I)^{p} v, \qquad
-        F = \frac1N\sum_n v_n v_n^\top, \quad
-        v_n = \Big[\mathrm{vec}_r \sum_{B_s} x_n \odot g_n;\ \mathrm{vec}_r \sum_{B_b} g_n\Big]
+        \begin{aligned}
+        \texttt{multiply\_matpower}(v, p) &= (F + \lambda I)^{p} v, \qquad
+        F = \frac1N\sum_n v_n v_n^\top,\\
+        v_n &= \Big[\mathrm{vec}_r \sum_{B_s} x_n \odot g_n;\ \mathrm{vec}_r \sum_{B_b} g_n\Big]
+        \end{aligned}
 
     (:func:`kfac_ref.factors.scale_and_shift_factor`, ``approx="full"``); vectors are
     ``scale`` or ``(scale, shift)``, flattened and concatenated.

@@ -47,9 +47,11 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
 
     .. math::
 
-        \tilde F^{p} v = c^{p}\,(A + \delta_A I)^{p} \otimes (G + \delta_G I)^{p}\, v,
-        \qquad (\delta_A, \delta_G) = \texttt{compute\_pi\_adjusted\_damping}\big(A, G,
+        \begin{aligned}
+        \tilde F^{p} v &= c^{p}\,(A + \delta_A I)^{p} \otimes (G + \delta_G I)^{p}\, v,\\
+        (\delta_A, \delta_G) &= \texttt{compute\_pi\_adjusted\_damping}\big(A, G,
         \sqrt{\lambda / k^{\rho}}\big)
+        \end{aligned}
 
     (:func:`~kfac_ref.blocks.kronecker_block_matpower` with scale :math:`c` and damping
     :math:`c\lambda/k^{\rho}`).  TF uses :math:`k = c` (conv locations, uses) or no
@@ -372,10 +374,12 @@ class EmbeddingKFACMultiIndepFB(EmbeddingKFACFB):
 
     .. math::
 
-        \tilde F = T\,(\mathrm{diag}(d) + \pi\sqrt{\lambda/T} I) \otimes
-        (G + \sqrt{\lambda/T}/\pi\, I), \qquad
-        d_v = \tfrac{1}{TN}\#\{(t, n) : \text{id}_{t,n} = v\}, \quad
+        \begin{aligned}
+        \tilde F &= T\,(\mathrm{diag}(d) + \pi\sqrt{\lambda/T} I) \otimes
+        (G + \sqrt{\lambda/T}/\pi\, I),\\
+        d_v &= \tfrac{1}{TN}\#\{(t, n) : \text{id}_{t,n} = v\}, \quad
         G = \tfrac{1}{TN}\sum_{t,n} g_{t,n} g_{t,n}^\top
+        \end{aligned}
 
     (``c = k = T``, as :class:`FullyConnectedMultiIndepFB`).
     """
