@@ -431,3 +431,45 @@ def test_reference_against_a_dense_solve_pins_the_kronecker_order():
                               grad.ravel()).reshape(d_g, d_a)
     np.testing.assert_allclose(alts["unsplit_damping"], unsplit, rtol=1e-12, atol=0)
     assert not np.allclose(p, swapped, rtol=1e-3)  # the order matters here
+
+
+def _docs_section():
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "conformance" / "own_model.md"
+    if not page.exists():
+        pytest.skip("docs sources not present")
+    text = page.read_text(encoding="utf-8")
+    return text[text.index("## Check your preconditioner"):]
+
+
+def _run(tmp_path, code):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "example.py").write_text(code)
+    env = dict(os.environ, PYTHONPATH=str(root))
+    p = subprocess.run([sys.executable, "-W", "ignore", str(tmp_path / "example.py")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_the_docs_section_prints_what_it_shows_and_its_fix_passes(tmp_path):
+    import re
+
+    section = _docs_section()
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    shown = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    assert _run(tmp_path, code) == shown
+    assert "diagnosis: pi_without_dimensions" in shown
+    bug = "torch.sqrt(A.trace() / G.trace())"
+    assert code.count(bug) == 1
+    fixed = _run(tmp_path, code.replace(
+        bug, "torch.sqrt((A.trace() / len(A)) / (G.trace() / len(G)))"))
+    lines = fixed.splitlines()
+    assert lines[0].endswith("all agree") and len(lines) == 3
+    assert all(": ok (" in line for line in lines[1:])
