@@ -10,6 +10,10 @@ per-example gradients.
   exact block itself).
 * Damping and power identities, cache, eigenvalues, norm, averaging, error paths.
 
+Sizes: 3 output units (a 2×2 factor hides a transposed eigenbasis: LAPACK's 2×2
+eigenvector matrix is symmetric), non-square layers (dense 3 → 3 with bias: A 4×4, G 3×3;
+conv 2×2×1 → 3: A 5×5, G 3×3).
+
 Tolerances: the oracle computes its own eigenbasis in float64, so the comparison of two
 bases adds the eigenvector perturbation :math:`\\|\\delta Q\\| \\lesssim \\varepsilon
 \\|A\\| / \\mathrm{gap}(A)` (Davis–Kahan); ``basis_tol`` multiplies ``xp.rtol`` by
@@ -33,7 +37,7 @@ from kfac_ref.curvature.estimators import BlockDiagonalCurvature
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 N = 24
-CONV_KW = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
+CONV_KW = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 3), strides=1,
                padding="VALID")
 
 
@@ -83,14 +87,14 @@ def basis_tol(xp, *factors):
 def make(xp, rng, kind, n=N, bias=True):
     """(block, data (backend arrays), oracle (F, A, G, Q, EKFAC) on the rounded host data)."""
     if kind == "dense":
-        a, g = rng.standard_normal((n, 3)), rng.standard_normal((n, 2))
-        block = kj.DenseEKFAC(3, 2, has_bias=bias)
+        a, g = rng.standard_normal((n, 3)), rng.standard_normal((n, 3))
+        block = kj.DenseEKFAC(3, 3, has_bias=bias)
         a, g = xp.round_host(a), xp.round_host(g)
         grads, ab = dense_grads(a, g, bias)
         orc = oracle(grads, ab, g)
         data = {"inputs": xp.asarray(a), "outputs_grad": xp.asarray(g)}
     else:
-        x, g = rng.standard_normal((n, 3, 3, 1)), rng.standard_normal((n, 2, 2, 2))
+        x, g = rng.standard_normal((n, 3, 3, 1)), rng.standard_normal((n, 2, 2, 3))
         block = kj.Conv2DEKFAC(**{**CONV_KW, "inputs_shape": (n, 3, 3, 1)})
         x, g = xp.round_host(x), xp.round_host(g)
         grads, patches, outs = conv_grads(x, g)
@@ -185,7 +189,7 @@ except ImportError:  # pragma: no cover
 def test_pythagoras_in_the_eigenbasis(kind):
     # both are diagonal in the KFE and EKFAC's diagonal is F's there, so
     # ‖F − KFAC‖² = ‖F − EKFAC‖² + ‖EKFAC − KFAC‖² (strictly closer unless they agree)
-    f, ekfac, kfac = _frobenius_case(kind, 3, 10, 2, 2)
+    f, ekfac, kfac = _frobenius_case(kind, 3, 10, 3, 3)
     lhs = np.linalg.norm(f - kfac) ** 2
     rhs = np.linalg.norm(f - ekfac) ** 2 + np.linalg.norm(ekfac - kfac) ** 2
     assert abs(lhs - rhs) <= 1e-12 * lhs
@@ -248,8 +252,8 @@ def test_inverse_undoes_multiply_and_cache(xp, rng, kind):
 
 
 def test_moving_average_of_factors_and_second_moment(rng):
-    block = kj.DenseEKFAC(3, 2)
-    batches = [{"inputs": rng.standard_normal((N, 3)), "outputs_grad": rng.standard_normal((N, 2))}
+    block = kj.DenseEKFAC(3, 3)
+    batches = [{"inputs": rng.standard_normal((N, 3)), "outputs_grad": rng.standard_normal((N, 3))}
                for _ in range(2)]
     st = block.init(np.zeros(()))
     st = block.update_curvature_matrix_estimate(st, batches[0], 0.0, 1.0, N)
@@ -276,13 +280,13 @@ def basis_tol_host(*factors):
 
 
 def test_no_bias_and_unsymmetrised_statistics(rng):
-    a, g = rng.standard_normal((N, 3)), rng.standard_normal((N, 2))
-    block = kj.DenseEKFAC(3, 2, has_bias=False, symmetrize=False)
+    a, g = rng.standard_normal((N, 3)), rng.standard_normal((N, 4))
+    block = kj.DenseEKFAC(3, 4, has_bias=False, symmetrize=False)
     st = block.update_curvature_matrix_estimate(block.init(np.zeros(())),
                                                 {"inputs": a, "outputs_grad": g}, 0.0, 1.0, N)
     grads, ab = dense_grads(a, g, bias=False)
     _, fa, fg, _, exp = oracle(grads, ab, g)
-    assert block.parameters_shapes == ((3, 2),)
+    assert block.parameters_shapes == ((3, 4),)
     assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * basis_tol_host(fa, fg))
 
 
@@ -340,7 +344,7 @@ def test_update_scans_each_input_once(monkeypatch, rng):
                                                "outputs_grad": rng.standard_normal((N, 2))}),
                         (kj.Conv2DEKFAC(**CONV_KW),
                          {"inputs": rng.standard_normal((N, 3, 3, 1)),
-                          "outputs_grad": rng.standard_normal((N, 2, 2, 2))})):
+                          "outputs_grad": rng.standard_normal((N, 2, 2, 3))})):
         state = block.init(np.zeros(()))
         seen.clear()
         block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, N)

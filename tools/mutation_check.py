@@ -60,17 +60,18 @@ class Mutant:
 
 
 M = Mutant
+EKFAC_TESTS = ("tests/test_oracle_blocks.py", "tests/test_blocks_ekfac.py")
 LOSS_TESTS = ("tests/test_losses_oracles.py", "tests/test_losses_products.py")
 MUTANTS = [
     # -- blocks --------------------------------------------------------------------------
     M("ekfac-transposed-QG", "kfac_ref/blocks/kfac_jax/_ekfac.py",
       "return xp.matmul(xp.matmul(q_a, y), xp.matrix_transpose(q_g))",
       "return xp.matmul(xp.matmul(q_a, y), q_g)",
-      "EKFAC maps back with Q_G instead of Q_Gᵀ", ("tests/test_oracle_blocks.py",)),
+      "EKFAC maps back with Q_G instead of Q_Gᵀ", EKFAC_TESTS),
     M("ekfac-transposed-QA", "kfac_ref/blocks/kfac_jax/_ekfac.py",
       "return xp.matmul(xp.matmul(xp.matrix_transpose(q_a), x), q_g)",
       "return xp.matmul(xp.matmul(q_a, x), q_g)",
-      "EKFAC projects with Q_A instead of Q_Aᵀ", ("tests/test_oracle_blocks.py",)),
+      "EKFAC projects with Q_A instead of Q_Aᵀ", EKFAC_TESTS),
     M("conv-kron-no-T-scale", "kfac_ref/blocks/kfac_jax/_kronecker.py",
       "        return float(self.num_locations)\n",
       "        return 1.0\n",
