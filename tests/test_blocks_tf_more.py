@@ -162,7 +162,7 @@ def test_scale_and_shift_blocks_from_data(xp, rng):
     vh = xp.round_host(vec_h)
     for p in (-1.0, 0.5, 1.0):
         assert_allclose_normwise(flat(xp, full.multiply_matpower(vec, p)),
-                                 dense_power(f + lam * np.eye(6), p) @ vh, xp.rtol * 10)
+                                 dense_power(f + lam * np.eye(6), p) @ vh, xp.rtol)
         assert_allclose_normwise(flat(xp, diag.multiply_matpower(vec, p)),
                                  (np.diag(f) + lam) ** p * vh, xp.rtol)
     # scale only
@@ -185,7 +185,7 @@ def test_embedding_multi_indep_from_data(xp, rng):
     v_h = rng.standard_normal(10)
     v = xp.asarray(v_h.reshape(5, 2))
     assert_allclose_normwise(flat(xp, blk.multiply_inverse(v)),
-                             np.linalg.solve(m, xp.round_host(v_h)), xp.rtol * 10)
+                             np.linalg.solve(m, xp.round_host(v_h)), xp.rtol)
     with pytest.raises(KFACValueError, match="must agree on T and N"):
         T.EmbeddingKFACMultiIndepFB.from_data(xp.asarray(ids), xp.asarray(gy[:, :2]), 5, 0.4)
     with pytest.raises(KFACValueError, match="num_uses"):
@@ -248,11 +248,11 @@ def test_depthwise_diagonal_block(xp, rng):
         out = blk.multiply_matpower(v, p)
         xp.check(out)
         assert tuple(out.shape) == (kh, kw, c, m)
-        assert_allclose_normwise(flat(xp, out), (d + lam) ** p * vh, xp.rtol * 10)
+        assert_allclose_normwise(flat(xp, out), (d + lam) ** p * vh, xp.rtol)
     assert_allclose_normwise(flat(xp, blk.multiply_cholesky(v, transpose=True)),
-                             (d + lam) ** 0.5 * vh, xp.rtol * 10)
+                             (d + lam) ** 0.5 * vh, xp.rtol)
     assert_allclose_normwise(flat(xp, blk.multiply_cholesky_inverse((v,))),
-                             (d + lam) ** -0.5 * vh, xp.rtol * 10)
+                             (d + lam) ** -0.5 * vh, xp.rtol)
 
 
 def test_depthwise_kfc_block(xp, rng):
