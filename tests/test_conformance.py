@@ -32,8 +32,8 @@ def deterministic(cases, caps):
     (``losses.sample``), which the statistical route meets with thousands of seeded calls each
     (about 95 % of the time of a catalogue run).  For the tests of the runner's bookkeeping
     (skips, xfails, errors), which is case by case and the same on every route; the samplers'
-    cases themselves run in test_default_run_passes_and_writes_reports,
-    tests/test_conformance_suite.py and tests/test_conformance_loss_factors.py."""
+    cases themselves run in test_default_run_passes_and_writes_reports and
+    tests/test_conformance_suite.py."""
     return [c for c in cases if caps[c.capability].statistic is None]
 
 
