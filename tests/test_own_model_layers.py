@@ -525,3 +525,91 @@ def test_a_norm_layer_called_twice_sums_its_uses():
     e = reference_torch_kfac(net, "mse", x, y)["norm"]
     assert e["uses"] == 2 and e["T"] == 1
     _agree(e["F"], _per_example_param_fisher(net, x, ["norm.weight", "norm.bias"]))
+
+
+# -- nn.Embedding ---------------------------------------------------------------------------
+
+class _EmbNet(nn.Module):
+    def __init__(self, vocab=7, dim=3, padding_idx=None, seq=True):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.head = nn.Linear(dim, 3)
+        self.seq = seq
+
+    def forward(self, ids):
+        h = torch.tanh(self.emb(ids))
+        return self.head(h.mean(dim=1) if self.seq else h)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_block_is_the_per_example_fisher_for_one_id(padding_idx):
+    """N = 1, one id: A ⊗ G is the exact Fisher block of the table (row-major [V, D]),
+    zero for the padding row (PyTorch gives it no gradient)."""
+    torch.manual_seed(9)
+    net = _EmbNet(padding_idx=padding_idx, seq=False).double()
+    y = torch.randn(1, 3, dtype=torch.float64)
+    for i in (2, 4):
+        ids = torch.tensor([i])
+        e = reference_torch_kfac(net, "mse", ids, y)["emb"]
+        fisher = _per_example_fisher(net, ids, [net.emb.weight], 3)
+        block = np.kron(e["A"], e["G"])
+        if i == padding_idx:
+            assert np.abs(fisher).max() == 0 and np.abs(block).max() == 0
+            continue
+        _agree(block, fisher)
+        assert e["A_diagonal"] and e["A"].shape == (7, 7) and e["G"].shape == (3, 3)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_embedding_counts_and_vectors_by_hand(sharing, padding_idx):
+    torch.manual_seed(10)
+    net = _EmbNet(padding_idx=padding_idx).double()
+    ids = torch.randint(0, 7, (6, 4))
+    ids[0, :2] = 0
+    y = torch.randint(0, 3, (6,))
+    e = reference_torch_kfac(net, "cross_entropy", ids, y, sharing=sharing)["emb"]
+    assert e["kind"] == "embedding" and e["T"] == 4 and e["padding_idx"] == padding_idx
+    n, s = ids.shape
+    mine = _hand_kfac(_EmbAsLinear(net), F.one_hot(ids, 7).double(), y, "cross_entropy",
+                      ["emb"], sharing=sharing)["emb"]
+    if sharing == "expand":
+        counts = np.bincount(ids.reshape(-1).numpy(), minlength=7).astype(float)
+        if padding_idx is not None:
+            counts[padding_idx] = 0
+        assert e["A_diagonal"]
+        _agree(e["A"], np.diag(counts / (n * s)))
+    else:
+        m = np.stack([np.bincount(r, minlength=7) / s for r in ids.numpy()])  # per example
+        if padding_idx is not None:
+            m[:, padding_idx] = 0
+        assert not e["A_diagonal"]
+        _agree(e["A"], m.T @ m / n)
+    if padding_idx is None:  # the one-hot Linear has the padding row's input too
+        _agree(e["A"], mine["A"].numpy())
+    _agree(e["G"], mine["G"].numpy())
+
+
+class _EmbAsLinear(nn.Module):
+    """The embedding net with onehot(ids) @ W as an nn.Linear (the same weights)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.emb = nn.Linear(net.emb.num_embeddings, net.emb.embedding_dim, bias=False).double()
+        with torch.no_grad():
+            self.emb.weight.copy_(net.emb.weight.T)
+        self.head, self.seq = net.head, net.seq
+
+    def forward(self, onehot):
+        h = torch.tanh(self.emb(onehot))
+        return self.head(h.mean(dim=1) if self.seq else h)
+
+
+def test_embedding_options_that_change_the_layer_are_refused():
+    ids, y = torch.randint(0, 7, (3, 4)), torch.randint(0, 3, (3,))
+    for kw in (dict(scale_grad_by_freq=True), dict(max_norm=1.0)):
+        net = _EmbNet().double()
+        net.emb = nn.Embedding(7, 3, **kw).double()
+        with pytest.raises(ValueError, match=r"nn.Embedding 'emb' must have max_norm=None "
+                                             r"and scale_grad_by_freq=False"):
+            reference_torch_kfac(net, "cross_entropy", ids, y)
