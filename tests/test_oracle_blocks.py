@@ -176,3 +176,59 @@ def test_ekfac_basis_is_not_transposed(rng):
     wrong = (q_wrong / (np.diag(q_wrong.T @ f @ q_wrong) + LAM)) @ q_wrong.T @ x.reshape(-1)
     assert np.abs(right - wrong).max() > 1e-2 * np.abs(right).max()
     assert_allclose_normwise(got, right, 4096 * np.finfo(float).eps * davis_kahan(fa, fg))
+
+
+# -- scale-and-shift, naive (parameter-gradient) and scaled-identity blocks -----------------
+SAS_IN, SAS_SCALE, SAS_SHIFT = (3, 4), (1, 4), (4,)
+
+
+def _sas_definition(x, g):
+    """F of y = scale·x + shift: per-example gradients (Σ over the broadcast axis of x·g
+    for the [1, 4] scale, of g for the [4] shift), their second moment."""
+    grads = np.array([np.concatenate([(x[n] * g[n]).sum(axis=0), g[n].sum(axis=0)])
+                      for n in range(len(x))])
+    return grads.T @ grads / len(x)
+
+
+@pytest.mark.parametrize("family", ["full", "diagonal"])
+def test_scale_and_shift_products_equal_the_definition(xp, rng, family):
+    x = xp.round_host(rng.standard_normal((N, *SAS_IN)))
+    g = xp.round_host(rng.standard_normal((N, *SAS_IN)))
+    cls = kj.ScaleAndShiftFull if family == "full" else kj.ScaleAndShiftDiagonal
+    block = cls(SAS_IN, SAS_SCALE, SAS_SHIFT)
+    state = fitted(xp, block, {"inputs": xp.asarray(x), "outputs_grad": xp.asarray(g)})
+    f = _sas_definition(x, g)
+    dense = f if family == "full" else np.diag(np.diag(f))
+    for p in (-1.0, 0.5):
+        vec, vh = vector(xp, rng, block)
+        out = block.multiply_matpower(state, vec, LAM, p, True, False)
+        assert_allclose_normwise(flat(xp, out), power(dense + LAM * np.eye(8), p) @ vh,
+                                 xp.rtol)
+
+
+@pytest.mark.parametrize("reduction", ["per_source", "summed"])
+@pytest.mark.parametrize("family", ["full", "diagonal"])
+def test_naive_products_equal_the_definition(xp, rng, family, reduction):
+    s_count, shapes = 3, [(4, 3), (3,)]
+    grads = [xp.round_host(rng.standard_normal((s_count, *sh))) for sh in shapes]
+    cls = kj.NaiveFull if family == "full" else kj.NaiveDiagonal
+    block = cls(shapes, source_reduction=reduction)
+    state = fitted(xp, block, {"params_grads": tuple(xp.asarray(a) for a in grads)})
+    rows = np.hstack([a.reshape(s_count, -1) for a in grads])  # ĝ_s, flat
+    if reduction == "summed":
+        rows = rows.sum(axis=0, keepdims=True)
+    f = rows.T @ rows / N  # F = (1/N) Σ_s ĝ_s ĝ_sᵀ (or of the summed source)
+    dense = f if family == "full" else np.diag(np.diag(f))
+    vec, vh = vector(xp, rng, block)
+    out = block.multiply_matpower(state, vec, LAM, -1.0, True, False)
+    assert_allclose_normwise(flat(xp, out), np.linalg.solve(dense + LAM * np.eye(15), vh),
+                             xp.rtol)
+
+
+def test_scaled_identity_product(xp, rng):
+    block = kj.ScaledIdentity([(4, 3), (3,)], scale=1.7)
+    state = block.init(xp.asarray(np.zeros(())))
+    vec, vh = vector(xp, rng, block)
+    for p in (-1.0, 0.5, 2.0):
+        out = block.multiply_matpower(state, vec, LAM, p, True, False)
+        assert_allclose_normwise(flat(xp, out), (1.7 + LAM) ** p * vh, xp.rtol)
