@@ -218,3 +218,18 @@ def test_the_docs_pages_fix_makes_every_line_ok(tmp_path):
     assert lines[0].endswith("all agree") and len(lines) == 7
     assert [line.split(": ")[1][:8] for line in lines[1:]] == ["block ok", "ok (rela",
                                                                "ok (rela"] * 2
+
+
+def test_the_transformer_tutorial_names_its_bug_and_its_fix_passes(tmp_path):
+    """The page's transformer: the planted bug fails exactly the sequence layers, fixed
+    every layer passes."""
+    code, shown = _page_examples()["transformer"]
+    rows = {line.split()[0]: line for line in shown.splitlines()[1:]}
+    assert {k for k, v in rows.items() if "FAIL" in v} == {"qkv", "out", "fc1", "fc2"}
+    assert all("G: scale:1/T" in rows[k] for k in ("qkv", "out", "fc1", "fc2"))
+    bug = '"G": g.T @ g / len(g)}'
+    assert code.count(bug) == 1
+    p = _run_example(tmp_path, code.replace(bug, '"G": g.T @ g / n}'), "fixed_transformer")
+    assert p.returncode == 0, p.stderr
+    table = p.stdout.splitlines()
+    assert len(table) == 9 and not any("FAIL" in line for line in table), p.stdout

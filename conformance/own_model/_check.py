@@ -212,6 +212,36 @@ class ModelCheck:
     declared: dict = field(default_factory=dict)
     #: ``str()`` wraps lines at this many characters (``0``: no wrapping)
     width: int = 100
+    #: layer -> what it is (``"dense, |T| = 5"``), for :meth:`table`
+    kinds: dict = field(default_factory=dict)
+
+    def table(self) -> str:
+        """One row per checked layer: its kind, the block verdict, each factor's verdict and
+        the diagnoses (the words are in ``str(result)``)."""
+        blocks = {b.layer: b for b in self.blocks}
+        rows, order = {}, []
+        for c in self.checks:
+            if c.layer not in rows:
+                order.append(c.layer)
+                b = blocks.get(c.layer)
+                rows[c.layer] = {"layer": c.layer or "(model)",
+                                 "kind": self.kinds.get(c.layer, ""),
+                                 "block": b.verdict if b else "-", "A": "", "G / F": "",
+                                 "diagnosis": []}
+            row = rows[c.layer]
+            col = "A" if c.factor == "A" else "G / F"
+            row[col] = "ok" if c.ok else ("scaled" if c.scaled else "FAIL")
+            if not c.ok and not c.scaled:
+                row["diagnosis"].append(f"{c.factor}: {c.diagnosis}")
+        cols = ["layer", "kind", "block", "A", "G / F", "diagnosis"]
+        table = [cols] + [[rows[k][c] if c != "diagnosis" else "; ".join(rows[k][c])
+                           for c in cols] for k in order]
+        for name in self.unchecked:
+            table.append([name, "", "NOT CHECKED", "", "", "no factors given"])
+        widths = [max(len(r[i]) for r in table) for i in range(len(cols) - 1)]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths + [0],
+                                                                     strict=True)).rstrip()
+                         for r in table)
 
     @property
     def ok(self) -> bool:
@@ -361,7 +391,7 @@ def _declare_a(arr, r, conv):
 
 def _declare_g(arr, r, conv, mode, loss):
     """The canonical G (or a scale-and-shift F) of entry ``r`` in the declared scale."""
-    if conv["conv_style"] == "kfc" and r["T"] > 1:
+    if conv["conv_style"] == "kfc" and r["T"] > 1 and r.get("kind") != "scale_shift":
         arr = arr / r["T"]
     if conv["curvature_of"] == "sum":
         arr = arr * r["N"]
@@ -559,7 +589,10 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                          f"several batches are given or the average is declared started at "
                          f"the identity or raw; got {decay!r}.")
     declared = {k: v for k, v in conv.items() if v != _DEFAULTS[k]}
-    result = ModelCheck(mode, level=level, unchecked=missing, declared=declared)
+    result = ModelCheck(mode, level=level, unchecked=missing, declared=declared,
+                        kinds={name: r.get("kind", "") + (f", |T| = {r['T']}" if r["T"] > 1
+                                                          else "")
+                               for name, r in ref.items()})
     for name, keys in want.items():
         user = factors.get(name, {})
         r = ref[name]
