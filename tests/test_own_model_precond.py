@@ -473,3 +473,89 @@ def test_the_docs_section_prints_what_it_shows_and_its_fix_passes(tmp_path):
     lines = fixed.splitlines()
     assert lines[0].endswith("all agree") and len(lines) == 3
     assert all(": ok (" in line for line in lines[1:])
+
+
+def test_tolerance_at_its_documented_value_and_on_both_sides():
+    """rtol = 16 ε [(κ(A_λ) + κ(G_λ))(N|T|K + d_A + d_G) + κ(A_λ)κ(G_λ)·N|T|·c_Γ], with κ
+    from NumPy eigenvalues and c_Γ from a loop over the examples; the c_Γ term only for a
+    given gradient (a callable is handed the check's); a relative error of 0.9·rtol passes
+    and 1.1·rtol fails."""
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    name, lin = "0", net[0]
+    a, g = factors[name]["A"].numpy(), factors[name]["G"].numpy()
+    d_a, d_g = a.shape[0], g.shape[0]
+    pi = math.sqrt((np.trace(a) / d_a) / (np.trace(g) / d_g))
+    s_a = np.linalg.eigvalsh(a) + pi * math.sqrt(LAM)
+    s_g = np.linalg.eigvalsh(g) + math.sqrt(LAM) / pi
+    k_a, k_g = s_a[-1] / s_a[0], s_g[-1] / s_g[0]
+    n, k = x.shape[0], 3  # K = C columns of the squared error's Fisher factor
+    eps = np.finfo(np.float64).eps
+    bound = np.zeros((d_g, d_a))
+    for i in range(n):  # Σ_n |∂L/∂z_n| |[x_n, 1]|ᵀ of the mean loss L
+        xi = x[i:i + 1].requires_grad_(False)
+        z = lin(xi)
+        zd = z.detach().requires_grad_(True)
+        out = net[1:](zd)
+        li = 0.5 * ((out - y[i:i + 1]) ** 2).sum() / n
+        gz = torch.autograd.grad(li, zd)[0][0].numpy()
+        bound += np.outer(np.abs(gz), np.abs(np.r_[xi[0].numpy(), 1.0]))
+    gam = np.c_[grads[name]["weight"].numpy(), grads[name]["bias"].numpy()]
+    c_gam = np.linalg.norm(bound) / np.linalg.norm(gam)
+    assert c_gam >= 1.0
+    base = (k_a + k_g) * (n * k + d_a + d_g)
+    want_callable = 16 * eps * base
+    want_dict = 16 * eps * (base + k_a * k_g * n * c_gam)
+    pre = _precondition(factors, grads)
+    res = _check(net, x, y, loss, mode, pre, factors=factors)
+    c0 = res.checks[0]
+    assert c0.layer == name
+    np.testing.assert_allclose(c0.rtol, want_dict, rtol=1e-10)
+    np.testing.assert_allclose(c0.kappa, k_a * k_g, rtol=1e-10)
+    res = _check(net, x, y, loss, mode, lambda gr: _precondition(factors, gr), factors=factors)
+    np.testing.assert_allclose(res.checks[0].rtol, want_callable, rtol=1e-10)
+    for f, ok in ((0.9, True), (1.1, False)):
+        bumped = {k: dict(v) for k, v in pre.items()}
+        bumped[name] = {"weight": pre[name]["weight"] * (1 + f * want_dict),
+                        "bias": pre[name]["bias"] * (1 + f * want_dict)}
+        c0 = _check(net, x, y, loss, mode, bumped, factors=factors).checks[0]
+        assert c0.ok is ok, (f, c0.rel_err, c0.rtol)
+
+
+def test_the_users_numbers_are_copied_before_the_check_runs():
+    """A hook that changes the user's buffers on every forward pass of the model (an
+    optimiser's statistics hook) does not change what is checked."""
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+
+    def scribble(mod, inputs, output):
+        with torch.no_grad():
+            pre["0"]["weight"].mul_(2.0)
+            factors["0"]["A"].mul_(3.0)
+
+    h = net[0].register_forward_hook(scribble)
+    try:
+        res = _check(net, x, y, loss, mode, pre, factors=factors)
+    finally:
+        h.remove()
+    assert res.ok, str(res)
+    assert not _check(net, x, y, loss, mode, pre, factors=factors).ok  # they did change
+
+
+def test_non_finite_output_and_bad_targets():
+    net, x, y, loss, mode = _mlp()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    pre = _precondition(factors, grads)
+    pre["4"]["bias"] = pre["4"]["bias"].clone()
+    pre["4"]["bias"][0] = float("nan")
+    res = _check(net, x, y, loss, mode, pre)
+    assert {c.layer: c.diagnosis for c in res.checks if not c.ok} == {"4": "non_finite"}
+    with pytest.raises(ValueError, match=r"check_torch_preconditioner: targets must be "
+                                         r"\[10, 3\] for loss='mse'; got shape \(10,\)"):
+        _check(net, x, y[:, 0], loss, mode, pre)
+    with pytest.raises(ValueError, match=r"targets must be \[10\] class indices in 0\.\.2"):
+        _check(net, x, torch.full((10,), 3), "cross_entropy", "fisher_empirical", pre)

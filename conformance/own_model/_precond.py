@@ -385,10 +385,19 @@ def _mean_loss(loss, out, targets):
     if out.ndim != 2:
         raise ValueError(f"{_FN}: the model's output must be [N, C]; got shape "
                          f"{tuple(out.shape)}.")
+    y = _np(targets)
+    n, c = out.shape
     if loss == "cross_entropy":
-        y = torch.as_tensor(_np(targets), device=out.device).long()
+        if y.shape != (n,) or not np.issubdtype(y.dtype, np.integer) or (
+                y.size and (y.min() < 0 or y.max() >= c)):
+            raise ValueError(f"{_FN}: targets must be [{n}] class indices in 0..{c - 1} for "
+                             f"loss='cross_entropy'; got shape {y.shape}, dtype {y.dtype}.")
+        y = torch.as_tensor(y, device=out.device).long()
         return torch.nn.functional.cross_entropy(out, y)  # mean over the batch
-    y = torch.as_tensor(_np(targets), device=out.device).to(out.dtype)
+    if y.shape != (n, c):
+        raise ValueError(f"{_FN}: targets must be [{n}, {c}] for loss='mse'; got shape "
+                         f"{y.shape}.")
+    y = torch.as_tensor(y, device=out.device).to(out.dtype)
     return 0.5 * ((out - y) ** 2).sum(dim=1).mean()  # mean of ½‖f_n − y_n‖²
 
 
@@ -538,6 +547,8 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
     callable is called once, after the one forward and backward pass that forms the
     gradients and before the reference's passes (whose forward passes fire any hooks the
     model carries: give a callable that does not update its statistics, or its factors).
+    Every pass must compute the same function of the batch: no dropout (``model.eval()``
+    or ``p=0``).
 
     **Tolerance.**  Per layer,
     :math:`\|P_\text{user} - P\|_F / \|P\|_F \le \text{rtol}` with
