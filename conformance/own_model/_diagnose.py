@@ -183,7 +183,8 @@ def _ema_poly(hist, start):
         coefs[m] += x
         coefs[m + 1] -= x
     if start == "identity":
-        coefs[k] += np.eye(shape[0])
+        coefs[k] += (np.ones(shape) if len(shape) == 1 else
+                     np.broadcast_to(np.eye(shape[-1]), shape))  # I (per group)
     elif start == "first":
         coefs[k - 1] += hist[0]
     return coefs

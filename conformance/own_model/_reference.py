@@ -16,7 +16,13 @@ def _is_tensor(x):
 
 
 def _np(x, dtype=None):
-    x = x.detach().cpu().numpy() if _is_tensor(x) else np.asarray(x)
+    if _is_tensor(x):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":  # NumPy has no bfloat16: widen, exactly
+            x = x.float()
+        x = x.numpy()
+    else:
+        x = np.asarray(x)
     return x.astype(dtype) if dtype is not None else x
 
 
