@@ -100,7 +100,7 @@ def approx_dense(xp, block, state, lam):
 
 # Tolerance: statistics from N = 24 Gaussian rows have condition numbers below ~1e2 (checked
 # by the eigenvalue assertion below); dense size <= 10; the fixture's 4096·eps bound covers
-# n·κ up to 4096, and the float32 cell squares κ at most for |p| <= 2 with damping 0.3.
+# n·κ up to 4096 (float32 cells included: they pass at the plain budget).
 @pytest.mark.parametrize("name", BLOCKS)
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("damping", [0.0, 0.3])
@@ -134,7 +134,7 @@ def test_multiply_matpower_vs_dense(xp, rng, name, exact, damping):
             m = approx_dense(xp, block, state, damping)
         else:
             m = dense + damping * np.eye(block.dim)
-        rtol = xp.rtol if (xp.float64 or damping or power > 0) else 16 * xp.rtol
+        rtol = xp.rtol
         atol = 0.0
         if not full_rank and damping == 0.0 and power == 0.5:
             # Square root at zero eigenvalues: ‖(M+E)^½ − M^½‖ ≤ ‖E‖^½ with rounding
