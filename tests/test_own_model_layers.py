@@ -613,3 +613,212 @@ def test_embedding_options_that_change_the_layer_are_refused():
         with pytest.raises(ValueError, match=r"nn.Embedding 'emb' must have max_norm=None "
                                              r"and scale_grad_by_freq=False"):
             reference_torch_kfac(net, "cross_entropy", ids, y)
+
+
+# -- Conv1d, Conv3d, grouped convolutions ---------------------------------------------------
+
+class _ConvNet(nn.Module):
+    def __init__(self, conv, out_shape, classes=3):
+        super().__init__()
+        self.conv = conv
+        self.head = nn.Linear(int(np.prod(out_shape)), classes)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).reshape(len(x), -1))
+
+
+class _Conv1dAs2d(nn.Module):
+    """A Conv1d run as the Conv2d of kernel (1, k) on [N, C, 1, L] (the same weights)."""
+
+    def __init__(self, net):
+        super().__init__()
+        c = net.conv
+        pad = c.padding if isinstance(c.padding, str) else (0, c.padding[0])
+        self.conv = nn.Conv2d(c.in_channels, c.out_channels, (1, c.kernel_size[0]),
+                              stride=(1, c.stride[0]), padding=pad,
+                              dilation=(1, c.dilation[0]), bias=c.bias is not None).double()
+        with torch.no_grad():
+            self.conv.weight.copy_(c.weight[:, :, None])
+            if c.bias is not None:
+                self.conv.bias.copy_(c.bias)
+        self.head = net.head
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x[:, :, None])).reshape(len(x), -1))
+
+
+CONV1D = {"plain": dict(kernel_size=3),
+          "pad_stride_dil": dict(kernel_size=3, padding=2, stride=2, dilation=2),
+          "same_even": dict(kernel_size=4, padding="same", bias=False),
+          "valid": dict(kernel_size=2, padding="valid")}
+
+
+def _out_shape(conv, x):
+    with torch.no_grad():
+        return conv(x).shape[1:]
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("case", list(CONV1D))
+def test_conv1d_is_conv2d_with_height_one(case, sharing):
+    torch.manual_seed(11)
+    x, y = torch.randn(4, 2, 9, dtype=torch.float64), torch.randint(0, 3, (4,))
+    conv = nn.Conv1d(2, 3, **CONV1D[case]).double()
+    net = _ConvNet(conv, _out_shape(conv, x)).double()
+    ref = reference_torch_kfac(net, "cross_entropy", x, y, sharing=sharing)["conv"]
+    two = reference_torch_kfac(_Conv1dAs2d(net), "cross_entropy", x, y,
+                               sharing=sharing)["conv"]
+    assert ref["kind"] == "conv1d" and two["kind"] == "conv2d" and ref["T"] == two["T"]
+    _agree(ref["A"], two["A"])
+    _agree(ref["G"], two["G"])
+    assert ref["kernel"] == [CONV1D[case]["kernel_size"]] and ref["groups"] == 1
+
+
+def _loop_patches(x, kernel, padding, stride, dilation):
+    """[N, T, C·|Δ|] patches by explicit loops over examples, locations, channels, offsets
+    (channel slowest, then the offsets row-major): the test's own oracle."""
+    n, c = x.shape[:2]
+    xp = np.pad(x, [(0, 0), (0, 0)] + list(padding))
+    sp = xp.shape[2:]
+    outs = [(sp[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+            for i in range(len(kernel))]
+    rows = np.zeros((n, int(np.prod(outs)), c * int(np.prod(kernel))))
+    for ni in range(n):
+        for ti, loc in enumerate(np.ndindex(*outs)):
+            j = 0
+            for ci in range(c):
+                for off in np.ndindex(*kernel):
+                    idx = tuple(loc[i] * stride[i] + off[i] * dilation[i]
+                                for i in range(len(kernel)))
+                    rows[ni, ti, j] = xp[(ni, ci) + idx]
+                    j += 1
+    return rows
+
+
+def _hand_conv_g(net, x, y, loss):
+    """[K, N, T, O] output vectors of ``net.conv`` by hooks and autograd."""
+    keep = {}
+    h = net.conv.register_forward_hook(lambda m, i, o: keep.setdefault("o", o))
+    out = net(x)
+    h.remove()
+    gs = [torch.autograd.grad(out, keep["o"], v, retain_graph=True)[0]
+          for v in _loss_vectors(out, loss, y)]
+    g = torch.stack(gs).detach().numpy()
+    return g.reshape(*g.shape[:3], -1).transpose(0, 1, 3, 2)
+
+
+CONV3D = {"plain": dict(kernel_size=2),
+          "pad_stride_dil": dict(kernel_size=(2, 3, 2), padding=(1, 0, 1), stride=(1, 2, 1),
+                                 dilation=(2, 1, 1)),
+          "same": dict(kernel_size=(3, 2, 2), padding="same", bias=False)}
+
+
+@pytest.mark.parametrize("case", list(CONV3D))
+def test_conv3d_against_loop_patches(case):
+    torch.manual_seed(12)
+    x, y = torch.randn(3, 2, 4, 5, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    conv = nn.Conv3d(2, 3, **CONV3D[case]).double()
+    net = _ConvNet(conv, _out_shape(conv, x)).double()
+    e = reference_torch_kfac(net, "cross_entropy", x, y)["conv"]
+    from conformance.own_model._torch import torch_conv_padding_nd
+
+    pad = [(1, 1), (0, 1), (0, 1)] if case == "same" else \
+        [(p, p) for p in conv.padding]  # PyTorch's split of 'same': the extra one after
+    assert tuple(map(tuple, pad)) == torch_conv_padding_nd(conv)
+    p = _loop_patches(x.numpy(), conv.kernel_size, pad, conv.stride, conv.dilation)
+    with torch.no_grad():  # the loop patches are the convolution's: p Wᵀ (+ b) is its output
+        o = conv(x).reshape(3, 3, -1).transpose(1, 2).numpy()
+    lin = p @ conv.weight.detach().reshape(3, -1).numpy().T
+    _agree(lin + (0 if conv.bias is None else conv.bias.detach().numpy()), o)
+    if conv.bias is not None:
+        p = np.concatenate([p, np.ones((*p.shape[:2], 1))], axis=2)
+    n, t = p.shape[:2]
+    g = _hand_conv_g(net, x, y, "cross_entropy")
+    assert e["kind"] == "conv3d" and e["T"] == t and e["c_in"] == 2
+    _agree(e["A"], np.einsum("ntd,nte->de", p, p) / (n * t))
+    _agree(e["G"], np.einsum("kntd,knte->de", g, g) / n)
+    red = reference_torch_kfac(net, "cross_entropy", x, y, sharing="reduce")["conv"]
+    pm, gsum = p.mean(axis=1), g.sum(axis=2)
+    _agree(red["A"], pm.T @ pm / n)
+    _agree(red["G"], np.einsum("knd,kne->de", gsum, gsum) / n)
+
+
+def test_conv3d_block_is_the_per_example_fisher_at_one_location():
+    torch.manual_seed(13)
+    conv = nn.Conv3d(2, 3, (2, 3, 2), dilation=(1, 1, 2)).double()
+    x = torch.randn(1, 2, 2, 3, 3, dtype=torch.float64)  # one output location
+    net = _ConvNet(conv, _out_shape(conv, x)).double()
+    e = reference_torch_kfac(net, "mse", x, torch.randn(1, 3, dtype=torch.float64))["conv"]
+    assert e["T"] == 1
+    out = net(x)
+    rows = []
+    for k in range(3):
+        gw, gb = torch.autograd.grad(out[0, k], [conv.weight, conv.bias], retain_graph=True)
+        rows.append(torch.cat([gw.reshape(3, -1), gb[:, None]], dim=1).reshape(-1))
+    d = torch.stack(rows).detach().numpy()
+    _agree(np.kron(e["G"], e["A"]), d.T @ d)
+
+
+class _SplitConv(nn.Module):
+    """A grouped convolution as ``groups`` separate convolutions on channel slices."""
+
+    def __init__(self, net, dim):
+        super().__init__()
+        c = net.conv
+        g, ci, co = c.groups, c.in_channels // c.groups, c.out_channels // c.groups
+        cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dim - 1]
+        self.parts = nn.ModuleList()
+        for j in range(g):
+            p = cls(ci, co, c.kernel_size, stride=c.stride, padding=c.padding,
+                    dilation=c.dilation, bias=c.bias is not None).double()
+            with torch.no_grad():
+                p.weight.copy_(c.weight[j * co:(j + 1) * co])
+                if c.bias is not None:
+                    p.bias.copy_(c.bias[j * co:(j + 1) * co])
+            self.parts.append(p)
+        self.ci, self.head = ci, net.head
+
+    def forward(self, x):
+        h = torch.cat([p(x[:, j * self.ci:(j + 1) * self.ci])
+                       for j, p in enumerate(self.parts)], dim=1)
+        return self.head(torch.tanh(h).reshape(len(x), -1))
+
+
+GROUPED = {"conv2d_g2": (2, dict(in_channels=4, out_channels=6, groups=2)),
+           "conv2d_depthwise": (2, dict(in_channels=3, out_channels=6, groups=3,
+                                        padding="same", bias=False)),
+           "conv1d_g2": (1, dict(in_channels=4, out_channels=4, groups=2, stride=2)),
+           "conv3d_g2": (3, dict(in_channels=2, out_channels=4, groups=2, padding=1))}
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+@pytest.mark.parametrize("case", list(GROUPED))
+def test_grouped_conv_is_its_groups_as_separate_convs(case, sharing):
+    torch.manual_seed(14)
+    dim, kw = GROUPED[case]
+    cls = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dim - 1]
+    conv = cls(kernel_size=3 if dim < 3 else 2, **kw).double()
+    x = torch.randn(3, kw["in_channels"], *((5,) * dim), dtype=torch.float64)
+    y = torch.randint(0, 3, (3,))
+    net = _ConvNet(conv, _out_shape(conv, x)).double()
+    e = reference_torch_kfac(net, "cross_entropy", x, y, sharing=sharing)["conv"]
+    split = reference_torch_kfac(_SplitConv(net, dim), "cross_entropy", x, y,
+                                 sharing=sharing)
+    g = kw["groups"]
+    assert e["groups"] == g and e["A"].shape[0] == g and e["G"].shape[0] == g
+    assert e["kind"] == f"conv{dim}d"
+    d = kw["in_channels"] // g * (3 if dim < 3 else 2) ** dim + (conv.bias is not None)
+    assert e["A"].shape[1:] == (d, d)
+    assert e["G"].shape[1:] == (kw["out_channels"] // g,) * 2
+    for j in range(g):
+        _agree(e["A"][j], split[f"parts.{j}"]["A"])
+        _agree(e["G"][j], split[f"parts.{j}"]["G"])
+
+
+def test_conv_padding_modes_are_refused_naming_the_module():
+    for cls, x in ((nn.Conv1d, torch.randn(2, 2, 6)), (nn.Conv3d, torch.randn(2, 2, 4, 4, 4))):
+        conv = cls(2, 2, 3, padding=1, padding_mode="reflect").double()
+        net = _ConvNet(conv, _out_shape(conv, x.double())).double()
+        with pytest.raises(ValueError, match=rf"nn.{cls.__name__} 'conv' must have "
+                                             r"padding_mode='zeros'; got 'reflect'"):
+            reference_torch_kfac(net, "cross_entropy", x.double(), torch.tensor([0, 1]))

@@ -104,8 +104,6 @@ def _supported_layers(fn, model):
         what = f"nn.{type(m).__name__} {name!r}"
         if kind.startswith("conv"):
             torch_conv_padding_nd(m, name)
-            if kind == "conv2d":  # grouped convolutions: not yet
-                torch_conv_padding(m, name)
         elif kind == "mha":
             inside.append(name)
             if m.bias_k is not None or m.add_zero_attn:
