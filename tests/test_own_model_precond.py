@@ -188,6 +188,8 @@ MLP_MUTANTS = [  # variant, layers it changes (None: all), declared style, expec
     ("no_damping", ["0"], "factored", "no_damping"),
     ("kron_swapped", ["2"], "factored", "kron_order_swapped"),
     ("sum_loss", None, "factored", "scale:N"),
+    ("unsplit", None, "exact", "factored_damping+unsplit_damping"),
+    ("pi_off", ["4"], "exact", "factored_damping+pi_off"),
 ]
 
 
@@ -197,9 +199,12 @@ def test_mlp_mutants_are_named(variant, layers, style, want):
     net, x, y, loss, mode = _mlp()
     factors = _kfac_factors(net, x, y, loss)
     grads = _mean_loss_grads(net, x, y, loss)
-    pre = _precondition(factors, grads, variant=variant, layers=layers)
-    res = _check(net, x, y, loss, mode, pre, damping_style=style)
     wrong = layers if layers is not None else list(grads)
+    pre = _precondition(factors, grads, variant="exact" if style == "exact" else "correct")
+    pre.update({k: v for k, v in _precondition(factors, grads, variant=variant,
+                                                layers=wrong).items()
+                if k in wrong})  # the other layers right in the declared style
+    res = _check(net, x, y, loss, mode, pre, damping_style=style)
     got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
     assert got == {name: want for name in wrong}, str(res)
     assert not res.ok and f"diagnosis: {want}:" in str(res)

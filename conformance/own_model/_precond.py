@@ -68,15 +68,18 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
     layer (``{pitfall id: [d_G, d_A] array}``), computed with kfac_ref:
 
     * ``exact_damping`` / ``factored_damping``: the other damping style;
-    * factored only: ``pi_off`` (π = 1), ``pi_without_dimensions``
+    * ``pi_off`` (π = 1), ``pi_without_dimensions``
       (:math:`\pi' = \sqrt{\operatorname{tr}A/\operatorname{tr}G}`), ``pi_squared``,
       ``unsplit_damping`` (:math:`(A+\lambda I)\otimes(G+\lambda I)`),
       ``damping_parameterisation`` (λ per factor: :math:`(A+\pi\lambda I)\otimes
-      (G+\tfrac\lambda\pi I)`);
+      (G+\tfrac\lambda\pi I)`): factored dampings, so under ``damping_style="exact"``
+      each is named with ``factored_damping+`` in front (e.g.
+      ``factored_damping+unsplit_damping``: λ added to both factors where
+      :math:`A\otimes G + \lambda I` is declared);
     * ``t > 1`` (a convolution's or a shared layer's |T|): ``damping_not_normalised``
       (λ·|T|: TF's Γ = G/|T| with its block scale |T| but λ not divided by |T|) and
       ``spurious_damping_normalisation`` (λ/|T| on a block A⊗G that holds no scale);
-      each also in the other damping style; factored, also
+      each also in the other damping style, and
       ``pi_without_dimensions+damping_not_normalised`` (both at once);
     * ``no_damping``: the undamped inverse (left out where a factor is singular);
     * ``kron_order_swapped``: the damped inverses applied in the other Kronecker order to
@@ -113,22 +116,23 @@ def preconditioner_alternatives(a, g, grad, damping, damping_style="factored", t
     other = "exact" if damping_style == "factored" else "factored"
     other_id = "exact_damping" if damping_style == "factored" else "factored_damping"
     add(other_id, lambda: styled(lam, other))
-    if damping_style == "factored":
-        add("pi_off", lambda: split(root, root))
-        pi_nd = pi * math.sqrt(d_a / d_g) if pi != 1.0 else 1.0  # sqrt(tr A / tr G)
-        add("pi_without_dimensions", lambda: split(pi_nd * root, root / pi_nd))
-        add("pi_squared", lambda: split(pi * pi * root, root / (pi * pi)))
-        add("unsplit_damping", lambda: split(lam, lam))
-        add("damping_parameterisation", lambda: split(pi * lam, lam / pi))
+    # the factored family; under exact damping each is also the factored_damping fault
+    fam = "" if damping_style == "factored" else "factored_damping+"
+    zero_trace = float(np.trace(a)) == 0.0 or float(np.trace(g)) == 0.0
+    pi_nd = 1.0 if zero_trace else pi * math.sqrt(d_a / d_g)  # sqrt(tr A / tr G)
+    add(f"{fam}pi_off", lambda: split(root, root))
+    add(f"{fam}pi_without_dimensions", lambda: split(pi_nd * root, root / pi_nd))
+    add(f"{fam}pi_squared", lambda: split(pi * pi * root, root / (pi * pi)))
+    add(f"{fam}unsplit_damping", lambda: split(lam, lam))
+    add(f"{fam}damping_parameterisation", lambda: split(pi * lam, lam / pi))
     if t > 1:
         add("damping_not_normalised", lambda: styled(lam * t))
         add("spurious_damping_normalisation", lambda: styled(lam / t))
         add(f"{other_id}+damping_not_normalised", lambda: styled(lam * t, other))
         add(f"{other_id}+spurious_damping_normalisation", lambda: styled(lam / t, other))
-        if damping_style == "factored":  # both at once: common in hand-written conv K-FAC
-            full = math.sqrt(lam * t)
-            add("pi_without_dimensions+damping_not_normalised",
-                lambda: split(pi_nd * full, full / pi_nd))
+        full = math.sqrt(lam * t)  # both at once: common in hand-written conv K-FAC
+        add(f"{fam}pi_without_dimensions+damping_not_normalised",
+            lambda: split(pi_nd * full, full / pi_nd))
     add("no_damping", lambda: split(0.0, 0.0))
     x_swapped = grad.reshape(d_a, d_g)  # vec_r(Γ) read in the other order's layout
 
