@@ -822,3 +822,90 @@ def test_conv_padding_modes_are_refused_naming_the_module():
         with pytest.raises(ValueError, match=rf"nn.{cls.__name__} 'conv' must have "
                                              r"padding_mode='zeros'; got 'reflect'"):
             reference_torch_kfac(net, "cross_entropy", x.double(), torch.tensor([0, 1]))
+
+
+# -- the tutorial's small transformer -------------------------------------------------------
+
+DENSE = {"attn.in_proj": "attn.qkv", "attn.out_proj": "attn.out", "ff1": "ff1", "ff2": "ff2",
+         "head": "head"}
+
+
+def _hand_transformer_kfac(model, ids, y, mode="fisher_exact"):
+    """A hand-written K-FAC of the transformer's dense layers: the attention rewritten with
+    nn.Linear layers (the same weights) and hooks on them; keys in the model's names."""
+    import copy
+
+    twin = copy.deepcopy(model)
+    twin.attn = _LinearAttention(model.attn, fused=True)
+    mine = _hand_kfac(twin, ids, y, "cross_entropy", list(DENSE.values()), mode=mode)
+    return {name: mine[twin_name] for name, twin_name in DENSE.items()}
+
+
+def test_tiny_transformer_hand_written_kfac_passes_and_a_planted_bug_is_named():
+    from conformance.own_model.examples import tiny_transformer
+
+    model = tiny_transformer()
+    torch.manual_seed(15)
+    ids, y = torch.randint(0, 11, (6, 5)), torch.randint(0, 3, (6,))
+    ref = reference_torch_kfac(model, "cross_entropy", ids, y)
+    assert set(ref) == {"emb", "ln1", "ln2", *DENSE}
+    mine = _hand_transformer_kfac(model, ids, y)
+    for name in DENSE:
+        for fac in ("A", "G"):
+            _agree(ref[name][fac], mine[name][fac].numpy())
+    res = check_torch_kfac(model, "cross_entropy", ids, y, mine, **_layers_kw(DENSE))
+    assert res.ok, str(res)
+    # the planted bug: in_proj's G from the gradients of the mean loss (1/N²)
+    bad = {k: dict(v) for k, v in mine.items()}
+    bad["attn.in_proj"]["G"] = bad["attn.in_proj"]["G"] / 36
+    res = check_torch_kfac(model, "cross_entropy", ids, y, bad, **_layers_kw(DENSE))
+    failed = [c for c in res.checks if not c.ok]
+    assert not res.ok and failed and {c.layer for c in failed} == {"attn.in_proj"}, str(res)
+    assert any("1/N" in c.diagnosis for c in failed), str(res)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_tiny_transformer_embedding_and_layernorm_against_oracles():
+    from conformance.own_model.examples import tiny_transformer
+
+    model = tiny_transformer(causal=True)
+    torch.manual_seed(16)
+    ids, y = torch.randint(0, 11, (4, 5)), torch.randn(4, 3, dtype=torch.float64)
+    ref = reference_torch_kfac(model, "mse", ids, y)
+    for ln in ("ln1", "ln2"):
+        _agree(ref[ln]["F"], _per_example_param_fisher(model, ids, [f"{ln}.weight",
+                                                                     f"{ln}.bias"]))
+    counts = np.bincount(ids.reshape(-1).numpy(), minlength=11) / ids.numel()
+    _agree(ref["emb"]["A"], np.diag(counts))
+
+
+def test_transformer_encoder_layer_is_checkable():
+    """nn.TransformerEncoderLayer (eval mode: its dropouts off) calls its attention with
+    need_weights=False and a mask: in_proj's A is the second moment of norm1's output."""
+    torch.manual_seed(17)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True,
+                                                    norm_first=True)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1],
+                                                                  dtype=x.dtype)
+            return self.head(self.layer(x, src_mask=mask, is_causal=True).mean(dim=1))
+
+    net = Net().double().eval()
+    x, y = torch.randn(3, 4, 8, dtype=torch.float64), torch.randint(0, 3, (3,))
+    ref = reference_torch_kfac(net, "cross_entropy", x, y)
+    assert set(ref) == {"layer.self_attn.in_proj", "layer.self_attn.out_proj", "layer.linear1",
+                        "layer.linear2", "layer.norm1", "layer.norm2", "head"}
+    with torch.no_grad():
+        a = net.layer.norm1(x).reshape(-1, 8)
+    a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], dim=1).numpy()
+    _agree(ref["layer.self_attn.in_proj"]["A"], a.T @ a / len(a))
+    net.train()
+    with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'layer.self_attn' must not "
+                                         r"drop out"):
+        reference_torch_kfac(net, "cross_entropy", x, y)
