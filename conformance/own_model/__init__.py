@@ -15,10 +15,22 @@ r"""Reference K-FAC factors for your own PyTorch model, and a per-layer diagnosi
 
 * ``nn.Linear`` (weight ``[out, in]``): ``A`` is ``[in(+1), in(+1)]`` over the layer input,
   ``G`` is ``[out, out]``;
-* ``nn.Conv2d`` (kernel OIHW, ``groups=1``, zero padding): ``A`` is ``[C·kh·kw(+1), …]``
+* ``nn.Conv2d`` (kernel OIHW, zero padding): ``A`` is ``[C·kh·kw(+1), …]``
   over the patch vectors in ``torch.nn.functional.unfold``'s order (channel slowest: index
   ``c·kh·kw + i·kw + j``, the order of ``weight.reshape(out, -1)``), ``G`` is
-  ``[out, out]`` over the output channels.
+  ``[out, out]`` over the output channels; ``nn.Conv1d``, ``nn.Conv3d`` likewise (channel
+  slowest, then the kernel offsets row-major); ``groups = g > 1``: ``A`` ``[g, d, d]`` over
+  each group's input patches, ``G`` ``[g, out/g, out/g]``;
+* ``nn.MultiheadAttention`` ``name``: dense layers ``name.in_proj`` (self-attention,
+  ``in_proj_weight`` ``[3E, E]``) or ``name.q_proj``, ``name.k_proj``, ``name.v_proj``
+  (cross-attention), and ``name.out_proj``, as ``nn.Linear``;
+* ``nn.Embedding`` (``[V, D]``): ``A`` ``[V, V]`` = ``diag(counts)/(N·U·|T|)`` over the ids
+  (``padding_idx`` not counted), ``G`` ``[D, D]``;
+* affine ``nn.LayerNorm`` / ``nn.BatchNorm{1,2,3}d`` / ``nn.GroupNorm``: not Kronecker,
+  ``{"F": ...}`` = :math:`\frac1N\sum_{n,k} u_{n,k}u_{n,k}^\top`,
+  :math:`u = [\sum_t g\odot\hat x;\ \sum_t g]` (γ then β), or its diagonal ``"diag"``.
+
+A module called :math:`U` times in the forward pass adds its uses as shared positions.
 
 The reference (Martens & Grosse 2015; for convolutions Grosse & Martens 2016 in the
 KFAC-expand normalisation of Eschenhagen et al. 2023) is
@@ -73,18 +85,24 @@ from ._reference import (
     as_rng,
     check_mode_args,
     check_samples,
+    conv_patches,
     conv_reference_factors,
     dense_reference_factors,
+    embedding_reference_factors,
+    grouped_reference_factors,
     model_output_vectors,
     output_vectors,
     sample_targets,
+    scale_shift_reference_factors,
 )
-from ._torch import reference_torch_kfac, torch_conv_padding
+from ._torch import reference_torch_kfac, torch_conv_padding, torch_conv_padding_nd
 from ._torch_check import check_torch_kfac
 
 __all__ = ["reference_torch_kfac", "check_torch_kfac", "check_torch_preconditioner",
            "sample_targets", "output_vectors",
            "check_factors", "layer_alternatives", "torch_conv_padding",
            "conv_reference_factors", "dense_reference_factors", "check_mode_args", "as_rng",
-           "check_samples", "model_output_vectors",
+           "check_samples", "model_output_vectors", "torch_conv_padding_nd", "conv_patches",
+           "grouped_reference_factors", "embedding_reference_factors",
+           "scale_shift_reference_factors",
            "LayerCheck", "ModelCheck", "MODES", "LOSSES", "SHARING", "HINTS"]
