@@ -392,8 +392,12 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=r"preconditioned\(gradients\)\['0'\] must have "
                                          r"shape \(48,\)"):
         _check(net, x, y, loss, mode, lambda g: {"0": torch.zeros(40)}, flat=True)
-    with pytest.raises(TypeError, match=r"\['0'\]\['bias'\] must be a real floating"):
+    with pytest.raises(TypeError, match=r"\['0'\]\['bias'\] must be a float32 or float64 "
+                                        r"tensor or array; got dtype int"):
         _check(net, x, y, loss, mode, {"0": {"weight": w, "bias": np.zeros(8, dtype=int)}})
+    with pytest.raises(TypeError, match=r"\['0'\]\['weight'\] must be a float32 or "
+                                        r"float64 tensor or array; got dtype torch.float16"):
+        _check(net, x, y, loss, mode, {**pre, "0": {"weight": w.half(), "bias": w[:, 0]}})
     with pytest.raises(ValueError, match=rf"{fn}: factors must hold every checked layer"):
         _check(net, x, y, loss, mode, pre, factors={"0": factors["0"]})
     skew = {k: dict(v) for k, v in factors.items()}

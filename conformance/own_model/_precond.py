@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._reference import _np, check_mode_args, check_samples
+from ._reference import _is_tensor, _np, check_mode_args, check_samples
 from ._torch import reference_torch_kfac, torch_conv_padding
 
 DAMPING_STYLES = ("factored", "exact")
@@ -211,7 +211,7 @@ class PreconditionerCheck:
     mode: str
     damping: float
     damping_style: str
-    factors: str  # "reference" or "yours"
+    factors: str  # "reference" or "your"
     checks: list = field(default_factory=list)
     missing: list = field(default_factory=list)
 
@@ -278,10 +278,13 @@ def _as_float_array(x, what):
     if isinstance(x, (dict, list, tuple, str)) or x is None:
         raise TypeError(f"{_FN}: {what} must be a tensor or array; got "
                         f"{type(x).__name__}.")
+    if _is_tensor(x) and str(x.dtype) not in ("torch.float32", "torch.float64"):
+        raise TypeError(f"{_FN}: {what} must be a float32 or float64 tensor or array; got "
+                        f"dtype {x.dtype}.")
     arr = np.array(_np(x), copy=True)
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise TypeError(f"{_FN}: {what} must be a real floating tensor or array; got dtype "
-                        f"{arr.dtype}.")
+    if arr.dtype not in (np.float32, np.float64):
+        raise TypeError(f"{_FN}: {what} must be a float32 or float64 tensor or array; got "
+                        f"dtype {arr.dtype}.")
     return arr
 
 
