@@ -14,6 +14,10 @@ oracle (:func:`numpy_kfac`) shares no code with kfac_ref:
 * the step, the quadratic model (a 2×2 ``numpy.linalg.solve``), the Levenberg–Marquardt rule
   and the norm constraint written out from their docstring formulas.
 
+The oracle also covers the update periods (a stale snapshot of the averaged factors), the
+approximate (π-damped) power with the damping of its refresh, the empirical Fisher's
+``G = (1/N) Σ_n r_n r_nᵀ`` (``r_n = p_n − e_{y_n}``), and the damping decay ``ω = d^T``.
+
 K-FAC differs from the exact GGN here (``G`` is an average of non-identity ``H_n``), and the
 moving average differs from the last batch, so every option changes the trajectory; each test
 also checks that the option's effect is visible (the trajectory without it differs).
@@ -53,7 +57,7 @@ def _softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
-def _problem(theta, x, y):
+def _problem(theta, x, y, empirical=False):
     """(loss, grad, A, G, exact GGN) at theta = vec_r([W; b]) on the batch."""
     ab = np.hstack([x, np.ones((len(x), 1))])
     w = theta.reshape(D_IN + 1, K)
@@ -62,7 +66,11 @@ def _problem(theta, x, y):
     grad = (ab.T @ (p - np.eye(K)[y]) / len(x)).reshape(-1)
     hs = [np.diag(pn) - np.outer(pn, pn) for pn in p]
     a = ab.T @ ab / len(x)
-    g = sum(hs) / len(x)
+    if empirical:  # G of the per-example gradients at the data targets
+        r = p - np.eye(K)[y]
+        g = r.T @ r / len(x)
+    else:
+        g = sum(hs) / len(x)
     ggn = sum(np.kron(np.outer(an, an), hn) for an, hn in zip(ab, hs, strict=True)) / len(x)
     return loss, grad, a, g, ggn
 
@@ -74,11 +82,15 @@ def numpy_kfac(xs, ys, w0, b0, *, learning_rate=None, momentum=None, momentum_ty
                damping_rule="kfac_jax", include_damping_in_quad_change=False,
                damping_quad_model="approximate", quad_model_matrix="ggn",
                precon_damping_mult=1.0, norm_constraint=None, weight_decay=0.0,
-               curvature_ema=0.95, ema_style="kfac_jax", kappas=None, rhos=None):
+               curvature_ema=0.95, ema_style="kfac_jax", curvature_update_period=1,
+               inverse_update_period=1, exact_power=True, estimation_mode="ggn_exact",
+               kappas=None, rhos=None):
     """Parameters after each step and the damping after each step ([STEPS, P], [STEPS]).
 
-    Curvature and inverse refreshed every step (``curvature_update_period =
-    inverse_update_period = 1``), exact damped inverses (``exact_power=True``)."""
+    The preconditioner is the snapshot of the averaged factors at the last refresh
+    (``t mod inverse_update_period = 0``) with the current damping (``exact_power``:
+    ``(A⊗G + λ_p I)⁻¹``) or the damping of that refresh (π-damped factors
+    ``(A + π√λ_r I)⁻¹ ⊗ (G + √λ_r/π I)⁻¹``, π the trace norm)."""
     del quad_model_matrix  # Fisher = GGN for this loss: one matrix serves both
     theta = np.concatenate([w0, b0[None]]).reshape(-1)
     eye = np.eye(theta.size)
@@ -91,16 +103,26 @@ def numpy_kfac(xs, ys, w0, b0, *, learning_rate=None, momentum=None, momentum_ty
     new_w = 1.0 if ema_style == "kfac_jax" else 1.0 - d
     sa = sg = 0.0
     wt = 0.0
+    snap = None
     vel = np.zeros_like(theta)
     mu = 0.0 if momentum is None else momentum
     thetas, lams = [], []
     for t in range(len(xs)):
         x, y = xs[t], ys[t]
-        loss, g, a_new, g_new, ggn = _problem(theta, x, y)
-        sa, sg, wt = d * sa + new_w * a_new, d * sg + new_w * g_new, d * wt + new_w
-        c_hat = np.kron(sa / wt, sg / wt)
+        loss, g, a_new, g_new, ggn = _problem(theta, x, y, estimation_mode == "fisher_empirical")
+        if t % curvature_update_period == 0:
+            sa, sg, wt = d * sa + new_w * a_new, d * sg + new_w * g_new, d * wt + new_w
+        c_hat = np.kron(sa / wt, sg / wt)  # the current statistics (approximate model)
         lam_p = lam * precon_damping_mult
-        m = c_hat + lam_p * eye
+        if t % inverse_update_period == 0:
+            snap = (sa / wt, sg / wt, lam_p)
+        a_r, g_r, lam_r = snap
+        if exact_power:
+            m = np.kron(a_r, g_r) + lam_p * eye
+        else:
+            pi = np.sqrt((np.trace(a_r) / a_r.shape[0]) / (np.trace(g_r) / g_r.shape[0]))
+            r = np.sqrt(lam_r)
+            m = np.kron(a_r + pi * r * np.eye(a_r.shape[0]), g_r + r / pi * np.eye(K))
         if kappas is not None:
             kappas.append(np.linalg.cond(m))
         quad = None
@@ -165,8 +187,9 @@ def numpy_kfac(xs, ys, w0, b0, *, learning_rate=None, momentum=None, momentum_ty
 def kfac_ref_run(xp, xs, ys, w0, b0, rhos=None, **options):
     net = nn.Sequential([("dense", nn.Dense(D_IN, K))])
     est = curvature.BlockDiagonalCurvature(net, ce, default_estimation_mode="ggn_exact")
-    opt = KFACOptimizer(net, ce, est, curvature_update_period=1, inverse_update_period=1,
-                        exact_power=True, **options)
+    options = {"curvature_update_period": 1, "inverse_update_period": 1, "exact_power": True,
+               **options}
+    opt = KFACOptimizer(net, ce, est, **options)
     params = ((xp.asarray(w0), xp.asarray(b0)),)
     batch = (xp.asarray(xs[0]), xp.asarray(ys[0]))
     state = opt.init(params, batch)
@@ -207,6 +230,21 @@ CASES = {
                           adapt_damping=True, damping_adaptation_interval=1, damping_rule="tf",
                           norm_constraint=0.05, weight_decay=0.1, max_damping=1.0),
                      dict(damping_rule="kfac_jax", norm_constraint=None)),
+    "periods_stale_inverse": (dict(learning_rate=0.6, damping=0.1, curvature_ema=0.5,
+                                   curvature_update_period=2, inverse_update_period=3,
+                                   adapt_damping=True, damping_adaptation_interval=2),
+                              dict(curvature_update_period=1, inverse_update_period=1)),
+    "approximate_power": (dict(learning_rate=0.6, damping=0.1, exact_power=False,
+                               inverse_update_period=2, adapt_damping=True,
+                               damping_adaptation_interval=1),
+                          dict(exact_power=True)),
+    "decay_and_min_damping": (dict(learning_rate=1.0, damping=0.1, adapt_damping=True,
+                                   damping_adaptation_interval=2, damping_adaptation_decay=0.8,
+                                   min_damping=0.08),
+                              dict(damping_adaptation_decay=None, min_damping=1e-8)),
+    "empirical_fisher": (dict(learning_rate=0.5, damping=0.1,
+                              estimation_mode="fisher_empirical"),
+                         dict(estimation_mode="ggn_exact")),
     "ema_style_tf": (dict(learning_rate=0.7, damping=0.1, curvature_ema=0.6, ema_style="tf"),
                      dict(curvature_ema=0.0, ema_style="kfac_jax")),
 }

@@ -194,6 +194,13 @@ MUTANTS = [
     M("adam-momentum-after-preconditioning", "kfac_ref/optim.py",
       "src = g if mt == \"regular\" else mu * velocity + g", "src = g",
       "'adam' momentum applied after preconditioning", ("tests/test_optim_options.py",)),
+    M("approx-power-current-damping", "kfac_ref/optim.py",
+      "lam = lam_p if self.exact_power else state.preconditioner_damping", "lam = lam_p",
+      "approximate preconditioner with the current damping instead of its refresh's",
+      ("tests/test_optim_options.py",)),
+    M("curvature-period-ignored", "kfac_ref/optim.py",
+      "if t % self.curvature_update_period == 0:", "if True:",
+      "curvature statistics updated every step", ("tests/test_optim_options.py",)),
     # -- own model ---------------------------------------------------------------------------
     M("own-model-patch-permutation", "conformance/own_model/_reference.py",
       "reshape(kh, kw, c_in).transpose(2, 0, 1).ravel()",
