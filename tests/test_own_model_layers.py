@@ -658,6 +658,7 @@ def _out_shape(conv, x):
         return conv(x).shape[1:]
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("sharing", ["expand", "reduce"])
 @pytest.mark.parametrize("case", list(CONV1D))
 def test_conv1d_is_conv2d_with_height_one(case, sharing):
@@ -909,3 +910,116 @@ def test_transformer_encoder_layer_is_checkable():
     with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'layer.self_attn' must not "
                                          r"drop out"):
         reference_torch_kfac(net, "cross_entropy", x, y)
+
+
+# -- errors and edge cases ------------------------------------------------------------------
+
+def test_mha_three_dimensional_float_mask():
+    """An additive float attn_mask [N·heads, L, S] is added to the scores of each head."""
+    torch.manual_seed(18)
+    net = _MHANet().double().eval()
+    x, y = torch.randn(3, L, E, dtype=torch.float64), torch.randint(0, CLASSES, (3,))
+    bias = torch.randn(3 * HEADS, L, L, dtype=torch.float64)
+
+    def fwd(self, x):
+        return self.head(self.attn(x, x, x, attn_mask=bias)[0].mean(dim=1))
+
+    class Masked(_MHANet):
+        forward = fwd
+
+    class MaskedTwin(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.attn, self.head = _LinearAttention(net.attn, fused=True), net.head
+
+        def forward(self, x):
+            q, k, v = self.attn.qkv(x).split(E, dim=-1)
+            q, k, v = (t.reshape(3, L, HEADS, -1).transpose(1, 2) for t in (q, k, v))
+            c = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.reshape(3, HEADS, L, L))
+            return self.head(self.attn.out(c.transpose(1, 2).reshape(3, L, E)).mean(dim=1))
+
+    masked = Masked().double().eval()
+    masked.load_state_dict(net.state_dict())
+    ref = reference_torch_kfac(masked, "cross_entropy", x, y)
+    oracle = reference_torch_kfac(MaskedTwin(masked), "cross_entropy", x, y)
+    for mine, theirs in (("attn.in_proj", "attn.qkv"), ("attn.out_proj", "attn.out")):
+        _agree(ref[mine]["G"], oracle[theirs]["G"])
+        _agree(ref[mine]["A"], oracle[theirs]["A"])
+
+
+def test_mha_recomputation_mismatch_and_unbatched_calls_are_named():
+    torch.manual_seed(19)
+    net = _MHANet().double().eval()
+    x, y = torch.randn(3, L, E, dtype=torch.float64), torch.randint(0, CLASSES, (3,))
+    h = net.attn.register_forward_hook(lambda m, i, o: (2 * o[0], o[1]))  # the user's hook
+    with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'attn': the reference's "
+                                         r"recomputation of the attention does not match"):
+        reference_torch_kfac(net, "cross_entropy", x, y)
+    h.remove()
+
+    class Unbatched(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, HEADS)
+            self.head = nn.Linear(E, CLASSES)
+
+        def forward(self, x):
+            return self.head(self.attn(x[0], x[0], x[0])[0])
+
+    with pytest.raises(ValueError, match=r"nn.MultiheadAttention 'attn' must be called on "
+                                         r"batched inputs \(3-D\)"):
+        reference_torch_kfac(Unbatched().double(), "cross_entropy", x, y[:4])
+
+
+def test_sequence_first_linear_inputs_and_unsupported_models_are_named():
+    torch.manual_seed(20)
+
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x):  # x [N, S, 4] run as [S, N, 4] through fc
+            return self.head(self.fc(x.transpose(0, 1)).mean(dim=0))
+
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    with pytest.raises(ValueError, match=r"the input of nn.Linear 'fc' must have the batch "
+                                         r"axis first \(\[N, \.\.\.\] with N = 5"):
+        reference_torch_kfac(SeqFirst().double(), "cross_entropy", x, y)
+    with pytest.raises(ValueError, match=r"model must contain a K-FAC layer"):
+        reference_torch_kfac(nn.Sequential(nn.Tanh()), "cross_entropy", x[:, 0, :3], y)
+
+
+def test_unused_and_dead_layers():
+    """A module never called has no entry; a layer whose output does not reach the loss has
+    G = 0 (no gradient flows to it)."""
+    torch.manual_seed(21)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.dead, self.spare = nn.Linear(4, 3), nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            self.dead(x)
+            return self.fc(x)
+
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    ref = reference_torch_kfac(Net().double(), "cross_entropy", x, y)
+    assert set(ref) == {"fc", "dead"}
+    assert np.abs(ref["dead"]["G"]).max() == 0 and np.abs(ref["dead"]["A"]).max() > 0
+
+
+def test_float32_transformer_reference_keeps_the_models_dtype():
+    from conformance.own_model.examples import tiny_transformer
+
+    torch.manual_seed(22)
+    ids, y = torch.randint(0, 11, (4, 5)), torch.randint(0, 3, (4,))
+    r32 = reference_torch_kfac(tiny_transformer(dtype=torch.float32), "cross_entropy", ids, y)
+    r64 = reference_torch_kfac(tiny_transformer(), "cross_entropy", ids, y)
+    for name, e in r32.items():
+        assert e["dtype"] == "float32" and r64[name]["dtype"] == "float64"
+        for key in ("A", "G", "F"):
+            if key in e:
+                assert _rel(e[key], r64[name][key]) < 1e-5, (name, key)

@@ -200,7 +200,7 @@ def _mha_hook(fn, name, sites):
         if not _close(out, output[0]):
             raise ValueError(f"{fn}: {what}: the reference's recomputation of the attention "
                              f"does not match the module's output (max difference "
-                             f"{float((out - output[0]).abs().max()):.3e}); the call's "
+                             f"{float((out - output[0]).detach().abs().max()):.3e}); the call's "
                              f"arguments are not supported.")
         if not call["need_weights"]:
             return out, None
@@ -257,10 +257,10 @@ def _positions(fn, what, arr, n, trailing):
     return arr.reshape(n, -1, *arr.shape[arr.ndim - trailing:])
 
 
-def _uses(fn, what, parts):
-    """Concatenate per-use ``[..., N, T_u, ...]`` parts along the position axis, checking
-    one location count; returns (array, T)."""
-    ts = {p[1] for p in parts}
+def _uses(fn, what, shapes):
+    """The one location count ``T`` of the per-use ``[N, T, ...]`` ``shapes`` (a module
+    called on inputs with different numbers of locations is refused)."""
+    ts = {p[1] for p in shapes}
     if len(ts) != 1:
         raise ValueError(f"{fn}: {what} must see the same number of locations in each of "
                          f"its calls; got {sorted(ts)}.")
@@ -383,8 +383,8 @@ def _entry(fn, what, kind, mod, name, uses, gs, n, sharing):
     xs = [u[0] for u in uses]
     if kind == "mha":  # a projection of an attention: [N, L, E] inputs, dense
         kind = "dense"
-        bias = mod.in_proj_bias is not None if not name.endswith("out_proj") else \
-            mod.out_proj.bias is not None
+        proj_bias = mod.out_proj.bias if name.endswith(".out_proj") else mod.in_proj_bias
+        bias = proj_bias is not None
     else:
         bias = getattr(mod, "bias", None) is not None
     if kind == "dense":
