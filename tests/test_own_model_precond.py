@@ -407,6 +407,21 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match=rf"{fn}: layers must name supported layers"):
         _check(net, x, y, loss, mode, pre, layers=["1"])
 
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.spare = net, torch.nn.Linear(2, 2).double()  # spare: never called
+
+        def forward(self, inputs):
+            return self.body(inputs)
+
+    wrapped, renamed = Wrapped(), {f"body.{k}": v for k, v in pre.items()}
+    with pytest.raises(ValueError, match=rf"{fn}: every checked layer must be called in the "
+                                         r"forward pass; not called: spare"):
+        _check(wrapped, x, y, loss, mode, renamed)
+    mine = {f"body.{k}": v for k, v in factors.items()}
+    assert _check(wrapped, x, y, loss, mode, renamed, layers=list(renamed), factors=mine).ok
+
 
 def test_reference_against_a_dense_solve_pins_the_kronecker_order():
     """P against np.linalg.solve with the dense Kronecker product: the row-major vec of the

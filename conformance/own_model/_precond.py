@@ -449,6 +449,10 @@ def _gradients(model, loss, inputs, targets, layers, checked):
     finally:
         for h in hooks:
             h.remove()
+    unused = [k for k in checked if k not in outs]
+    if unused:
+        raise ValueError(f"{_FN}: every checked layer must be called in the forward pass; "
+                         f"not called: {', '.join(unused)} (leave it out with layers=).")
     total = _mean_loss(loss, out, targets)
     params = []
     for name in checked:
