@@ -12,17 +12,29 @@ For kfac-jax, Flax and hand-written JAX K-FAC code.  The model is an explicit fu
         return s2, {"fc1": (a1, s1), "fc2": (h, s2)}   # outputs, taps
 
 that adds ``perturbations[name]`` (when present) to each layer's output and returns the
-model's outputs ``[N, C]`` with the *taps*: per layer, its input and its (perturbed) output.
-The back-propagated output vectors are the derivatives with respect to the perturbations
-(the perturbation trick of kfac-jax), taken with one :func:`jax.vjp` and one vector–Jacobian
-product per loss Fisher-factor column.  ``layers`` says what each tapped layer is:
+model's outputs ``[N, C]`` with the *taps*: per layer, its input and its (perturbed) output —
+or, for a layer used several times in one forward pass (tied weights), a list of
+``(input, output)`` pairs, one per use, with ``perturbations[name]`` a list of the same
+length.  The back-propagated output vectors are the derivatives with respect to the
+perturbations (the perturbation trick of kfac-jax), taken with one :func:`jax.vjp` and one
+vector–Jacobian product per loss Fisher-factor column.  ``layers`` says what each tapped
+layer is (JAX's layouts; the uses of a layer are more shared positions, KFAC-expand):
 
 * ``{"kind": "dense", "bias": bool}``: weight ``[in, out]`` (``x @ w``), input
-  ``[N, (S,) in]``; ``A`` is ``[in(+1), in(+1)]``, ``G`` is ``[out, out]``;
-* ``{"kind": "conv2d", "kernel": (kh, kw), "strides": ..., "padding": "SAME" | "VALID" |
-  ((t, b), (l, r)), "dilation": ..., "bias": bool}``: NHWC input, HWIO kernel (JAX's and
-  kfac-jax's layout); ``A`` is over the patches in ``(kh, kw, C_in)`` order, ``C_in``
-  fastest (index ``(i·kw + j)·C + c``, the order of ``kernel.reshape(-1, out)``).
+  ``[N, (S...,) in]``; ``A`` is ``[in(+1), in(+1)]``, ``G`` is ``[out, out]``;
+* ``{"kind": "conv1d" | "conv2d" | "conv3d", "kernel": (k_1, ...), "strides": ...,
+  "padding": "SAME" | "VALID" | ((lo, hi), ...), "dilation": ..., "bias": bool,
+  "groups": 1}``: channels-last input, kernel ``[*k, C_in/groups, C_out]`` (JAX's and
+  kfac-jax's layout); ``A`` is over the patches in ``(k_1, ..., C_in)`` order, ``C_in``
+  fastest (index ``(i·kw + j)·C + c`` in 2-D, the order of ``kernel.reshape(-1, out)``);
+  with ``groups > 1`` ``A`` is ``[g, d, d]`` over each group's patches (its ``C_in/g``
+  channels) and ``G`` ``[g, O/g, O/g]``;
+* ``{"kind": "embedding", "vocab": V}``: input the integer ids ``[N, (S...)]``, output
+  ``[N, (S...,) D]``; ``A`` the diagonal ``[V, V]`` of token counts (a ``[V]`` vector is
+  accepted), ``G`` ``[D, D]``;
+* ``{"kind": "scale_shift", "bias": bool}``: ``y = γ ⊙ x̂ + β`` (a layer norm's affine
+  part, ``γ`` over the last axis); tap ``(x̂, y)``; ``F`` ``[2q, 2q]`` the second moment of
+  the per-example :math:`(γ, β)` gradient (or its diagonal ``"diag"``).
 
 The bias's homogeneous coordinate is last.  The reference is the one of
 :mod:`conformance.own_model` (KFAC-expand, curvlinops' normalisation):
@@ -48,7 +60,6 @@ from .own_model import (
     check_factors,
     check_mode_args,
     conv_reference_factors,
-    dense_reference_factors,
     layer_alternatives,
     model_output_vectors,
     sample_targets,
@@ -56,31 +67,43 @@ from .own_model import (
 
 __all__ = ["reference_jax_kfac", "check_jax_kfac", "KINDS"]
 
-KINDS = ("dense", "conv2d")
+KINDS = ("dense", "conv1d", "conv2d", "conv3d", "embedding", "scale_shift")
 
 
 def _check_layers(fn, layers):
     if not isinstance(layers, dict) or not layers:
         raise ValueError(f"{fn}: layers must be a non-empty dict of layer name -> "
-                         f"{{'kind': 'dense' | 'conv2d', 'bias': bool, ...}}; got "
+                         f"{{'kind': 'dense' | 'conv2d' | ..., 'bias': bool, ...}}; got "
                          f"{layers!r:.80}.")
     for name, spec in layers.items():
         if not isinstance(spec, dict) or spec.get("kind") not in KINDS:
             raise ValueError(f"{fn}: layers[{name!r}] must be a dict with 'kind' one of "
                              f"{KINDS}; got {spec!r:.80}.")
-        if not isinstance(spec.get("bias"), bool):
+        kind = spec["kind"]
+        if kind != "embedding" and not isinstance(spec.get("bias"), bool):
             raise ValueError(f"{fn}: layers[{name!r}]['bias'] must be True or False; got "
                              f"{spec.get('bias')!r}.")
-        if spec["kind"] == "conv2d":
+        if kind.startswith("conv"):
+            nd = int(kind[4])
             k = spec.get("kernel")
-            if (not isinstance(k, (tuple, list)) or len(k) != 2
+            if (not isinstance(k, (tuple, list)) or len(k) != nd
                     or not all(isinstance(v, int) and v > 0 for v in k)):
-                raise ValueError(f"{fn}: layers[{name!r}]['kernel'] must be (kh, kw), "
-                                 f"positive ints; got {k!r}.")
+                raise ValueError(f"{fn}: layers[{name!r}]['kernel'] must be {nd} positive "
+                                 f"ints; got {k!r}.")
+            groups = spec.get("groups", 1)
+            if not (isinstance(groups, int) and not isinstance(groups, bool) and groups >= 1):
+                raise ValueError(f"{fn}: layers[{name!r}]['groups'] must be a positive int; "
+                                 f"got {groups!r}.")
+        if kind == "embedding":
+            v = spec.get("vocab")
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"{fn}: layers[{name!r}]['vocab'] must be the number of "
+                                 f"embeddings, a positive int; got {v!r}.")
 
 
-def _pair(v):
-    return (v, v) if isinstance(v, int) else tuple(v)
+def _uses(tap):
+    """A tap is ``(input, output)`` or a list of them (a layer used several times)."""
+    return list(tap) if isinstance(tap, list) else [tap]
 
 
 def _taps(fn, model, params, inputs, perturbations, layers):
@@ -118,7 +141,8 @@ def reference_jax_kfac(model, params, inputs, targets, layers, *, loss="cross_en
     check_mode_args(_fn, loss, mode, sharing, rng, samples)
     _check_layers(_fn, layers)
     _, taps0 = _taps(_fn, model, params, inputs, {}, layers)
-    zeros = {name: jnp.zeros_like(taps0[name][1]) for name in layers}
+    zeros = {name: (jnp.zeros_like(taps0[name][1]) if not isinstance(taps0[name], list)
+                    else [jnp.zeros_like(u[1]) for u in taps0[name]]) for name in layers}
 
     def f(eps):
         return _taps(_fn, model, params, inputs, eps, layers)
@@ -131,38 +155,115 @@ def reference_jax_kfac(model, params, inputs, targets, layers, *, loss="cross_en
     for v in vecs:
         (g,) = vjp(jnp.asarray(v, dtype=out.dtype))
         for name in layers:
-            rows[name].append(np.asarray(g[name], dtype=np.float64))
+            rows[name].append([np.asarray(u, dtype=np.float64) for u in _uses(g[name])])
     n = out_np.shape[0]
     res = {}
     for name, spec in layers.items():
-        a = np.asarray(taps[name][0], dtype=np.float64)
-        g = np.stack(rows[name])
-        bias = spec["bias"]
-        if spec["kind"] == "conv2d":
-            if a.ndim != 4:
-                raise ValueError(f"{_fn}: the input of conv2d layer {name!r} must be "
-                                 f"[N, H, W, C]; got shape {a.shape}.")
-            pad = spec.get("padding", "VALID")
-            fa, fg, t = conv_reference_factors(
-                a, g, kernel=tuple(spec["kernel"]),
-                padding=pad.upper() if isinstance(pad, str) else pad,
-                strides=_pair(spec.get("strides", 1)), dilation=_pair(spec.get("dilation", 1)),
-                bias=bias, sharing=sharing, data_format="NHWC", order="hwc")
-            geo = ConvGeometry.from_shapes(
-                a.shape, (*spec["kernel"], a.shape[-1], g.shape[-1]),
-                strides=_pair(spec.get("strides", 1)),
-                padding=pad.upper() if isinstance(pad, str) else pad,
-                dilation=_pair(spec.get("dilation", 1)))
-            res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "conv2d",
-                         "kernel": list(spec["kernel"]), "c_in": a.shape[-1], "order": "hwc",
-                         "padding": tuple(geo.padding), "strides": tuple(geo.strides),
-                         "dilation": tuple(geo.dilation), "_x": a, "_g": g}
-        else:
-            fa, fg, t = dense_reference_factors(a, g, bias=bias, sharing=sharing)
-            res[name] = {"A": fa, "G": fg, "N": n, "T": t, "K": g.shape[0], "kind": "dense"}
-        res[name]["bias"] = bias
-        res[name]["dtype"] = str(np.dtype(out.dtype))
+        uses = [(np.asarray(a), np.asarray(s_)) for a, s_ in _uses(taps[name])]
+        gs = [np.stack([r[u] for r in rows[name]]) for u in range(len(uses))]
+        entry = _entry(_fn, name, spec, uses, gs, n, sharing)
+        entry.update(N=n, K=len(vecs), uses=len(uses), dtype=str(np.dtype(out.dtype)))
+        entry.setdefault("groups", 1)
+        res[name] = entry
     return res
+
+
+def _positions(fn, what, arr, n, trailing):
+    """``arr`` as ``[N, P, *trailing]`` (positions flattened)."""
+    if arr.ndim < 1 + trailing or arr.shape[0] != n:
+        raise ValueError(f"{fn}: the tap of {what} must be [N, ...] with N = {n}; got shape "
+                         f"{arr.shape}.")
+    tail = arr.shape[arr.ndim - trailing:] if trailing else ()
+    return arr.reshape(n, -1, *tail)
+
+
+def _t_of(fn, what, parts):
+    ts = {p.shape[1] for p in parts}
+    if len(ts) != 1:
+        raise ValueError(f"{fn}: the uses of {what} must have the same number of positions; "
+                         f"got {sorted(ts)}.")
+    return len(parts) * ts.pop()
+
+
+def _hwc_group_index(kernel, c_in, groups):
+    """Columns of a channels-last patch (index δ·C + c) reordered group by group, each
+    group's own (δ, c_local) order: the layout a grouped kernel [*k, C/g, O] reads."""
+    k = int(np.prod(kernel))
+    cg = c_in // groups
+    grid = np.arange(k * c_in).reshape(k, groups, cg)  # [δ, group, c_local]
+    return grid.transpose(1, 0, 2).reshape(-1)
+
+
+def _entry(fn, name, spec, uses, gs, n, sharing):
+    """One layer's reference entry from its per-use (input, output) taps and output vectors
+    ``gs`` (``[K, N, ...]`` per use)."""
+    from kfac_ref.factors import conv_patch_matrix
+
+    from .own_model import (
+        embedding_reference_factors,
+        grouped_reference_factors,
+        scale_shift_reference_factors,
+    )
+
+    kind, bias = spec["kind"], spec.get("bias", False)
+    what = f"{kind} layer {name!r}"
+    if kind == "dense":
+        a = [_positions(fn, what, np.asarray(x, dtype=np.float64), n, 1) for x, _ in uses]
+        g = [gi.reshape(gi.shape[0], n, -1, gi.shape[-1]) for gi in gs]
+        fa, fg = grouped_reference_factors(np.concatenate(a, 1), np.concatenate(g, 2),
+                                           groups=1, bias=bias, sharing=sharing)
+        return {"A": fa, "G": fg, "T": _t_of(fn, what, a), "kind": "dense", "bias": bias}
+    if kind == "embedding":
+        ids = [_positions(fn, what, np.asarray(x), n, 0) for x, _ in uses]
+        g = [gi.reshape(gi.shape[0], n, -1, gi.shape[-1]) for gi in gs]
+        fa, fg = embedding_reference_factors(np.concatenate(ids, 1), np.concatenate(g, 2),
+                                             vocab=spec["vocab"], sharing=sharing)
+        t = _t_of(fn, what, ids)
+        return {"A": fa, "G": fg, "T": t, "kind": "embedding", "bias": False,
+                "A_diagonal": sharing == "expand" or t == 1}
+    if kind == "scale_shift":
+        xh = [_positions(fn, what, np.asarray(x, dtype=np.float64), n, 1) for x, _ in uses]
+        g = [gi.reshape(gi.shape[0], n, -1, gi.shape[-1]) for gi in gs]
+        f, d = scale_shift_reference_factors(np.concatenate(xh, 1), np.concatenate(g, 2),
+                                             has_shift=bias)
+        return {"F": f, "diag": d, "T": _t_of(fn, what, xh), "kind": "scale_shift",
+                "bias": bias}
+    nd = int(kind[4])
+    groups = spec.get("groups", 1)
+    pad = spec.get("padding", "VALID")
+    pad = pad.upper() if isinstance(pad, str) else pad
+    strides = (spec.get("strides", 1),) * nd if isinstance(spec.get("strides", 1), int) \
+        else tuple(spec["strides"])
+    dilation = (spec.get("dilation", 1),) * nd if isinstance(spec.get("dilation", 1), int) \
+        else tuple(spec["dilation"])
+    xs = [np.asarray(x, dtype=np.float64) for x, _ in uses]
+    for x in xs:
+        if x.ndim != nd + 2 or x.shape[0] != n:
+            raise ValueError(f"{fn}: the input of {what} must be [N, {'*' * nd}, C] "
+                             f"({nd + 2}-D, channels last); got shape {x.shape}.")
+    c_in, c_out = xs[0].shape[-1], gs[0].shape[-1]
+    geo = ConvGeometry.from_shapes(xs[0].shape, (*spec["kernel"], c_in, c_out),
+                                   strides=strides, padding=pad, dilation=dilation)
+    entry = {"kind": kind, "bias": bias, "kernel": list(spec["kernel"]), "c_in": c_in,
+             "order": "hwc", "padding": tuple(geo.padding), "strides": tuple(geo.strides),
+             "dilation": tuple(geo.dilation), "groups": groups}
+    if kind == "conv2d" and groups == 1 and len(uses) == 1:
+        g = gs[0]
+        fa, fg, t = conv_reference_factors(
+            xs[0], g, kernel=tuple(spec["kernel"]), padding=pad, strides=strides,
+            dilation=dilation, bias=bias, sharing=sharing, data_format="NHWC", order="hwc")
+        entry.update(A=fa, G=fg, T=t, _x=xs[0], _g=g)  # the data, for geometry alternatives
+        return entry
+    filt = (*spec["kernel"], c_in, 1)
+    p = [np.asarray(conv_patch_matrix(x, filt, tuple(geo.padding), tuple(geo.strides),
+                                      tuple(geo.dilation), data_format=None)) for x in xs]
+    p = [pi[:, _hwc_group_index(spec["kernel"], c_in, groups)].reshape(n, -1, pi.shape[-1])
+         for pi in p]
+    g = [gi.reshape(gi.shape[0], n, -1, gi.shape[-1]) for gi in gs]
+    fa, fg = grouped_reference_factors(np.concatenate(p, 1), np.concatenate(g, 2),
+                                       groups=groups, bias=bias, sharing=sharing)
+    entry.update(A=fa, G=fg, T=_t_of(fn, what, p))
+    return entry
 
 
 def _batch_references(args, mode, samples, loss, sharing, fn):

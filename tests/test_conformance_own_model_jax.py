@@ -182,7 +182,8 @@ def test_jax_errors():
     with pytest.raises(ValueError, match=r"check_jax_kfac: layers\['conv'\] must be a dict "
                                          r"with 'kind' one of"):
         check_jax_kfac(model, params, x, y, {"conv": {"kind": "lstm"}}, {"conv": {}})
-    with pytest.raises(ValueError, match=r"layers\['conv'\]\['kernel'\] must be \(kh, kw\)"):
+    with pytest.raises(ValueError,
+                       match=r"layers\['conv'\]\['kernel'\] must be 2 positive ints"):
         check_jax_kfac(model, params, x, y, {"conv": {"kind": "conv2d", "bias": True}},
                        {"conv": {}})
     with pytest.raises(ValueError, match=r"taps must include every layer of layers; missing "
