@@ -66,7 +66,7 @@ kfac_api_modules = [
 ]
 kfac_api_autodiscover = True
 # True also requires docstrings on public constants, methods and properties.
-kfac_api_strict = False
+kfac_api_strict = True
 
 # -- Extensions --------------------------------------------------------------------------
 extensions = [
@@ -187,8 +187,10 @@ html_static_path = ["_static"]
 html_css_files = ["kfac_ref.css"]
 html_theme_options = {
     "navigation_with_keys": False,
-    # Every top-level section in the header: Conformance and Name maps are not "More".
-    "header_links_before_dropdown": 8,
+    # The header names the four sections of the site (_templates/navbar-sections.html:
+    # Guides, API, Conformance, Benchmarks), the captions of the root toctrees; the left
+    # sidebar lists every page under them.
+    "navbar_center": ["navbar-sections"],
     "show_toc_level": 2,
     "secondary_sidebar_items": ["page-toc"],
     "footer_start": ["copyright"],

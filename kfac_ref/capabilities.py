@@ -5,10 +5,11 @@ Every public object of kfac_ref has a :class:`Support` entry with one state per 
 
 .. math::
 
-   \text{state}(f, c) \in \{\text{yes}, \text{no}, \text{untested}, \text{n/a}\},
-   \qquad
-   c \in \{\text{numpy}, \text{array\_api\_strict}, \text{torch}, \text{jax}, \text{cupy},
+   \begin{aligned}
+   \text{state}(f, c) &\in \{\text{yes}, \text{no}, \text{untested}, \text{n/a}\},\\
+   c &\in \{\text{numpy}, \text{array\_api\_strict}, \text{torch}, \text{jax}, \text{cupy},
    \text{jit}, \text{vmap}, \text{dask}\}
+   \end{aligned}
 
 * **yes** — supported, and the test matrix exercises it (a test fails when a "yes" of an
   eager backend was not exercised by a full run of the suite on that backend's cells, and

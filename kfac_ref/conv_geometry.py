@@ -251,11 +251,13 @@ class ConvGeometry:
 
     .. math::
 
-        \text{SAME}:\ o = \lceil n / s \rceil,\quad
-        P = \max\big((o - 1) s + (k - 1) d + 1 - n,\ 0\big),\quad
-        p_{\text{lo}} = \lfloor P / 2 \rfloor,\quad p_{\text{hi}} = P - p_{\text{lo}};
+        &\text{SAME}:\ o = \lceil n / s \rceil,\quad
+        P = \max\big((o - 1) s + (k - 1) d + 1 - n,\ 0\big),
 
-        \text{VALID}:\ p_{\text{lo}} = p_{\text{hi}} = 0,\quad
+        &\phantom{\text{SAME}:\ } p_{\text{lo}} = \lfloor P / 2 \rfloor,\quad
+        p_{\text{hi}} = P - p_{\text{lo}};
+
+        &\text{VALID}:\ p_{\text{lo}} = p_{\text{hi}} = 0,\quad
         o = \Big\lceil \frac{n - (k - 1) d}{s} \Big\rceil \ (0 \text{ if } n < (k-1)d + 1).
 
     Build one with :meth:`from_shapes` (public) or :meth:`build` (inside kfac_ref, with the

@@ -18,9 +18,10 @@ class ImplicitExactCurvature:
 
     .. math::
 
-        Hv,\quad Gv = \tfrac1N\textstyle\sum_n J_n^\top G_n J_n v,\quad
-        Fv = \tfrac1N\textstyle\sum_n J_n^\top F_n J_n v,\quad
-        \mathcal B u = \tfrac{1}{\sqrt N}\textstyle\sum_n J_n^\top B_n u_n,\quad
+        &Hv,\quad Gv = \tfrac1N\textstyle\sum_n J_n^\top G_n J_n v,\quad
+        Fv = \tfrac1N\textstyle\sum_n J_n^\top F_n J_n v,
+
+        &\mathcal B u = \tfrac{1}{\sqrt N}\textstyle\sum_n J_n^\top B_n u_n,\quad
         \mathcal B^\top v = [\tfrac{1}{\sqrt N} B_n^\top J_n v]_n .
 
     A thin class over :mod:`kfac_ref.curvature.exact`.

@@ -40,6 +40,9 @@ __all__ = [
 ]
 
 SCALE_AND_SHIFT_APPROX = ("full", "diagonal")
+"""The two estimates of a scale-and-shift layer's curvature (``approx=``): ``"full"`` (the
+whole sum-of-squares matrix of the scale and shift gradients, TF's ``ScaleAndShiftFullFB``)
+and ``"diagonal"`` (its diagonal, TF's ``ScaleAndShiftDiagonalFB``)."""
 
 
 def _axes(func, name, dims, ndim):
