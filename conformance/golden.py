@@ -133,7 +133,16 @@ def read_manifest(directory=GOLDEN_DIR) -> dict:
     if not path.exists():
         raise GoldenError(f"no golden manifest at {path}; run `python -m conformance golden "
                           "--write`")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise GoldenError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
+                          f"{exc.colno}): truncated or edited; restore it or run `python -m "
+                          "conformance golden --write`") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or (
+            not isinstance(manifest.get("cases"), list)):
+        raise GoldenError(f"{path}: a manifest is a JSON object with 'files' (an object) and "
+                          "'cases' (a list); this one is not")
     if manifest.get("schema") != SCHEMA or manifest.get("schema_version") != SCHEMA_VERSION:
         raise GoldenError(f"{path}: schema {manifest.get('schema')!r} version "
                           f"{manifest.get('schema_version')!r}; this suite reads {SCHEMA!r} "
@@ -145,39 +154,64 @@ def load_golden(directory=GOLDEN_DIR) -> list[Case]:
     """Load and integrity-check the golden cases (raises :class:`GoldenError`)."""
     directory = Path(directory)
     manifest = read_manifest(directory)
+    mpath = directory / "manifest.json"
     data = {}
     for fname, meta in manifest["files"].items():
         path = directory / fname
         if not path.exists():
             raise GoldenError(f"golden file {path} is missing")
         digest = _sha256(path)
+        if not isinstance(meta, dict) or "sha256" not in meta:
+            raise GoldenError(f"{mpath}: the entry of file {fname!r} has no 'sha256'")
         if digest != meta["sha256"]:
             raise GoldenError(f"golden file {path} is corrupt: sha256 {digest} != manifest "
                               f"{meta['sha256']}")
         with np.load(path, allow_pickle=False) as npz:
             data[fname] = {k: npz[k] for k in npz.files}
     cases = []
-    for c in manifest["cases"]:
-        arrays = data[c["file"]]
-
-        def get(entry, arrays=arrays, cid=c["id"]):
-            try:
-                arr = arrays[entry["key"]]
-            except KeyError:
-                raise GoldenError(f"case {cid}: array {entry['key']} missing from "
-                                  "its file") from None
-            if list(arr.shape) != list(entry["shape"]):
-                raise GoldenError(f"case {cid}: array {entry['key']} has shape "
-                                  f"{arr.shape}, manifest says {entry['shape']}")
-            return arr
-
-        a = c["arrays"]
-        cases.append(Case(
-            c["id"], c["capability"], {n: get(e) for n, e in a["inputs"].items()},
-            dict(c["params"]), get(a["expected"]), Tolerance.from_dict(c["tolerance"]),
-            dict(c["meta"]), {n: get(e) for n, e in a["alternatives"].items()},
-            c.get("description", ""), source="golden"))
+    for i, c in enumerate(manifest["cases"]):
+        cid = c.get("id", f"#{i}") if isinstance(c, dict) else f"#{i}"
+        try:
+            cases.append(_case(c, data))
+        except KeyError as exc:
+            raise GoldenError(f"{mpath}: case {cid}: the entry has no {exc.args[0]!r} (a "
+                              "truncated or hand-edited manifest)") from None
+        except (TypeError, ValueError) as exc:
+            raise GoldenError(f"{mpath}: case {cid}: malformed entry ({exc})") from None
     return cases
+
+
+def _case(c, data) -> Case:
+    """One manifest entry and its arrays as a :class:`Case` (raises ``KeyError`` for a
+    missing entry, :class:`GoldenError` for an array that is missing, misshapen or not
+    finite)."""
+    cid, fname = c["id"], c["file"]
+    if fname not in data:
+        raise GoldenError(f"case {cid}: its file {fname!r} is not listed in the manifest")
+    arrays = data[fname]
+
+    def get(entry):
+        try:
+            arr = arrays[entry["key"]]
+        except KeyError:
+            raise GoldenError(f"case {cid}: array {entry['key']} missing from its file "
+                              f"{fname}") from None
+        if list(arr.shape) != list(entry["shape"]):
+            raise GoldenError(f"case {cid}: array {entry['key']} has shape "
+                              f"{arr.shape}, manifest says {entry['shape']}")
+        if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+            bad = int(np.sum(~np.isfinite(arr)))
+            raise GoldenError(f"golden file {fname}: array {entry['key']} of case {cid} holds "
+                              f"{bad} NaN/Inf entries: corrupt data (the generator stores "
+                              "finite values only)")
+        return arr
+
+    a = c["arrays"]
+    return Case(
+        cid, c["capability"], {n: get(e) for n, e in a["inputs"].items()},
+        dict(c["params"]), get(a["expected"]), Tolerance.from_dict(c["tolerance"]),
+        dict(c["meta"]), {n: get(e) for n, e in a["alternatives"].items()},
+        c.get("description", ""), source="golden")
 
 
 def _disagreement(stored, live, rtol, scale=0.0) -> str:
@@ -219,6 +253,11 @@ def check_golden(live_cases, directory=GOLDEN_DIR) -> list[str]:
         golden = {c.id: c for c in load_golden(directory)}
     except GoldenError as exc:
         return [str(exc)]
+    listed = set(read_manifest(directory)["files"])
+    for extra in sorted(p.name for p in Path(directory).glob("*.npz")):
+        if extra not in listed:
+            problems.append(f"{extra}: a .npz file in {directory} that the manifest does not "
+                            "list (left over or copied in; remove it or regenerate)")
     live = {c.id: c for c in live_cases}
     for cid in sorted(set(live) - set(golden)):
         problems.append(f"{cid}: in the live catalogue but not in the golden files "
