@@ -1023,3 +1023,51 @@ def test_float32_transformer_reference_keeps_the_models_dtype():
         for key in ("A", "G", "F"):
             if key in e:
                 assert _rel(e[key], r64[name][key]) < 1e-5, (name, key)
+
+
+def test_attention_applied_twice_has_two_uses():
+    torch.manual_seed(23)
+
+    class Twice(nn.Module):
+        def __init__(self, attn=None):
+            super().__init__()
+            self.attn = attn or nn.MultiheadAttention(E, HEADS, batch_first=True)
+            self.head = nn.Linear(E, CLASSES)
+
+        def forward(self, x):
+            for _ in range(2):
+                x = x + self.attn(x, x, x, need_weights=False)[0]
+            return self.head(x.mean(dim=1))
+
+    net = Twice().double().eval()
+    twin = Twice(_LinearAttention(net.attn, fused=True)).double()
+    twin.head.load_state_dict(net.head.state_dict())
+    x, y = torch.randn(4, L, E, dtype=torch.float64), torch.randint(0, CLASSES, (4,))
+    for sharing in ("expand", "reduce"):
+        ref = reference_torch_kfac(net, "cross_entropy", x, y, sharing=sharing)
+        oracle = reference_torch_kfac(twin, "cross_entropy", x, y, sharing=sharing)
+        for mine, theirs in (("attn.in_proj", "attn.qkv"), ("attn.out_proj", "attn.out")):
+            assert ref[mine]["uses"] == 2 and ref[mine]["T"] == L
+            _agree(ref[mine]["A"], oracle[theirs]["A"])
+            _agree(ref[mine]["G"], oracle[theirs]["G"])
+
+
+def test_conv_called_twice_reduce_by_unfold():
+    """KFAC-reduce of a Conv2d called twice: the mean patch over uses × locations (patches by
+    torch's unfold) and the summed vectors, per example."""
+    torch.manual_seed(24)
+    net = _Twice(conv=True).double()
+    x, y = torch.randn(5, 3, 4, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    e = reference_torch_kfac(net, "cross_entropy", x, y, sharing="reduce")["f"]
+    calls = []
+    h = net.f.register_forward_hook(lambda m, i, o: calls.append((i[0].detach(), o)))
+    out = net(x)
+    h.remove()
+    p = torch.cat([F.unfold(i, 3, padding=1).transpose(1, 2) for i, _ in calls], dim=1)
+    p = torch.cat([p, torch.ones(*p.shape[:2], 1, dtype=p.dtype)], dim=2).mean(dim=1)
+    gs = [torch.autograd.grad(out, [o for _, o in calls], v, retain_graph=True)
+          for v in _loss_vectors(out, "cross_entropy", y)]
+    gsum = torch.stack([sum(g.sum(dim=(2, 3)) for g in gk) for gk in gs])  # [K, N, O]
+    assert e["uses"] == 2 and e["T"] == 16
+    _agree(e["A"], (p.T @ p / 5).numpy())
+    _agree(e["G"], (torch.einsum("kni,knj->ij", gsum, gsum) / 5).numpy())
