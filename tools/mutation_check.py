@@ -4,8 +4,10 @@ Each mutant below is one realistic bug (a transposed eigenbasis, a dropped 1/N, 
 non-strict inequality, an ignored option, a tolerance ×10) planted in one file.  For every
 mutant the script
 
-1. copies the working tree once into a temporary directory (never touching the checkout:
-   ``.git``, virtual environments, build and cache folders are left out),
+1. copies the committed tree (``git archive HEAD``; with ``--working-tree`` the working
+   tree, without ``.git``, virtual environments, build and cache folders) once into a
+   temporary directory, never touching the checkout, and runs every listed test file on it
+   unmutated: a baseline failure stops the check (no kill could be trusted),
 2. writes the mutated file there (the exact original snippet must occur once; a snippet
    that no longer occurs is reported ``stale``, not counted),
 3. runs the README's test command, ``python -m pytest``, restricted to the mutant's listed
@@ -288,6 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("-k", default="", help="run only mutants whose id contains this")
     ap.add_argument("--target", type=float, default=0.95)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant")
+    ap.add_argument("--working-tree", action="store_true",
+                    help="mutate a copy of the working tree instead of the committed HEAD")
     args = ap.parse_args(argv)
     mutants = [m for m in MUTANTS if args.k in m.id]
     ids = [m.id for m in MUTANTS]
@@ -295,8 +299,20 @@ def main(argv=None) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="kfac_ref_mutants_") as tmp:
         tree = Path(tmp) / "repo"
-        shutil.copytree(ROOT, tree, ignore=IGNORE, symlinks=True)
+        if args.working_tree:
+            shutil.copytree(ROOT, tree, ignore=IGNORE, symlinks=True)
+        else:
+            tree.mkdir()
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD"],
+                                     capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
         check_shadowing(tree)
+        files = sorted({f for m in mutants for f in m.tests})
+        status, dt, tail = run_pytest(tree, files, args.timeout)
+        print(f"{'baseline (unmutated)':40s} {status:10s} {dt:6.1f} s  {tail}", flush=True)
+        if status != "survived":
+            print("mutation_check: the unmutated tree fails its tests; no kill can be trusted")
+            return 2
         for m in mutants:
             path = tree / m.file
             original = path.read_text(encoding="utf-8") if path.exists() else ""
