@@ -309,7 +309,8 @@ def main(argv=None) -> int:
         check_shadowing(tree)
         files = sorted({f for m in mutants for f in m.tests})
         status, dt, tail = run_pytest(tree, files, args.timeout)
-        print(f"{'baseline (unmutated)':40s} {status:10s} {dt:6.1f} s  {tail}", flush=True)
+        shown = "passed" if status == "survived" else f"FAILED ({status})"
+        print(f"{'baseline (unmutated)':40s} {shown:10s} {dt:6.1f} s  {tail}", flush=True)
         if status != "survived":
             print("mutation_check: the unmutated tree fails its tests; no kill can be trusted")
             return 2
