@@ -583,3 +583,37 @@ def test_non_finite_output_and_bad_targets():
         _check(net, x, y[:, 0], loss, mode, pre)
     with pytest.raises(ValueError, match=r"targets must be \[10\] class indices in 0\.\.2"):
         _check(net, x, torch.full((10,), 3), "cross_entropy", "fisher_empirical", pre)
+
+
+def test_conv_tolerance_at_its_documented_value():
+    """The convolution's c_Γ from explicit patches (padded input sliced per output location,
+    no unfold), κ from NumPy eigenvalues, K = 1 (empirical Fisher), |T| = 16."""
+    net, x, y, loss, mode = _cnn()
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    conv = net[0]
+    z = {}
+    h = conv.register_forward_hook(lambda m, i, o: z.__setitem__("z", o))
+    total = torch.nn.functional.cross_entropy(net(x), y)
+    h.remove()
+    gz = torch.autograd.grad(total, z["z"])[0].numpy()          # [N, 3, 4, 4]
+    xp = np.pad(x.numpy(), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    n, t = x.shape[0], 16
+    bound = np.zeros((3, 2 * 9 + 1))
+    for i in range(n):
+        for r in range(4):
+            for c in range(4):
+                patch = xp[i, :, 2 * r:2 * r + 3, 2 * c:2 * c + 3].ravel()  # (C, kh, kw)
+                bound += np.outer(np.abs(gz[i, :, r, c]), np.abs(np.r_[patch, 1.0]))
+    gam = np.c_[grads["0"]["weight"].reshape(3, -1).numpy(), grads["0"]["bias"].numpy()]
+    c_gam = np.linalg.norm(bound) / np.linalg.norm(gam)
+    a, g = factors["0"]["A"].numpy(), factors["0"]["G"].numpy()
+    pi = math.sqrt((np.trace(a) / 19) / (np.trace(g) / 3))
+    s_a = np.linalg.eigvalsh(a) + pi * math.sqrt(LAM)
+    s_g = np.linalg.eigvalsh(g) + math.sqrt(LAM) / pi
+    k_a, k_g = s_a[-1] / s_a[0], s_g[-1] / s_g[0]
+    want = 16 * np.finfo(np.float64).eps * ((k_a + k_g) * (n * t * 1 + 19 + 3)
+                                            + k_a * k_g * n * t * c_gam)
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads), factors=factors)
+    assert res.checks[0].layer == "0"
+    np.testing.assert_allclose(res.checks[0].rtol, want, rtol=1e-10)
