@@ -50,6 +50,34 @@ class SupportTable(SphinxDirective):
         return container.children
 
 
+_RUBRIC = ".. rubric:: Backend support"
+_STASH: dict[str, list[str]] = {}
+
+
+def _lift_support_rows(app, what, name, obj, options, lines):
+    """Before numpydoc: take the backend-support rubric that
+    ``kfac_ref.capabilities.annotate_docstrings`` appends to every public docstring out of
+    the docstring, so that numpydoc does not read it as part of the last section (it would
+    show ``.. rubric:: Backend support`` as a parameter name)."""
+    for i, line in enumerate(lines):
+        if line.strip() == _RUBRIC:
+            _STASH[name] = list(lines[i:])
+            del lines[i:]
+            while lines and not lines[-1].strip():
+                lines.pop()
+            return
+
+
+def _restore_support_rows(app, what, name, obj, options, lines):
+    """After numpydoc: put the rubric back, as its own block after the rendered sections."""
+    block = _STASH.pop(name, None)
+    if block:
+        lines += ["", *block]
+
+
 def setup(app):
     app.add_directive("kfac-support-table", SupportTable)
+    # numpydoc rewrites docstrings at the default priority (500)
+    app.connect("autodoc-process-docstring", _lift_support_rows, priority=100)
+    app.connect("autodoc-process-docstring", _restore_support_rows, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
