@@ -19,6 +19,7 @@ array-api-strict) and return arrays of the same library, device and floating dty
 
 from . import averaging, blocks, curvature, factors, linalg, losses, nn, optim, patches
 from ._backend import KFACInputError, KFACTypeError, KFACValueError, value_checks
+from ._pytrees import register_jax_pytrees
 from .averaging import MovingAverageVariable, WeightedMovingAverage, weighted_accumulate
 from .linalg import (
     FACTOR_NORMS,
@@ -56,6 +57,7 @@ __all__ = [
     "KFACTypeError",
     "KFACValueError",
     "value_checks",
+    "register_jax_pytrees",
     "MovingAverageVariable",
     "WeightedMovingAverage",
     "weighted_accumulate",

@@ -30,6 +30,7 @@ from ._backend import (
     check_bool,
     check_scalar,
     is_array,
+    is_lazy,
     kernel_of,
     namespace_of,
     zeros_like_shape,
@@ -256,6 +257,10 @@ class WeightedMovingAverage:
     @property
     def value(self):
         r"""The average :math:`S / W` (zeros before any update)."""
+        if is_array(self.weight) and is_lazy(positive := self.weight > 0):
+            # inside jax.jit (W traced, or closed over and staged out): no host branch
+            xp = namespace_of("WeightedMovingAverage.value", raw=self.raw)
+            return self.raw / xp.where(positive, self.weight, 1.0)
         if self.weight > 0:
             return self.raw if self.weight == 1 else self.raw / self.weight
         return self.raw

@@ -100,6 +100,7 @@ _EAGER = Support({b: "yes" for b in EAGER_BACKENDS})
 # Objects that take no arrays: every eager column is "n/a".
 _ARRAY_FREE = (
     "kfac_ref.value_checks",
+    "kfac_ref.register_jax_pytrees",
     "kfac_ref.capabilities.Support",
     "kfac_ref.capabilities.support_of",
     "kfac_ref.capabilities.support_table",
@@ -152,6 +153,10 @@ _DECLARED: dict[str, dict] = {
     **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
         "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
         "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
+    # states cross the jit boundary (JAX pytrees): tests/test_jit_states.py
+    "kfac_ref.blocks.kfac_jax.BlockState": {"jit": "yes"},
+    "kfac_ref.curvature.estimators.BlockDiagonalCurvature": {"jit": "yes"},
+    "kfac_ref.curvature.estimators.ExplicitExactCurvature": {"jit": "yes"},
     "kfac_ref.curvature.report.approximation_report": {
         "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
 }

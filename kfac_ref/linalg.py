@@ -75,6 +75,8 @@ from ._backend import (
     cholesky_lower,
     eye_like,
     gram_is_exactly_symmetric,
+    is_array,
+    is_lazy,
     kernel_of,
     lower_triangular_inverse,
     namespace_of,
@@ -648,7 +650,8 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
 @kernel_of(pi_adjusted_damping)
 def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norms=None):
     pi = _pi(xp, left, right, norm_type, norms=norms)
-    root = math.sqrt(damping)
+    # a traced λ (jax.jit: a norm-scaled identity weight) cannot become a Python float
+    root = xp.sqrt(damping) if is_array(damping) and is_lazy(damping) else math.sqrt(damping)
     return pi * root, root / pi
 
 

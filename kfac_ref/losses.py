@@ -47,7 +47,10 @@ Conventions (shared by every class)
   reads array values without a value check, so the products run under ``jax.jit``.
 * **Randomness.**  ``sample(rng)`` takes an explicit :class:`numpy.random.Generator`; the
   noise is drawn on the host in float64 (``kfac_ref._backend.host_draw``) and moved to
-  the inputs' device, so one seed gives the same samples on every backend.
+  the inputs' device, so one seed gives the same samples on every backend.  For JAX
+  inputs ``rng`` may also be a JAX PRNG key: the noise is then drawn with
+  :mod:`jax.random` (new numbers on every call of a jitted function that takes the key;
+  not the Generator's numbers, the same distribution).
 
 References
 ----------
@@ -74,16 +77,15 @@ from ._backend import (
     check_array,
     check_bool,
     check_option,
-    check_rng,
     check_scalar,
     checks_values,
     describe,
     eye_like,
-    host_draw,
     is_array,
     namespace_of,
     size_of,
 )
+from ._random import check_random_source, draw_noise
 
 __all__ = [
     "COEFFICIENT_MODES",
@@ -694,8 +696,9 @@ class NegativeLogProbLoss(LossFunction):
 
         Parameters
         ----------
-        rng : numpy.random.Generator
-            Source of the host-side noise (same seed, same samples on every backend).
+        rng : numpy.random.Generator or JAX PRNG key
+            Source of the host-side noise (same seed, same samples on every backend); for
+            JAX inputs also a key (``jax.random.key(0)``), drawn with :mod:`jax.random`.
 
         Returns
         -------
@@ -711,7 +714,8 @@ class NegativeLogProbLoss(LossFunction):
         To resample under ``jit``, draw outside it (call ``sample`` eagerly, or pass the
         targets in as an argument).
         """
-        return self.kernels.sample(check_rng(self._fname("sample"), "rng", rng))
+        return self.kernels.sample(check_random_source(self._fname("sample"), "rng", rng,
+                                                        self.params[0]))
 
     @abc.abstractmethod
     def _sample(self, rng): ...
@@ -728,7 +732,7 @@ class NegativeLogProbLoss(LossFunction):
         for the weighted Fisher.
         """
         func = self._fname("grad_of_evaluate_on_sample")
-        check_rng(func, "rng", rng)
+        check_random_source(func, "rng", rng, self.params[0])
         mode = self._check_mode(func, coefficient_mode)
         return self.kernels.grad_of_evaluate_on_sample(rng, mode)
 
@@ -1098,7 +1102,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         # Gumbel-max: argmax_c (z_c + g_c), g_c iid Gumbel(0, 1), is distributed as softmax(z)
         # and needs no cumulative sums (exact at any logit size).
         xp = self._xp
-        g = host_draw(rng, self._logits, lambda r: r.gumbel(size=self._logits.shape))
+        g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
         return xp.argmax(self._logits + g, axis=-1)
 
     def _fisher_vp(self, vector):
@@ -1191,7 +1195,7 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
 
     def _sample(self, rng):
         xp = self._xp
-        g = host_draw(rng, self._logits, lambda r: r.gumbel(size=self._logits.shape))
+        g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
         return self._one_hot_targets(xp.argmax(self._logits + g, axis=-1))
 
 
@@ -1320,7 +1324,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _sample(self, rng):
         # y = [z + L > 0] with L ~ Logistic(0, 1): P(y = 1) = P(L > -z) = σ(z).
         xp = self._xp
-        noise = host_draw(rng, self._logits, lambda r: r.logistic(size=self._logits.shape))
+        noise = draw_noise(rng, self._logits, "logistic", self._logits.shape)
         return xp.astype(self._logits + noise > 0.0, self._logits.dtype)
 
     def _fisher_vp(self, vector):
@@ -1461,7 +1465,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return ((self._mean - targets) / self._variance,)
 
     def _sample(self, rng):
-        z = host_draw(rng, self._mean, lambda r: r.standard_normal(self._mean.shape))
+        z = draw_noise(rng, self._mean, "normal", self._mean.shape)
         return self._mean + self._sqrt_variance * z
 
     def _fisher_vp(self, vector):
@@ -1633,7 +1637,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     def _sample(self, rng):
         xp = self._xp
-        z = host_draw(rng, self._mean, lambda r: r.standard_normal(self._mean.shape))
+        z = draw_noise(rng, self._mean, "normal", self._mean.shape)
         return self._mean + xp.sqrt(self._variance) * z
 
     def _fisher_vp(self, vector):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import test_jit as jit_tests
+import test_jit_states as jit_state_tests
 
 import kfac_ref
 from kfac_ref import averaging, capabilities, factors, linalg
@@ -62,7 +63,7 @@ JIT_CASES = {
 }
 
 # Blocks: one update from a batch, then a damped inverse product, all in one jitted
-# function (BlockState is not a JAX pytree, so it does not cross the jit boundary).
+# function (the state built inside; tests/test_jit_states.py passes it across the boundary).
 _CONV = dict(inputs_shape=(4, 5, 5, 2), kernel_shape=(2, 2, 2, 3))
 
 
@@ -130,7 +131,8 @@ def _declared(column):
 
 @pytest.mark.parametrize("column,cases", [("jit", JIT_CASES), ("vmap", VMAP_CASES)])
 def test_cases_are_the_declarations(column, cases):
-    exercised = set(cases) | (jit_tests.JIT_EXERCISED if column == "jit" else set())
+    exercised = set(cases) | (jit_tests.JIT_EXERCISED | jit_state_tests.JIT_STATE_EXERCISED
+                              if column == "jit" else set())
     assert sorted(exercised) == _declared(column)
 
 
@@ -155,7 +157,9 @@ def _run(transform, name, cases):
     assert float(np.max(np.abs(got - expected))) <= 1e-12 * scale
 
 
-@pytest.mark.parametrize("name", sorted(set(_declared("jit")) - jit_tests.JIT_EXERCISED))
+@pytest.mark.parametrize("name", sorted(set(_declared("jit")) - jit_tests.JIT_EXERCISED
+                                         - (jit_state_tests.JIT_STATE_EXERCISED
+                                            - set(BLOCK_JIT_CASES))))
 def test_jit(name):
     _run("jit", name, JIT_CASES)
 

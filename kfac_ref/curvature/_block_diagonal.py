@@ -17,6 +17,7 @@ from .._backend import (
     value_checks,
     zeros_like_shape,
 )
+from .._pytrees import frozen, state_class
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
 from . import exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
@@ -35,6 +36,11 @@ class BlockDiagonalState:
     """State of :class:`BlockDiagonalCurvature`: one block state per parametric layer."""
 
     blocks_states: tuple
+
+
+# A JAX pytree (kfac_ref._pytrees): the blocks' states are its children.
+state_class(BlockDiagonalState, lambda st: ((st.blocks_states,), None),
+            lambda aux, children: frozen(BlockDiagonalState, blocks_states=children[0]))
 
 
 class BlockDiagonalCurvature(EstimatorBase):
@@ -268,13 +274,14 @@ class BlockDiagonalCurvature(EstimatorBase):
                 raise KFACValueError(
                     f"{func}: func_args must give layer {self.net.names[i]!r} the per-example "
                     f"input shape it had at init {want} (its block depends on it); got {got}.")
-        vectors = exact.draw_estimation_vectors(func, b, mode, rng, self.num_samples,
-                                        self.empirical_fisher_normalization)
-        c = len(vectors)
+        # [C, N, D]: the exact modes' C vectors from one call of the loss's dense factor
+        vectors = exact.draw_estimation_stack(func, b, mode, rng, self.num_samples,
+                                              self.empirical_fisher_normalization)
+        c = int(vectors.shape[0])
         root = math.sqrt(c)
         if c > 1 and mode not in ("fisher_exact", "ggn_exact"):
             root = 1.0  # stochastic vectors already carry 1/sqrt(M): undo it, average by EMA
-            vectors = [v * math.sqrt(c) for v in vectors]
+            vectors = vectors * math.sqrt(c)
         states = list(state.blocks_states)
         layers = tuple(zip(range(len(states)), self.layer_indices, self._blocks, strict=True))
         # blocks of layer quantities take one update from all vectors (Kronecker: A once, G
@@ -289,18 +296,21 @@ class BlockDiagonalCurvature(EstimatorBase):
 
     def _update_blocks(self, b, vectors, root, states, layers, stacked, need_grads, ema_old,
                        ema_new):
-        c = len(vectors)
+        c = int(vectors.shape[0])
         if not need_grads and c > 1:
             # every block reads layer cotangents only: back-propagate the C vectors stacked,
             # one batched call per layer (Sequential._backward_stacked); each block gets
             # its layer's C cotangents as views of the stacked result
-            u = b.xp.stack([b.as_output(v) for v in vectors], axis=0)
+            u = b.xp.reshape(vectors, (c, *b.out.shape))
             cots = self.net._backward_stacked(b.params, b.inputs, u * root if root != 1.0
                                               else u, caches=b.vjp_caches)
             for k, i, _ in layers:
                 stacked[k] = [cots[i][j, ...] for j in range(c)]
-            vectors = ()
-        for j, u in enumerate(vectors):
+            c_loop = 0
+        else:
+            c_loop = c
+        for j in range(c_loop):
+            u = vectors[j, ...]
             u = u * root if root != 1.0 else u
             grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
                                              per_example=need_grads, param_grads=need_grads,

@@ -15,6 +15,7 @@ from .._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from .._pytrees import ensure_for, frozen, join, split, state_class
 from ..averaging import WeightedMovingAverage
 from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
 from . import exact
@@ -32,6 +33,17 @@ class ExplicitState:
 
     matrix: WeightedMovingAverage
     cache: Mapping
+
+
+def _flatten_explicit(state):
+    leaves, skeleton = split(state.cache)
+    return (state.matrix, tuple(leaves)), skeleton
+
+
+# A JAX pytree (kfac_ref._pytrees): the average and the cache's arrays are leaves.
+state_class(ExplicitState, _flatten_explicit,
+            lambda skeleton, children: frozen(ExplicitState, matrix=children[0],
+                                              cache=join(skeleton, children[1])))
 
 
 class ExplicitExactCurvature(EstimatorBase):
@@ -92,6 +104,7 @@ class ExplicitExactCurvature(EstimatorBase):
         params, _ = unpack_func_args(func, func_args)
         params = self.net.check_params(func, params)
         like = params[self.net.parametric_layers[0]][0]
+        ensure_for(like)  # a JAX state is a JAX pytree (kfac_ref.register_jax_pytrees)
         zero = zeros_like_shape(like, (self.dim, self.dim))
         return ExplicitState(WeightedMovingAverage.zeros_like(zero), {})
 

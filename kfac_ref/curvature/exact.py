@@ -55,8 +55,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np  # host-side random draws only (Rademacher signs via host_draw)
-
 from .._backend import (
     KFACTypeError,
     KFACValueError,
@@ -64,13 +62,12 @@ from .._backend import (
     check_array,
     check_int,
     check_option,
-    check_rng,
     checks_values,
     device_of,
-    host_draw,
     kernel_of,
     namespace_of,
 )
+from .._random import check_random_source, draw_noise, split_source
 from ..linalg import compute_cov
 from ..losses import LossFunction, NegativeLogProbLoss
 from ..nn.network import Sequential
@@ -472,12 +469,14 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
 
     Parameters
     ----------
-    rng : numpy.random.Generator
+    rng : numpy.random.Generator or JAX PRNG key
+        A key only for JAX arrays (drawn with :mod:`jax.random`: not the Generator's
+        numbers, the same distribution).
     num_samples : int
         :math:`M \ge 1`.
     """
     func = "monte_carlo_fisher_matrix"
-    check_rng(func, "rng", rng)
+    check_random_source(func, "rng", rng)
     m = check_int(func, "num_samples", num_samples, minimum=1)
     b = _Batch(func, net, loss_fn, params, batch)
     require_negative_log_prob(func, b, "the Monte-Carlo Fisher")
@@ -704,43 +703,48 @@ def ggn_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
 # ------------------------------------------------------------------------------------------
 # estimation modes
 # ------------------------------------------------------------------------------------------
-def _rademacher(rng, like, shape):
-    return host_draw(rng, like, lambda r: r.choice(np.array([-1.0, 1.0]), size=shape))
-
-
 def draw_estimation_vectors(func, b, mode, rng, num_samples, empirical_normalization):
     """List of per-example output cotangents U_c [N, D] with estimate (1/N) Σ_c Σ_n ĝ ĝᵀ."""
+    stack = draw_estimation_stack(func, b, mode, rng, num_samples, empirical_normalization)
+    return [stack[c, ...] for c in range(stack.shape[0])]
+
+
+def draw_estimation_stack(func, b, mode, rng, num_samples, empirical_normalization):
+    r"""The vectors of :func:`draw_estimation_vectors` stacked, ``[C, N, D]``.
+
+    The exact modes take all :math:`C = K` vectors :math:`u_{k,n} = \sqrt w B_n e_k` from
+    one call of the loss's dense factor (``[N, D, K]``, one softmax for a categorical loss);
+    the sampling modes draw from ``rng``: a ``numpy.random.Generator`` (host draws) or a
+    JAX PRNG key (:mod:`jax.random`, one key per sample from ``jax.random.split``).
+    """
     loss = b.loss
+    xp = b.xp
     if mode in ("fisher_gradients", "fisher_curvature_prop", "fisher_exact"):
         require_negative_log_prob(func, b, f"estimation mode {mode!r}")
     if mode in ("fisher_gradients", "fisher_curvature_prop", "ggn_curvature_prop"):
-        check_rng(func, "rng", rng)
+        check_random_source(func, "rng", rng, b.out)
     if mode == "fisher_empirical":
         _need_targets(func, b)
         g = b.flat(loss.kernels.grad_of_evaluate(None, "regular"))
         if empirical_normalization == "kfac_jax":
             g = g / math.sqrt(b.n)
-        return [g]
+        return g[None, ...]
     if mode in ("fisher_exact", "ggn_exact"):
-        inner = (loss.fisher_factor_inner_shape if mode == "fisher_exact"
-                 else loss.ggn_factor_inner_shape)[1:]
-        one_hot = (loss.kernels.multiply_fisher_factor_replicated_one_hot
-                   if mode == "fisher_exact"
-                   else loss.kernels.multiply_ggn_factor_replicated_one_hot)
-        return [b.flat(one_hot(tuple(int(i) for i in idx))) for idx in np.ndindex(*inner)]
+        fac = _factor_columns(b, "fisher" if mode == "fisher_exact" else "ggn")  # [N, D, K]
+        return xp.permute_dims(fac, (2, 0, 1))
     scale = 1.0 / math.sqrt(num_samples)
     out = []
-    for _ in range(num_samples):
+    for key in split_source(rng, num_samples):
         if mode == "fisher_gradients":
-            u = b.flat(loss.kernels.grad_of_evaluate_on_sample(rng, "sqrt"))
+            u = b.flat(loss.kernels.grad_of_evaluate_on_sample(key, "sqrt"))
         elif mode == "fisher_curvature_prop":
-            sign = _rademacher(rng, b.out, loss.fisher_factor_inner_shape)
+            sign = draw_noise(key, b.out, "rademacher", loss.fisher_factor_inner_shape)
             u = b.flat(loss.kernels.multiply_fisher_factor(sign))
         else:
-            sign = _rademacher(rng, b.out, loss.ggn_factor_inner_shape)
+            sign = draw_noise(key, b.out, "rademacher", loss.ggn_factor_inner_shape)
             u = b.flat(loss.kernels.multiply_ggn_factor(sign))
         out.append(u * scale if num_samples > 1 else u)
-    return out
+    return out[0][None, ...] if num_samples == 1 else xp.stack(out, axis=0)
 
 
 def estimation_output_vectors(net, loss_fn, params, batch, estimation_mode, rng=None,

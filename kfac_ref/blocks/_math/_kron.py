@@ -7,7 +7,6 @@ from ..._backend import (
     check_array,
     check_option,
     check_scalar,
-    is_array,
     is_lazy,
     namespace_of,
 )
@@ -89,14 +88,14 @@ def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero
     kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
     """
     lam = damping / scale
-    lazy = is_lazy(a) or is_lazy(g) or (is_array(damping) and is_lazy(damping))
     zero = norms = None
     if zero_factor_fallback == "identity" or norm_type != "off":
         norms = _factor_norms(xp, a, g, norm_type)
     if zero_factor_fallback == "identity":
-        # a 0-D bool array: read on the host only for eager arrays
+        # a 0-D bool array: read on the host only when it is concrete (eager); inside a
+        # trace it is lazy even for factors the traced function closes over
         zero = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
-        if not lazy:  # eager: decide on the host, as kfac-jax's Python branch does
+        if not is_lazy(zero):  # eager: decide on the host, as kfac-jax's Python branch does
             if bool(zero):
                 # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
                 if power < 0 and damping == 0.0:

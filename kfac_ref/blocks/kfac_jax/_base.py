@@ -27,6 +27,7 @@ from ..._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from ..._pytrees import ensure_for, frozen, join, split, state_class
 from ...averaging import WeightedMovingAverage
 from ...linalg import FACTOR_NORMS
 from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
@@ -72,6 +73,21 @@ class BlockState:
     def matrix(self):
         """kfac-jax's name for the full block's average."""
         return self.statistics[0]
+
+
+def _flatten_state(state):
+    cache_leaves, cache_skeleton = split(state.cache)
+    return (state.statistics, state.like, tuple(cache_leaves)), cache_skeleton
+
+
+def _unflatten_state(cache_skeleton, children):
+    statistics, like, cache_leaves = children
+    return frozen(BlockState, statistics=statistics, cache=join(cache_skeleton, cache_leaves),
+                  like=like)
+
+
+# A JAX pytree (kfac_ref._pytrees): statistics, ``like`` and the cache's arrays are leaves.
+state_class(BlockState, _flatten_state, _unflatten_state)
 
 
 def powers_set(func, name, powers):
@@ -359,6 +375,7 @@ class CurvatureBlock(abc.ABC):
         func = f"{type(self).__name__}.init"
         namespace_of(func, like=like)
         check_array(func, "like", like)
+        ensure_for(like)  # a JAX state is a JAX pytree (kfac_ref.register_jax_pytrees)
         like0 = zeros_like_shape(like, ())
         exact = powers_set(func, "exact_powers_to_cache", exact_powers_to_cache)
         approx = powers_set(func, "approx_powers_to_cache", approx_powers_to_cache)

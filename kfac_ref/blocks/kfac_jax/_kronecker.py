@@ -14,6 +14,8 @@ from ..._backend import (
     check_bool,
     check_option,
     check_scalar,
+    is_array,
+    is_lazy,
     namespace_of,
 )
 from ...conv_geometry import to_channels_last
@@ -130,7 +132,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                     f"{func}: power must be one of the cached approximate powers "
                     f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
             lam_cached, prepared = approx[power]
-            if self.strict_cache and lam_cached != lam:
+            if self.strict_cache and _differ(lam_cached, lam):
                 raise KFACValueError(
                     f"{func}: identity_weight (effective {lam!r}) must equal the one the "
                     f"cached approximate power {power} was built with ({lam_cached!r}); call "
@@ -218,6 +220,14 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         if self.symmetrize:
             return compute_cov.kernel(xp, x)
         return compute_cov.kernel(xp, x, x)
+
+
+def _differ(cached, given):
+    """Whether two identity weights differ, read on the host; inside a trace (a weight
+    that is a tracer, or a comparison staged out) the check cannot run and passes, like the
+    other value checks."""
+    differ = cached != given
+    return False if is_array(differ) and is_lazy(differ) else bool(differ)
 
 
 class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):
