@@ -64,6 +64,7 @@ from .own_model import (
     model_output_vectors,
     sample_targets,
 )
+from .own_model._check import positions
 
 __all__ = ["reference_jax_kfac", "check_jax_kfac", "KINDS"]
 
@@ -182,7 +183,7 @@ def _t_of(fn, what, parts):
     if len(ts) != 1:
         raise ValueError(f"{fn}: the uses of {what} must have the same number of positions; "
                          f"got {sorted(ts)}.")
-    return len(parts) * ts.pop()
+    return ts.pop()  # per call; the entry's "uses" counts the calls
 
 
 def _hwc_group_index(kernel, c_in, groups):
@@ -274,7 +275,7 @@ def _batch_references(args, mode, samples, loss, sharing, fn):
         others["empirical_fisher"] = reference_jax_kfac(*args, mode="fisher_empirical", **kw)
     if mode != "fisher_exact":
         others["true_fisher"] = reference_jax_kfac(*args, mode="fisher_exact", **kw)
-    if any(r["T"] > 1 for r in ref.values()):
+    if any(positions(r) > 1 for r in ref.values()):
         others["sharing"] = reference_jax_kfac(
             *args, mode=mode, samples=samples, loss=loss, _fn=fn,
             sharing="reduce" if sharing == "expand" else "expand")

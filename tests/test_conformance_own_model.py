@@ -233,3 +233,21 @@ def test_the_transformer_tutorial_names_its_bug_and_its_fix_passes(tmp_path):
     assert p.returncode == 0, p.stderr
     table = p.stdout.splitlines()
     assert len(table) == 9 and not any("FAIL" in line for line in table), p.stdout
+
+
+def test_scale_shift_F_with_the_empirical_fisher_is_named():
+    """A layer norm's F from the empirical Fisher where the exact one is asked: named as for
+    a G (the F alternatives come from the other estimate)."""
+    from conformance.own_model.examples import tiny_transformer
+
+    model = tiny_transformer()
+    gen = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, 11, (6, 5), generator=gen), torch.randint(0, 3, (6,))
+    emp = reference_torch_kfac(model, "cross_entropy", tokens, labels,
+                               mode="fisher_empirical")
+    mine = {"ln1": {"F": emp["ln1"]["F"]}, "ln2": {"diag": emp["ln2"]["diag"]}}
+    res = check_torch_kfac(model, "cross_entropy", tokens, labels, mine, layers=["ln1", "ln2"])
+    assert [(c.layer, c.factor, c.diagnosis) for c in res.checks] == [
+        ("ln1", "F", "empirical_fisher"), ("ln2", "diag", "empirical_fisher")], str(res)
+    assert check_torch_kfac(model, "cross_entropy", tokens, labels, mine,
+                            layers=["ln1", "ln2"], mode="fisher_empirical").ok

@@ -101,7 +101,7 @@ def test_tied_weights_are_the_untied_uses_pooled():
     lay = {k: v for k, v in layers.items() if k != "tied"}
     lay |= {"u1": layers["tied"], "u2": layers["tied"]}
     ref = reference_jax_kfac(untied, p, ids, y, lay)
-    assert tied["uses"] == 2 and tied["T"] == 2 * S
+    assert tied["uses"] == 2 and tied["T"] == S
     np.testing.assert_allclose(tied["A"], (ref["u1"]["A"] + ref["u2"]["A"]) / 2, rtol=1e-12)
     np.testing.assert_allclose(tied["G"], ref["u1"]["G"] + ref["u2"]["G"], rtol=1e-12)
 

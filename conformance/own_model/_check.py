@@ -275,6 +275,23 @@ class ModelCheck:
         return "\n".join(_wrap(line, self.width) for line in lines)
 
 
+def positions(r):
+    """|T| of a reference entry: its locations (or shared positions) per call times the
+    number of calls (``uses``) — the positions its weight is shared over."""
+    return r["T"] * r.get("uses", 1)
+
+
+def _kind_text(r):
+    text = r.get("kind", "")
+    if r.get("groups", 1) > 1:
+        text += f" ×{r['groups']} groups"
+    if r["T"] > 1:
+        text += f", |T| = {r['T']}"
+    if r.get("uses", 1) > 1:
+        text += f", {r['uses']} uses"
+    return text
+
+
 def _geometry_alternatives(ref):
     """The conv input factor with the dilation, the padding, the padding's split or the
     stride ignored (``ref`` carries the layer's data as ``_x``/``_g``), in ``ref``'s layout."""
@@ -318,7 +335,9 @@ def layer_alternatives(name, ref, others, mode, sharing):
     dilation, the padding (or its split) or the stride ignored."""
     alts = {"A": {}, "G": {}}
     a = ref.get("A")
-    if a is None:  # a layer without Kronecker factors (scale-and-shift)
+    if a is None:  # a layer without Kronecker factors (scale-and-shift): its F
+        alts["F"] = {key: others[key][name]["F"] for key in ("empirical_fisher", "true_fisher")
+                     if key in others}
         return alts
     bias = ref.get("bias", True)
     if bias and a.shape[-1] > 1:
@@ -336,7 +355,7 @@ def layer_alternatives(name, ref, others, mode, sharing):
         if key in others:
             alts["G"][key] = others[key][name]["G"]
     other_sh = others.get("sharing")
-    if other_sh is not None and ref["T"] > 1:
+    if other_sh is not None and positions(ref) > 1:
         key = f"{'reduce' if sharing == 'expand' else 'expand'}_instead_of_{sharing}"
         alts["A"][key] = other_sh[name]["A"]
         alts["G"][key] = other_sh[name]["G"]
@@ -375,8 +394,8 @@ def _other_bias_end(arr, bias_pos):
 
 def _declare_a(arr, r, conv):
     """The canonical (model-layout) A of entry ``r`` in the declared conventions."""
-    if conv["conv_style"] == "hybrid" and r["T"] > 1:
-        arr = arr * r["T"]
+    if conv["conv_style"] == "hybrid" and positions(r) > 1:
+        arr = arr * positions(r)
     order = r.get("order")
     if r.get("kind") in _CONV_KINDS and conv["patch_order"] not in (None, order):
         arr = _permute(arr, _patch_perm(r, arr.shape[-1], order, conv["patch_order"],
@@ -391,8 +410,8 @@ def _declare_a(arr, r, conv):
 
 def _declare_g(arr, r, conv, mode, loss):
     """The canonical G (or a scale-and-shift F) of entry ``r`` in the declared scale."""
-    if conv["conv_style"] == "kfc" and r["T"] > 1 and r.get("kind") != "scale_shift":
-        arr = arr / r["T"]
+    if conv["conv_style"] == "kfc" and positions(r) > 1 and r.get("kind") != "scale_shift":
+        arr = arr / positions(r)
     if conv["curvature_of"] == "sum":
         arr = arr * r["N"]
     if conv["empirical_fisher_scale"] == "kfac_jax" and mode == "fisher_empirical":
@@ -524,7 +543,7 @@ def _history(batches, name, fac, pick, r, conv, mode, loss):
     """``pick(entry, alternatives)`` of layer ``name`` in every batch (oldest first), in the
     declared conventions (``None`` where a batch lacks it).  Under ``conv_style="hybrid"``
     G is the reduce statistic itself (the picked alternative)."""
-    hybrid_g = fac == "G" and conv["conv_style"] == "hybrid" and r["T"] > 1
+    hybrid_g = fac == "G" and conv["conv_style"] == "hybrid" and positions(r) > 1
     out = []
     for ref_i, alts_i in batches:
         arr = pick(ref_i[name], alts_i[name].get(fac, {}))
@@ -590,13 +609,11 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                          f"the identity or raw; got {decay!r}.")
     declared = {k: v for k, v in conv.items() if v != _DEFAULTS[k]}
     result = ModelCheck(mode, level=level, unchecked=missing, declared=declared,
-                        kinds={name: r.get("kind", "") + (f", |T| = {r['T']}" if r["T"] > 1
-                                                          else "")
-                               for name, r in ref.items()})
+                        kinds={name: _kind_text(r) for name, r in ref.items()})
     for name, keys in want.items():
         user = factors.get(name, {})
         r = ref[name]
-        n, t = r["N"], r["T"]
+        n, t = r["N"], positions(r)
         expected, rtols = {}, {}
         for fac in keys:
             key = "diag" if fac == "F" and "diag" in user and "F" not in user else fac
@@ -607,7 +624,7 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
             def hist_of(pick, fac=fac, r=r, name=name):
                 return _history(batches, name, fac, pick, r, conv, mode, loss)
 
-            if fac == "G" and conv["conv_style"] == "hybrid" and r["T"] > 1:
+            if fac == "G" and conv["conv_style"] == "hybrid" and positions(r) > 1:
                 hist = hist_of(lambda e, al: al.get("reduce_instead_of_expand"))
             else:
                 hist = hist_of(lambda e, al, fac=fac: e[fac])
@@ -651,8 +668,10 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                         continue
                     arrs = hist_of(lambda e, al, pid=pid: al.get(pid))
                     if all(a is not None for a in arrs):
-                        text = _plain(pid)
-                        bases.append((pid, text, _average(arrs, conv, decay)))
+                        base = _average(arrs, conv, decay)
+                        if key == "diag":
+                            base = np.diagonal(base, axis1=-2, axis2=-1)
+                        bases.append((pid, _plain(pid), base))
                 if fac == "A" and r.get("bias", True) and conv["bias_position"] != "separate":
                     for pid, text, arr in list(bases) + [("", "", exp)]:
                         if "bias_position" in pid:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._check import ModelCheck, check_factors, layer_alternatives
+from ._check import ModelCheck, check_factors, layer_alternatives, positions
 from ._reference import _np, as_rng, sample_targets
 from ._torch import _check_args, reference_torch_kfac
 
@@ -21,7 +21,7 @@ def _batch_references(model, loss, inputs, targets, mode, sharing, samples, fn):
     if mode != "fisher_exact":
         others["true_fisher"] = reference_torch_kfac(
             model, loss, inputs, targets, mode="fisher_exact", **kw)
-    if any(r["T"] > 1 for r in ref.values()):
+    if any(positions(r) > 1 for r in ref.values()):
         others["sharing"] = reference_torch_kfac(
             model, loss, inputs, targets, mode=mode, samples=samples, _fn=fn,
             sharing="reduce" if sharing == "expand" else "expand")
