@@ -74,8 +74,9 @@ def _kfac_factors(net, x, y, loss):
                                            padding=m.padding, stride=m.stride)
             a = p.transpose(1, 2).reshape(-1, p.shape[1])          # rows (n, t)
             gs = [v[i].permute(0, 2, 3, 1).reshape(-1, m.out_channels) for v in vecs]
-        else:
-            a, gs = acts[name], [v[i] for v in vecs]
+        else:  # [N, d] or positions shared over [N, S, d]: rows (n, s)
+            a = acts[name].reshape(-1, m.in_features)
+            gs = [v[i].reshape(-1, m.out_features) for v in vecs]
         a = torch.cat([a, torch.ones(len(a), 1, dtype=a.dtype)], dim=1)
         factors[name] = {"A": a.T @ a / len(a), "G": sum(g.T @ g for g in gs) / n}
     return factors
@@ -617,3 +618,28 @@ def test_conv_tolerance_at_its_documented_value():
     res = _check(net, x, y, loss, mode, _precondition(factors, grads), factors=factors)
     assert res.checks[0].layer == "0"
     np.testing.assert_allclose(res.checks[0].rtol, want, rtol=1e-10)
+
+
+def test_a_linear_shared_over_positions():
+    """An nn.Linear applied to [N, S, d] (|T| = S, KFAC-expand): the correct preconditioner
+    passes, λ·S on it is damping_not_normalised."""
+    torch.manual_seed(2)
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(4, 5), torch.nn.Linear(5, 3)
+
+        def forward(self, inputs):
+            return self.fc2(torch.tanh(self.fc1(inputs)).mean(dim=1))
+
+    net = Shared().double()
+    x, y = torch.randn(7, 3, 4, dtype=torch.float64), torch.randint(0, 3, (7,))
+    loss, mode = "cross_entropy", "fisher_empirical"
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    assert _check(net, x, y, loss, mode, _precondition(factors, grads)).ok
+    pre = _precondition(factors, grads, variant="lambda_times_T", t={"fc1": 3, "fc2": 1})
+    res = _check(net, x, y, loss, mode, pre)
+    assert {c.layer: c.diagnosis for c in res.checks if not c.ok} == {
+        "fc1": "damping_not_normalised"}, str(res)
