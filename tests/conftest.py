@@ -99,7 +99,8 @@ def pytest_sessionfinish(session, exitstatus):
             {"calls": sorted(support_recorder.CALLS), "full": FULL_RUN["value"],
              "cells": list(FULL_RUN["cells"])})
         if path:
-            with open(f"{path}.{XDIST_WORKER}", "w", encoding="utf-8") as f:
+            worker = session.config.workerinput["workerid"]
+            with open(f"{path}.{worker}", "w", encoding="utf-8") as f:
                 json.dump(sorted(support_recorder.CALLS), f, indent=0)
         return
     records = _WORKER_RECORDS
@@ -118,8 +119,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 # -- pytest-xdist: the default run uses the CPUs when xdist is installed -----------------------
-#: the xdist worker id ("gw0", ...) in a worker, "" otherwise
-XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 #: the support records the workers handed back (controller only)
 _WORKER_RECORDS: list = []
 #: (number of workers, unexercised claims) once the controller compared them
@@ -143,8 +142,7 @@ def pytest_cmdline_main(config):
     process, ``-n N`` / ``--dist`` choose for themselves, and a run of named files or tests
     stays in one process (no start-up cost for a quick check)."""
     opt = config.option
-    if (config.pluginmanager.hasplugin("xdist") and not XDIST_WORKER
-            and not hasattr(config, "workerinput")
+    if (config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
             and getattr(opt, "numprocesses", 0) is None and getattr(opt, "dist", "") == "no"
             and not getattr(opt, "tx", None) and not opt.usepdb and not opt.collectonly
             and config.args_source == pytest.Config.ArgsSource.TESTPATHS):
