@@ -18,6 +18,7 @@ from pathlib import Path
 
 from .diagnosis import DOCS, DOCS_URL_VAR, PITFALLS, docs_link
 from .figures import OUTCOMES
+from .reports import _CIRCULAR
 
 #: the docs sources of a source checkout (absent from an installed suite)
 _DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -89,7 +90,7 @@ table{border-collapse:collapse;font-size:.9em;margin:.5em 0} td,th{border:1px so
 .case h3{margin:.1em 0 .4em;font-size:1em;font-family:monospace} .pit{font-weight:bold}
 code{background:#f4f4f4;padding:0 .2em} .svg{overflow-x:auto}
 details.formula pre{white-space:pre-wrap;background:#f8f8f8;border:1px solid #ddd;
- padding:.5em;font-size:.85em;max-height:30em;overflow:auto}
+ padding:.5em;font-size:.85em;overflow:auto}
 """
 
 
@@ -125,6 +126,7 @@ def html_report(report: dict) -> str:
         parts.append("<h2>Failures, errors and expected failures</h2>")
     for r in bad:
         parts.append(_case_html(r))
+    parts.append(_formulas_html(bad))
     parts += ["<h2>Outcome of every case</h2>", f'<div class="svg">{outcome_svg(report)}</div>',
               "<h2>By capability</h2>",
               "<table><tr><th>capability</th><th>pass</th><th>pass under declared "
@@ -195,8 +197,8 @@ def section_text(page: str, section: str) -> str | None:
 def _formula_html(pid: str) -> str:
     """Where the formula a pitfall gets wrong is documented: a link to the docs section
     (:func:`conformance.diagnosis.docs_link`); when the docs are not built here (and no
-    ``$KFAC_REF_DOCS_URL`` is set) the section's text is shipped in the page too, from the
-    checkout's docs sources, so that the report reads without a docs build."""
+    ``$KFAC_REF_DOCS_URL`` is set) a pointer to the section's text, which the page ships
+    once (:func:`_formulas_html`), so that the report reads without a docs build."""
     link = docs_link(pid)
     if not link:
         return ""
@@ -204,13 +206,39 @@ def _formula_html(pid: str) -> str:
     if _docs_built():
         return out
     page, section = DOCS[pid.split("+")[0]]
-    text = section_text(page, section)
-    if text is None:  # an installed suite without the docs sources
+    if section_text(page, section) is None:  # an installed suite without the docs sources
         return out[:-6] + (f" (not built here: set {DOCS_URL_VAR} to the documentation's "
                            "address)</div>")
-    return (out[:-6] + " (not built here: its text follows)</div>"
-            f'<details class="formula" open><summary>{_e(section)} — from '
-            f"docs/{_e(page)}.rst</summary><pre>{_e(text)}</pre></details>")
+    return out[:-6] + (f' (not built here: <a href="#{_formula_anchor(page, section)}">its '
+                       "text is below</a>)</div>")
+
+
+def _formula_anchor(page: str, section: str) -> str:
+    return "formula-" + "".join(c if c.isalnum() else "-" for c in f"{page}-{section}")
+
+
+def _formulas_html(results: list) -> str:
+    """The docs sections the diagnoses of ``results`` refer to, each once, as text from the
+    checkout's docs sources: only when the docs are not built here."""
+    if _docs_built():
+        return ""
+    seen, parts = [], []
+    for r in results:
+        pid = (r.get("diagnosis") or {}).get("pitfall", "").split("+")[0]
+        if pid not in DOCS or DOCS[pid] in seen:
+            continue
+        seen.append(DOCS[pid])
+        page, section = DOCS[pid]
+        text = section_text(page, section)
+        if text is not None:
+            parts.append(f'<details class="formula" id="{_formula_anchor(page, section)}" '
+                         f"open><summary>{_e(section)} — from docs/{_e(page)}.rst</summary>"
+                         f"<pre>{_e(text)}</pre></details>")
+    if not parts:
+        return ""
+    return ("<h2>The formulas these diagnoses concern</h2><p class=\"meta\">From the "
+            "documentation's sources (reStructuredText; the built docs are not here).</p>"
+            + "".join(parts))
 
 
 def _num(x) -> str:
@@ -229,9 +257,14 @@ def _case_html(r: dict) -> str:
     if d:
         pid = d["pitfall"]
         title = PITFALLS.get(pid.split("+")[0], ("",))[0]
+        meaning = PITFALLS.get(pid.split("+")[0], ("", ""))[1]
+        evidence = _CIRCULAR.sub("", d.get("explanation", "")).strip(" ,")
+        text = meaning if pid != "unexplained" else ""
+        if evidence:
+            text = f"{text} ({evidence})" if text else evidence
         out.append(f'<div>diagnosis: <span class="pit"><code>{_e(pid)}</code>'
                    f"{' — ' + _e(title) if title and title != pid else ''}</span>: "
-                   f"{_e(d.get('explanation', ''))}</div>")
+                   f"{_e(text)}</div>")
         out.append(_formula_html(pid))
     if not d:  # an error, or a failure without diagnosis: the message says what happened
         out.append(f'<div class="meta">{_e(r.get("message", ""))}</div>')

@@ -202,18 +202,34 @@ def test_html_report_ships_the_formula_text_without_a_docs_build(tmp_path, monke
 
     monkeypatch.delenv("KFAC_REF_DOCS_URL", raising=False)
     monkeypatch.setattr(H, "_docs_built", lambda: False)
-    html = H._formula_html("pi_without_dimensions")
-    assert "not built here: its text follows" in html
-    assert '<details class="formula" open><summary>Choosing π — from docs/theory/damping.rst' \
-        in html
-    assert r"\pi" in html  # the section's formula, as written in the docs source
+    anchor = H._formula_anchor("theory/damping", "Choosing π")
+    assert f'(not built here: <a href="#{anchor}">its text is below</a>)' in \
+        H._formula_html("pi_without_dimensions")
+    results = [{"diagnosis": {"pitfall": "pi_without_dimensions"}}] * 3
+    shipped = H._formulas_html(results)
+    assert shipped.count("<details") == 1  # each section once, however many cases
+    assert f'<details class="formula" id="{anchor}" open><summary>Choosing π — from ' \
+        "docs/theory/damping.rst</summary>" in shipped
+    assert r"\pi" in shipped  # the section's formula, as written in the docs source
     # without the docs sources (an installed suite): the page is named, no text
     monkeypatch.setattr(H, "_DOCS", tmp_path)
-    html = H._formula_html("pi_without_dimensions")
-    assert "<details" not in html and "KFAC_REF_DOCS_URL" in html
+    assert "KFAC_REF_DOCS_URL" in H._formula_html("pi_without_dimensions")
+    assert H._formulas_html(results) == ""
     # with the docs built: the link alone
     monkeypatch.setattr(H, "_docs_built", lambda: True)
-    assert "<details" not in H._formula_html("pi_without_dimensions")
+    assert "not built here" not in H._formula_html("pi_without_dimensions")
+    assert H._formulas_html(results) == ""
+
+
+def test_html_report_diagnosis_is_in_plain_words(tmp_path):
+    from conformance.html_report import html_report
+    from conformance.suite import run
+
+    report = run("mutant_pi_without_dimensions", families=["linalg"], source="live")
+    text = html_report(report.to_dict())
+    title, meaning, _ = PITFALLS["pi_without_dimensions"]
+    assert f"— {title}</span>: " in text
+    assert "matches what the reference computes" not in text
 
 
 def test_section_text_stops_at_the_next_section_of_the_same_level():
