@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._backend import (
+    KFACTypeError,
     KFACValueError,
     check_array,
     check_bool,
@@ -40,6 +41,7 @@ __all__ = [
     "weighted_accumulate",
     "MovingAverageVariable",
     "WeightedMovingAverage",
+    "sync_statistics",
 ]
 
 
@@ -264,3 +266,115 @@ class WeightedMovingAverage:
         if self.weight > 0:
             return self.raw if self.weight == 1 else self.raw / self.weight
         return self.raw
+
+
+def sync_statistics(values, batch_sizes=None):
+    r"""The statistics of several shards combined exactly, weighted by their batch sizes.
+
+    .. math::
+
+        \bar X = \sum_{k=1}^{K} \frac{n_k}{n}\, X_k, \qquad n = \sum_k n_k;
+        \qquad
+        S = \sum_k \frac{n_k}{n} S_k,\quad W = \sum_k \frac{n_k}{n} W_k
+        \ \text{(moving averages)} .
+
+    A batch statistic that is a mean over examples (a Kronecker factor
+    :math:`\frac1n\sum_i x_i x_i^\top`, a diagonal, a full second moment) is the
+    :math:`n_k`-weighted mean of its shards' statistics, and a moving-average update is
+    linear in the statistic: shards that start from one synced average and are updated with
+    the same ``ema_old``, ``ema_new`` on their own :math:`n_k` examples sync to the average
+    the whole batch gives.  kfac-jax's ``sync`` (``pmean`` over the devices of a
+    ``pmap_axis_name``) is the case of equal shards, the default here.
+
+    Parameters
+    ----------
+    values : sequence
+        One entry per shard, all of one kind: arrays of one shape (the same namespace,
+        device and dtype), real numbers, or :class:`WeightedMovingAverage` /
+        :class:`MovingAverageVariable` objects (the same ``zero_debias``) of one shape.
+    batch_sizes : sequence of int, optional
+        :math:`n_k \ge 1`, one per shard; ``None`` weights the shards equally.
+
+    Returns
+    -------
+    array, float or the averages' class
+        :math:`\bar X` (an average: its sum :math:`S` and weight :math:`W` combined).
+
+    Raises
+    ------
+    KFACValueError, KFACTypeError
+        No shards, mixed kinds, mismatched shapes or namespaces, a length of
+        ``batch_sizes`` other than the number of shards, a batch size below 1.
+    """
+    func = "sync_statistics"
+    if not isinstance(values, (list, tuple)) or not values:
+        raise KFACValueError(f"{func}: values must be a non-empty list or tuple (one entry per "
+                             f"shard); got {type(values).__name__}.")
+    fractions = _shard_fractions(func, len(values), batch_sizes)
+    first = values[0]
+    if isinstance(first, (WeightedMovingAverage, MovingAverageVariable)):
+        cls = type(first)
+        for k, v in enumerate(values):
+            if type(v) is not cls:
+                raise KFACTypeError(f"{func}: values[{k}] must be a {cls.__name__} like "
+                                    f"values[0]; got {type(v).__name__}.")
+            if cls is MovingAverageVariable and v.zero_debias != first.zero_debias:
+                raise KFACValueError(f"{func}: values[{k}].zero_debias must equal values[0]'s "
+                                     f"({first.zero_debias}); got {v.zero_debias}.")
+        _check_shards(func, [v.raw for v in values], "values[{}].raw")
+    elif is_array(first):
+        _check_shards(func, values, "values[{}]")
+    else:
+        for k, v in enumerate(values):
+            check_scalar(func, f"values[{k}]", v)
+    return _sync_statistics(values, fractions)
+
+
+def _shard_fractions(func, count, batch_sizes):
+    if batch_sizes is None:
+        return (1.0 / count,) * count
+    if not isinstance(batch_sizes, (list, tuple)) or len(batch_sizes) != count:
+        raise KFACValueError(f"{func}: batch_sizes must be None or one size per shard "
+                             f"({count}); got {batch_sizes!r}.")
+    sizes = []
+    for k, n in enumerate(batch_sizes):
+        n = check_scalar(func, f"batch_sizes[{k}]", n, integer=True)
+        if n < 1:
+            raise KFACValueError(f"{func}: batch_sizes[{k}] must be an integer >= 1; got {n}.")
+        sizes.append(n)
+    total = sum(sizes)
+    return tuple(n / total for n in sizes)
+
+
+def _check_shards(func, arrays, name):
+    named = {name.format(k): a for k, a in enumerate(arrays)}
+    namespace_of(func, **named)
+    (ref_name, ref), *rest = named.items()
+    check_array(func, ref_name, ref)
+    for k, a in rest:
+        if not is_array(a):
+            raise KFACTypeError(f"{func}: {k} must be an array like {ref_name}; got "
+                                f"{type(a).__name__}.")
+        check_array(func, k, a)
+        if tuple(a.shape) != tuple(ref.shape):
+            raise KFACValueError(f"{func}: {k} must have the shape of {ref_name} "
+                                 f"{tuple(ref.shape)}; got shape {tuple(a.shape)}.")
+
+
+@kernel_of(sync_statistics)
+def _sync_statistics(values, fractions):
+    first = values[0]
+    if isinstance(first, WeightedMovingAverage):
+        return _unchecked(WeightedMovingAverage,
+                          raw=_sync_statistics([v.raw for v in values], fractions),
+                          weight=_sync_statistics([v.weight for v in values], fractions))
+    if isinstance(first, MovingAverageVariable):
+        return _unchecked(MovingAverageVariable,
+                          raw=_sync_statistics([v.raw for v in values], fractions),
+                          total_weight=_sync_statistics([v.total_weight for v in values],
+                                                        fractions),
+                          zero_debias=first.zero_debias)
+    total = fractions[0] * first
+    for f, v in zip(fractions[1:], values[1:], strict=True):
+        total = total + f * v
+    return total

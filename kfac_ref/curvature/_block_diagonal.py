@@ -432,6 +432,68 @@ class BlockDiagonalCurvature(EstimatorBase):
         """
         return block_diag(self.to_diagonal_block_dense_matrix(state))
 
+    def sync(self, state, pmap_axis_name=None, *, batch_sizes=None):
+        r"""The states of several shards combined into one (kfac-jax ``sync``; does not sync
+        the cache).
+
+        .. math::
+
+            S_{l,i} = \sum_{k=1}^{K}\frac{n_k}{n}\,S^{(k)}_{l,i}, \qquad
+            W_{l,i} = \sum_{k}\frac{n_k}{n}\,W^{(k)}_{l,i}, \qquad n = \sum_k n_k,
+
+        for every statistic :math:`i` of every block :math:`l`
+        (:func:`kfac_ref.averaging.sync_statistics`).  ``state`` is one
+        :class:`BlockDiagonalState` (one shard: returned unchanged, as kfac-jax on one
+        device) or a list or tuple of them, one per shard, each updated from the same synced
+        state with the same ``ema_old``, ``ema_new`` and estimation mode on its own
+        :math:`n_k` examples; ``batch_sizes`` are the :math:`n_k` (``None``: equal shards,
+        kfac-jax's ``pmean``).  Then the result equals the update on the whole batch, up to
+        rounding, for every block whose statistics are means over examples (all blocks of
+        :mod:`kfac_ref.blocks.kfac_jax`, in the deterministic modes ``*_exact`` and
+        ``fisher_empirical`` with the ``"mean"`` normalisation; the stochastic modes agree in
+        distribution; kfac-jax's ``"kfac_jax"`` empirical normalisation :math:`1/n^2` is not
+        a mean and does not sync exactly).  ``pmap_axis_name`` is accepted for kfac-jax
+        parity and ignored: the shards are passed explicitly.  The combined state keeps the
+        first shard's cache.
+        """
+        from ..averaging import sync_statistics
+        from ..blocks.kfac_jax import BlockState
+
+        func = "BlockDiagonalCurvature.sync"
+        if pmap_axis_name is not None and not isinstance(pmap_axis_name, str):
+            raise KFACTypeError(f"{func}: pmap_axis_name must be None or a str (ignored); got "
+                                f"{type(pmap_axis_name).__name__}.")
+        shards = state if isinstance(state, (list, tuple)) else (state,)
+        if not shards:
+            raise KFACValueError(f"{func}: state must be a BlockDiagonalState or a non-empty "
+                                 f"list of them (one per shard); got an empty sequence.")
+        for k, st in enumerate(shards):
+            self._check_state(f"{func} (state[{k}])", st)
+            for bl, bs in zip(self.blocks, st.blocks_states, strict=True):
+                bl.check_state_structure(f"{func} (state[{k}])", bs)
+        namespace_of(func, **{f"state[{k}].blocks_states[{j}]": bs.like
+                              for k, st in enumerate(shards)
+                              for j, bs in enumerate(st.blocks_states)})
+        if batch_sizes is not None:
+            if not isinstance(batch_sizes, (list, tuple)) or len(batch_sizes) != len(shards):
+                raise KFACValueError(f"{func}: batch_sizes must be None or one size per shard "
+                                     f"({len(shards)}); got {batch_sizes!r}.")
+            batch_sizes = [check_int(func, f"batch_sizes[{k}]", n, minimum=1)
+                           for k, n in enumerate(batch_sizes)]
+        if len(shards) == 1:
+            return shards[0]
+        total = sum(batch_sizes) if batch_sizes is not None else len(shards)
+        fractions = tuple((n / total for n in batch_sizes) if batch_sizes is not None
+                          else (1.0 / total,) * len(shards))
+        out = []
+        for j, first in enumerate(shards[0].blocks_states):
+            stats = tuple(
+                sync_statistics.kernel([st.blocks_states[j].statistics[i] for st in shards],
+                                       fractions)
+                for i in range(len(first.statistics)))
+            out.append(BlockState(stats, first.cache, first.like))
+        return BlockDiagonalState(tuple(out))
+
 
 def block_diag(blocks):
     r"""Block-diagonal matrix from square blocks (array-API concatenation, no mutation).
