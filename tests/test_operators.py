@@ -107,6 +107,13 @@ def test_kronecker_block_operator(xp, rng, exact):
     inv = CurvatureOperator.from_block(block, st, LAM, power=-1.0, exact_power=exact)
     xp.assert_close(inv.to_dense(), np.linalg.inv(m), rtol=16 * xp.rtol)
     xp.assert_close(inv.logdet(), -np.linalg.slogdet(m)[1], atol=m.shape[0] * xp.rtol)
+    if not exact:  # kfac-jax's approximate power one may be the exact product
+        exact_one = kj.DenseTwoKroneckerFactored(D_IN, D_OUT, approx_power_one="exact")
+        op = CurvatureOperator.from_block(exact_one, updated(exact_one, xp, data), LAM,
+                                          exact_power=False)
+        m = np.kron(a, g) + LAM * np.eye(a.shape[0] * g.shape[0])
+        xp.assert_close(op.to_dense(), m)
+        check_spectral(xp, op, m)
 
 
 @pytest.mark.parametrize("family", ["ekfac", "diagonal", "full"])
@@ -254,3 +261,24 @@ def test_operator_errors(xp, rng):
         CurvatureOperator(lambda v: v, xp.asarray(np.ones(2)), 2, symmetric=False)
     with pytest.raises(KFACValueError, match="from_exact: curvature"):
         CurvatureOperator.from_exact(small_net(), None, (), None, "gauss")
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "factored"])
+def test_conv_block_scale_and_norm_scaled_damping(xp, rng, exact):
+    """KFC (scale |T| = 4) with the identity weight scaled by the block's trace norm,
+    λ = w·|T|·(tr Ω/d_Ω)(tr Γ/d_Γ); the factored split of λ/|T| (Grosse & Martens 2016)."""
+    skip_jax(xp)
+    block = kj.Conv2DTwoKroneckerFactored(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 2),
+                                          strides=1, padding="VALID")
+    data = {"inputs": xp.asarray(rng.standard_normal((N, 3, 3, 1))),
+            "outputs_grad": xp.asarray(rng.standard_normal((N, 2, 2, 2)))}
+    st = updated(block, xp, data)
+    om, ga = (xp.to_numpy(s.value) for s in st.statistics)
+    t, w = 4.0, 0.05
+    lam = w * t * (np.trace(om) / om.shape[0]) * (np.trace(ga) / ga.shape[0])
+    m = (t * np.kron(om, ga) + lam * np.eye(om.shape[0] * ga.shape[0]) if exact
+         else t * factored(om, ga, lam / t))
+    op = CurvatureOperator.from_block(block, st, w, exact_power=exact,
+                                      norm_to_scale_identity_weight="avg_diag")
+    check_products(xp, rng, op, m)
+    check_spectral(xp, op, m)
