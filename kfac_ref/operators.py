@@ -48,6 +48,7 @@ from .blocks.kfac_jax import (
 from .curvature import exact as exact_curvature
 from .curvature.estimators import BlockDiagonalCurvature
 from .linalg import power_of_eigenvalues
+from .nn import Sequential
 from .spectral import (
     hutchinson_trace_kernel,
     hutchpp_trace_kernel,
@@ -142,8 +143,9 @@ class CurvatureOperator:
                   \texttt{exact\_power})
 
         ``identity_weight`` :math:`w` (times the block's norm with
-        ``norm_to_scale_identity_weight``, :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock
-        .effective_identity_weight`), ``power`` and ``exact_power`` as the block's
+        ``norm_to_scale_identity_weight``,
+        :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.effective_identity_weight`),
+        ``power`` and ``exact_power`` as the block's
         :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.multiply_matpower`; the products are
         that method's, on the statistics of ``state`` (not a cache).
         """
@@ -216,6 +218,9 @@ class CurvatureOperator:
         """
         func = "CurvatureOperator.from_exact"
         check_option(func, "curvature", curvature, EXACT_CURVATURES)
+        if not isinstance(net, Sequential):
+            raise KFACTypeError(f"{func}: net must be a kfac_ref.nn.Sequential; got "
+                                f"{describe(net)}.")
         product = {"ggn": exact_curvature.ggn_vector_product,
                    "fisher": exact_curvature.fisher_vector_product,
                    "empirical_fisher": exact_curvature.empirical_fisher_vector_product,

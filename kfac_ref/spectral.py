@@ -390,8 +390,8 @@ def hutchinson_trace(matmat, probes):
         ``X [d, k] -> M X [d, k]`` (e.g. :meth:`kfac_ref.operators.CurvatureOperator.matmat`).
     probes : array [d, m]
         The probe vectors :math:`Z` as columns (draw them with an explicit
-        ``numpy.random.Generator``, as :meth:`~kfac_ref.operators.CurvatureOperator
-        .hutchinson_trace` does).
+        ``numpy.random.Generator``, as
+        :meth:`kfac_ref.operators.CurvatureOperator.hutchinson_trace` does).
 
     Returns
     -------

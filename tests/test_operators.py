@@ -261,6 +261,8 @@ def test_operator_errors(xp, rng):
         CurvatureOperator(lambda v: v, xp.asarray(np.ones(2)), 2, symmetric=False)
     with pytest.raises(KFACValueError, match="from_exact: curvature"):
         CurvatureOperator.from_exact(small_net(), None, (), None, "gauss")
+    with pytest.raises(KFACTypeError, match="from_exact: net must be"):
+        CurvatureOperator.from_exact("net", None, (), None)
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "factored"])
