@@ -58,7 +58,7 @@ def _kfac_factors(net, x, y, loss):
     out = net(x)
     for h in hooks:
         h.remove()
-    names = list(mods)
+    names = [n for n in mods if n in outs]  # modules called in the forward pass
     if loss == "mse":
         vecs = [torch.autograd.grad(out[:, k].sum(), [outs[n] for n in names],
                                     retain_graph=True) for k in range(out.shape[1])]
@@ -643,3 +643,28 @@ def test_a_linear_shared_over_positions():
     res = _check(net, x, y, loss, mode, pre)
     assert {c.layer: c.diagnosis for c in res.checks if not c.ok} == {
         "fc1": "damping_not_normalised"}, str(res)
+
+
+def test_attention_projections_are_left_out():
+    """nn.MultiheadAttention's out_proj is an nn.Linear the module never calls: not a
+    checked layer (this check covers nn.Linear and nn.Conv2d called as modules)."""
+    torch.manual_seed(3)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(4, 2, batch_first=True)
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, inputs):
+            h, _ = self.attn(inputs, inputs, inputs)
+            return self.fc(h.mean(dim=1))
+
+    net = Net().double().eval()
+    x, y = torch.randn(5, 3, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    loss, mode = "cross_entropy", "fisher_empirical"
+    factors = _kfac_factors(net, x, y, loss)
+    factors = {"fc": factors["fc"]}
+    grads = {"fc": _mean_loss_grads(net, x, y, loss)["fc"]}
+    res = _check(net, x, y, loss, mode, _precondition(factors, grads), factors=factors)
+    assert res.ok and [c.layer for c in res.checks] == ["fc"], str(res)

@@ -16,8 +16,8 @@ trace-norm π (Martens & Grosse 2015, §6.3),
 
 i.e. :math:`\mathrm{vec}_r(P) = [(G + \tfrac{\sqrt\lambda}{\pi}I) \otimes (A + \pi\sqrt\lambda
 I)]^{-1}\mathrm{vec}_r(\Gamma)` — equivalently :math:`(A_\lambda \otimes G_\lambda)^{-1}`
-on the column-major vec — or with exact damping :math:`(A\otimes G + \lambda I)^{-1}` through
-both eigendecompositions.  Both are computed by
+on the column-major vec — or with exact damping :math:`(A\otimes G + \lambda I)^{-1}` on the
+column-major vec, through both eigendecompositions.  Both are computed by
 :func:`kfac_ref.linalg.kron_damped_inverse_matvec`; the alternatives by
 :func:`kfac_ref.linalg.pi_tracenorm`, :func:`~kfac_ref.linalg.pi_adjusted_damping` and
 :func:`~kfac_ref.linalg.damped_inverse`.
@@ -238,12 +238,17 @@ class PreconditionerCheck:
 # --------------------------------------------------------------------------------------
 def _layers(model):
     """``{name: module}`` of the ``nn.Linear`` and ``nn.Conv2d`` layers (``groups=1``, zero
-    padding: :func:`torch_conv_padding` refuses others, naming the module)."""
+    padding: :func:`torch_conv_padding` refuses others, naming the module), less the
+    projections inside an ``nn.MultiheadAttention``."""
     import torch
 
-    layers = {}
+    layers, attention = {}, []
     for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Conv2d):
+        if isinstance(m, torch.nn.MultiheadAttention):
+            attention.append(name + ".")  # its out_proj is a Linear it never calls
+        elif any(name.startswith(prefix) for prefix in attention):
+            continue
+        elif isinstance(m, torch.nn.Conv2d):
             torch_conv_padding(m, name)
             layers[name] = m
         elif isinstance(m, torch.nn.Linear):
@@ -553,8 +558,10 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
 
     With ``flat=True`` each layer's entry (given or passed) is the flat vector
     ``[weight.flatten(), bias]`` instead.  Every supported layer (``nn.Linear``,
-    ``nn.Conv2d``), or each of ``layers`` when given, must be present: a missing one is
-    reported and fails.  The user's tensors are copied to NumPy before anything runs; a
+    ``nn.Conv2d`` with ``groups=1``, each called once), or each of ``layers`` when given,
+    must be present: a missing one is reported and fails.  Other layer kinds (attention,
+    normalisation, embeddings, other convolutions) are not checked by this function.
+    The user's tensors are copied to NumPy before anything runs; a
     callable is called once, after the one forward and backward pass that forms the
     gradients and before the reference's passes (whose forward passes fire any hooks the
     model carries: give a callable that does not update its statistics, or its factors).
