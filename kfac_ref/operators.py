@@ -331,7 +331,7 @@ class CurvatureOperator:
         return self._mm(eye_like(self._like, self._dim))
 
     def to_scipy(self):
-        r"""A :class:`scipy.sparse.linalg.LinearOperator` view (NumPy operators only).
+        r"""A ``scipy.sparse.linalg.LinearOperator`` view (NumPy operators only).
 
         .. math:: \texttt{A @ v} = M v, \qquad \texttt{A.H @ v} = M^\top v
 

@@ -443,7 +443,7 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         for every statistic :math:`i` of every block :math:`l`
         (:func:`kfac_ref.averaging.sync_statistics`).  ``state`` is one
-        :class:`BlockDiagonalState` (one shard: returned unchanged, as kfac-jax on one
+        ``BlockDiagonalState`` (one shard: returned unchanged, as kfac-jax on one
         device) or a list or tuple of them, one per shard, each updated from the same synced
         state with the same ``ema_old``, ``ema_new`` and estimation mode on its own
         :math:`n_k` examples; ``batch_sizes`` are the :math:`n_k` (``None``: equal shards,
