@@ -325,6 +325,12 @@ class Browser:
         shutil.rmtree(self.profile, ignore_errors=True)
 
 
+def _measure(browser: Browser, url: str) -> tuple[int, dict]:
+    """Load ``url``; return its height and the measurements of :data:`MEASURE_JS`."""
+    height = browser.load(url)
+    return height, json.loads(browser.evaluate(MEASURE_JS))
+
+
 def problems(m: dict) -> list[str]:
     """The failures in one page's measurements, as sentences."""
     if "error" in m:
@@ -358,6 +364,9 @@ def main(argv=None) -> int:
                     help="screenshot at most this many pixels of each page (default 4000)")
     ap.add_argument("--width", type=int, default=WIDTH,
                     help=f"window width in CSS pixels (default {WIDTH})")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds to wait for Chromium per step (default 120; a page that "
+                         "times out is retried once in a fresh browser)")
     ap.add_argument("--verbose", "-v", action="store_true",
                     help="list every page, not only those that fail, note or are screenshotted")
     ap.add_argument("--screenshot-all", action="store_true",
@@ -378,16 +387,29 @@ def main(argv=None) -> int:
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
     failed = formulas = 0
+    unmeasured = []
     try:
-        browser = Browser(exe, width=args.width)
+        browser = Browser(exe, width=args.width, timeout=args.timeout)
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"pagecheck: FAILED - {exe} did not start a headless session: {exc}")
         return 1
     try:
         for page in pages:
             url = (args.html / page).resolve().as_uri()
-            height = browser.load(url)
-            m = json.loads(browser.evaluate(MEASURE_JS))
+            try:
+                height, m = _measure(browser, url)
+            except (RuntimeError, TimeoutError, OSError):
+                # a busy machine: one more try in a fresh browser before giving up the page
+                browser.close()
+                browser = Browser(exe, width=args.width, timeout=args.timeout)
+                try:
+                    height, m = _measure(browser, url)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    print(f"pagecheck: FAIL {page}: not measured ({exc})")
+                    unmeasured.append(page)
+                    browser.close()
+                    browser = Browser(exe, width=args.width, timeout=args.timeout)
+                    continue
             bad = problems(m)
             shot = ""
             if args.screenshots and (args.screenshot_all or page in PAGES or args.pages):
@@ -408,9 +430,11 @@ def main(argv=None) -> int:
             failed += bool(bad)
     finally:
         browser.close()
-    if failed:
-        print(f"pagecheck: FAILED - {len(pages)} pages checked ({formulas} display formulas), "
-              f"{failed} overflow at {args.width} px")
+    if failed or unmeasured:
+        print(f"pagecheck: FAILED - {len(pages) - len(unmeasured)} pages checked ({formulas} "
+              f"display formulas), {failed} overflow at {args.width} px"
+              + (f"; {len(unmeasured)} could not be measured (Chromium did not answer)"
+                 if unmeasured else ""))
         return 1
     print(f"pagecheck: passed - {len(pages)} pages checked ({formulas} display formulas), 0 "
           f"overflow: every page fits the main column at {args.width} px")
