@@ -668,3 +668,40 @@ def test_attention_projections_are_left_out():
     grads = {"fc": _mean_loss_grads(net, x, y, loss)["fc"]}
     res = _check(net, x, y, loss, mode, _precondition(factors, grads), factors=factors)
     assert res.ok and [c.layer for c in res.checks] == ["fc"], str(res)
+
+
+def test_declared_damping_per_factor_passes_and_is_refused_for_exact_damping():
+    """λ given to each factor: (A + πλI)⊗(G + λ/πI) is the reference with the block damping
+    λ²; declared, it passes; undeclared it is named damping_parameterisation."""
+    from conformance.own_model import check_torch_preconditioner, reference_torch_kfac
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(),
+                              torch.nn.Linear(3, 2)).double()
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 2, (5,))
+    ref = reference_torch_kfac(net, "cross_entropy", x, y)
+    lam = 0.05
+
+    def per_factor(grads):
+        out = {}
+        for name, gr in grads.items():
+            a, g = (torch.as_tensor(ref[name][k]) for k in ("A", "G"))
+            pi = ((torch.trace(a) / len(a)) / (torch.trace(g) / len(g))).sqrt()
+            m = torch.cat([gr["weight"], gr["bias"][:, None]], 1)
+            p = torch.linalg.solve(g + lam / pi * torch.eye(len(g), dtype=g.dtype), m)
+            p = torch.linalg.solve(a + pi * lam * torch.eye(len(a), dtype=a.dtype), p.T).T
+            out[name] = {"weight": p[:, :-1], "bias": p[:, -1]}
+        return out
+
+    res = check_torch_preconditioner(net, "cross_entropy", x, y, per_factor, damping=lam)
+    assert {c.diagnosis for c in res.checks} == {"damping_parameterisation"}, str(res)
+    ok = check_torch_preconditioner(net, "cross_entropy", x, y, per_factor, damping=lam,
+                                    conventions={"damping_per_factor": "lambda"})
+    assert ok.ok, str(ok)
+    with pytest.raises(ValueError, match=r"needs damping_style='factored'"):
+        check_torch_preconditioner(net, "cross_entropy", x, y, per_factor, damping=lam,
+                                   damping_style="exact",
+                                   conventions={"damping_per_factor": "lambda"})
+    with pytest.raises(ValueError, match=r"conventions has no field 'conv_style' here"):
+        check_torch_preconditioner(net, "cross_entropy", x, y, per_factor, damping=lam,
+                                   conventions={"conv_style": "kfc"})

@@ -94,7 +94,8 @@ def declared_conventions(fn, conventions):
     for key, value in conventions.items():
         if key in ("kron_order", "damping_per_factor"):
             raise ValueError(f"{fn}: conventions[{key!r}] concerns the preconditioner, not "
-                             "the factors: give it to check_torch_preconditioner.")
+                             "the factors: check_torch_preconditioner takes "
+                             "'damping_per_factor' and names a swapped Kronecker order.")
         if key not in CONVENTION_FIELDS:
             raise ValueError(f"{fn}: conventions has no field {key!r}; the fields are "
                              f"{', '.join(CONVENTION_FIELDS)}.")

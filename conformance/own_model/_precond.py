@@ -266,6 +266,30 @@ def _layer_dims(mod):
     return w[0], int(np.prod(w[1:])) + bias, w, bias
 
 
+def _block_damping(lam, damping_style, conventions):
+    """The block's damping λ from the given ``damping`` and the declared ``conventions``
+    (only ``damping_per_factor``: ``"sqrt"``, the default, gives λ to the block and √λ to
+    each factor; ``"lambda"`` gives the value to each factor, the block's λ being its
+    square — :data:`conformance.conventions.FIELDS`)."""
+    if conventions is None:
+        return lam
+    if not isinstance(conventions, dict):
+        raise TypeError(f"{_FN}: conventions must be a dict of field -> value; got "
+                        f"{type(conventions).__name__}.")
+    for key, value in conventions.items():
+        if key != "damping_per_factor":
+            raise ValueError(f"{_FN}: conventions has no field {key!r} here; the "
+                             "preconditioner takes 'damping_per_factor' (the factors' "
+                             "conventions go to check_torch_kfac).")
+        if value not in ("sqrt", "lambda"):
+            raise ValueError(f"{_FN}: conventions['damping_per_factor'] must be one of "
+                             f"('sqrt', 'lambda'); got {value!r}.")
+        if value == "lambda" and damping_style != "factored":
+            raise ValueError(f"{_FN}: conventions['damping_per_factor']='lambda' needs "
+                             "damping_style='factored' (exact damping has one λ).")
+    return lam * lam if conventions.get("damping_per_factor") == "lambda" else lam
+
+
 def _check_damping(damping, damping_style, flat):
     if (isinstance(damping, bool) or not isinstance(damping, numbers.Real)
             or not math.isfinite(float(damping)) or float(damping) <= 0):
@@ -525,7 +549,7 @@ def _describe(pitfall, explanation):
 def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, damping,
                                mode="fisher_exact", factors=None, damping_style="factored",
                                sharing="expand", rng=None, samples=None, layers=None,
-                               flat=False) -> PreconditionerCheck:
+                               flat=False, conventions=None) -> PreconditionerCheck:
     r"""Compare a user's K-FAC preconditioned gradient of ``model`` on one batch with the
     reference damped inverse product, per layer, and name the pitfall behind each
     disagreement.
@@ -619,6 +643,11 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
     λ/|T| on a layer with |T| > 1, no damping, the Kronecker order swapped), each also
     times the scalar pitfalls of N, N², |T| and 2 (e.g. the sum-loss gradient: ``scale:N``).
 
+    ``conventions={"damping_per_factor": "lambda"}`` declares that ``damping`` is each
+    factor's (:math:`(A + \pi\lambda I)\otimes(G + \lambda/\pi I)`, the reference with
+    the block damping :math:`\lambda^2`); the factors' own conventions are
+    :func:`check_torch_kfac`'s.
+
     Returns a :class:`PreconditionerCheck` (printable per-layer table, ``.ok``).
     """
     import torch
@@ -631,7 +660,7 @@ def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, 
         raise TypeError(f"{_FN}: model must be a torch.nn.Module; got {type(model).__name__}.")
     check_mode_args(_FN, loss, mode, sharing, rng, samples)
     _check_damping(damping, damping_style, flat)
-    lam = float(damping)
+    lam = _block_damping(float(damping), damping_style, conventions)
     if not (callable(preconditioned) or isinstance(preconditioned, dict)):
         raise TypeError(f"{_FN}: preconditioned must be a dict of layer name -> "
                         f"{{'weight', 'bias'}} or a callable returning one; got "

@@ -179,7 +179,7 @@ def conv_reference_factors(x, g, *, kernel, padding, strides, dilation, bias,
     :math:`A = \Omega` of :func:`kfac_ref.factors.conv_input_kronecker_factor`
     (:math:`\sum/(N|T|)`), :math:`G = K|T|\,\Gamma` with :math:`\Gamma` of
     :func:`kfac_ref.factors.conv_output_kronecker_factor` over the :math:`KN` rows
-    (:math:`\sum/(KN|T|)`), i.e. :math:`G = rac1N\sum_{n,t,k} g g^	op`; KFAC-reduce: the
+    (:math:`\sum/(KN|T|)`), i.e. :math:`G = \frac1N\sum_{n,t,k} g g^\top`; KFAC-reduce: the
     mean patch and the summed vectors per example.  ``order="chw"`` permutes ``A`` from
     kfac_ref's ``(kh, kw, C)`` into unfold's ``(C, kh, kw)`` patch order (bias last in
     both); ``"hwc"`` keeps it."""
@@ -212,8 +212,8 @@ def conv_reference_factors(x, g, *, kernel, padding, strides, dilation, bias,
 
 def dense_reference_factors(a, g, *, bias, sharing="expand"):
     r"""Reference ``(A, G, |T|)`` of one dense layer: ``a`` ``[N, (S,) d_in]``, ``g``
-    ``[K, N, (S,) d_out]``; :math:`A = rac{1}{NS}\sum_{n,s}ar aar a^	op`,
-    :math:`G = rac1N\sum_{n,s,k} g g^	op` by
+    ``[K, N, (S,) d_out]``; :math:`A = \frac{1}{NS}\sum_{n,s}\bar a\bar a^\top`,
+    :math:`G = \frac1N\sum_{n,s,k} g g^\top` by
     :func:`kfac_ref.factors.fully_connected_kronecker_factor` (KFAC-expand; with
     ``sharing="reduce"`` the mean input and the summed vectors over S)."""
     from kfac_ref.factors import fully_connected_kronecker_factor as fc
