@@ -20,7 +20,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 PYTHON = "3.11"
 #: what ruff checks (the same list as .ci/run)
-LINTED = ("kfac_ref", "tests", "benchmarks", "noxfile.py", "conformance", "docs/_ext")
+LINTED = ("kfac_ref", "tests", "benchmarks", "noxfile.py", "conformance", "docs/_ext", "tools")
 # torch is optional and comes from PyTorch's CPU wheel index: from PyPI the same pin is the
 # CUDA build (~530 MB plus NVIDIA packages).
 TORCH = ("torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu")
