@@ -56,15 +56,10 @@ import numpy as np
 from kfac_ref.conv_geometry import ConvGeometry
 
 from .own_model import (
-    as_rng,
-    check_factors,
     check_mode_args,
     conv_reference_factors,
-    layer_alternatives,
     model_output_vectors,
-    sample_targets,
 )
-from .own_model._check import positions
 
 __all__ = ["reference_jax_kfac", "check_jax_kfac", "KINDS"]
 
@@ -267,22 +262,6 @@ def _entry(fn, name, spec, uses, gs, n, sharing):
     return entry
 
 
-def _batch_references(args, mode, samples, loss, sharing, fn):
-    kw = dict(loss=loss, sharing=sharing, _fn=fn)
-    ref = reference_jax_kfac(*args, mode=mode, samples=samples, **kw)
-    others = {}
-    if mode != "fisher_empirical":
-        others["empirical_fisher"] = reference_jax_kfac(*args, mode="fisher_empirical", **kw)
-    if mode != "fisher_exact":
-        others["true_fisher"] = reference_jax_kfac(*args, mode="fisher_exact", **kw)
-    if any(positions(r) > 1 for r in ref.values()):
-        others["sharing"] = reference_jax_kfac(
-            *args, mode=mode, samples=samples, loss=loss, _fn=fn,
-            sharing="reduce" if sharing == "expand" else "expand")
-    alts = {name: layer_alternatives(name, ref[name], others, mode, sharing) for name in ref}
-    return ref, alts
-
-
 def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cross_entropy",
                    mode="fisher_exact", sharing="expand", rng=None, samples=None,
                    mc_samples=1, conventions=None, level="block", check_layers=None,
@@ -303,25 +282,24 @@ def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cro
     first; ``earlier``: the ``(inputs, targets)`` of earlier statistics updates, oldest
     first.
     """
-    from .own_model._check import copy_factors, declared_conventions, resolve_sharing
+    from .own_model._check import check_batches
 
     fn = "check_jax_kfac"
     check_mode_args(fn, loss, mode, sharing, rng, samples)
     _check_layers(fn, layers)
-    factors = copy_factors(fn, factors)
-    sharing = resolve_sharing(fn, sharing, declared_conventions(fn, conventions))
-    if earlier and samples is not None:
-        raise ValueError(f"{fn}: with earlier batches, give rng (draws for every batch), "
-                         "not samples.")
-    gen = as_rng(fn, rng) if rng is not None else None
-    history = []
-    for x_i, y_i in list(earlier or []) + [(inputs, targets)]:
-        s_i = samples
-        if mode == "fisher_sampled" and samples is None:  # one set of draws per batch
-            out, _ = _taps(fn, model, params, x_i, {}, layers)
-            s_i = sample_targets(loss, np.asarray(out, dtype=np.float64), gen, mc_samples)
-        history.append(_batch_references((model, params, x_i, y_i, layers), mode, s_i, loss,
-                                         sharing, fn))
-    ref, alts = history[-1]
-    return check_factors(ref, factors, alts, mode, fn, conventions=conventions, level=level,
-                         layers=check_layers, earlier=history[:-1], decay=decay, loss=loss)
+    if earlier is not None and not isinstance(earlier, (list, tuple)):
+        raise TypeError(f"{fn}: earlier must be a list of (inputs, targets) pairs; got "
+                        f"{earlier!r:.80}.")
+
+    def reference(x, y, mode_, sharing_, samples_):
+        return reference_jax_kfac(model, params, x, y, layers, loss=loss, mode=mode_,
+                                  sharing=sharing_, samples=samples_, _fn=fn)
+
+    def outputs(x):
+        return np.asarray(_taps(fn, model, params, x, {}, layers)[0], dtype=np.float64)
+
+    return check_batches(fn, factors, list(earlier or []) + [(inputs, targets)], mode,
+                         reference=reference, outputs=outputs, loss=loss, sharing=sharing,
+                         rng=rng, samples=samples, mc_samples=mc_samples,
+                         conventions=conventions, level=level, layers=check_layers,
+                         decay=decay)

@@ -712,3 +712,44 @@ def check_factors(ref, factors, alternatives, mode, fn="check_factors", *, conve
                 verdict, split = "FAIL", ""
             result.blocks.append(BlockCheck(name, verdict, rel, btol, split))
     return result
+
+
+def check_batches(fn, factors, batches, mode, *, reference, outputs, loss, sharing, rng,
+                  samples, mc_samples, conventions, level, layers, decay) -> ModelCheck:
+    """The own-model check of ``factors`` against the statistics of ``batches`` (the
+    ``(inputs, targets)`` of every update, oldest first): the one driver of the torch and
+    JAX routes.  ``reference(inputs, targets, mode, sharing, samples)`` computes a batch's
+    reference entries; ``outputs(inputs)`` the model's float64 outputs (for drawing the
+    samples of ``mode="fisher_sampled"`` from ``rng``, batch by batch).  Each batch also
+    gets its alternatives: the other estimate (empirical or true Fisher) and, where a weight
+    is shared, the other sharing approximation."""
+    from ._reference import as_rng, sample_targets
+
+    factors = copy_factors(fn, factors)  # before any forward pass can fire the user's hooks
+    sharing = resolve_sharing(fn, sharing, declared_conventions(fn, conventions))
+    if not all(isinstance(b, (list, tuple)) and len(b) == 2 for b in batches):
+        raise TypeError(f"{fn}: earlier must be a list of (inputs, targets) pairs; got "
+                        f"{batches[:-1]!r:.80}.")
+    if len(batches) > 1 and samples is not None:
+        raise ValueError(f"{fn}: with earlier batches, give rng (draws for every batch), "
+                         "not samples.")
+    gen = as_rng(fn, rng) if rng is not None else None
+    history = []
+    for x_i, y_i in batches:
+        s_i = samples
+        if mode == "fisher_sampled" and samples is None:  # one set of draws per batch
+            s_i = sample_targets(loss, outputs(x_i), gen, mc_samples)
+        ref = reference(x_i, y_i, mode, sharing, s_i)
+        others = {}
+        if mode != "fisher_empirical":
+            others["empirical_fisher"] = reference(x_i, y_i, "fisher_empirical", sharing, None)
+        if mode != "fisher_exact":
+            others["true_fisher"] = reference(x_i, y_i, "fisher_exact", sharing, None)
+        if any(positions(r) > 1 for r in ref.values()):
+            others["sharing"] = reference(x_i, y_i, mode,
+                                          "reduce" if sharing == "expand" else "expand", s_i)
+        history.append((ref, {name: layer_alternatives(name, ref[name], others, mode,
+                                                       sharing) for name in ref}))
+    ref, alts = history[-1]
+    return check_factors(ref, factors, alts, mode, fn, conventions=conventions, level=level,
+                         layers=layers, earlier=history[:-1], decay=decay, loss=loss)
