@@ -2,9 +2,12 @@ r"""Curvature as a linear operator on the array API, with a SciPy ``LinearOperat
 
 .. math::
 
-    M = (sB + \lambda I)^{p} \ \text{(a block)}, \qquad
-    M = \mathrm{diag}\big((C_l + \lambda_l I)^{p}\big)_l \ \text{(the block-diagonal
-    estimator)}, \qquad M \in \{G, F, \mathrm{EF}, H\} \ \text{(the exact curvature)},
+    \begin{aligned}
+    M &= (sB + \lambda I)^{p} && \text{(a block)},\\
+    M &= \mathrm{diag}\big((C_l + \lambda_l I)^{p}\big)_l && \text{(the block-diagonal
+    estimator)},\\
+    M &\in \{G, F, \mathrm{EF}, H\} && \text{(the exact curvature)},
+    \end{aligned}
 
 as :class:`CurvatureOperator`: ``shape``, ``dtype``, ``matvec``, ``rmatvec``, ``matmat``,
 ``to_dense``, ``to_scipy`` and the spectral quantities of :mod:`kfac_ref.spectral`.  The
@@ -204,10 +207,12 @@ class CurvatureOperator:
 
         .. math::
 
-            Gv = \tfrac1N\textstyle\sum_n J_n^\top G_n J_n v, \quad
-            Fv = \tfrac1N\textstyle\sum_n J_n^\top F_n J_n v, \quad
-            \mathrm{EF}\,v = \tfrac1N\textstyle\sum_n \nabla\ell_n\nabla\ell_n^\top v, \quad
+            \begin{aligned}
+            Gv &= \tfrac1N\textstyle\sum_n J_n^\top G_n J_n v, \quad
+            Fv = \tfrac1N\textstyle\sum_n J_n^\top F_n J_n v,\\
+            \mathrm{EF}\,v &= \tfrac1N\textstyle\sum_n \nabla\ell_n\nabla\ell_n^\top v, \quad
             Hv
+            \end{aligned}
 
         (:func:`kfac_ref.curvature.ggn_vector_product`,
         :func:`~kfac_ref.curvature.fisher_vector_product`,
@@ -398,10 +403,13 @@ class CurvatureOperator:
 
         .. math::
 
-            \operatorname{spec}(sA\otimes G + \lambda I)^{p} = \{(s a_i\gamma_j + \lambda)^p\},
-            \quad \operatorname{spec}\big(s(A+\delta_A I)\otimes(G+\delta_G I)\big)^p =
-            \{s^p (a_i+\delta_A)^p(\gamma_j+\delta_G)^p\}, \quad
-            \operatorname{spec}(sB+\lambda I)^p = \{(\mu_k + \lambda)^p\}
+            \begin{aligned}
+            \operatorname{spec}(sA\otimes G + \lambda I)^{p}
+            &= \{(s a_i\gamma_j + \lambda)^p\},\\
+            \operatorname{spec}\big(s(A+\delta_A I)\otimes(G+\delta_G I)\big)^p
+            &= \{s^p (a_i+\delta_A)^p(\gamma_j+\delta_G)^p\},\\
+            \operatorname{spec}(sB+\lambda I)^p &= \{(\mu_k + \lambda)^p\}
+            \end{aligned}
 
         Kronecker blocks from their factors' clipped eigenvalues
         (:func:`kfac_ref.spectral.kron_eigenvalues`, exact or factored damping as the
@@ -452,10 +460,12 @@ class CurvatureOperator:
 
         .. math::
 
-            \log\det\big(s(A+\delta_A I)\otimes(G+\delta_G I)\big) = d_A d_G\log s
-            + d_G\log\det(A+\delta_A I) + d_A\log\det(G+\delta_G I), \qquad
-            \log|\det M| = \textstyle\sum_l \log|\det M_l|, \quad
+            \begin{aligned}
+            \log\det\big(s(A+\delta_A I)\otimes(G+\delta_G I)\big) &= d_A d_G\log s
+            + d_G\log\det(A+\delta_A I)\\ &\quad + d_A\log\det(G+\delta_G I),\\
+            \log|\det M| = \textstyle\sum_l \log|\det M_l|, &\quad
             \operatorname{sign}\det M = \textstyle\prod_l \operatorname{sign}\det M_l
+            \end{aligned}
 
         Kronecker blocks at power 1 by :func:`kfac_ref.spectral.kron_slogdet`, every other
         block from its eigenvalues; a matrix-free operator from ``eigvalsh`` of

@@ -7,9 +7,11 @@ laplace-torch's ``KronDecomposed`` and curvlinops' K-FAC operator use), with
 
 .. math::
 
-    \operatorname{tr}(A\otimes G) = \operatorname{tr}A\,\operatorname{tr}G, \qquad
-    \log\det(A\otimes G) = d_G\log\det A + d_A\log\det G, \qquad
-    \operatorname{spec}(A\otimes G) = \{a_i\gamma_j\},
+    \begin{aligned}
+    \operatorname{tr}(A\otimes G) &= \operatorname{tr}A\,\operatorname{tr}G,\\
+    \log\det(A\otimes G) &= d_G\log\det A + d_A\log\det G,\\
+    \operatorname{spec}(A\otimes G) &= \{a_i\gamma_j\},
+    \end{aligned}
 
 for the exactly damped block :math:`sA\otimes G + \lambda I` (eigenvalues
 :math:`s a_i\gamma_j + \lambda`) and the factored, π-damped block
