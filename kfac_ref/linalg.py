@@ -61,10 +61,14 @@ Cholesky without clipping.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+import warnings
 
 from ._backend import (
     KFACValueError,
+    _triangular_kernels,
     check_array,
     check_option,
     check_scalar,
@@ -271,6 +275,55 @@ def _singular_tolerance(xp, spectrum, order):
     return order * eps * xp.max(xp.abs(spectrum))
 
 
+_DEFERRED = contextvars.ContextVar("kfac_ref_deferred_value_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferred_value_checks(xp):
+    r"""Run the value checks of the kernels called inside on the device and read them back
+    once, at the end (internal API: a block's ``update_cache``).
+
+    .. math:: \text{ok} = \textstyle\bigwedge_k \text{flag}_k \quad \text{(one read)}
+
+    Each check inside (a Cholesky pivot, the spectrum of a negative or fractional power)
+    leaves a 0-D boolean flag instead of reading it; at the exit one ``all`` of the stacked
+    flags is read into the yielded ``status["ok"]``.  The caller discards what it computed
+    when it is false and computes again outside this context, where the failing check
+    raises the error (and takes the fall-back) it always did; so the numbers and errors
+    are the eager ones, and a success costs one read.  Nested uses collect into the
+    outermost (their own status stays true).
+    """
+    status = {"ok": True}
+    if _DEFERRED.get() is not None:
+        yield status
+        return
+    pending = []
+    token = _DEFERRED.set(pending)
+    try:
+        # warnings of arithmetic on failing numbers are held back; shown only on success
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield status
+    finally:
+        _DEFERRED.reset(token)
+    if pending:
+        status["ok"] = bool(xp.all(xp.stack([xp.reshape(f, ()) for f, _ in pending])))
+    if status["ok"]:
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _value_check(flag, fail):
+    """``fail()`` (which raises) unless the 0-D boolean ``flag``: read now, or at the end
+    of :func:`deferred_value_checks`."""
+    pending = _DEFERRED.get()
+    if pending is None:
+        if not bool(flag):
+            fail()
+    else:
+        pending.append((flag, fail))
+
+
 def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues"):
     r"""``s**exp`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
 
@@ -290,7 +343,8 @@ def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues")
         return s
     if checks_values(s):
         n = math.prod(s.shape) if order is None else order
-        if exp < 0 and not bool(xp.min(s) > _singular_tolerance(xp, s, n)):
+
+        def singular():
             raise KFACValueError(
                 f"{func}: matrix + damping·I must be positive definite for the negative "
                 f"exponent {exp}; its smallest eigenvalue after clipping and damping is "
@@ -298,12 +352,18 @@ def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues")
                 f"{float(_singular_tolerance(xp, s, n)):.3g} (numerically singular). "
                 "Add damping."
             )
-        if not float(exp).is_integer() and not bool(xp.min(s) >= 0):
+
+        def negative():
             raise KFACValueError(
                 f"{func}: matrix + damping·I must be positive semi-definite for the "
                 f"fractional exponent {exp}; its smallest eigenvalue is "
                 f"{float(xp.min(s)):.3g}."
             )
+
+        if exp < 0:
+            _value_check(xp.min(s) > _singular_tolerance(xp, s, n), singular)
+        if not float(exp).is_integer():
+            _value_check(xp.min(s) >= 0, negative)
     if exp == 1.0:
         return s
     return s**exp
@@ -351,11 +411,34 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     return _damped_matpower(xp, matrix, exp, damping, c, func=func)
 
 
+def add_to_diagonal(xp, matrix, damping):
+    r""":math:`M + \lambda I` without forming :math:`I` (internal API of the damped kernels).
+
+    .. math:: (M + \lambda I)_{ij} = M_{ij} + \lambda\,\delta_{ij}
+
+    NumPy and CuPy add :math:`\lambda` to the diagonal of a fresh copy (a strided view of
+    ``n`` entries), PyTorch to the diagonal view of a fresh clone; the input is never
+    written.  JAX (XLA fuses ``M + λ·eye`` into one pass), lazy arrays and other libraries
+    take ``M + λ·eye``.  Same numbers either way: :math:`M_{ij} + 0` is :math:`M_{ij}`.
+    """
+    n = matrix.shape[0]
+    kind = _triangular_kernels(xp) if not is_lazy(matrix) else None
+    if kind in ("scipy", "cupy"):
+        out = matrix.copy()
+        out.reshape(-1)[:: n + 1] += damping
+        return out
+    if kind == "torch":
+        out = matrix.clone()
+        out.diagonal().add_(damping)
+        return out
+    return matrix + damping * eye_like(matrix, n)
+
+
 @kernel_of(damped_matpower)
 def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower",
                      second_moment=False):
     if exp == 1.0:
-        return matrix + damping * eye_like(matrix, matrix.shape[0])
+        return add_to_diagonal(xp, matrix, damping)
     void = (second_moment and threshold <= 0.0) or _clipping_is_void(xp, matrix, threshold)
     if exp == -1.0 and void:
         try:
@@ -385,7 +468,7 @@ def _clipping_is_void(xp, matrix, threshold):
         return False
     diag = xp.linalg.diagonal(matrix)
     delta = n * xp.finfo(matrix.dtype).eps * float(xp.max(xp.abs(diag)))
-    shifted = matrix - (threshold - delta) * eye_like(matrix, n)
+    shifted = add_to_diagonal(xp, matrix, -(threshold - delta))
     return _cholesky_succeeds(xp, (shifted + shifted.T) / 2.0)
 
 
@@ -438,7 +521,7 @@ def damped_cholesky(matrix, damping=0.0):
 
 @kernel_of(damped_cholesky)
 def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
-    damped = matrix + damping * eye_like(matrix, matrix.shape[0])
+    damped = add_to_diagonal(xp, matrix, damping)
     try:
         l_factor = cholesky_lower(xp, damped)
     except Exception as exc:  # backends raise their own LinAlgError types
@@ -453,18 +536,20 @@ def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
         # only when it fails.
         pivots = xp.linalg.diagonal(l_factor) ** 2
         tol = _singular_tolerance(xp, pivots, n)
-        if bool(xp.min(pivots) > tol):
-            return l_factor
-        if not bool(xp.all(xp.isfinite(pivots))):
+
+        def fail():
+            if not bool(xp.all(xp.isfinite(pivots))):
+                raise KFACValueError(
+                    f"{func}: matrix + damping·I must be positive definite; the Cholesky "
+                    "factor has non-finite entries. Add damping."
+                )
             raise KFACValueError(
-                f"{func}: matrix + damping·I must be positive definite; the Cholesky factor "
-                "has non-finite entries. Add damping."
+                f"{func}: matrix + damping·I must be positive definite; its smallest squared "
+                f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
+                f"{float(tol):.3g} (numerically singular). Add damping."
             )
-        raise KFACValueError(
-            f"{func}: matrix + damping·I must be positive definite; its smallest squared "
-            f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
-            f"{float(tol):.3g} (numerically singular). Add damping."
-        )
+
+        _value_check(xp.min(pivots) > tol, fail)
     return l_factor
 
 
@@ -650,8 +735,10 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
 @kernel_of(pi_adjusted_damping)
 def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norms=None):
     pi = _pi(xp, left, right, norm_type, norms=norms)
-    # a traced λ (jax.jit: a norm-scaled identity weight) cannot become a Python float
-    root = xp.sqrt(damping) if is_array(damping) and is_lazy(damping) else math.sqrt(damping)
+    # an array λ (a norm-scaled identity weight) stays on the device: no host read, and
+    # under jax.jit a traced λ cannot become a Python float (sqrt is correctly rounded in
+    # both, so the numbers are the same)
+    root = xp.sqrt(damping) if is_array(damping) else math.sqrt(damping)
     return pi * root, root / pi
 
 

@@ -711,8 +711,9 @@ class NegativeLogProbLoss(LossFunction):
         logits' device; only the transformation to targets is array code.  Under
         ``jax.jit`` the draw therefore happens once, when the function is traced: the noise
         is a constant of the compiled function and every call returns the same samples.
-        To resample under ``jit``, draw outside it (call ``sample`` eagerly, or pass the
-        targets in as an argument).
+        To resample under ``jit``, pass a JAX key as an argument of the jitted function
+        (drawn with :mod:`jax.random` at every call), or draw outside it (call ``sample``
+        eagerly, or pass the targets in as an argument).
         """
         return self.kernels.sample(check_random_source(self._fname("sample"), "rng", rng,
                                                         self.params[0]))

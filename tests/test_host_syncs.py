@@ -72,3 +72,60 @@ def test_value_checks_cost_one_read_per_input(reads):
         reads["n"] = 0
         kfac_ref.compute_cov(x)
         assert reads["n"] == 0
+
+
+def test_norm_scaled_cache_of_several_powers_reads_nothing_without_value_checks(reads):
+    """A cache refresh with a norm-scaled identity weight and three approximate powers (the
+    π norms once, λ and its square root kept on the device): no read with value checks
+    off."""
+    rng = np.random.default_rng(2)
+    block = kj.DenseTwoKroneckerFactored(6, 4)
+    batch = {"inputs": _t(rng.standard_normal((16, 6))),
+             "outputs_grad": _t(rng.standard_normal((16, 4)))}
+    vec = tuple(_t(rng.standard_normal(s)) for s in block.parameters_shapes)
+    with kfac_ref.value_checks(False):
+        state = block.init(torch.zeros((), dtype=torch.float64), exact_powers_to_cache=[-1.0],
+                           approx_powers_to_cache=[-1.0, -0.5, 0.5])
+        state = block.update_curvature_matrix_estimate(state, batch, 0.0, 1.0, 16)
+        reads["n"] = 0
+        state = block.update_cache(state, 0.1, [-1.0], [-1.0, -0.5, 0.5], False, "avg_diag")
+        out = block.multiply_matpower(state, vec, 0.1, -0.5, False, True, "avg_diag")
+        assert reads["n"] == 0
+    assert all(o.shape == v.shape for o, v in zip(out, vec, strict=True))
+
+
+@pytest.mark.parametrize("fallback,expected", [("identity", 2), ("pi_one", 1)])
+def test_cache_refresh_reads_its_value_checks_once(reads, fallback, expected):
+    """With value checks on, a Kronecker cache refresh (exact −1, approximate −1, −½, ½,
+    eigenvalues, a norm-scaled weight) reads all its checks (Cholesky pivots, spectra) back
+    in one read; kfac-jax's zero-factor test (a branch, not a check) is one more read, once
+    for all the powers."""
+    rng = np.random.default_rng(4)
+    block = kj.DenseTwoKroneckerFactored(6, 4, zero_factor_fallback=fallback)
+    batch = {"inputs": _t(rng.standard_normal((16, 6))),
+             "outputs_grad": _t(rng.standard_normal((16, 4)))}
+    powers = [-1.0, -0.5, 0.5]
+    with kfac_ref.value_checks(False):
+        state = block.init(torch.zeros((), dtype=torch.float64), exact_powers_to_cache=[-1.0],
+                           approx_powers_to_cache=powers)
+        state = block.update_curvature_matrix_estimate(state, batch, 0.0, 1.0, 16)
+    reads["n"] = 0
+    block.update_cache(state, 0.1, [-1.0], powers, True, "avg_diag")
+    assert reads["n"] == expected
+
+
+def test_a_failing_deferred_check_raises_its_usual_error():
+    """A singular damped factor (G = 0, π = 1, no damping): the cache refresh raises the
+    error the uncached product raises, word for word."""
+    rng = np.random.default_rng(5)
+    block = kj.DenseTwoKroneckerFactored(3, 2, zero_factor_fallback="pi_one")
+    state = block.init(np.zeros(()), approx_powers_to_cache=[-1.0])
+    state = block.update_curvature_matrix_estimate(
+        state, {"inputs": rng.standard_normal((4, 3)), "outputs_grad": np.zeros((4, 2))},
+        0.0, 1.0, 4)
+    vec = tuple(rng.standard_normal(s) for s in block.parameters_shapes)
+    with pytest.raises(kfac_ref.KFACValueError) as fresh:
+        block.multiply_matpower(state, vec, 0.0, -1.0, False, False)
+    with pytest.raises(kfac_ref.KFACValueError) as cached:
+        block.update_cache(state, 0.0, [], [-1.0], False)
+    assert str(cached.value).replace("update_cache", "multiply_matpower") == str(fresh.value)

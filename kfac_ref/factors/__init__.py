@@ -28,6 +28,7 @@ from .base import (
     FisherFactor,
 )
 from .conv import (
+    DEVICE_MEMORY_SHARE,
     EXTRACT_PATCHES_FNS,
     MAX_TEMPORARY_BYTES,
     SUA_ORDERS,
@@ -45,6 +46,8 @@ from .conv import (
     conv_output_kronecker_factor,
     conv_patch_matrix,
     conv_per_example_gradients,
+    set_max_temporary_bytes,
+    temporary_bytes_bound,
 )
 from .dense import (
     FullyConnectedDiagonalFactor,
@@ -86,6 +89,9 @@ __all__ = [
     "EIGENVALUE_DECOMPOSITION_THRESHOLD",
     "EXTRACT_PATCHES_FNS",
     "MAX_TEMPORARY_BYTES",
+    "DEVICE_MEMORY_SHARE",
+    "set_max_temporary_bytes",
+    "temporary_bytes_bound",
     "OPTION1_EIG_METHODS",
     "FisherFactor",
     "DenseSquareMatrixFactor",

@@ -11,6 +11,7 @@ and the SUA input factor (:mod:`~kfac_ref.factors.conv_sua`), re-exported under 
 """
 
 from .conv_kfc import (
+    DEVICE_MEMORY_SHARE,
     EXTRACT_PATCHES_FNS,
     MAX_TEMPORARY_BYTES,
     ConvDiagonalFactor,
@@ -23,6 +24,8 @@ from .conv_kfc import (
     conv_output_kronecker_factor,
     conv_patch_matrix,
     conv_per_example_gradients,
+    set_max_temporary_bytes,
+    temporary_bytes_bound,
 )
 from .conv_sua import (
     SUA_ORDERS,
@@ -35,6 +38,9 @@ from .conv_sua import (
 __all__ = [
     "EXTRACT_PATCHES_FNS",
     "MAX_TEMPORARY_BYTES",
+    "DEVICE_MEMORY_SHARE",
+    "set_max_temporary_bytes",
+    "temporary_bytes_bound",
     "conv_patch_matrix",
     "conv_per_example_gradients",
     "conv_input_kronecker_factor",

@@ -18,6 +18,7 @@ on); the classes validate each tower once and call the kernels.  The spatially u
 from __future__ import annotations
 
 import math
+import sys
 
 from .._backend import (
     KFACValueError,
@@ -64,17 +65,88 @@ __all__ = [
     "ConvInputMultiKF",
     "ConvOutputMultiKF",
     "MAX_TEMPORARY_BYTES",
+    "DEVICE_MEMORY_SHARE",
+    "set_max_temporary_bytes",
+    "temporary_bytes_bound",
 ]
 
 MAX_TEMPORARY_BYTES = 64 * 2**20
-"""Default bound (64 MiB) on the patch temporaries of one chunk of examples in
-:func:`conv_input_kronecker_factor`, :func:`conv_output_kronecker_factor` and
-:func:`conv_diagonal_factor` (keyword ``max_temporary_bytes``)."""
+"""Default bound (64 MiB) on the patch temporaries of one chunk of examples for host arrays
+in :func:`conv_input_kronecker_factor`, :func:`conv_output_kronecker_factor`,
+:func:`conv_diagonal_factor` and :class:`kfac_ref.nn.Conv2D` (keyword
+``max_temporary_bytes``); GPU arrays get :func:`temporary_bytes_bound`'s share of free
+device memory."""
+
+DEVICE_MEMORY_SHARE = 0.25
+"""Share of the free memory of a GPU that the patch temporaries of one chunk may take by
+default (:func:`temporary_bytes_bound`)."""
+
+_USER_BOUND = {"bytes": None}
 
 
-def _chunk_bounds(xp, n, entries_per_example, max_temporary_bytes, dtype):
-    """:func:`kfac_ref.patches.example_chunks` for arrays of ``dtype``."""
-    return example_chunks(n, entries_per_example, xp.finfo(dtype).bits // 8, max_temporary_bytes)
+def set_max_temporary_bytes(nbytes):
+    r"""Set, once for the process, the bound on the patch temporaries of one chunk of
+    examples that every convolution statistic and :class:`kfac_ref.nn.Conv2D` uses when
+    its ``max_temporary_bytes`` is not given (``None`` restores the device-aware default).
+
+    .. math:: M \leftarrow \texttt{nbytes}
+
+    Returns the previous setting (``None``: the device-aware default).
+    """
+    if nbytes is not None:
+        nbytes = check_int("set_max_temporary_bytes", "nbytes", nbytes, minimum=1)
+    previous, _USER_BOUND["bytes"] = _USER_BOUND["bytes"], nbytes
+    return previous
+
+
+def temporary_bytes_bound(like, max_temporary_bytes=None):
+    r"""The bound :math:`M` (bytes) on the patch temporaries of one chunk of examples for
+    arrays like ``like``: the one place the chunk bound is decided.
+
+    .. math::
+
+        M = \begin{cases}
+        \texttt{max\_temporary\_bytes} & \text{when given},\\
+        \text{the bound of } \texttt{set\_max\_temporary\_bytes} & \text{when set},\\
+        \max(64\,\text{MiB},\ \rho\cdot\text{free device memory}) &
+            \text{CuPy arrays, torch CUDA tensors},\\
+        64\,\text{MiB} & \text{otherwise (host arrays, lazy arrays)},
+        \end{cases}
+
+    with :math:`\rho` = :data:`DEVICE_MEMORY_SHARE` (0.25) and the free memory queried
+    from the library (``cupy.cuda.Device.mem_info``, ``torch.cuda.mem_get_info``) at the
+    call.  Chunking changes only the order of the sums, so any bound gives the same
+    statistics up to rounding.
+    """
+    if max_temporary_bytes is not None:
+        return max_temporary_bytes
+    if _USER_BOUND["bytes"] is not None:
+        return _USER_BOUND["bytes"]
+    free = _free_device_bytes(like)
+    if free is None:
+        return MAX_TEMPORARY_BYTES
+    return max(MAX_TEMPORARY_BYTES, int(DEVICE_MEMORY_SHARE * free))
+
+
+def _free_device_bytes(like):
+    """Free memory of the GPU that holds ``like`` (CuPy, torch CUDA), else None.  Not
+    exercised without a GPU."""
+    module = type(like).__module__.split(".")[0]
+    try:
+        if module == "cupy":
+            return int(like.device.mem_info[0])
+        if module == "torch" and getattr(like, "is_cuda", False):
+            return int(sys.modules["torch"].cuda.mem_get_info(like.device)[0])
+    except Exception:  # a query the driver refuses: the host default
+        return None
+    return None
+
+
+def _chunk_bounds(xp, n, entries_per_example, max_temporary_bytes, like):
+    """:func:`kfac_ref.patches.example_chunks` for arrays like ``like`` (the bound from
+    :func:`temporary_bytes_bound`)."""
+    return example_chunks(n, entries_per_example, xp.finfo(like.dtype).bits // 8,
+                          temporary_bytes_bound(like, max_temporary_bytes))
 
 
 EXTRACT_PATCHES_FNS = ("extract_convolution_patches", "extract_image_patches",
@@ -198,7 +270,7 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
                                 sub_sample_patches=False, rng=None,
                                 inputs_to_extract_patches_factor=0.2,
                                 max_num_patches=10_000_000, max_num_patches_per_dimension=3.0,
-                                max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                                max_temporary_bytes=None):
     r"""KFC input factor :math:`\Omega`: second moment of the patch vectors over examples
     *and* locations.
 
@@ -249,9 +321,10 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
         Required when subsampling.
     inputs_to_extract_patches_factor, max_num_patches, max_num_patches_per_dimension
         TF's constants (0.2, 1e7, 3.0).
-    max_temporary_bytes : int
-        Bound on the patch temporaries of one chunk (default :data:`MAX_TEMPORARY_BYTES`,
-        64 MiB): a chunk of :math:`B` examples counts three copies of its patch matrix,
+    max_temporary_bytes : int, optional
+        Bound on the patch temporaries of one chunk (default :func:`temporary_bytes_bound`:
+        64 MiB for host arrays, a share of free GPU memory): a chunk of :math:`B` examples
+        counts three copies of its patch matrix,
         :math:`B\,|T|\,(|\Delta| C_{in} + 1)` entries each, and two of its padded input
         (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`).
 
@@ -281,8 +354,9 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     subsampling = _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng,
                                      inputs_to_extract_patches_factor, max_num_patches,
                                      max_num_patches_per_dimension)
-    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
-                                    minimum=1)
+    if max_temporary_bytes is not None:
+        max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                        minimum=1)
     geo.check_nonempty(func)
     return _conv_input_kronecker_factor(xp, inputs, geo, has_bias,
                                         extract_patches_fn=extract_patches_fn,
@@ -325,7 +399,7 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
                                  sub_sample_patches=False, rng=None,
                                  inputs_to_extract_patches_factor=0.2,
                                  max_num_patches=10_000_000, max_num_patches_per_dimension=3.0,
-                                 max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                                 max_temporary_bytes=None):
     """Unchecked kernel of :func:`conv_input_kronecker_factor` (options normalised)."""
     if sub_sample_inputs:
         keep = num_subsampled_inputs.kernel(inputs.shape[0], inputs_to_extract_patches_factor)
@@ -333,7 +407,7 @@ def _conv_input_kronecker_factor(xp, inputs, geo, has_bias=False, *, extract_pat
     if not sub_sample_patches:  # chunks of examples, one GEMM each
         n = inputs.shape[0]
         bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias)),
-                               max_temporary_bytes, inputs.dtype)
+                               max_temporary_bytes, inputs)
         def moment(start, stop):
             p = _conv_patch_matrix(xp, inputs[start:stop, ...], geo, has_bias,
                                    extract_patches_fn=extract_patches_fn,
@@ -361,7 +435,7 @@ def _check_outputs_grad(func, outputs_grad, data_format, *, name="outputs_grad",
 
 
 def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
-                                 max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                                 max_temporary_bytes=None):
     r"""KFC output factor :math:`\Gamma`: second moment of the back-propagated vectors over
     examples and locations.
 
@@ -377,9 +451,9 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
     data_format : str or None
         ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
         ``None`` (channels last, any rank ≥ 2).
-    max_temporary_bytes : int
+    max_temporary_bytes : int, optional
         Bound on the temporaries of one chunk of examples (a channels-first input is
-        transposed chunk by chunk); default :data:`MAX_TEMPORARY_BYTES`.
+        transposed chunk by chunk); default :func:`temporary_bytes_bound`.
 
     Returns
     -------
@@ -400,15 +474,16 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
     if math.prod(outputs_grad.shape) == 0:
         raise KFACValueError(f"{func}: outputs_grad must have at least one location; got shape "
                              f"{tuple(outputs_grad.shape)}.")
-    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
-                                    minimum=1)
+    if max_temporary_bytes is not None:
+        max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                        minimum=1)
     return _conv_output_kronecker_factor(xp, outputs_grad, channels_last,
                                          max_temporary_bytes=max_temporary_bytes)
 
 
 @kernel_of(conv_output_kronecker_factor)
 def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
-                                  max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                                  max_temporary_bytes=None):
     """Unchecked kernel: ``DSᵀDS / (N|T|)`` of an output-shaped array, by chunks."""
     n = outputs_grad.shape[0]
     per_example = math.prod(outputs_grad.shape[1:])
@@ -418,7 +493,7 @@ def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
         return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)
 
     return _sum_over_chunks(_chunk_bounds(xp, n, per_example, max_temporary_bytes,
-                                          outputs_grad.dtype), moment)
+                                          outputs_grad), moment)
 
 
 def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
@@ -479,7 +554,7 @@ def _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias=False, *
 
 def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
                          data_format="NHWC", dilations=None, has_bias=False, *,
-                         patch_mask=None, max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                         patch_mask=None, max_temporary_bytes=None):
     r"""Exact diagonal of the per-example second moment of a convolution's gradient.
 
     .. math::
@@ -508,7 +583,7 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
         Bound on the temporaries of one chunk of :math:`B` examples — its patch tensor
         (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`) and
         per-example gradients, :math:`B\,C_{out}(|\Delta| C_{in} + 1)` entries (at least one
-        example per chunk); default :data:`MAX_TEMPORARY_BYTES`.
+        example per chunk); default :func:`temporary_bytes_bound`.
 
     Returns
     -------
@@ -529,21 +604,22 @@ def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
     func = "conv_diagonal_factor"
     xp, geo = _check_conv_pair(func, inputs, outputs_grad, filter_shape, strides, padding,
                                data_format, dilations, has_bias, patch_mask)
-    max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
-                                    minimum=1)
+    if max_temporary_bytes is not None:
+        max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
+                                        minimum=1)
     return _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias, patch_mask=patch_mask,
                                  max_temporary_bytes=max_temporary_bytes)
 
 
 @kernel_of(conv_diagonal_factor)
 def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patch_mask=None,
-                          max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                          max_temporary_bytes=None):
     """Unchecked kernel: mean over examples of the squared per-example gradients, by chunks."""
     n = inputs.shape[0]
     d = geo.patch_size + has_bias
     # the per-example gradients and their square: two [C_out·d] arrays per example
     bounds = _chunk_bounds(xp, n, geo.temporary_entries_per_example(int(has_bias))
-                           + 2 * geo.out_channels * d, max_temporary_bytes, inputs.dtype)
+                           + 2 * geo.out_channels * d, max_temporary_bytes, inputs)
 
     def moment(start, stop):
         per_example = _conv_per_example_gradients(

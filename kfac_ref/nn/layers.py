@@ -42,7 +42,7 @@ from .._backend import (
     namespace_of,
     zeros_like_shape,
 )
-from ..factors import MAX_TEMPORARY_BYTES, conv_per_example_gradients
+from ..factors import conv_per_example_gradients, temporary_bytes_bound
 from ..factors.conv_kfc import patch_rows
 from ..linalg import compute_cov
 from ..patches import (
@@ -427,9 +427,10 @@ class Conv2D(Layer):
     data_format : {"NHWC", "NCHW"}
         Layout of inputs and outputs; the kernel is always HWIO.
     use_bias : bool
-    max_temporary_bytes : int
+    max_temporary_bytes : int, optional
         Bound on the patch-sized temporaries of every pass (default
-        :data:`kfac_ref.factors.MAX_TEMPORARY_BYTES`, 64 MiB): the forward, jvp, input
+        :func:`kfac_ref.factors.temporary_bytes_bound` of the arrays of each call: 64 MiB on
+        the host, a share of free GPU memory on a GPU): the forward, jvp, input
         cotangent and weight gradient run over chunks of examples
         (:func:`kfac_ref.patches.example_chunks`), each holding at most this many bytes of
         patches (one example at least), and concatenate (outputs, cotangents) or sum
@@ -449,7 +450,7 @@ class Conv2D(Layer):
     kind = "conv2d"
 
     def __init__(self, c_in, c_out, kernel_size, stride=1, padding="VALID", dilation=1,
-                 data_format="NHWC", use_bias=True, max_temporary_bytes=MAX_TEMPORARY_BYTES):
+                 data_format="NHWC", use_bias=True, max_temporary_bytes=None):
         func = "Conv2D"
         self.c_in = check_int(func, "c_in", c_in, minimum=1)
         self.c_out = check_int(func, "c_out", c_out, minimum=1)
@@ -472,8 +473,8 @@ class Conv2D(Layer):
             self.padding = ((pt, pb), (pl, pr))
         self.data_format = check_option(func, "data_format", data_format, ("NHWC", "NCHW"))
         self.use_bias = check_bool(func, "use_bias", use_bias)
-        self.max_temporary_bytes = check_int(func, "max_temporary_bytes", max_temporary_bytes,
-                                             minimum=1)
+        self.max_temporary_bytes = (None if max_temporary_bytes is None else check_int(
+            func, "max_temporary_bytes", max_temporary_bytes, minimum=1))
 
     # -- geometry ------------------------------------------------------------------------
     @property
@@ -580,8 +581,8 @@ class Conv2D(Layer):
         (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example` entries
         per example) fit in :attr:`max_temporary_bytes`."""
         entries = self.geometry(tuple(spatial_in)).temporary_entries_per_example(extra_columns)
-        return example_chunks(like.shape[0], entries,
-                              xp.finfo(like.dtype).bits // 8, self.max_temporary_bytes)
+        return example_chunks(like.shape[0], entries, xp.finfo(like.dtype).bits // 8,
+                              temporary_bytes_bound(like, self.max_temporary_bytes))
 
     @staticmethod
     def _concat_chunks(xp, fn, bounds, *arrays):

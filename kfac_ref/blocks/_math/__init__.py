@@ -66,6 +66,7 @@ from ._kron import apply_kron_cholesky as apply_kron_cholesky
 from ._kron import apply_kron_direct as apply_kron_direct
 from ._kron import apply_kron_eigen as apply_kron_eigen
 from ._kron import apply_kron_factored as apply_kron_factored
+from ._kron import factor_norms as factor_norms
 from ._kron import kron_product_path as kron_product_path
 from ._kron import kron_spectrum as kron_spectrum
 from ._kron import (
@@ -75,6 +76,7 @@ from ._kron import (
 from ._kron import prepare_kron as prepare_kron
 from ._kron import prepare_kron_eigen as prepare_kron_eigen
 from ._kron import prepare_kron_factored as prepare_kron_factored
+from ._kron import zero_factor as zero_factor
 from ._series import (
     series_gamma,
     series_option1_multiply_inverse,

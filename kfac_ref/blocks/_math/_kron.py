@@ -7,7 +7,7 @@ from ..._backend import (
     check_array,
     check_option,
     check_scalar,
-    is_lazy,
+    checks_values,
     namespace_of,
 )
 from ...linalg import (
@@ -26,6 +26,11 @@ from ._common import (
     check_factor,
     elementwise_power,
 )
+
+
+def factor_norms(xp, a, g, norm_type):
+    """``(‖A‖, ‖G‖)`` for π and the zero-factor test (``"off"``: the trace norms)."""
+    return _factor_norms(xp, a, g, norm_type)
 
 
 def _factor_norms(xp, a, g, norm_type):
@@ -78,33 +83,46 @@ def _factor_power(func, xp, f, power, delta, threshold):
                              f"{power} ({exc}). Add damping.") from None
 
 
+def zero_factor(xp, norms):
+    """kfac-jax's zero-factor test ``‖A‖ = 0 or ‖G‖ = 0`` from :func:`factor_norms`: a
+    Python bool read on the host when value checks run on concrete arrays, else the 0-D
+    boolean array (inside a trace, or with value checks off: both branches are computed and
+    selected, the same numbers without a read and without the error of a singular zero
+    block)."""
+    flag = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
+    return bool(flag) if checks_values(flag) else flag
+
+
 def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
-                           threshold):
+                           threshold, norms=None, zero=None):
     r"""Factor powers of the π-damped block.
 
     Returns ``(a_pow, g_pow, coeff)`` (and, for traced arrays, the zero-factor flag and the
     identity coefficient, selected by :func:`apply_kron_factored`) with
     :math:`(s (A + \delta_A I) \otimes (G + \delta_G I))^p = c\, A_p \otimes G_p`; for the
     kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
+    ``norms``: :func:`factor_norms` of ``(a, g, norm_type)`` and ``zero``: their
+    :func:`zero_factor` test, when the caller has them (a cache of several powers computes
+    them once).
     """
     lam = damping / scale
-    zero = norms = None
-    if zero_factor_fallback == "identity" or norm_type != "off":
+    if norms is None and (zero_factor_fallback == "identity" or norm_type != "off"):
         norms = _factor_norms(xp, a, g, norm_type)
-    if zero_factor_fallback == "identity":
-        # a 0-D bool array: read on the host only when it is concrete (eager); inside a
-        # trace it is lazy even for factors the traced function closes over
-        zero = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
-        if not is_lazy(zero):  # eager: decide on the host, as kfac-jax's Python branch does
-            if bool(zero):
-                # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
-                if power < 0 and damping == 0.0:
-                    raise KFACValueError(
-                        f"{func}: a Kronecker factor is zero and damping is 0, so the block is "
-                        f"singular for the power {power}. Add damping."
-                    )
-                return None, None, damping**power
-            zero = None
+    if zero_factor_fallback != "identity":
+        zero = None
+    elif zero is None:
+        # inside a trace the flag is lazy even for factors the traced function closes over
+        zero = zero_factor(xp, norms)
+    if isinstance(zero, bool):  # eager: decided on the host, as kfac-jax's Python branch does
+        if zero:
+            # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
+            if power < 0 and damping == 0.0:
+                raise KFACValueError(
+                    f"{func}: a Kronecker factor is zero and damping is 0, so the block is "
+                    f"singular for the power {power}. Add damping."
+                )
+            return None, None, damping**power
+        zero = None
     if norm_type == "off":
         delta_a = delta_g = lam**0.5
     else:
@@ -195,14 +213,15 @@ def kron_product_path(power, exact, approx_power_one="factored"):
 
 
 def prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
-                 threshold):
-    """The statistics-only part of a Kronecker product on ``path`` (None for "direct")."""
+                 threshold, norms=None, zero=None):
+    """The statistics-only part of a Kronecker product on ``path`` (None for "direct");
+    ``norms`` and ``zero`` as in :func:`prepare_kron_factored`."""
     if path == "direct":
         return None
     if path == "eigen":
         return prepare_kron_eigen(func, xp, a, g, threshold)
     return prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
-                                 zero_factor_fallback, threshold)
+                                 zero_factor_fallback, threshold, norms, zero)
 
 
 def apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale):

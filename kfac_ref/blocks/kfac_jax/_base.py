@@ -29,7 +29,7 @@ from ..._backend import (
 )
 from ..._pytrees import ensure_for, frozen, join, split, state_class
 from ...averaging import WeightedMovingAverage
-from ...linalg import FACTOR_NORMS
+from ...linalg import FACTOR_NORMS, deferred_value_checks
 from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
 
 __all__ = ["BlockState", "CurvatureBlock"]
@@ -655,6 +655,21 @@ class CurvatureBlock(abc.ABC):
                                      f"({d_approx}); got {p}.")
         norm_type = _check_norm(func, norm_to_scale_identity_weight)
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        # the value checks of the whole refresh (pivots, spectra) are read back once; when
+        # one fails the refresh runs again with checks read at once, which raises the error
+        # (or takes the fall-back) of the failing check as it always did
+        try:
+            with deferred_value_checks(xp) as status:
+                cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
+                                            eigenvalues)
+        except KFACValueError:
+            status = {"ok": False}
+        if not status["ok"]:
+            cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
+                                        eigenvalues)
+        return BlockState(state.statistics, MappingProxyType(cache), state.like)
+
+    def _cache_entries(self, func, xp, state, w, norm_type, exact, approx, eigenvalues):
         cache = {"declared": state.cache.get("declared", ((), (), False)),
                  "scale": self.scale(state, False), "norms": {}}
         lam = w
@@ -662,7 +677,7 @@ class CurvatureBlock(abc.ABC):
             cache["norms"] = {norm_type: self._norm(xp, state, norm_type)}
             lam = w * cache["norms"][norm_type]
         cache.update(self._build_cache(func, xp, state, lam, exact, approx, eigenvalues))
-        return BlockState(state.statistics, MappingProxyType(cache), state.like)
+        return cache
 
     def eigenvalues(self, state, use_cached=False):
         r"""Eigenvalues of :math:`sB` (length :attr:`dim`).

@@ -14,8 +14,8 @@ from ..._backend import (
     check_bool,
     check_option,
     check_scalar,
+    checks_values,
     is_array,
-    is_lazy,
     namespace_of,
 )
 from ...conv_geometry import to_channels_last
@@ -24,11 +24,13 @@ from .._math import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
     apply_kron,
+    factor_norms,
     kron_product_path,
     kron_spectrum,
     prepare_kron,
     prepare_kron_eigen,
     validated_internals,
+    zero_factor,
 )
 from ._base import BlockState, CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
@@ -102,9 +104,10 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         return power
 
     # -- the one product path ------------------------------------------------------------
-    def _prepare(self, path, func, xp, a, g, power, lam, s):
+    def _prepare(self, path, func, xp, a, g, power, lam, s, norms=None, zero=None):
         return prepare_kron(path, func, xp, a, g, power, lam, s, self.pi_norm,
-                            self.zero_factor_fallback, self.eigenvalue_clipping_threshold)
+                            self.zero_factor_fallback, self.eigenvalue_clipping_threshold,
+                            norms, zero)
 
     def _product(self, path, func, xp, a, g, prepared, x, lam, power, s):
         return apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
@@ -148,8 +151,14 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
             out["eigen"] = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
         if eigenvalues:
             out["eigenvalues"] = kron_spectrum(xp, out["eigen"][0], out["eigen"][2], s)
+        # the π norms and the zero-factor test (one host read) once for every cached power
+        identity = self.zero_factor_fallback == "identity"
+        norms = (factor_norms(xp, a, g, self.pi_norm)
+                 if approx and (identity or self.pi_norm != "off") else None)
+        zero = zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
-            p: (lam, self._prepare("factored", func, xp, a, g, p, lam, s)) for p in approx})
+            p: (lam, self._prepare("factored", func, xp, a, g, p, lam, s, norms, zero))
+            for p in approx})
         return out
 
     def _eigenvalues(self, func, xp, state):
@@ -223,11 +232,13 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
 
 
 def _differ(cached, given):
-    """Whether two identity weights differ, read on the host; inside a trace (a weight
-    that is a tracer, or a comparison staged out) the check cannot run and passes, like the
-    other value checks."""
+    """Whether two identity weights differ: a value check when either is an array (read on
+    the host only while value checks run; inside a trace, or with value checks off, it
+    passes like the other value checks)."""
     differ = cached != given
-    return False if is_array(differ) and is_lazy(differ) else bool(differ)
+    if is_array(differ):
+        return checks_values(differ) and bool(differ)
+    return bool(differ)
 
 
 class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):

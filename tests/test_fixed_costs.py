@@ -1,0 +1,57 @@
+"""Fixed costs of the small-factor paths, with unchanged results.
+
+* :math:`M + \\lambda I` adds :math:`\\lambda` to the diagonal without forming :math:`I`
+  (``kfac_ref.linalg.add_to_diagonal``): bitwise the sum with the identity on every backend,
+  and the input is not written;
+* a cache of several approximate Kronecker powers computes the π (and zero-factor) norms
+  once, and its products are bitwise the uncached ones (NumPy: the same operations on the
+  same numbers).
+The host reads of a norm-scaled cache refresh are counted in tests/test_host_syncs.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kfac_ref import linalg
+from kfac_ref.blocks import kfac_jax as kj
+from kfac_ref.blocks._math import _kron
+
+
+@pytest.mark.parametrize("damping", [0.0, 0.37, -1.5])
+def test_add_to_diagonal_is_the_identity_sum_bitwise(xp, damping):
+    host = np.random.default_rng(4).standard_normal((5, 5))
+    m = xp.asarray(host)
+    before = xp.to_numpy(m).copy()
+    got = linalg.add_to_diagonal(xp.xp, m, damping)
+    want = m + damping * xp.xp.eye(5, dtype=m.dtype, device=xp.device)
+    xp.check(got)
+    np.testing.assert_array_equal(xp.to_numpy(got), xp.to_numpy(want))
+    np.testing.assert_array_equal(xp.to_numpy(m), before)
+
+
+def test_cache_of_several_powers_computes_the_norms_once(monkeypatch):
+    calls = {"n": 0}
+    original = _kron._factor_norms
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return original(*a, **k)
+
+    monkeypatch.setattr(_kron, "_factor_norms", counting)
+    rng = np.random.default_rng(9)
+    block = kj.DenseTwoKroneckerFactored(4, 3)
+    st = block.init(np.zeros(()), approx_powers_to_cache=[-1.0, -0.5, 0.5])
+    st = block.update_curvature_matrix_estimate(
+        st, {"inputs": rng.standard_normal((8, 4)), "outputs_grad": rng.standard_normal((8, 3))},
+        0.0, 1.0, 8)
+    calls["n"] = 0
+    st = block.update_cache(st, 0.1, [], [-1.0, -0.5, 0.5], False, "avg_diag")
+    assert calls["n"] == 1
+    vec = tuple(rng.standard_normal(s) for s in block.parameters_shapes)
+    for p in (-1.0, -0.5, 0.5):
+        cached = block.multiply_matpower(st, vec, 0.1, p, False, True, "avg_diag")
+        fresh = block.multiply_matpower(st, vec, 0.1, p, False, False, "avg_diag")
+        for c, f in zip(cached, fresh, strict=True):
+            np.testing.assert_array_equal(c, f)
