@@ -7,14 +7,17 @@ One step at parameters :math:`\theta` on a mini-batch with mean loss :math:`h` a
 
 .. math::
 
-    p = (\hat C + \lambda I)^{-1} g, \qquad
-    \delta = \begin{cases}
-        -\eta\, v,\ \ v \leftarrow \mu v + \nu p & \text{regular momentum}\\
+    \begin{aligned}
+    p &= (\hat C + \lambda I)^{-1} g, \\
+    \delta &= \begin{cases}
+        -\eta\, v,\ \ v \leftarrow \mu v + \nu p & \text{regular momentum,}\\
         -\eta\,\nu\,(\hat C + \lambda I)^{-1} v,\ \ v \leftarrow \mu v + g
-            & \text{"adam" momentum (TF)}\\
-        \alpha^* p + \mu^* \delta_{-1} & \text{quadratic model (kfac-jax adaptive, TF "qmodel")}
-    \end{cases}
-    \qquad \theta \leftarrow \theta + \delta - \eta\,\omega_{wd}\,\theta,
+            & \texttt{adam}\text{ momentum (TF),}\\
+        \alpha^* p + \mu^* \delta_{-1} & \text{quadratic model (kfac-jax adaptive,}\\
+            & \quad\text{TF's } \texttt{qmodel}\text{),}
+    \end{cases}\\
+    \theta &\leftarrow \theta + \delta - \eta\,\omega_{wd}\,\theta,
+    \end{aligned}
 
 where :math:`\nu = \min\big(1, \sqrt{c / (\eta^2 p^\top g)}\big)` is the optional norm
 (KL) constraint and :math:`(\alpha^*, \mu^*)` minimise the exact quadratic model
@@ -484,14 +487,14 @@ class KFACOptimizer:
             \quad \text{if } t \bmod T_{\text{cov}} = 0,\\
         &2.\ h = h(\theta),\quad g = \nabla h(\theta),\\
         &3.\ \text{refresh the preconditioner } (\hat C + \lambda_p I)^{-1}
-            \quad \text{if } t \bmod T_{\text{inv}} = 0
-            \quad (\lambda_p = \text{precon\_damping\_mult}\cdot\lambda),\\
+            \quad \text{if } t \bmod T_{\text{inv}} = 0\\
+        &\phantom{3.}\ (\lambda_p = \text{precon\_damping\_mult}\cdot\lambda),\\
         &4.\ p = (\hat C_{t_r} + \lambda_p I)^{-1} g \ \ (\text{adam: } v \leftarrow \mu v + g,\
-            p = (\hat C_{t_r} + \lambda_p I)^{-1} v),\quad
-            p \leftarrow \nu p \ (\text{norm constraint}),\\
+            p = (\hat C_{t_r} + \lambda_p I)^{-1} v),\\
+        &\phantom{4.}\ p \leftarrow \nu p \ (\text{norm constraint}),\\
         &5.\ \delta = -\eta v,\ v \leftarrow \mu v + p\ (\text{regular});\quad
-            \delta = -\eta p\ (\text{adam});\quad
-            \delta = \alpha^* p + \mu^* \delta_{-1}\ (\text{qmodel}),\\
+            \delta = -\eta p\ (\text{adam});\\
+        &\phantom{5.}\ \delta = \alpha^* p + \mu^* \delta_{-1}\ (\text{qmodel}),\\
         &6.\ \theta \leftarrow \theta + \delta - \eta\,\omega_{wd}\,\theta,\\
         &7.\ \lambda \leftarrow \mathrm{LM}(\lambda, \rho)
             \quad \text{if adapt\_damping and } (t+1) \bmod T_{\lambda} = 0 .

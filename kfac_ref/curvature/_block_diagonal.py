@@ -48,9 +48,10 @@ class BlockDiagonalCurvature(EstimatorBase):
 
     .. math::
 
-        C \approx \mathrm{diag}(C_1, \dots, C_L), \qquad
-        C_l = \text{block}_l\big(\{x_{l-1,n}\}, \{g_{l,c,n}\}\big),\quad
-        g_{l,c,n} = \frac{\partial}{\partial s_l} \langle u_{c,n}, f(\theta, x_n)\rangle,
+        &C \approx \mathrm{diag}(C_1, \dots, C_L), \qquad
+        C_l = \text{block}_l\big(\{x_{l-1,n}\}, \{g_{l,c,n}\}\big),
+
+        &g_{l,c,n} = \frac{\partial}{\partial s_l} \langle u_{c,n}, f(\theta, x_n)\rangle,
 
     where :math:`x_{l-1}` is layer :math:`l`'s input, :math:`s_l` its output and
     :math:`u_{c,n}` the output vectors of the estimation mode
@@ -83,9 +84,10 @@ class BlockDiagonalCurvature(EstimatorBase):
 
     .. math::
 
-        \text{expand: } T\cdot\Big(\frac{1}{NT}\sum_{n,t}\bar x_{n,t}\bar x_{n,t}^\top\Big)
-        \otimes\Big(\frac{1}{NT}\sum_{n,t} g_{n,t}g_{n,t}^\top\Big),\qquad
-        \text{reduce: } \Big(\frac1N\sum_n \bar{\bar x}_n\bar{\bar x}_n^\top\Big)\otimes
+        \text{expand: } &T\cdot\Big(\frac{1}{NT}\sum_{n,t}\bar x_{n,t}\bar x_{n,t}^\top\Big)
+        \otimes\Big(\frac{1}{NT}\sum_{n,t} g_{n,t}g_{n,t}^\top\Big),
+
+        \text{reduce: } &\Big(\frac1N\sum_n \bar{\bar x}_n\bar{\bar x}_n^\top\Big)\otimes
         \Big(\frac1N\sum_n \hat g_n\hat g_n^\top\Big),
 
     with :math:`\bar{\bar x}_n = [\frac1T\sum_t x_{n,t}; 1]` and :math:`\hat g_n=\sum_t g_{n,t}`.
