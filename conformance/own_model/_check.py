@@ -211,8 +211,9 @@ class ModelCheck:
     level: str = "block"
     unchecked: list = field(default_factory=list)
     declared: dict = field(default_factory=dict)
-    #: ``str()`` wraps lines at this many characters (``0``: no wrapping)
-    width: int = 100
+    #: ``str()`` wraps lines at this many characters (``0``: no wrapping): a terminal's 100
+    #: columns and a docs page's code block
+    width: int = 90
     #: layer -> what it is (``"dense, |T| = 5"``), for :meth:`table`
     kinds: dict = field(default_factory=dict)
 

@@ -230,7 +230,9 @@ class PreconditionerCheck:
                          + ", ".join(self.missing))
         if not self.checks:
             lines.append("  FAIL no layer was compared")
-        return "\n".join(lines)
+        from ._check import _wrap
+
+        return "\n".join(_wrap(line, 90) for line in lines)
 
 
 # --------------------------------------------------------------------------------------
@@ -543,7 +545,16 @@ def _describe(pitfall, explanation):
             parts.append(HINTS[p])
         elif p in PITFALLS and not p.startswith("scale") and p != "unexplained":
             parts.append(f"{PITFALLS[p][0]}: {PITFALLS[p][1]}")
-    return explanation + (f" [{'; '.join(parts)}]" if parts else "")
+    import re
+
+    # the plain words replace the suite's "matches what the reference computes with the
+    # pitfall 'x'"; what the diagnosis adds after it (a scale, a residual) stays
+    rest = re.sub(r"^matches what the reference computes with the pitfall '[^']*'(, )?", "",
+                  explanation)
+    words = "; ".join(parts)
+    if not words:
+        return explanation
+    return words + (f" ({rest})" if rest else "")
 
 
 def check_torch_preconditioner(model, loss, inputs, targets, preconditioned, *, damping,
