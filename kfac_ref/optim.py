@@ -165,24 +165,66 @@ def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coeffici
         M(w) = \tfrac12 w^\top (A + \lambda D) w + b^\top w, \qquad
         A = V^\top C V,\ D = V^\top V,\ b = V^\top \nabla h,
 
-        w^* = -(A + \lambda D)^{-1} b, \quad\text{i.e. for } k = 2:\quad
+        w^* = -(A + \lambda D)^{+} b, \quad\text{i.e. for an invertible } k = 2
+        \text{ system:}\quad
         \begin{bmatrix}\alpha^*\\ \mu^*\end{bmatrix} = -
         \begin{bmatrix} p^\top C p + \lambda p^\top p & p^\top C\delta + \lambda p^\top\delta\\
         \delta^\top C p + \lambda \delta^\top p & \delta^\top C\delta + \lambda \delta^\top\delta
         \end{bmatrix}^{-1}
         \begin{bmatrix} \nabla h^\top p\\ \nabla h^\top \delta\end{bmatrix}.
 
-    When the last vector is zero (first step: no previous update; the last row and column of
-    :math:`A + \lambda D` vanish) the system is solved without it (:math:`\mu^* = 0`,
-    :math:`\alpha^* = -b_1 / (A + \lambda D)_{11}`), as kfac-jax and TF do.  A fixed
-    coefficient (``fixed_coefficients[i]`` not None) is kept and the other one minimises
-    :math:`M` given it: :math:`w_j = -(b_j + (A+\lambda D)_{ji} w_i) / (A+\lambda D)_{jj}`.
+    Only the symmetric parts of :math:`A` and :math:`D` enter :math:`M`, so the system is
+    :math:`\bar M = \tfrac12 (A + A^\top) + \tfrac\lambda2 (D + D^\top)`.  It is solved
+    after Jacobi (diagonal) scaling, for the minimum-norm solution in the scaled variables:
+
+    .. math::
+
+        s_i = \sqrt{|\bar M_{ii}|}\ \ (1 \text{ where } \bar M_{ii} = 0), \quad
+        S = \operatorname{diag}(s), \quad \tilde M = S^{-1} \bar M S^{-1}, \quad
+        \tilde b = S^{-1} b,
+
+        \tilde M = \sum_{i=1}^{2} \sigma_i u_i u_i^\top, \qquad
+        y = -\sum_{i:\ |\sigma_i| > \tau} \frac{u_i^\top \tilde b}{\sigma_i}\, u_i, \qquad
+        \tau = 32\,\varepsilon \max_i |\sigma_i|, \qquad w^* = S^{-1} y,
+
+    with the eigenpairs of the symmetric 2×2 matrix in closed form
+    (:math:`\sigma_{1,2} = \tfrac12(\tilde M_{11} + \tilde M_{22}) \pm \sqrt{h^2 +
+    \tilde M_{12}^2}`, :math:`h = \tfrac12(\tilde M_{11} - \tilde M_{22})`,
+    :math:`u_1 = (\cos\phi, \sin\phi)`, :math:`u_2 = (-\sin\phi, \cos\phi)`,
+    :math:`\phi = \tfrac12 \operatorname{atan2}(\tilde M_{12}, h)`) and :math:`\varepsilon`
+    the machine epsilon of the dtype.  For a positive semi-definite :math:`\bar M`, the
+    scaled matrix has a unit diagonal (or a zero row and column), so its entries are at
+    most 1 and nothing overflows however large :math:`A, D, b` are (no determinant is
+    formed); the solution is unchanged when the whole system is multiplied by a positive
+    number, and the update :math:`\delta = V w^*` is unchanged when one update vector
+    is.  When :math:`\bar M` is invertible (and not within :math:`\tau` of singular)
+    this is :math:`-\bar M^{-1} b`, kfac-jax's and TF's solution.  When it is singular it is
+    the minimum-norm minimiser, which covers:
+
+    * the first step (no previous update: the last row and column of :math:`\bar M` and
+      :math:`b_2` vanish), where it is kfac-jax's fallback (``psd_solve_maybe_zero_last_idx``:
+      :math:`\mu^* = 0`, :math:`\alpha^* = -b_1 / \bar M_{11}`), and TF's;
+    * a previous update parallel to :math:`p` (rank 1, e.g. any model with one parameter):
+      every minimiser gives the same :math:`\delta`; the one returned splits it evenly,
+      :math:`|\alpha^*| s_1 = |\mu^*| s_2`, where an unscaled solve returns NaN;
+    * a zero gradient (:math:`p = 0`, :math:`b = 0`): :math:`w^* = 0` (no step);
+    * a direction with no curvature at :math:`\lambda = 0` (:math:`\bar M_{ii} = 0`,
+      :math:`b_i \ne 0`: the model is unbounded along it): that coefficient is 0, the
+      least-squares solution of :math:`\bar M w = -b`.
+
+    A fixed coefficient (``fixed_coefficients[i]`` not None) is kept and the other one
+    minimises :math:`M` given it: :math:`w_j = -(b_j + \bar M_{ji} w_i) / \bar M_{jj}`
+    (0 where :math:`\bar M_{jj} = 0`, the minimum-norm solution again); with :math:`k = 1`,
+    :math:`w = -b_1 / \bar M_{11}` (0 where :math:`\bar M_{11} = 0`).
 
     The returned model change is the *undamped* model (kfac-jax
     ``include_damping_in_quad_change=False``, TF ``_INCLUDE_DAMPING_IN_QMODEL_CHANGE=False``)
 
     .. math:: \Delta M = \tfrac12 w^\top A w + b^\top w
-        \quad (\tfrac12 w^\top (A + \lambda D) w + b^\top w \text{ when included}).
+        \quad (\tfrac12 w^\top (A + \lambda D) w + b^\top w \text{ when included}),
+
+    evaluated in the scaled variables (:math:`\tfrac12 y^\top S^{-1} A S^{-1} y + \tilde
+    b^\top y`, :math:`y = S w`) so that it overflows only where its value does.
 
     Parameters
     ----------
@@ -202,7 +244,8 @@ def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coeffici
     -------
     (tuple of k 0-D arrays, 0-D array)
         :math:`w^*` (kfac-jax's learning rate is :math:`-w_1`, its momentum :math:`w_2`) and
-        :math:`\Delta M`.
+        :math:`\Delta M`.  Finite whenever the inputs are (and :math:`\Delta M` is
+        representable).
     """
     func = "quadratic_model"
     xp = namespace_of(func, curvature_gram=curvature_gram, gram=gram,
@@ -221,42 +264,78 @@ def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coeffici
     return quadratic_model.kernel(xp, curvature_gram, gram, grad_products, lam, fixed, include)
 
 
+# eigenvalues of the Jacobi-scaled system below this multiple of eps times the largest count
+# as zero: the scaled entries carry a few roundings each, so an exactly rank-1 system comes
+# out with a smallest eigenvalue of a few eps, which must not be inverted
+_QMODEL_RCOND = 32.0
+
+
+def _sym(xp, x):
+    return (x + xp.matrix_transpose(x)) / 2
+
+
+def _min_norm_2x2(xp, mt, bt):
+    """Minimum-norm solution y of ``mt y = -bt`` for a symmetric 2×2 ``mt`` whose entries are
+    of order one (Jacobi-scaled), from its closed-form eigendecomposition."""
+    p, q, r = mt[0, 0], mt[0, 1], mt[1, 1]
+    h = (p - r) / 2
+    mean = (p + r) / 2
+    big = xp.maximum(xp.abs(h), xp.abs(q))
+    big_safe = xp.where(big > 0, big, xp.ones_like(big))
+    rad = big * xp.sqrt((h / big_safe) ** 2 + (q / big_safe) ** 2)  # hypot without overflow
+    phi = xp.atan2(q, h) / 2
+    c, s = xp.cos(phi), xp.sin(phi)
+    sig1, sig2 = mean + rad, mean - rad
+    tau = _QMODEL_RCOND * float(xp.finfo(bt.dtype).eps) * xp.maximum(xp.abs(sig1),
+                                                                       xp.abs(sig2))
+
+    def inv(sig):
+        keep = xp.abs(sig) > tau
+        return xp.where(keep, 1 / xp.where(keep, sig, xp.ones_like(sig)), xp.zeros_like(sig))
+
+    c1 = -(c * bt[0] + s * bt[1]) * inv(sig1)   # -(u1 . bt) / sig1
+    c2 = -(-s * bt[0] + c * bt[1]) * inv(sig2)  # -(u2 . bt) / sig2
+    return c * c1 - s * c2, s * c1 + c * c2
+
+
 @kernel_of(quadratic_model)
 def _quadratic_model(xp, a, d, b, lam, fixed, include):
-    m = a + lam * d
     k = int(b.shape[0])
+    a = _sym(xp, a)
+    m = a + lam * _sym(xp, d)
     zero = xp.zeros_like(b[0])
-    one = xp.ones_like(b[0])
 
-    def safe(x):
-        return xp.where(x == 0, one, x)
+    # Jacobi scales; dividing by s_i then s_j (never by s_i s_j) keeps every step in range
+    diag = xp.abs(xp.stack([m[i, i] for i in range(k)]))
+    s = xp.where(diag > 0, xp.sqrt(diag), xp.ones_like(diag))
 
-    if k == 1:
-        if fixed[0] is not None:
-            w = (zero + fixed[0],)
-        else:  # 0/0 (zero gradient and curvature along p) gives 0, as kfac-jax
-            w = (-b[0] / safe(m[0, 0]),)
-        wv = xp.stack(list(w))
+    def scaled(x):
+        return (x / s[:, None]) / s[None, :]
+
+    mt, bt = scaled(m), b / s
+
+    def solve_1x1(num, den):  # -num / den, minimum norm (0) where den = 0
+        nz = den != 0
+        return xp.where(nz, -num / xp.where(nz, den, xp.ones_like(den)), zero)
+
+    if all(f is not None for f in fixed):
+        y = tuple(s[i] * (zero + fixed[i]) for i in range(k))
+    elif k == 1:
+        y = (solve_1x1(bt[0], mt[0, 0]),)
+    elif fixed[0] is None and fixed[1] is None:
+        y = _min_norm_2x2(xp, mt, bt)
     else:
-        if fixed[0] is None and fixed[1] is None:
-            det = m[0, 0] * m[1, 1] - m[0, 1] * m[1, 0]
-            last_zero = (m[1, 1] == 0) & (m[0, 1] == 0) & (m[1, 0] == 0)
-            d_safe = xp.where(last_zero, one, det)
-            w0 = xp.where(last_zero, -b[0] / safe(m[0, 0]),
-                          -(m[1, 1] * b[0] - m[0, 1] * b[1]) / d_safe)
-            w1 = xp.where(last_zero, zero, -(m[0, 0] * b[1] - m[1, 0] * b[0]) / d_safe)
-            w = (w0, w1)
-        elif fixed[0] is not None and fixed[1] is not None:
-            w = (zero + fixed[0], zero + fixed[1])
-        else:
-            i = 0 if fixed[0] is None else 1  # the adapted one
-            j = 1 - i
-            wj = zero + fixed[j]
-            wi = -(b[i] + m[i, j] * wj) / safe(m[i, i])
-            w = (wi, wj) if i == 0 else (wj, wi)
-        wv = xp.stack(list(w))
-    a_final = m if include else a
-    change = 0.5 * xp.sum(wv * (a_final @ wv)) + xp.sum(wv * b)
+        i = 0 if fixed[0] is None else 1  # the adapted one
+        j = 1 - i
+        yj = s[j] * (zero + fixed[j])
+        yi = solve_1x1(bt[i] + mt[i, j] * yj, mt[i, i])
+        y = (yi, yj) if i == 0 else (yj, yi)
+    yv = xp.stack(list(y))
+    # a fixed coefficient is returned as given, not round-tripped through s
+    w = tuple(xp.asarray(zero + fixed[i] if fixed[i] is not None else yv[i] / s[i])
+              for i in range(k))
+    a_final = scaled(m if include else a)
+    change = 0.5 * xp.sum(yv * (a_final @ yv)) + xp.sum(yv * bt)
     return w, change
 
 
@@ -387,7 +466,18 @@ def norm_constraint_coefficient(preconditioned, grad, learning_rate, norm_constr
     .. math::
 
         \nu = \min\Big(1, \sqrt{\frac{c}{\eta^2\, p^\top g}}\Big), \qquad
-        \eta^2 (\nu p)^\top (\hat C + \lambda I) (\nu p) = \min(c,\ \eta^2 p^\top g) .
+        \eta^2 (\nu p)^\top (\hat C + \lambda I) (\nu p) = \min(c,\ \eta^2 p^\top g)
+
+    (:math:`\nu = 1` where :math:`p^\top g \le 0`).  The inner product is formed from the
+    vectors scaled by their largest entries, so that :math:`\nu` is computed without
+    overflow or underflow at any scale of :math:`p` and :math:`g`:
+
+    .. math::
+
+        \sigma_p = \max_i |p_i|,\ \sigma_g = \max_i |g_i|,\quad
+        t = \Big(\frac{p}{\sigma_p}\Big)^{\!\top} \frac{g}{\sigma_g},\quad
+        \nu = \min\Big(1,\ \frac{\sqrt c}{\eta \sqrt t \sqrt{\sigma_p} \sqrt{\sigma_g}}
+        \Big),\quad \eta^2 p^\top g = \eta\sigma_p\, t\, \eta\sigma_g .
 
     Returns
     -------
@@ -406,10 +496,18 @@ def norm_constraint_coefficient(preconditioned, grad, learning_rate, norm_constr
 
 @kernel_of(norm_constraint_coefficient)
 def _norm_constraint_coefficient(xp, p, g, lr, c):
-    sq = _dot(xp, p, g) * lr ** 2
-    one = xp.ones_like(sq)
-    ratio = c / xp.where(sq > 0, sq, one)
-    nu = xp.where(sq > c, xp.sqrt(ratio), one)
+    def peak(v):
+        top = xp.max(xp.abs(v))
+        return xp.where(top > 0, top, xp.ones_like(top))
+
+    sp, sg = peak(p), peak(g)
+    t = _dot(xp, p / sp, g / sg)  # |t| <= P: the scaled inner product cannot overflow
+    one = xp.ones_like(t)
+    pos = t > 0
+    # sqrt(c / (lr^2 t sp sg)) as a chain of divisions: it leaves the range only where nu does
+    raw = ((math.sqrt(c) / lr) / xp.sqrt(xp.where(pos, t, one))) / xp.sqrt(sp) / xp.sqrt(sg)
+    nu = xp.where(pos & (raw < 1), raw, one)
+    sq = ((lr * sp) * t) * (lr * sg)  # the reported eta^2 p^T g: Inf only beyond the range
     return nu, sq
 
 
