@@ -20,8 +20,10 @@ One step at parameters :math:`\theta` on a mini-batch with mean loss :math:`h` a
     \end{aligned}
 
 where :math:`\nu = \min\big(1, \sqrt{c / (\eta^2 p^\top g)}\big)` is the optional norm
-(KL) constraint and :math:`(\alpha^*, \mu^*)` minimise the exact quadratic model
-(:func:`quadratic_model`).  Every ``damping_adaptation_interval`` steps the damping follows
+(KL) constraint (computed from scaled vectors, without overflow) and :math:`(\alpha^*, \mu^*)`
+minimise the exact quadratic model (:func:`quadratic_model`: the Jacobi-scaled 2×2 system,
+its minimum-norm minimiser when it is singular — a previous update parallel to :math:`p`,
+a zero gradient).  Every ``damping_adaptation_interval`` steps the damping follows
 the Levenberg–Marquardt rule (:func:`adapt_damping`).
 
 The pieces are public functions (:func:`preconditioned_direction`, :func:`quadratic_model`,
@@ -918,7 +920,6 @@ class KFACOptimizer:
             cp, cd = self._exact_product(func_args, p), self._exact_product(func_args, prev)
             a = xp.reshape(xp.stack([_dot(xp, p, cp), _dot(xp, p, cd), _dot(xp, prev, cp),
                                      _dot(xp, prev, cd)]), (2, 2))
-            a = (a + xp.matrix_transpose(a)) / 2
             d = xp.reshape(xp.stack([_dot(xp, p, p), _dot(xp, p, prev), _dot(xp, prev, p),
                                      _dot(xp, prev, prev)]), (2, 2))
             b = xp.stack([_dot(xp, g, p), _dot(xp, g, prev)])
