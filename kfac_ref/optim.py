@@ -164,11 +164,13 @@ def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coeffici
 
     .. math::
 
-        M(w) = \tfrac12 w^\top (A + \lambda D) w + b^\top w, \qquad
-        A = V^\top C V,\ D = V^\top V,\ b = V^\top \nabla h,
+        M(w) = \tfrac12 w^\top (A + \lambda D) w + b^\top w,
 
-        w^* = -(A + \lambda D)^{+} b, \quad\text{i.e. for an invertible } k = 2
-        \text{ system:}\quad
+        A = V^\top C V, \qquad D = V^\top V, \qquad b = V^\top \nabla h,
+
+        w^* = -(A + \lambda D)^{+} b,
+
+        \text{for an invertible } k = 2 \text{ system:}\quad
         \begin{bmatrix}\alpha^*\\ \mu^*\end{bmatrix} = -
         \begin{bmatrix} p^\top C p + \lambda p^\top p & p^\top C\delta + \lambda p^\top\delta\\
         \delta^\top C p + \lambda \delta^\top p & \delta^\top C\delta + \lambda \delta^\top\delta
