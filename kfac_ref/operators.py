@@ -35,6 +35,7 @@ from ._backend import (
     check_scalar,
     describe,
     device_of,
+    errors_named,
     eye_like,
     host_draw,
     namespace_of,
@@ -389,7 +390,8 @@ class CurvatureOperator:
             ev = block.eigenvalues(state) + lam
         else:  # another family: the spectrum of its products (power included)
             return self._dense_eigenvalues(self._part_dense(p))
-        return power_of_eigenvalues(xp, ev, power, func="CurvatureOperator.eigenvalues")
+        with errors_named("CurvatureOperator.eigenvalues"):
+            return power_of_eigenvalues(xp, ev, power)
 
     def _part_dense(self, p):
         eye = eye_like(self._like, p.stop - p.start)

@@ -24,6 +24,7 @@ from ..._backend import (
     check_option,
     check_scalar,
     describe,
+    errors_named,
     namespace_of,
     zeros_like_shape,
 )
@@ -524,12 +525,27 @@ class CurvatureBlock(abc.ABC):
             cached, a negative power of a singular damped block.
         """
         func = f"{type(self).__name__}.multiply_matpower"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, power, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                func, xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
+
+    def _checked_product(self, func, state, vector, identity_weight, power, exact_power,
+                         use_cached, norm_type):
+        """The validation of :meth:`multiply_matpower` (and of :meth:`multiply`,
+        :meth:`multiply_inverse`, which call the family's product hook themselves: a product
+        is one call from the public method to the family's formula):
+        ``(xp, working form of the vector, λ, power, exact, use_cached)``."""
         xp = self._check_state(func, state)
         vector = self._check_vector(func, state, vector)
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
-        options = self.check_product_options(func, power, exact_power, use_cached,
-                                             norm_to_scale_identity_weight)
-        return self.multiply_matpower_kernel(func, xp, state, vector, w, *options)
+        power, exact, use_cached, norm_type = self.check_product_options(
+            func, power, exact_power, use_cached, norm_type)
+        lam = self._damping(func, xp, state, w, norm_type, use_cached)
+        return xp, self._to_working_form(xp, vector), lam, power, exact, use_cached
 
     def check_product_options(self, func, power, exact_power, use_cached, norm_type=None):
         """The checked scalar options of :meth:`multiply_matpower`:
@@ -583,9 +599,10 @@ class CurvatureBlock(abc.ABC):
     def _multiply_working_form(self, func, xp, state, work, identity_weight, power,
                                exact_power, use_cached, norm_type):
         lam = self._damping(func, xp, state, identity_weight, norm_type, use_cached)
-        if use_cached:
-            return self._multiply_cached(func, xp, state, work, lam, power, exact_power)
-        return self._multiply_fresh(func, xp, state, work, lam, power, exact_power)
+        with errors_named(func):
+            if use_cached:
+                return self._multiply_cached(func, xp, state, work, lam, power, exact_power)
+            return self._multiply_fresh(func, xp, state, work, lam, power, exact_power)
 
     # -- the working form of a vector: the parameter tuple unless a family overrides it --
     def _to_working_form(self, xp, vector):
@@ -606,8 +623,14 @@ class CurvatureBlock(abc.ABC):
 
         .. math:: (sB + \lambda I)\, v
         """
-        return self.multiply_matpower(state, vector, identity_weight, 1.0, exact_power,
-                                      use_cached, norm_to_scale_identity_weight)
+        func = f"{type(self).__name__}.multiply"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, 1.0, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                func, xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
 
     def multiply_inverse(self, state, vector, identity_weight, exact_power, use_cached,
                          norm_to_scale_identity_weight=None):
@@ -615,8 +638,14 @@ class CurvatureBlock(abc.ABC):
 
         .. math:: (sB + \lambda I)^{-1} v
         """
-        return self.multiply_matpower(state, vector, identity_weight, -1.0, exact_power,
-                                      use_cached, norm_to_scale_identity_weight)
+        func = f"{type(self).__name__}.multiply_inverse"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, -1.0, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                func, xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
 
     # -- cache ---------------------------------------------------------------------------
     def _cache_get(self, state, key, what):
@@ -665,8 +694,9 @@ class CurvatureBlock(abc.ABC):
         except KFACValueError:
             status = {"ok": False}
         if not status["ok"]:
-            cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
-                                        eigenvalues)
+            with errors_named(func):
+                cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
+                                            eigenvalues)
         return BlockState(state.statistics, MappingProxyType(cache), state.like)
 
     def _cache_entries(self, func, xp, state, w, norm_type, exact, approx, eigenvalues):
@@ -688,7 +718,8 @@ class CurvatureBlock(abc.ABC):
         xp = self._check_state(func, state)
         if check_bool(func, "use_cached", use_cached):
             return self._cache_get(state, "eigenvalues", "update_cache(eigenvalues=True)")
-        return self._eigenvalues(func, xp, state)
+        with errors_named(func):
+            return self._eigenvalues(func, xp, state)
 
     def to_dense_matrix(self, state):
         r"""Dense :math:`sB` in the module's flat parameter order.

@@ -44,7 +44,7 @@ class Diagonal(CurvatureBlock):
         return tuple(s.value for s in state.statistics)
 
     def _apply(self, func, xp, diagonals, vector, lam, power, s):
-        return tuple(apply_diagonal(func, xp, d, v, power, lam, s)
+        return tuple(apply_diagonal(xp, d, v, power, lam, s)
                      for d, v in zip(diagonals, vector, strict=True))
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):

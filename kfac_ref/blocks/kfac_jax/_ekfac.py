@@ -110,7 +110,7 @@ class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     def _product(self, func, xp, kfe, x, lam, power, s):
         q_a, q_g, s_star = kfe
         return _from_kfe(xp, q_a, q_g,
-                         apply_diagonal(func, xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
+                         apply_diagonal(xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         return self._product(func, xp, self._fresh_kfe(xp, state), vector, lam, power,

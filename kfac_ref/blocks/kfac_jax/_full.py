@@ -51,11 +51,11 @@ class Full(CurvatureBlock):
         return work
 
     def _product(self, func, xp, matrix, eig, flat, lam, power, s):
-        return apply_full(func, xp, matrix, eig, flat, power, lam, s)
+        return apply_full(xp, matrix, eig, flat, power, lam, s)
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         matrix = state.statistics[0].value
-        eig = None if power == 1.0 else prepare_full(func, xp, matrix,
+        eig = None if power == 1.0 else prepare_full(xp, matrix,
                                                      self.eigenvalue_clipping_threshold)
         return self._product(func, xp, matrix, eig, vector, lam, power, self.scale(state, False))
 
@@ -70,7 +70,7 @@ class Full(CurvatureBlock):
         matrix = state.statistics[0].value
         out = {"matrix": matrix}
         if exact or approx or eigenvalues:
-            out["eigen"] = prepare_full(func, xp, matrix, self.eigenvalue_clipping_threshold)
+            out["eigen"] = prepare_full(xp, matrix, self.eigenvalue_clipping_threshold)
         if eigenvalues:
             out["eigenvalues"] = self.scale(state, False) * out["eigen"][0]
         return out

@@ -19,18 +19,25 @@ from ..._backend import (
     namespace_of,
 )
 from ...conv_geometry import to_channels_last
-from ...linalg import append_homog, compute_cov, factor_norm, kron
-from .._math import (
+from ...linalg import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
+    append_homog,
+    compute_cov,
+    factor_norm,
+    kron,
+    kron_eigen,
+    kron_factor_norms,
+    kron_factored_apply,
+    kron_factored_powers,
+    kron_zero_factor,
+)
+from .._math import (
     apply_kron,
-    factor_norms,
     kron_product_path,
     kron_spectrum,
     prepare_kron,
-    prepare_kron_eigen,
     validated_internals,
-    zero_factor,
 )
 from ._base import BlockState, CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
@@ -103,21 +110,23 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                 f"exact_power=True or restrict_approx_powers=False.")
         return power
 
-    # -- the one product path ------------------------------------------------------------
-    def _prepare(self, path, func, xp, a, g, power, lam, s, norms=None, zero=None):
-        return prepare_kron(path, func, xp, a, g, power, lam, s, self.pi_norm,
+    # -- the one product path: kfac_ref.linalg's damped Kronecker kernel ------------------
+    def _prepare(self, path, xp, a, g, power, lam, s, norms=None, zero=None):
+        return prepare_kron(path, xp, a, g, power, lam, s, self.pi_norm,
                             self.zero_factor_fallback, self.eigenvalue_clipping_threshold,
                             norms, zero)
-
-    def _product(self, path, func, xp, a, g, prepared, x, lam, power, s):
-        return apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
 
     def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         path = kron_product_path(power, exact, self.approx_power_one)
-        prepared = self._prepare(path, func, xp, a, g, power, lam, s)
-        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+        if path == "factored":  # the kernel itself, so an inverse is few calls from LAPACK
+            powers = kron_factored_powers(
+                xp, a, g, power, lam, s, self.pi_norm, self.zero_factor_fallback,
+                self.eigenvalue_clipping_threshold, second_moment=True)
+            return kron_factored_apply(xp, powers, vector)
+        prepared = self._prepare(path, xp, a, g, power, lam, s)
+        return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
     def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
         a, g = self._cache_get(state, "factors", "update_cache")
@@ -127,7 +136,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         if path == "eigen":
             prepared = self._cache_get(state, "eigen", "update_cache with exact_powers")
         elif path == "factored" and power == 1.0:
-            prepared = self._prepare(path, func, xp, a, g, power, lam, s)
+            prepared = self._prepare(path, xp, a, g, power, lam, s)
         elif path == "factored":
             approx = self._cache_get(state, "approx", "update_cache with approx_powers")
             if power not in approx:
@@ -141,29 +150,29 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                     f"cached approximate power {power} was built with ({lam_cached!r}); call "
                     f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
                     f"(cached weight used).")
-        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+        return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
     def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         out = {"factors": (a, g)}
         if exact or eigenvalues:
-            out["eigen"] = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+            out["eigen"] = kron_eigen(xp, a, g, self.eigenvalue_clipping_threshold)
         if eigenvalues:
             out["eigenvalues"] = kron_spectrum(xp, out["eigen"][0], out["eigen"][2], s)
         # the π norms and the zero-factor test (one host read) once for every cached power
         identity = self.zero_factor_fallback == "identity"
-        norms = (factor_norms(xp, a, g, self.pi_norm)
+        norms = (kron_factor_norms(xp, a, g, self.pi_norm)
                  if approx and (identity or self.pi_norm != "off") else None)
-        zero = zero_factor(xp, norms) if approx and identity else None
+        zero = kron_zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
-            p: (lam, self._prepare("factored", func, xp, a, g, p, lam, s, norms, zero))
+            p: (lam, self._prepare("factored", xp, a, g, p, lam, s, norms, zero))
             for p in approx})
         return out
 
     def _eigenvalues(self, func, xp, state):
         a, g = (f.value for f in state.statistics)
-        s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+        s_a, _, s_g, _ = kron_eigen(xp, a, g, self.eigenvalue_clipping_threshold)
         return kron_spectrum(xp, s_a, s_g, self.scale(state, False))
 
     def _dense_unscaled(self, xp, state):
