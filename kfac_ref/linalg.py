@@ -338,8 +338,8 @@ def power_of_eigenvalues(xp, s, exp, *, order=None):
     numerically singular spectrum (``n = order``, default ``s.size``) and a fractional one a
     negative eigenvalue (a :func:`~kfac_ref._backend.kernel_error`: the public caller names
     itself with ``errors_named``); both are value checks (skipped for lazy arrays and when
-    value checks are off).  ``s`` may have any shape (an outer product of two spectra for a Kronecker
-    product).  Internal kernel: its callers have validated their arguments.
+    value checks are off).  ``s`` may have any shape (an outer product of two spectra for a
+    Kronecker product).  Internal kernel: its callers have validated their arguments.
     """
     if math.prod(s.shape) == 0:
         return s

@@ -26,8 +26,8 @@ from .._backend import (
     check_scalar,
     check_symmetric,
     device_of,
-    kernel_of,
     errors_named,
+    kernel_of,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable

@@ -25,8 +25,8 @@ from .._backend import (
     check_scalar,
     check_square,
     check_symmetric,
-    kernel_of,
     errors_named,
+    kernel_of,
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
