@@ -45,7 +45,7 @@ CuPy and JAX; the array API itself has no triangular solve, so other namespaces,
 array-api-strict, solve :math:`L X = I` with the general ``linalg.solve``).  This is TF
 K-FAC's rule: Cholesky when one power :math:`-1` is needed, the eigendecomposition only when
 other powers (or exact damping, which needs both factors' eigenbases) are requested.
-:func:`damped_matpower` with ``exp = -1`` takes the Cholesky path only when eigenvalue
+:func:`damped_matpower` with ``power = -1`` takes the Cholesky path only when eigenvalue
 clipping provably changes nothing beyond rounding: the Cholesky factorisation of
 :math:`M - (c - \delta) I`, :math:`\delta = n\,\varepsilon \max_i |M_{ii}|`, must succeed,
 i.e. every eigenvalue of :math:`M` exceeds :math:`c - \delta`; otherwise, and for lazy
@@ -266,8 +266,8 @@ def _clipped_eigh(xp, matrix, threshold=0.0):
     return xp.clip(s, min=threshold), q
 
 
-def _check_exponent(func, exp):
-    return check_scalar(func, "exp", exp)
+def _check_exponent(func, power):
+    return check_scalar(func, "power", power)
 
 
 def _singular_tolerance(xp, spectrum, order):
@@ -326,15 +326,15 @@ def _value_check(flag, fail):
         pending.append((flag, fail))
 
 
-def power_of_eigenvalues(xp, s, exp, *, order=None):
-    r"""``s**exp`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
+def power_of_eigenvalues(xp, s, power, *, order=None):
+    r"""``s**power`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
 
     .. math::
 
         s_i \mapsto s_i^{p}, \qquad \text{refused for } p < 0 \text{ when }
         \min_i s_i \le n\,\varepsilon \max_i |s_i| .
 
-    The one place where eigenvalues are raised to a power.  A negative ``exp`` refuses a
+    The one place where eigenvalues are raised to a power.  A negative ``power`` refuses a
     numerically singular spectrum (``n = order``, default ``s.size``) and a fractional one a
     negative eigenvalue (a :func:`~kfac_ref._backend.kernel_error`: the public caller names
     itself with ``errors_named``); both are value checks (skipped for lazy arrays and when
@@ -349,7 +349,7 @@ def power_of_eigenvalues(xp, s, exp, *, order=None):
         def singular():
             raise kernel_error(
                 f"matrix + damping·I must be positive definite for the negative "
-                f"exponent {exp}; its smallest eigenvalue after clipping and damping is "
+                f"exponent {power}; its smallest eigenvalue after clipping and damping is "
                 f"{float(xp.min(s)):.3g}, at most n·eps·max = "
                 f"{float(_singular_tolerance(xp, s, n)):.3g} (numerically singular). "
                 "Add damping."
@@ -358,20 +358,20 @@ def power_of_eigenvalues(xp, s, exp, *, order=None):
         def negative():
             raise kernel_error(
                 f"matrix + damping·I must be positive semi-definite for the "
-                f"fractional exponent {exp}; its smallest eigenvalue is "
+                f"fractional exponent {power}; its smallest eigenvalue is "
                 f"{float(xp.min(s)):.3g}."
             )
 
-        if exp < 0:
+        if power < 0:
             _value_check(xp.min(s) > _singular_tolerance(xp, s, n), singular)
-        if not float(exp).is_integer():
+        if not float(power).is_integer():
             _value_check(xp.min(s) >= 0, negative)
-    if exp == 1.0:
+    if power == 1.0:
         return s
-    return s**exp
+    return s**power
 
 
-def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0):
+def damped_matpower(matrix, power, damping=0.0, eigenvalue_clipping_threshold=0.0):
     r"""Power of a damped symmetric PSD matrix.
 
     .. math::
@@ -391,7 +391,7 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     Parameters
     ----------
     matrix : array [n, n], symmetric
-    exp : float
+    power : float
         The exponent :math:`p`.
     damping : float
         :math:`\lambda \ge 0`, added after clipping.
@@ -407,11 +407,11 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     func = "damped_matpower"
     xp = namespace_of(func, matrix=matrix)
     check_symmetric(func, "matrix", matrix)
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     with errors_named(func):
-        return _damped_matpower(xp, matrix, exp, damping, c)
+        return _damped_matpower(xp, matrix, power, damping, c)
 
 
 def add_to_diagonal(xp, matrix, damping):
@@ -438,11 +438,11 @@ def add_to_diagonal(xp, matrix, damping):
 
 
 @kernel_of(damped_matpower)
-def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, second_moment=False):
-    if exp == 1.0:
+def _damped_matpower(xp, matrix, power, damping=0.0, threshold=0.0, *, second_moment=False):
+    if power == 1.0:
         return add_to_diagonal(xp, matrix, damping)
     void = (second_moment and threshold <= 0.0) or _clipping_is_void(xp, matrix, threshold)
-    if exp == -1.0 and void:
+    if power == -1.0 and void:
         try:
             # the inverse from the Cholesky factor here, not through _damped_inverse: one
             # call fewer between a block's multiply_inverse and LAPACK
@@ -450,7 +450,7 @@ def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, second_mome
         except KFACValueError:
             pass  # near-singular by the pivots: let the eigenvalues decide (and word the error)
     s, q = _clipped_eigh(xp, matrix, threshold)
-    powers = power_of_eigenvalues(xp, s + damping, exp)
+    powers = power_of_eigenvalues(xp, s + damping, power)
     return (q * powers) @ q.T
 
 
@@ -918,7 +918,7 @@ def kron_damped_matpower_matvec(
     a,
     b,
     x,
-    exp=-1.0,
+    power=-1.0,
     damping=0.0,
     damping_method="factored",
     order="C",
@@ -945,7 +945,7 @@ def kron_damped_matpower_matvec(
           (s_A s_B^\top + \lambda)^{\odot p}\big] Q_B^\top\Big).
 
     Eigenvalues are clipped below at ``eigenvalue_clipping_threshold`` in both styles.  The
-    inverse (``exp=-1``) is :func:`kron_damped_inverse_matvec`.
+    inverse (``power=-1``) is :func:`kron_damped_inverse_matvec`.
 
     Parameters
     ----------
@@ -953,7 +953,7 @@ def kron_damped_matpower_matvec(
     b : array [q, q], symmetric PSD
     x : array
         A flat vector of length :math:`pq` or a matrix as in :func:`kron_matvec`.
-    exp : float
+    power : float
         The power :math:`p` (any real; negative powers need a positive definite result).
     damping : float
         :math:`\lambda \ge 0`.
@@ -970,12 +970,12 @@ def kron_damped_matpower_matvec(
     (exact damping in the Kronecker eigenbasis).
     """
     return _checked_kron_damped_matpower_matvec(
-        "kron_damped_matpower_matvec", a, b, x, exp, damping, damping_method, order, norm_type,
+        "kron_damped_matpower_matvec", a, b, x, power, damping, damping_method, order, norm_type,
         eigenvalue_clipping_threshold,
     )
 
 
-def _checked_kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_method, order,
+def _checked_kron_damped_matpower_matvec(func, a, b, x, power, damping, damping_method, order,
                                          norm_type, eigenvalue_clipping_threshold):
     xp = namespace_of(func, a=a, b=b, x=x)
     check_symmetric(func, "a", a)
@@ -984,28 +984,28 @@ def _checked_kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_me
     check_option(func, "order", order, ("C", "F"))
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
     _check_kron_vector(func, x, order, (a.shape[0], b.shape[0]))
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     with errors_named(func):
-        return _kron_damped_matpower_matvec(xp, a, b, x, exp, damping, damping_method, order,
+        return _kron_damped_matpower_matvec(xp, a, b, x, power, damping, damping_method, order,
                                             norm_type, c)
 
 
 @kernel_of(kron_damped_matpower_matvec)
-def _kron_damped_matpower_matvec(xp, a, b, x, exp, damping=0.0, damping_method="factored",
+def _kron_damped_matpower_matvec(xp, a, b, x, power, damping=0.0, damping_method="factored",
                                  order="C", norm_type="avg_diag", threshold=0.0):
     mat, back = _as_row_major_matrix(xp, x, order, (a.shape[0], b.shape[0]))
     if damping_method == "factored":
-        powers = kron_factored_powers(xp, a, b, exp, damping, 1.0, norm_type, "pi_one",
+        powers = kron_factored_powers(xp, a, b, power, damping, 1.0, norm_type, "pi_one",
                                       threshold)
         return back(kron_factored_apply(xp, powers, mat))
     s_a, q_a = _clipped_eigh(xp, a, threshold)
     s_b, q_b = _clipped_eigh(xp, b, threshold)
-    return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, exp, damping, 1.0))
+    return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, power, damping, 1.0))
 
 
-def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0):
+def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.0):
     r"""Power of a damped, scaled Kronecker product given the factors' eigendecompositions.
 
     .. math::
@@ -1028,7 +1028,7 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
     q_b : array [q, q] or None
     x : array [..., p, q]
         Row-major matrix form of the vector(s).
-    exp, damping, scale : float
+    power, damping, scale : float
         :math:`p`, :math:`\lambda \ge 0`, :math:`c > 0`.
     """
     func = "kron_eigenbasis_matpower"
@@ -1043,19 +1043,19 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
     check_array(func, "x", x, min_ndim=2)
     if tuple(x.shape[-2:]) != (p, q):
         raise KFACValueError(f"{func}: x must be [..., {p}, {q}]; got shape {tuple(x.shape)}.")
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     scale = check_scalar(func, "scale", scale, positive=True)
     with errors_named(func):
-        return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping, scale)
+        return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping, scale)
 
 
 @kernel_of(kron_eigenbasis_matpower)
-def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0):
+def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.0):
     y = x if q_a is None else xp.matrix_transpose(q_a) @ x
     y = y if q_b is None else y @ q_b
     spectrum = scale * (s_a[:, None] * s_b[None, :]) + damping
-    y = y * power_of_eigenvalues(xp, spectrum, exp)
+    y = y * power_of_eigenvalues(xp, spectrum, power)
     y = y if q_a is None else q_a @ y
     return y if q_b is None else y @ xp.matrix_transpose(q_b)
 
@@ -1065,7 +1065,7 @@ def kron_damped_inverse_matvec(
     eigenvalue_clipping_threshold=0.0,
 ):
     r"""Damped Kronecker inverse applied to a vector: :func:`kron_damped_matpower_matvec`
-    with ``exp = -1``.
+    with ``power = -1``.
 
     .. math::
 

@@ -383,7 +383,7 @@ class CurvatureOperator:
         if isinstance(block, TwoKroneckerFactored):
             a, g = (f.value for f in state.statistics)
             ev = kron_eigenvalues_kernel(xp, a, g, lam, block.scale(state),
-                                         _exact_damping(block, power, exact), block.pi_norm,
+                                         _exact_damping(block, power, exact), block.norm_type,
                                          block.zero_factor_fallback,
                                          block.eigenvalue_clipping_threshold)
         elif isinstance(block, _EIGENVALUE_FAMILIES):
@@ -450,7 +450,7 @@ class CurvatureOperator:
                 a, g = (f.value for f in p.state.statistics)
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
                 t = kron_trace_kernel(xp, a, g, lam, p.block.scale(p.state),
-                                      _exact_damping(p.block, power, exact), p.block.pi_norm,
+                                      _exact_damping(p.block, power, exact), p.block.norm_type,
                                       p.block.zero_factor_fallback)
             else:
                 t = xp.sum(self._part_eigenvalues(p))
@@ -488,7 +488,7 @@ class CurvatureOperator:
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
                 s, la = kron_slogdet_kernel(xp, a, g, lam, p.block.scale(p.state),
                                             _exact_damping(p.block, power, exact),
-                                            p.block.pi_norm, p.block.zero_factor_fallback,
+                                            p.block.norm_type, p.block.zero_factor_fallback,
                                             p.block.eigenvalue_clipping_threshold)
             else:
                 s, la = slogdet_of_eigenvalues(xp, self._part_eigenvalues(p))

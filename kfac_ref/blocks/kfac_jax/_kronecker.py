@@ -73,7 +73,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
       (−1, −0.5, 0.5, 1) and raises for others; ``False`` allows any real power (TF);
     * ``zero_factor_fallback``: ``"identity"`` (kfac-jax: damped block :math:`\lambda I`) or
       ``"pi_one"`` (TF: π = 1);
-    * ``pi_norm``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
+    * ``norm_type``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
       ``PI_TYPE="off"``);
     * ``symmetrize``: statistics symmetrised (TF; the default here) or not (kfac-jax); they
       differ by rounding only.
@@ -81,7 +81,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
 
     def __init__(self, parameters_shapes, *, approx_power_one="factored",
                  restrict_approx_powers=True, zero_factor_fallback="identity",
-                 pi_norm="avg_diag", symmetrize=True, **kwargs):
+                 norm_type="avg_diag", symmetrize=True, **kwargs):
         super().__init__(parameters_shapes, **kwargs)
         func = type(self).__name__
         self.approx_power_one = check_option(func, "approx_power_one", approx_power_one,
@@ -90,7 +90,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                                                  restrict_approx_powers)
         self.zero_factor_fallback = check_option(func, "zero_factor_fallback",
                                                  zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
-        self.pi_norm = check_option(func, "pi_norm", pi_norm, PI_NORMS)
+        self.norm_type = check_option(func, "norm_type", norm_type, PI_NORMS)
         self.symmetrize = check_bool(func, "symmetrize", symmetrize)
         kernel = self.parameters_shapes[0]
         self.output_size = kernel[-1]
@@ -112,7 +112,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
 
     # -- the one product path: kfac_ref.linalg's damped Kronecker kernel ------------------
     def _prepare(self, path, xp, a, g, power, lam, s, norms=None, zero=None):
-        return prepare_kron(path, xp, a, g, power, lam, s, self.pi_norm,
+        return prepare_kron(path, xp, a, g, power, lam, s, self.norm_type,
                             self.zero_factor_fallback, self.eigenvalue_clipping_threshold,
                             norms, zero)
 
@@ -122,7 +122,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         path = kron_product_path(power, exact, self.approx_power_one)
         if path == "factored":  # the kernel itself, so an inverse is few calls from LAPACK
             powers = kron_factored_powers(
-                xp, a, g, power, lam, s, self.pi_norm, self.zero_factor_fallback,
+                xp, a, g, power, lam, s, self.norm_type, self.zero_factor_fallback,
                 self.eigenvalue_clipping_threshold, second_moment=True)
             return kron_factored_apply(xp, powers, vector)
         prepared = self._prepare(path, xp, a, g, power, lam, s)
@@ -162,8 +162,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
             out["eigenvalues"] = kron_spectrum(xp, out["eigen"][0], out["eigen"][2], s)
         # the π norms and the zero-factor test (one host read) once for every cached power
         identity = self.zero_factor_fallback == "identity"
-        norms = (kron_factor_norms(xp, a, g, self.pi_norm)
-                 if approx and (identity or self.pi_norm != "off") else None)
+        norms = (kron_factor_norms(xp, a, g, self.norm_type)
+                 if approx and (identity or self.norm_type != "off") else None)
         zero = kron_zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
             p: (lam, self._prepare("factored", xp, a, g, p, lam, s, norms, zero))
