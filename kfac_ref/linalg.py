@@ -57,6 +57,19 @@ computation, so clipping changes it by no more than that rounding and the test (
 factorisation as costly as the inverse) is skipped, for lazy arrays too.  kfac-jax's
 ``pi_adjusted_kronecker_inverse`` and TF K-FAC's ``posdef_inv`` invert such factors by
 Cholesky without clipping.
+
+One damped Kronecker kernel
+---------------------------
+A factored damped Kronecker product :math:`\big(s(A + \delta_A I)\otimes(B + \delta_B I)\big)^p`
+is assembled in one place, the internal kernel ``kron_factored_powers`` /
+``kron_factored_apply`` at the end of this module (the π split ``kron_factor_dampings``, then
+one :func:`damped_matpower` kernel per factor; ``kron_factored_cholesky_apply`` for TF's
+Cholesky products).  :func:`kron_damped_matpower_matvec`,
+:func:`kfac_ref.blocks.kronecker_block_matpower` and the Kronecker blocks of
+:mod:`kfac_ref.blocks.kfac_jax` and :mod:`kfac_ref.blocks.tf` all call it, so a block's
+``multiply_inverse`` reads from the public method to LAPACK ``potrf`` in four files
+(``tools/trace_calls.py`` prints the chain).  Kernels take no function name: they raise
+messages that say what failed, and the public function puts its own name in front.
 """
 
 from __future__ import annotations
