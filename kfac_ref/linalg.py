@@ -627,11 +627,13 @@ def factor_norm(matrix, norm_type="avg_diag"):
     func = "factor_norm"
     xp = namespace_of(func, matrix=matrix)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    _check_norm_argument(func, "matrix", matrix)
+    check_norm_argument(func, "matrix", matrix)
     return _factor_norm(xp, matrix, norm_type)
 
 
-def _check_norm_argument(func, name, matrix):
+def check_norm_argument(func, name, matrix):
+    """Validate a factor-norm argument: 0-, 1- or 2-D (square), not empty, finite
+    (internal API: the checks of :func:`factor_norm` and the π functions)."""
     check_array(func, name, matrix, ndim=(0, 1, 2))
     if matrix.ndim == 2:
         check_square(func, name, matrix)
@@ -707,8 +709,8 @@ def pi_tracenorm(left_cov, right_cov):
 def _check_pi_args(func, left, right, norm_type):
     xp = namespace_of(func, left_cov=left, right_cov=right)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    _check_norm_argument(func, "left_cov", left)
-    _check_norm_argument(func, "right_cov", right)
+    check_norm_argument(func, "left_cov", left)
+    check_norm_argument(func, "right_cov", right)
     return xp
 
 

@@ -77,6 +77,8 @@ from ._series import (
     series_option1_multiply_inverse,
     series_option2_multiply_inverse,
 )
+from ._series import series_option1_kernel as series_option1_kernel
+from ._series import series_option2_kernel as series_option2_kernel
 from ._tridiag import (
     block_tridiagonal_multiply_inverse,
     kronecker_difference_inverse,

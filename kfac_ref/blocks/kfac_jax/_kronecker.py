@@ -16,6 +16,7 @@ from ..._backend import (
     check_scalar,
     checks_values,
     is_array,
+    kernel_error,
     namespace_of,
 )
 from ...conv_geometry import to_channels_last
@@ -116,7 +117,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                             self.zero_factor_fallback, self.eigenvalue_clipping_threshold,
                             norms, zero)
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         path = kron_product_path(power, exact, self.approx_power_one)
@@ -128,7 +129,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         prepared = self._prepare(path, xp, a, g, power, lam, s)
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         a, g = self._cache_get(state, "factors", "update_cache")
         s = self._cache_get(state, "scale", "update_cache")
         path = kron_product_path(power, exact, self.approx_power_one)
@@ -140,19 +141,19 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         elif path == "factored":
             approx = self._cache_get(state, "approx", "update_cache with approx_powers")
             if power not in approx:
-                raise KFACValueError(
-                    f"{func}: power must be one of the cached approximate powers "
+                raise kernel_error(
+                    f"power must be one of the cached approximate powers "
                     f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
             lam_cached, prepared = approx[power]
             if self.strict_cache and _differ(lam_cached, lam):
-                raise KFACValueError(
-                    f"{func}: identity_weight (effective {lam!r}) must equal the one the "
+                raise kernel_error(
+                    f"identity_weight (effective {lam!r}) must equal the one the "
                     f"cached approximate power {power} was built with ({lam_cached!r}); call "
                     f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
                     f"(cached weight used).")
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         out = {"factors": (a, g)}
@@ -170,7 +171,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
             for p in approx})
         return out
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         a, g = (f.value for f in state.statistics)
         s_a, _, s_g, _ = kron_eigen(xp, a, g, self.eigenvalue_clipping_threshold)
         return kron_spectrum(xp, s_a, s_g, self.scale(state, False))

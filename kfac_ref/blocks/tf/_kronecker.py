@@ -21,7 +21,6 @@ from ..._backend import (
 from ...linalg import (
     ZERO_FACTOR_FALLBACKS,
     kron,
-    kron_factor_dampings,
     kron_factored_apply,
     kron_factored_cholesky_apply,
     kron_factored_powers,
@@ -41,6 +40,7 @@ from ._base import (
     cov_of,
     damping_value,
     norm_of_pi_type,
+    pi_split,
 )
 
 
@@ -200,8 +200,7 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
         xp, mat, back = self._to_mat2d(func, vector, self._a)
         with errors_named(func):
             # factor_dampings' split, without validating the factors again
-            d_a, d_g = kron_factor_dampings(xp, self._a, self._g, self.damping,
-                                            norm_of_pi_type(self.pi_type))
+            d_a, d_g = pi_split(xp, self._a, self._g, self.damping ** 0.5, self.pi_type)
             return back(kron_factored_cholesky_apply(xp, self._a, self._g, mat, d_a, d_g,
                                                      self.renorm_coeff, transpose=transpose,
                                                      inverse=inverse))
