@@ -70,6 +70,8 @@ __all__ = [
     "any_true",
     "check_eager",
     "kernel_of",
+    "kernel_error",
+    "errors_named",
     "describe",
     "is_array",
     "size_of",
@@ -105,6 +107,27 @@ class KFACValueError(KFACInputError, ValueError):
 
 class KFACTypeError(KFACInputError, TypeError):
     """A type, dtype, namespace or device does not meet the function's contract."""
+
+
+def kernel_error(message: str) -> KFACValueError:
+    """The error an unchecked kernel raises: its message says what failed, not who was
+    called (kernels take no function name); :func:`errors_named` at the public boundary
+    puts the name of the function the user called in front."""
+    exc = KFACValueError(message)
+    exc.unnamed = True
+    return exc
+
+
+@contextlib.contextmanager
+def errors_named(func: str) -> Iterator[None]:
+    """Reword a kernel's :func:`kernel_error` as ``"<func>: <message>"``, ``func`` the public
+    function or method the user called (other errors pass unchanged)."""
+    try:
+        yield
+    except KFACValueError as exc:
+        if not getattr(exc, "unnamed", False):
+            raise
+        raise KFACValueError(f"{func}: {exc}") from None
 
 
 def _fail(func: str, name: str, expected: str, got: str, kind: type = KFACValueError):

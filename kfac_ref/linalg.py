@@ -45,7 +45,7 @@ CuPy and JAX; the array API itself has no triangular solve, so other namespaces,
 array-api-strict, solve :math:`L X = I` with the general ``linalg.solve``).  This is TF
 K-FAC's rule: Cholesky when one power :math:`-1` is needed, the eigendecomposition only when
 other powers (or exact damping, which needs both factors' eigenbases) are requested.
-:func:`damped_matpower` with ``exp = -1`` takes the Cholesky path only when eigenvalue
+:func:`damped_matpower` with ``power = -1`` takes the Cholesky path only when eigenvalue
 clipping provably changes nothing beyond rounding: the Cholesky factorisation of
 :math:`M - (c - \delta) I`, :math:`\delta = n\,\varepsilon \max_i |M_{ii}|`, must succeed,
 i.e. every eigenvalue of :math:`M` exceeds :math:`c - \delta`; otherwise, and for lazy
@@ -57,6 +57,19 @@ computation, so clipping changes it by no more than that rounding and the test (
 factorisation as costly as the inverse) is skipped, for lazy arrays too.  kfac-jax's
 ``pi_adjusted_kronecker_inverse`` and TF K-FAC's ``posdef_inv`` invert such factors by
 Cholesky without clipping.
+
+One damped Kronecker kernel
+---------------------------
+A factored damped Kronecker product :math:`\big(s(A + \delta_A I)\otimes(B + \delta_B I)\big)^p`
+is assembled in one place, the internal kernel ``kron_factored_powers`` /
+``kron_factored_apply`` at the end of this module (the π split ``kron_factor_dampings``, then
+one :func:`damped_matpower` kernel per factor; ``kron_factored_cholesky_apply`` for TF's
+Cholesky products).  :func:`kron_damped_matpower_matvec`,
+:func:`kfac_ref.blocks.kronecker_block_matpower` and the Kronecker blocks of
+:mod:`kfac_ref.blocks.kfac_jax` and :mod:`kfac_ref.blocks.tf` all call it, so a block's
+``multiply_inverse`` reads from the public method to LAPACK ``potrf`` in four files
+(``tools/trace_calls.py`` prints the chain).  Kernels take no function name: they raise
+messages that say what failed, and the public function puts its own name in front.
 """
 
 from __future__ import annotations
@@ -77,10 +90,12 @@ from ._backend import (
     checks_values,
     cholesky_inverse,
     cholesky_lower,
+    errors_named,
     eye_like,
     gram_is_exactly_symmetric,
     is_array,
     is_lazy,
+    kernel_error,
     kernel_of,
     lower_triangular_inverse,
     namespace_of,
@@ -264,8 +279,8 @@ def _clipped_eigh(xp, matrix, threshold=0.0):
     return xp.clip(s, min=threshold), q
 
 
-def _check_exponent(func, exp):
-    return check_scalar(func, "exp", exp)
+def _check_exponent(func, power):
+    return check_scalar(func, "power", power)
 
 
 def _singular_tolerance(xp, spectrum, order):
@@ -324,20 +339,20 @@ def _value_check(flag, fail):
         pending.append((flag, fail))
 
 
-def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues"):
-    r"""``s**exp`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
+def power_of_eigenvalues(xp, s, power, *, order=None):
+    r"""``s**power`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
 
     .. math::
 
         s_i \mapsto s_i^{p}, \qquad \text{refused for } p < 0 \text{ when }
         \min_i s_i \le n\,\varepsilon \max_i |s_i| .
 
-    The one place where eigenvalues are raised to a power.  A negative ``exp`` refuses a
-    numerically singular spectrum (``n =
-    order``, default ``s.size``) and a fractional one a negative eigenvalue, naming
-    ``func``; both are value checks (skipped for lazy arrays and when value checks are
-    off).  ``s`` may have any shape (an outer product of two spectra for a Kronecker
-    product).  Internal kernel: its callers have validated their arguments.
+    The one place where eigenvalues are raised to a power.  A negative ``power`` refuses a
+    numerically singular spectrum (``n = order``, default ``s.size``) and a fractional one a
+    negative eigenvalue (a :func:`~kfac_ref._backend.kernel_error`: the public caller names
+    itself with ``errors_named``); both are value checks (skipped for lazy arrays and when
+    value checks are off).  ``s`` may have any shape (an outer product of two spectra for a
+    Kronecker product).  Internal kernel: its callers have validated their arguments.
     """
     if math.prod(s.shape) == 0:
         return s
@@ -345,31 +360,31 @@ def power_of_eigenvalues(xp, s, exp, *, order=None, func="power_of_eigenvalues")
         n = math.prod(s.shape) if order is None else order
 
         def singular():
-            raise KFACValueError(
-                f"{func}: matrix + damping·I must be positive definite for the negative "
-                f"exponent {exp}; its smallest eigenvalue after clipping and damping is "
+            raise kernel_error(
+                f"matrix + damping·I must be positive definite for the negative "
+                f"exponent {power}; its smallest eigenvalue after clipping and damping is "
                 f"{float(xp.min(s)):.3g}, at most n·eps·max = "
                 f"{float(_singular_tolerance(xp, s, n)):.3g} (numerically singular). "
                 "Add damping."
             )
 
         def negative():
-            raise KFACValueError(
-                f"{func}: matrix + damping·I must be positive semi-definite for the "
-                f"fractional exponent {exp}; its smallest eigenvalue is "
+            raise kernel_error(
+                f"matrix + damping·I must be positive semi-definite for the "
+                f"fractional exponent {power}; its smallest eigenvalue is "
                 f"{float(xp.min(s)):.3g}."
             )
 
-        if exp < 0:
+        if power < 0:
             _value_check(xp.min(s) > _singular_tolerance(xp, s, n), singular)
-        if not float(exp).is_integer():
+        if not float(power).is_integer():
             _value_check(xp.min(s) >= 0, negative)
-    if exp == 1.0:
+    if power == 1.0:
         return s
-    return s**exp
+    return s**power
 
 
-def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0):
+def damped_matpower(matrix, power, damping=0.0, eigenvalue_clipping_threshold=0.0):
     r"""Power of a damped symmetric PSD matrix.
 
     .. math::
@@ -389,7 +404,7 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     Parameters
     ----------
     matrix : array [n, n], symmetric
-    exp : float
+    power : float
         The exponent :math:`p`.
     damping : float
         :math:`\lambda \ge 0`, added after clipping.
@@ -405,10 +420,11 @@ def damped_matpower(matrix, exp, damping=0.0, eigenvalue_clipping_threshold=0.0)
     func = "damped_matpower"
     xp = namespace_of(func, matrix=matrix)
     check_symmetric(func, "matrix", matrix)
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    return _damped_matpower(xp, matrix, exp, damping, c, func=func)
+    with errors_named(func):
+        return _damped_matpower(xp, matrix, power, damping, c)
 
 
 def add_to_diagonal(xp, matrix, damping):
@@ -435,18 +451,19 @@ def add_to_diagonal(xp, matrix, damping):
 
 
 @kernel_of(damped_matpower)
-def _damped_matpower(xp, matrix, exp, damping=0.0, threshold=0.0, *, func="damped_matpower",
-                     second_moment=False):
-    if exp == 1.0:
+def _damped_matpower(xp, matrix, power, damping=0.0, threshold=0.0, *, second_moment=False):
+    if power == 1.0:
         return add_to_diagonal(xp, matrix, damping)
     void = (second_moment and threshold <= 0.0) or _clipping_is_void(xp, matrix, threshold)
-    if exp == -1.0 and void:
+    if power == -1.0 and void:
         try:
-            return _damped_inverse(xp, matrix, damping, func=func)
+            # the inverse from the Cholesky factor here, not through _damped_inverse: one
+            # call fewer between a block's multiply_inverse and LAPACK
+            return cholesky_inverse(xp, _damped_cholesky(xp, matrix, damping))
         except KFACValueError:
             pass  # near-singular by the pivots: let the eigenvalues decide (and word the error)
     s, q = _clipped_eigh(xp, matrix, threshold)
-    powers = power_of_eigenvalues(xp, s + damping, exp, func=func)
+    powers = power_of_eigenvalues(xp, s + damping, power)
     return (q * powers) @ q.T
 
 
@@ -487,12 +504,13 @@ def damped_inverse(matrix, damping=0.0):
     func = "damped_inverse"
     xp = namespace_of(func, matrix=matrix)
     damping = _check_cholesky_args(func, matrix, damping)
-    return _damped_inverse(xp, matrix, damping, func=func)
+    with errors_named(func):
+        return _damped_inverse(xp, matrix, damping)
 
 
 @kernel_of(damped_inverse)
-def _damped_inverse(xp, matrix, damping=0.0, *, func="damped_inverse"):
-    return cholesky_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
+def _damped_inverse(xp, matrix, damping=0.0):
+    return cholesky_inverse(xp, _damped_cholesky(xp, matrix, damping))
 
 
 def _check_cholesky_args(func, matrix, damping):
@@ -516,17 +534,18 @@ def damped_cholesky(matrix, damping=0.0):
     func = "damped_cholesky"
     xp = namespace_of(func, matrix=matrix)
     damping = _check_cholesky_args(func, matrix, damping)
-    return _damped_cholesky(xp, matrix, damping, func=func)
+    with errors_named(func):
+        return _damped_cholesky(xp, matrix, damping)
 
 
 @kernel_of(damped_cholesky)
-def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
+def _damped_cholesky(xp, matrix, damping=0.0):
     damped = add_to_diagonal(xp, matrix, damping)
     try:
         l_factor = cholesky_lower(xp, damped)
     except Exception as exc:  # backends raise their own LinAlgError types
-        raise KFACValueError(
-            f"{func}: matrix + damping·I must be positive definite; the Cholesky "
+        raise kernel_error(
+            f"matrix + damping·I must be positive definite; the Cholesky "
             f"factorisation failed ({type(exc).__name__}: {exc}). Add damping."
         ) from None
     n = matrix.shape[0]
@@ -539,12 +558,12 @@ def _damped_cholesky(xp, matrix, damping=0.0, *, func="damped_cholesky"):
 
         def fail():
             if not bool(xp.all(xp.isfinite(pivots))):
-                raise KFACValueError(
-                    f"{func}: matrix + damping·I must be positive definite; the Cholesky "
+                raise kernel_error(
+                    "matrix + damping·I must be positive definite; the Cholesky "
                     "factor has non-finite entries. Add damping."
                 )
-            raise KFACValueError(
-                f"{func}: matrix + damping·I must be positive definite; its smallest squared "
+            raise kernel_error(
+                f"matrix + damping·I must be positive definite; its smallest squared "
                 f"Cholesky pivot is {float(xp.min(pivots)):.3g}, at most n·eps·max = "
                 f"{float(tol):.3g} (numerically singular). Add damping."
             )
@@ -567,12 +586,13 @@ def damped_cholesky_inverse(matrix, damping=0.0):
     func = "damped_cholesky_inverse"
     xp = namespace_of(func, matrix=matrix)
     damping = _check_cholesky_args(func, matrix, damping)
-    return _damped_cholesky_inverse(xp, matrix, damping, func=func)
+    with errors_named(func):
+        return _damped_cholesky_inverse(xp, matrix, damping)
 
 
 @kernel_of(damped_cholesky_inverse)
-def _damped_cholesky_inverse(xp, matrix, damping=0.0, *, func="damped_cholesky_inverse"):
-    return lower_triangular_inverse(xp, _damped_cholesky(xp, matrix, damping, func=func))
+def _damped_cholesky_inverse(xp, matrix, damping=0.0):
+    return lower_triangular_inverse(xp, _damped_cholesky(xp, matrix, damping))
 
 
 # --------------------------------------------------------------------------------------
@@ -607,11 +627,13 @@ def factor_norm(matrix, norm_type="avg_diag"):
     func = "factor_norm"
     xp = namespace_of(func, matrix=matrix)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    _check_norm_argument(func, "matrix", matrix)
+    check_norm_argument(func, "matrix", matrix)
     return _factor_norm(xp, matrix, norm_type)
 
 
-def _check_norm_argument(func, name, matrix):
+def check_norm_argument(func, name, matrix):
+    """Validate a factor-norm argument: 0-, 1- or 2-D (square), not empty, finite
+    (internal API: the checks of :func:`factor_norm` and the π functions)."""
     check_array(func, name, matrix, ndim=(0, 1, 2))
     if matrix.ndim == 2:
         check_square(func, name, matrix)
@@ -687,8 +709,8 @@ def pi_tracenorm(left_cov, right_cov):
 def _check_pi_args(func, left, right, norm_type):
     xp = namespace_of(func, left_cov=left, right_cov=right)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    _check_norm_argument(func, "left_cov", left)
-    _check_norm_argument(func, "right_cov", right)
+    check_norm_argument(func, "left_cov", left)
+    check_norm_argument(func, "right_cov", right)
     return xp
 
 
@@ -911,7 +933,7 @@ def kron_damped_matpower_matvec(
     a,
     b,
     x,
-    exp=-1.0,
+    power=-1.0,
     damping=0.0,
     damping_method="factored",
     order="C",
@@ -938,7 +960,7 @@ def kron_damped_matpower_matvec(
           (s_A s_B^\top + \lambda)^{\odot p}\big] Q_B^\top\Big).
 
     Eigenvalues are clipped below at ``eigenvalue_clipping_threshold`` in both styles.  The
-    inverse (``exp=-1``) is :func:`kron_damped_inverse_matvec`.
+    inverse (``power=-1``) is :func:`kron_damped_inverse_matvec`.
 
     Parameters
     ----------
@@ -946,7 +968,7 @@ def kron_damped_matpower_matvec(
     b : array [q, q], symmetric PSD
     x : array
         A flat vector of length :math:`pq` or a matrix as in :func:`kron_matvec`.
-    exp : float
+    power : float
         The power :math:`p` (any real; negative powers need a positive definite result).
     damping : float
         :math:`\lambda \ge 0`.
@@ -963,12 +985,12 @@ def kron_damped_matpower_matvec(
     (exact damping in the Kronecker eigenbasis).
     """
     return _checked_kron_damped_matpower_matvec(
-        "kron_damped_matpower_matvec", a, b, x, exp, damping, damping_method, order, norm_type,
+        "kron_damped_matpower_matvec", a, b, x, power, damping, damping_method, order, norm_type,
         eigenvalue_clipping_threshold,
     )
 
 
-def _checked_kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_method, order,
+def _checked_kron_damped_matpower_matvec(func, a, b, x, power, damping, damping_method, order,
                                          norm_type, eigenvalue_clipping_threshold):
     xp = namespace_of(func, a=a, b=b, x=x)
     check_symmetric(func, "a", a)
@@ -977,30 +999,28 @@ def _checked_kron_damped_matpower_matvec(func, a, b, x, exp, damping, damping_me
     check_option(func, "order", order, ("C", "F"))
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
     _check_kron_vector(func, x, order, (a.shape[0], b.shape[0]))
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    return _kron_damped_matpower_matvec(xp, a, b, x, exp, damping, damping_method, order,
-                                        norm_type, c, func=func)
+    with errors_named(func):
+        return _kron_damped_matpower_matvec(xp, a, b, x, power, damping, damping_method, order,
+                                            norm_type, c)
 
 
 @kernel_of(kron_damped_matpower_matvec)
-def _kron_damped_matpower_matvec(xp, a, b, x, exp, damping=0.0, damping_method="factored",
-                                 order="C", norm_type="avg_diag", threshold=0.0, *,
-                                 func="kron_damped_matpower_matvec"):
+def _kron_damped_matpower_matvec(xp, a, b, x, power, damping=0.0, damping_method="factored",
+                                 order="C", norm_type="avg_diag", threshold=0.0):
     mat, back = _as_row_major_matrix(xp, x, order, (a.shape[0], b.shape[0]))
     if damping_method == "factored":
-        left, right = _pi_adjusted_damping(xp, a, b, damping, norm_type)
-        a_pow = _damped_matpower(xp, a, exp, left, threshold, func=func)
-        b_pow = _damped_matpower(xp, b, exp, right, threshold, func=func)
-        return back(a_pow @ mat @ b_pow)
+        powers = kron_factored_powers(xp, a, b, power, damping, 1.0, norm_type, "pi_one",
+                                      threshold)
+        return back(kron_factored_apply(xp, powers, mat))
     s_a, q_a = _clipped_eigh(xp, a, threshold)
     s_b, q_b = _clipped_eigh(xp, b, threshold)
-    return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, exp, damping, 1.0,
-                                          func=func))
+    return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, power, damping, 1.0))
 
 
-def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0):
+def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.0):
     r"""Power of a damped, scaled Kronecker product given the factors' eigendecompositions.
 
     .. math::
@@ -1023,7 +1043,7 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
     q_b : array [q, q] or None
     x : array [..., p, q]
         Row-major matrix form of the vector(s).
-    exp, damping, scale : float
+    power, damping, scale : float
         :math:`p`, :math:`\lambda \ge 0`, :math:`c > 0`.
     """
     func = "kron_eigenbasis_matpower"
@@ -1038,19 +1058,19 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0)
     check_array(func, "x", x, min_ndim=2)
     if tuple(x.shape[-2:]) != (p, q):
         raise KFACValueError(f"{func}: x must be [..., {p}, {q}]; got shape {tuple(x.shape)}.")
-    exp = _check_exponent(func, exp)
+    power = _check_exponent(func, power)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     scale = check_scalar(func, "scale", scale, positive=True)
-    return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping, scale, func=func)
+    with errors_named(func):
+        return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping, scale)
 
 
 @kernel_of(kron_eigenbasis_matpower)
-def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, exp, damping=0.0, scale=1.0, *,
-                              func="kron_eigenbasis_matpower"):
+def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.0):
     y = x if q_a is None else xp.matrix_transpose(q_a) @ x
     y = y if q_b is None else y @ q_b
     spectrum = scale * (s_a[:, None] * s_b[None, :]) + damping
-    y = y * power_of_eigenvalues(xp, spectrum, exp, func=func)
+    y = y * power_of_eigenvalues(xp, spectrum, power)
     y = y if q_a is None else q_a @ y
     return y if q_b is None else y @ xp.matrix_transpose(q_b)
 
@@ -1060,7 +1080,7 @@ def kron_damped_inverse_matvec(
     eigenvalue_clipping_threshold=0.0,
 ):
     r"""Damped Kronecker inverse applied to a vector: :func:`kron_damped_matpower_matvec`
-    with ``exp = -1``.
+    with ``power = -1``.
 
     .. math::
 
@@ -1071,3 +1091,165 @@ def kron_damped_inverse_matvec(
         "kron_damped_inverse_matvec", a, b, x, -1.0, damping, damping_method, order, norm_type,
         eigenvalue_clipping_threshold,
     )
+
+
+# --------------------------------------------------------------------------------------
+# The damped Kronecker kernel (internal API: the one assembly of a factored damped
+# Kronecker product, used by the public functions above and by every Kronecker block)
+# --------------------------------------------------------------------------------------
+PI_NORMS = (*FACTOR_NORMS, "off")
+"""Norms accepted for the π damping split: :data:`FACTOR_NORMS` plus ``"off"`` (π = 1,
+TF's ``PI_TYPE = "off"``)."""
+
+ZERO_FACTOR_FALLBACKS = ("pi_one", "identity")
+"""What factored damping does when a factor has zero norm: ``"pi_one"`` (TF K-FAC: π = 1, the
+factors are damped with :math:`\\sqrt\\lambda` each) or ``"identity"`` (kfac-jax's
+``special_case_zero_inv``: the damped block is :math:`\\lambda I`)."""
+
+
+def kron_factor_norms(xp, a, b, norm_type):
+    """``(‖A‖, ‖B‖)`` for π and the zero-factor test (``"off"``: the trace norms; for a PSD
+    factor every norm of :func:`factor_norm` is zero exactly when the factor is)."""
+    kind = "avg_diag" if norm_type == "off" else norm_type
+    return _factor_norm(xp, a, kind), _factor_norm(xp, b, kind)
+
+
+def kron_zero_factor(xp, norms):
+    """kfac-jax's zero-factor test ``‖A‖ = 0 or ‖B‖ = 0``: a Python bool read on the host
+    when value checks run on concrete arrays, else the 0-D boolean array (inside a trace,
+    or with value checks off: both branches are computed and selected, the same numbers
+    without a read and without the error of a singular zero block)."""
+    flag = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
+    return bool(flag) if checks_values(flag) else flag
+
+
+def kron_factor_dampings(xp, a, b, damping, norm_type="avg_diag", *, norms=None):
+    r"""The π split :math:`(\delta_A, \delta_B) = (\pi\sqrt\lambda, \sqrt\lambda/\pi)` of
+    :math:`\lambda`, with π = 1 for ``norm_type="off"``."""
+    if norm_type == "off":
+        return damping**0.5, damping**0.5
+    return _pi_adjusted_damping(xp, a, b, damping, norm_type, norms=norms)
+
+
+def kron_factored_powers(xp, a, b, power, damping, scale=1.0, norm_type="avg_diag",
+                         zero_factor_fallback="pi_one", threshold=0.0, *, second_moment=False,
+                         norms=None, zero=None):
+    r"""The factor powers of a π-damped, scaled Kronecker product (the statistics-only half;
+    :func:`kron_factored_apply` is the vector half).
+
+    .. math::
+
+        \big(s\,(A + \delta_A I) \otimes (B + \delta_B I)\big)^{p}
+        = s^{p}\,(A + \delta_A I)^{p} \otimes (B + \delta_B I)^{p},
+        \qquad (\delta_A, \delta_B) = (\pi\sqrt{\lambda/s},\ \sqrt{\lambda/s}/\pi).
+
+    Returns ``(a_pow, b_pow, coeff)`` with :math:`c = s^p`; for kfac-jax's zero-factor case
+    (``zero_factor_fallback="identity"`` and a zero factor) ``a_pow = b_pow = None`` and the
+    product is :math:`\lambda^p I`; for lazy arrays under that fall-back also the
+    zero-factor flag and :math:`\lambda^p` (selected per call by the apply half).  A 1-D
+    factor is the diagonal of a diagonal factor.  Each damped factor's power is one
+    :func:`damped_matpower` kernel call (``second_moment``: the factors are second moments,
+    so an inverse is one Cholesky inverse).  ``norms`` / ``zero``: :func:`kron_factor_norms`
+    and :func:`kron_zero_factor`, when a caller caching several powers has them.  Unchecked;
+    errors are :func:`~kfac_ref._backend.kernel_error` s.
+    """
+    lam = damping / scale
+    if norms is None and (zero_factor_fallback == "identity" or norm_type != "off"):
+        norms = kron_factor_norms(xp, a, b, norm_type)
+    if zero_factor_fallback != "identity":
+        zero = None
+    elif zero is None:
+        # inside a trace the flag is lazy even for factors the traced function closes over
+        zero = kron_zero_factor(xp, norms)
+    if isinstance(zero, bool):  # eager: decided on the host, as kfac-jax's Python branch does
+        if zero:
+            # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
+            if power < 0 and damping == 0.0:
+                raise kernel_error(
+                    f"a Kronecker factor is zero and damping is 0, so the block is singular "
+                    f"for the power {power}. Add damping.")
+            return None, None, damping**power
+        zero = None
+    delta_a, delta_b = kron_factor_dampings(xp, a, b, lam, norm_type, norms=norms)
+    try:
+        # written out per factor (no helper) so that an inverse reaches the Cholesky call in
+        # two frames: damped_matpower's kernel, then damped_cholesky's
+        if a.ndim == 1:
+            a_pow = power_of_eigenvalues(xp, xp.clip(a, min=threshold) + delta_a, power)
+        else:
+            a_pow = _damped_matpower(xp, a, power, delta_a, threshold,
+                                     second_moment=second_moment)
+        if b.ndim == 1:
+            b_pow = power_of_eigenvalues(xp, xp.clip(b, min=threshold) + delta_b, power)
+        else:
+            b_pow = _damped_matpower(xp, b, power, delta_b, threshold,
+                                     second_moment=second_moment)
+    except KFACValueError as exc:
+        raise kernel_error(f"a damped Kronecker factor is singular for the power {power} "
+                           f"({exc}). Add damping.") from None
+    if zero is not None:  # traced: both branches, selected per call (jnp.where semantics)
+        return a_pow, b_pow, scale**power, zero, damping**power
+    return a_pow, b_pow, scale**power
+
+
+def kron_factored_apply(xp, powers, x):
+    r""":math:`c\,A_p X B_p` (row-major :math:`X` ``[..., p, q]``; a symmetric :math:`B_p`
+    needs no transpose) from :func:`kron_factored_powers`; :math:`c X` for the zero-factor
+    identity."""
+    a_pow, b_pow, coeff = powers[:3]
+    if a_pow is None:
+        return coeff * x
+    left = a_pow[:, None] * x if a_pow.ndim == 1 else a_pow @ x
+    prod = left * b_pow[None, :] if b_pow.ndim == 1 else left @ b_pow
+    if len(powers) == 5:  # traced zero-factor test: the identity block where it holds
+        zero, identity_coeff = powers[3:]
+        return xp.where(zero, identity_coeff * x, coeff * prod)
+    return coeff * prod
+
+
+def kron_factored_cholesky_apply(xp, a, b, x, delta_a, delta_b, scale, *, transpose=False,
+                                 inverse=False):
+    r"""Cholesky products of a factored-damped Kronecker product on ``X`` ``[p, q]``.
+
+    .. math::
+
+        L = s^{1/2}\, L_A \otimes L_B, \quad L_A L_A^\top = A + \delta_A I, \quad
+        L_B L_B^\top = B + \delta_B I;
+
+        L\,\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A X L_B^\top), \quad
+        L^\top\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A^\top X L_B), \quad
+        L^{-1}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-1} X L_B^{-\top}), \quad
+        L^{-\top}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-\top} X L_B^{-1})
+
+    (TF ``KroneckerProductFB.multiply_cholesky`` / ``multiply_cholesky_inverse``).  A
+    diagonal (1-D) factor's triangle is :math:`(f + \delta)^{\odot \pm 1/2}`.
+    """
+    half = -0.5 if inverse else 0.5
+    triangle = _damped_cholesky_inverse if inverse else _damped_cholesky
+    l_a = (power_of_eigenvalues(xp, a + delta_a, half) if a.ndim == 1
+           else triangle(xp, a, delta_a))
+    l_b = (power_of_eigenvalues(xp, b + delta_b, half) if b.ndim == 1
+           else triangle(xp, b, delta_b))
+    if l_a.ndim == 1:
+        left = l_a[:, None] * x
+    else:
+        left = (xp.matrix_transpose(l_a) if transpose else l_a) @ x
+    if l_b.ndim == 1:
+        prod = left * l_b[None, :]
+    else:
+        prod = left @ (l_b if transpose else xp.matrix_transpose(l_b))
+    return (scale ** half) * prod
+
+
+def kron_eigen(xp, a, b, threshold=0.0):
+    """``(s_A, Q_A, s_B, Q_B)``: both factors' clipped eigendecompositions (a diagonal
+    factor is its own eigenbasis, ``Q = None``)."""
+    if a.ndim == 1:
+        s_a, q_a = xp.clip(a, min=threshold), None
+    else:
+        s_a, q_a = _clipped_eigh(xp, a, threshold)
+    if b.ndim == 1:
+        s_b, q_b = xp.clip(b, min=threshold), None
+    else:
+        s_b, q_b = _clipped_eigh(xp, b, threshold)
+    return s_a, q_a, s_b, q_b

@@ -35,6 +35,7 @@ from ._backend import (
     check_scalar,
     describe,
     device_of,
+    errors_named,
     eye_like,
     host_draw,
     namespace_of,
@@ -382,14 +383,15 @@ class CurvatureOperator:
         if isinstance(block, TwoKroneckerFactored):
             a, g = (f.value for f in state.statistics)
             ev = kron_eigenvalues_kernel(xp, a, g, lam, block.scale(state),
-                                         _exact_damping(block, power, exact), block.pi_norm,
+                                         _exact_damping(block, power, exact), block.norm_type,
                                          block.zero_factor_fallback,
                                          block.eigenvalue_clipping_threshold)
         elif isinstance(block, _EIGENVALUE_FAMILIES):
             ev = block.eigenvalues(state) + lam
         else:  # another family: the spectrum of its products (power included)
             return self._dense_eigenvalues(self._part_dense(p))
-        return power_of_eigenvalues(xp, ev, power, func="CurvatureOperator.eigenvalues")
+        with errors_named("CurvatureOperator.eigenvalues"):
+            return power_of_eigenvalues(xp, ev, power)
 
     def _part_dense(self, p):
         eye = eye_like(self._like, p.stop - p.start)
@@ -448,7 +450,7 @@ class CurvatureOperator:
                 a, g = (f.value for f in p.state.statistics)
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
                 t = kron_trace_kernel(xp, a, g, lam, p.block.scale(p.state),
-                                      _exact_damping(p.block, power, exact), p.block.pi_norm,
+                                      _exact_damping(p.block, power, exact), p.block.norm_type,
                                       p.block.zero_factor_fallback)
             else:
                 t = xp.sum(self._part_eigenvalues(p))
@@ -486,7 +488,7 @@ class CurvatureOperator:
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
                 s, la = kron_slogdet_kernel(xp, a, g, lam, p.block.scale(p.state),
                                             _exact_damping(p.block, power, exact),
-                                            p.block.pi_norm, p.block.zero_factor_fallback,
+                                            p.block.norm_type, p.block.zero_factor_fallback,
                                             p.block.eigenvalue_clipping_threshold)
             else:
                 s, la = slogdet_of_eigenvalues(xp, self._part_eigenvalues(p))

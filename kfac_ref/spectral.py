@@ -46,7 +46,7 @@ from ._backend import (
     namespace_of,
 )
 from .blocks import PI_NORMS, ZERO_FACTOR_FALLBACKS
-from .linalg import clipped_eigh, factor_norm, pi_adjusted_damping
+from .linalg import clipped_eigh, kron_factor_dampings, kron_factor_norms
 
 __all__ = [
     "kron_eigenvalues",
@@ -100,14 +100,10 @@ def factored_split(xp, a, g, damping, scale, norm_type, zero_factor_fallback):
     (G+\delta_G I)`: the π split of :math:`\lambda/s` (π = 1 for ``norm_type="off"``), and
     ``identity`` (a 0-D bool array, or ``False``) where kfac-jax's zero-factor fall-back makes
     the damped block :math:`\lambda I`.  The same rule as the blocks' factored products
-    (:func:`kfac_ref.blocks.kronecker_block_matpower`).  Internal API."""
-    lam = damping / scale
-    kind = "avg_diag" if norm_type == "off" else norm_type
-    norms = (factor_norm.kernel(xp, a, kind), factor_norm.kernel(xp, g, kind))
-    if norm_type == "off":
-        delta_a = delta_g = lam**0.5
-    else:
-        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type, norms=norms)
+    (:func:`kfac_ref.blocks.kronecker_block_matpower`): the damped Kronecker kernel's split
+    (``kfac_ref.linalg.kron_factor_dampings``).  Internal API."""
+    norms = kron_factor_norms(xp, a, g, norm_type)
+    delta_a, delta_g = kron_factor_dampings(xp, a, g, damping / scale, norm_type, norms=norms)
     identity = False
     if zero_factor_fallback == "identity":
         identity = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)

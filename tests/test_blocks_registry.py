@@ -38,18 +38,18 @@ class MeanSquaredGradientIdentity(kj.CurvatureBlock):
     def _product(self, vector, c, lam, power, s):
         return tuple((s * c + lam) ** power * v for v in vector)
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         return self._product(vector, state.statistics[0].value, lam, power,
                              self.scale(state, False))
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         return self._product(vector, self._cache_get(state, "c", "update_cache"), lam, power,
                              self._cache_get(state, "scale", "update_cache"))
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         return {"c": state.statistics[0].value}
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         return self.scale(state, False) * state.statistics[0].value * xp.ones(self.dim)
 
     def _dense_unscaled(self, xp, state):

@@ -95,10 +95,10 @@ def test_damped_matpower_integer_powers(xp, rng):
 
 
 def test_damped_matpower_exp_one_is_direct_without_clipping(xp):
-    # An indefinite symmetric matrix: exp = 1 must not clip its negative eigenvalue.
+    # An indefinite symmetric matrix: power = 1 must not clip its negative eigenvalue.
     m = np.array([[0.0, 1.0], [1.0, 0.0]])
     xp.assert_close(K.damped_matpower(xp.asarray(m), 1, 0.5), m + 0.5 * np.eye(2), rtol=0)
-    # whereas exp = 2 goes through the clipped eigendecomposition (eigenvalue -1 -> 0)
+    # whereas power = 2 goes through the clipped eigendecomposition (eigenvalue -1 -> 0)
     expected = np.array([[0.5, 0.5], [0.5, 0.5]])
     xp.assert_close(K.damped_matpower(xp.asarray(m), 2), expected)
 
@@ -453,7 +453,7 @@ def test_error_paths(xp):
          KFACValueError, "damped_matpower: matrix must be a symmetric matrix"),
         (lambda: K.damped_matpower(m, -1, damping=-0.1), KFACValueError,
          "damped_matpower: damping must be non-negative"),
-        (lambda: K.damped_matpower(m, "inv"), KFACTypeError, "exp must be a real number"),
+        (lambda: K.damped_matpower(m, "inv"), KFACTypeError, "power must be a real number"),
         (lambda: K.damped_matpower(xp.asarray(np.zeros((2, 2))), -1), KFACValueError,
          "must be positive definite for the negative exponent"),
         (lambda: K.damped_cholesky(xp.asarray(-np.eye(2))), KFACValueError,

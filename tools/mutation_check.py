@@ -78,7 +78,7 @@ MUTANTS = [
       "        return float(self.num_locations)\n",
       "        return 1.0\n",
       "conv Kronecker block without its |T| pre-factor", ("tests/test_oracle_blocks.py",)),
-    M("kron-damping-not-per-scale", "kfac_ref/blocks/_math/_kron.py",
+    M("kron-damping-not-per-scale", "kfac_ref/linalg.py",
       "    lam = damping / scale\n", "    lam = damping\n",
       "factored damping λ instead of λ/s for a scaled (conv) Kronecker block",
       ("tests/test_oracle_blocks.py",)),
@@ -251,8 +251,8 @@ EQUIVALENT = {
         "Σ d^(t−s) C_s / Σ d^(t−s) (tested as equivalent in tests/test_optim_options.py)",
     "quad_model_matrix 'fisher' → 'ggn'":
         "Fisher = GGN for every shipped loss (exponential families in natural parameters)",
-    "apply_kron_factored: left @ g_pow → left @ g_powᵀ":
-        "g_pow is a symmetric matrix function of a symmetric factor",
+    "kron_factored_apply: left @ b_pow → left @ b_powᵀ":
+        "b_pow is a symmetric matrix function of a symmetric factor",
 }
 
 

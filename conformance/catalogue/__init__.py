@@ -93,7 +93,7 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                                     "(the blocks' input factors)"),
     "networks.kfac_output_factors": (f"{_EST}.update_curvature_matrix_estimate",
                                      "(the blocks' output factors)"),
-    "networks.kfac_inverse_matvec": (f"{_EST}.multiply_matpower", "exp=-1"),
+    "networks.kfac_inverse_matvec": (f"{_EST}.multiply_matpower", "power=-1"),
     "sampling.kfac": (f"{_EST}.update_curvature_matrix_estimate", f"{_EST}.to_dense_matrix",
                       "sampling estimation modes"),
     "optimizer.kfac_steps": ("kfac_ref.optim.KFACOptimizer.step",),

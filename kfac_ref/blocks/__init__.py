@@ -1,10 +1,14 @@
 """Curvature blocks: TF K-FAC Fisher blocks and kfac-jax curvature blocks on one set of formulas.
 
-* :mod:`kfac_ref.blocks._math` — the formula functions (re-exported here);
-* :mod:`kfac_ref.blocks.kfac_jax` — kfac-jax-named blocks with explicit immutable state;
-* :mod:`kfac_ref.blocks.tf` — TF K-FAC-named Fisher blocks.
+* here: the formula functions (one home each; implemented in the private
+  ``kfac_ref.blocks._math``);
+* :mod:`kfac_ref.blocks.kfac_jax` — the block classes, kfac-jax names, explicit immutable
+  state (their one home);
+* :mod:`kfac_ref.blocks.tf` — TF K-FAC's Fisher block names and argument names, on the same
+  formulas (their one home).
 """
 
+from . import kfac_jax, tf  # the block classes: kfac-jax names and TF K-FAC names
 from ._math import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
@@ -20,92 +24,10 @@ from ._math import (
     series_option1_multiply_inverse,
     series_option2_multiply_inverse,
 )
-from .kfac_jax import (
-    BlockState,
-    Conv2DDiagonal,
-    Conv2DFull,
-    Conv2DTwoKroneckerFactored,
-    CurvatureBlock,
-    DenseDiagonal,
-    DenseFull,
-    DenseTwoKroneckerFactored,
-    Diagonal,
-    Full,
-    NaiveDiagonal,
-    NaiveFull,
-    ScaleAndShiftDiagonal,
-    ScaleAndShiftFull,
-    ScaledIdentity,
-    TwoKroneckerFactored,
-)
-from .tf import (
-    PI_TYPES,
-    ConvDiagonalFB,
-    ConvKFCBasicFB,
-    ConvKFCBasicMultiIndepFB,
-    DepthwiseConvDiagonalFB,
-    DepthwiseConvKFCBasicFB,
-    DiagonalFB,
-    EmbeddingKFACFB,
-    EmbeddingKFACMultiIndepFB,
-    FisherBlock,
-    FullFB,
-    FullyConnectedDiagonalFB,
-    FullyConnectedKFACBasicFB,
-    FullyConnectedMultiIndepFB,
-    FullyConnectedSeriesFB,
-    KroneckerProductFB,
-    NaiveDiagonalFB,
-    NaiveFullFB,
-    ScaleAndShiftDiagonalFB,
-    ScaleAndShiftFullFB,
-    SeriesFBApproximation,
-    compute_pi_adjusted_damping,
-    compute_pi_tracenorm,
-)
 
 __all__ = [
-    # kfac-jax names
-    "BlockState",
-    "CurvatureBlock",
-    "ScaledIdentity",
-    "Diagonal",
-    "Full",
-    "TwoKroneckerFactored",
-    "NaiveDiagonal",
-    "NaiveFull",
-    "DenseDiagonal",
-    "DenseFull",
-    "DenseTwoKroneckerFactored",
-    "Conv2DDiagonal",
-    "Conv2DFull",
-    "Conv2DTwoKroneckerFactored",
-    "ScaleAndShiftDiagonal",
-    "ScaleAndShiftFull",
-    # TF names
-    "PI_TYPES",
-    "FisherBlock",
-    "FullFB",
-    "NaiveFullFB",
-    "DiagonalFB",
-    "NaiveDiagonalFB",
-    "FullyConnectedDiagonalFB",
-    "ConvDiagonalFB",
-    "ScaleAndShiftFullFB",
-    "ScaleAndShiftDiagonalFB",
-    "DepthwiseConvDiagonalFB",
-    "KroneckerProductFB",
-    "FullyConnectedKFACBasicFB",
-    "ConvKFCBasicFB",
-    "EmbeddingKFACFB",
-    "EmbeddingKFACMultiIndepFB",
-    "DepthwiseConvKFCBasicFB",
-    "FullyConnectedMultiIndepFB",
-    "ConvKFCBasicMultiIndepFB",
-    "FullyConnectedSeriesFB",
-    "SeriesFBApproximation",
-    "compute_pi_tracenorm",
-    "compute_pi_adjusted_damping",
+    "kfac_jax",
+    "tf",
     # formula functions
     "PI_NORMS",
     "ZERO_FACTOR_FALLBACKS",

@@ -47,6 +47,7 @@ from .._backend import (
     check_int,
     check_scalar,
     describe,
+    errors_named,
     eye_like,
     is_array,
     namespace_of,
@@ -429,22 +430,25 @@ class DenseSquareMatrixFactor(FisherFactor):
         cov = self.cov  # the factor's own statistic: already checked, kernels only
         xp = namespace_of(func, cov=cov)
         cache = {}
+        with errors_named(func):
+            self._fill_inverse_cache(xp, cov, cache, func)
+        return cache
+
+    def _fill_inverse_cache(self, xp, cov, cache, func):
         if self.uses_eigendecomposition:
             for exp, key in self._matpower_regs:
                 cache[("matpower", exp, key)] = damped_matpower.kernel(
-                    xp, cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold,
-                    func=func)
+                    xp, cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold)
         else:
             for exp, key in self._matpower_regs:
                 cache[("matpower", exp, key)] = damped_inverse.kernel(
-                    xp, cov, damping_value(func, key), func=func)
+                    xp, cov, damping_value(func, key))
         for key in self._cholesky_regs:
             cache[("cholesky", None, key)] = damped_cholesky.kernel(
-                xp, cov, damping_value(func, key), func=func)
+                xp, cov, damping_value(func, key))
         for key in self._cholesky_inverse_regs:
             cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse.kernel(
-                xp, cov, damping_value(func, key), func=func)
-        return cache
+                xp, cov, damping_value(func, key))
 
     def update_inverses(self):
         r"""Return a factor whose cached quantities are recomputed from the current

@@ -26,6 +26,7 @@ from .._backend import (
     check_scalar,
     check_symmetric,
     device_of,
+    errors_named,
     kernel_of,
     namespace_of,
 )
@@ -238,7 +239,8 @@ def conv_input_sua_inverse(sigma, mu, num_offsets, has_bias=False, damping=0.0,
     if has_bias and damping <= 0:
         raise KFACValueError(f"{func}: damping must be positive when has_bias (the bias block "
                              f"of B is δ); got {damping}.")
-    sigma_inv = damped_inverse.kernel(xp, (sigma + sigma.T) / 2.0, damping, func=func)
+    with errors_named(func):
+        sigma_inv = damped_inverse.kernel(xp, (sigma + sigma.T) / 2.0, damping)
     return _sua_inverse_from_parts(xp, sigma_inv, mu, k, has_bias, damping, order)
 
 
@@ -384,7 +386,8 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         for exp, key in self._matpower_regs:
             lam = damping_value(func, key)
             cov = self.cov
-            sigma_inv = damped_inverse.kernel(namespace_of(func, cov=cov), cov, lam, func=func)
+            with errors_named(func):
+                sigma_inv = damped_inverse.kernel(namespace_of(func, cov=cov), cov, lam)
             cache[("matpower", exp, key)] = (sigma_inv, self.mu, lam)
         return cache
 

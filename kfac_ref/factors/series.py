@@ -25,6 +25,7 @@ from .._backend import (
     check_scalar,
     check_square,
     check_symmetric,
+    errors_named,
     kernel_of,
     namespace_of,
 )
@@ -128,7 +129,8 @@ def _check_pair(func, cov, cov_dt1, damping, threshold):
 
 def _inv_sqrt_c0(xp, cov, damping, threshold, func):
     """Symmetrised :math:`(C_0 + \\delta I)^{-1/2}` from the clipped eigendecomposition."""
-    m = damped_matpower.kernel(xp, cov, -0.5, damping, threshold, func=func)
+    with errors_named(func):
+        m = damped_matpower.kernel(xp, cov, -0.5, damping, threshold)
     return (m + m.T) / 2.0
 
 

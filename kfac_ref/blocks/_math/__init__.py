@@ -29,7 +29,9 @@ user called):
   statistics (what a cache stores) and the part that touches the vector, so a cached product
   and an uncached one run the same arithmetic;
 * :func:`kron_product_path` decides, once for every Kronecker product, which of the three
-  paths (direct power 1, eigenbasis, factored π damping) a product takes;
+  paths (direct power 1, eigenbasis, factored π damping) a product takes; the eigenbasis
+  and factored products themselves are :mod:`kfac_ref.linalg`'s damped Kronecker kernel
+  (``kron_eigen``, ``kron_factored_powers`` / ``kron_factored_apply``), written once;
 * ``to_mat2d`` / ``from_mat2d`` and ``flatten`` / ``unflatten`` are the vector maps
   ``(kernel, bias)`` ↔ ``[W; b]`` and tuple of arrays ↔ flat vector shared by all blocks;
 * ``check_factor`` validates a Kronecker factor;
@@ -62,11 +64,7 @@ from ._diagonal_full import (
 from ._diagonal_full import prepare_full as prepare_full
 from ._kron import KRON_PATHS as KRON_PATHS
 from ._kron import apply_kron as apply_kron
-from ._kron import apply_kron_cholesky as apply_kron_cholesky
 from ._kron import apply_kron_direct as apply_kron_direct
-from ._kron import apply_kron_eigen as apply_kron_eigen
-from ._kron import apply_kron_factored as apply_kron_factored
-from ._kron import factor_norms as factor_norms
 from ._kron import kron_product_path as kron_product_path
 from ._kron import kron_spectrum as kron_spectrum
 from ._kron import (
@@ -74,14 +72,13 @@ from ._kron import (
     kronecker_block_matpower,
 )
 from ._kron import prepare_kron as prepare_kron
-from ._kron import prepare_kron_eigen as prepare_kron_eigen
-from ._kron import prepare_kron_factored as prepare_kron_factored
-from ._kron import zero_factor as zero_factor
 from ._series import (
     series_gamma,
     series_option1_multiply_inverse,
     series_option2_multiply_inverse,
 )
+from ._series import series_option1_kernel as series_option1_kernel
+from ._series import series_option2_kernel as series_option2_kernel
 from ._tridiag import (
     block_tridiagonal_multiply_inverse,
     kronecker_difference_inverse,

@@ -13,18 +13,12 @@ from ..._backend import (
     value_checks,
 )
 from ...linalg import (
-    FACTOR_NORMS,
+    PI_NORMS,
+    ZERO_FACTOR_FALLBACKS,
     power_of_eigenvalues,
 )
 
-PI_NORMS = (*FACTOR_NORMS, "off")
-"""Norms accepted for the π damping split: :data:`kfac_ref.linalg.FACTOR_NORMS` plus
-``"off"`` (π = 1, TF's ``PI_TYPE = "off"``)."""
-
-ZERO_FACTOR_FALLBACKS = ("pi_one", "identity")
-"""What factored damping does when a factor has zero norm: ``"pi_one"`` (TF K-FAC: π = 1, the
-factors are damped with :math:`\\sqrt\\lambda` each) or ``"identity"`` (kfac-jax's
-``special_case_zero_inv``: the damped block is :math:`\\lambda I`)."""
+__all__ = ["PI_NORMS", "ZERO_FACTOR_FALLBACKS"]  # re-exported: their home is kfac_ref.linalg
 
 
 # --------------------------------------------------------------------------------------
@@ -52,9 +46,9 @@ def check_common(func, power, damping, scale, threshold=0.0):
     return power, damping, scale, threshold
 
 
-def elementwise_power(func, xp, s, power):
+def elementwise_power(xp, s, power):
     """``s**power`` with clear errors (one implementation: kfac_ref.linalg's)."""
-    return power_of_eigenvalues(xp, s, power, func=func)
+    return power_of_eigenvalues(xp, s, power)
 
 
 

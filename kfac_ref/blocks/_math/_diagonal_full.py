@@ -7,6 +7,7 @@ from ..._backend import (
     check_array,
     check_scalar,
     check_symmetric,
+    errors_named,
     namespace_of,
 )
 from ...linalg import (
@@ -21,8 +22,8 @@ from ._common import (
 # --------------------------------------------------------------------------------------
 # Diagonal, full and scaled-identity blocks
 # --------------------------------------------------------------------------------------
-def apply_diagonal(func, xp, diagonal, x, power, damping, scale):
-    return elementwise_power(func, xp, scale * diagonal + damping, power) * x
+def apply_diagonal(xp, diagonal, x, power, damping, scale):
+    return elementwise_power(xp, scale * diagonal + damping, power) * x
 
 
 def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
@@ -51,24 +52,25 @@ def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
     check_array(func, "diagonal", diagonal)
     check_array(func, "x", x, shape=tuple(diagonal.shape))
     power, damping, scale, _ = check_common(func, power, damping, scale)
-    return apply_diagonal(func, xp, diagonal, x, power, damping, scale)
+    with errors_named(func):
+        return apply_diagonal(xp, diagonal, x, power, damping, scale)
 
 
-def prepare_full(func, xp, matrix, threshold):
+def prepare_full(xp, matrix, threshold):
     """Clipped eigendecomposition of a full block (what its cache stores)."""
     return clipped_eigh.kernel(xp, matrix, threshold)
 
 
-def apply_full(func, xp, matrix, eig, x, power, damping, scale):
+def apply_full(xp, matrix, eig, x, power, damping, scale):
     """``(sF + λI)^p x``: directly for :math:`p = 1`, else from the eigendecomposition."""
     if power == 1.0:
         return scale * (matrix @ x) + damping * x
-    return apply_full_eigen(func, xp, eig, x, power, damping, scale)
+    return apply_full_eigen(xp, eig, x, power, damping, scale)
 
 
-def apply_full_eigen(func, xp, eig, x, power, damping, scale):
+def apply_full_eigen(xp, eig, x, power, damping, scale):
     s, q = eig
-    coeff = elementwise_power(func, xp, scale * s + damping, power)
+    coeff = elementwise_power(xp, scale * s + damping, power)
     return q @ (coeff * (xp.matrix_transpose(q) @ x))
 
 
@@ -104,8 +106,9 @@ def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
     check_array(func, "x", x, ndim=1, shape=(n,), layout=f"[{n}]")
     power, damping, scale, c = check_common(func, power, damping, scale,
                                              eigenvalue_clipping_threshold)
-    eig = None if power == 1.0 else prepare_full(func, xp, matrix, c)
-    return apply_full(func, xp, matrix, eig, x, power, damping, scale)
+    eig = None if power == 1.0 else prepare_full(xp, matrix, c)
+    with errors_named(func):
+        return apply_full(xp, matrix, eig, x, power, damping, scale)
 
 
 def scaled_identity_matpower(x, power, damping=0.0, *, scale=1.0):

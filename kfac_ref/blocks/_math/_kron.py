@@ -3,189 +3,32 @@
 from __future__ import annotations
 
 from ..._backend import (
-    KFACValueError,
     check_array,
     check_option,
     check_scalar,
-    checks_values,
+    errors_named,
     namespace_of,
 )
 from ...linalg import (
-    clipped_eigh,
-    damped_cholesky,
-    damped_cholesky_inverse,
-    damped_matpower,
-    factor_norm,
-    kron_eigenbasis_matpower,
-    pi_adjusted_damping,
-)
-from ._common import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
-    check_common,
-    check_factor,
-    elementwise_power,
+    kron_eigen,
+    kron_eigenbasis_matpower,
+    kron_factored_apply,
+    kron_factored_powers,
 )
-
-
-def factor_norms(xp, a, g, norm_type):
-    """``(‖A‖, ‖G‖)`` for π and the zero-factor test (``"off"``: the trace norms)."""
-    return _factor_norms(xp, a, g, norm_type)
-
-
-def _factor_norms(xp, a, g, norm_type):
-    # The norms that set π; kfac-jax tests the same norms for its zero-factor special case,
-    # so both uses share them.  kfac_ref.linalg.factor_norm is the one home of the factor
-    # norms; for a PSD factor every one of them is zero exactly when the factor is zero.
-    kind = "avg_diag" if norm_type == "off" else norm_type
-    return factor_norm.kernel(xp, a, kind), factor_norm.kernel(xp, g, kind)
+from ._common import check_common, check_factor
 
 
 # --------------------------------------------------------------------------------------
-# Kronecker-factored blocks
+# Kronecker-factored blocks: the path choice and the direct (power 1) product; the
+# factored and eigenbasis products are kfac_ref.linalg's damped Kronecker kernel
 # --------------------------------------------------------------------------------------
-def prepare_kron_eigen(func, xp, a, g, threshold):
-    """Eigendecompositions of both factors (a diagonal factor is its own eigenbasis)."""
-    out = []
-    for f in (a, g):
-        if f.ndim == 1:
-            out.append((xp.clip(f, min=threshold), None))
-        else:
-            out.append(clipped_eigh.kernel(xp, f, threshold))
-    return out[0][0], out[0][1], out[1][0], out[1][1]
-
-
-def apply_kron_eigen(func, xp, eig, x, power, damping, scale):
-    r"""``(s·A⊗G + λI)^p vec_r(X)`` from the factors' eigendecompositions."""
-    s_a, q_a, s_g, q_g = eig
-    return kron_eigenbasis_matpower.kernel(xp, s_a, q_a, s_g, q_g, x, power, damping, scale,
-                                            func=func)
-
-
 def apply_kron_direct(xp, a, g, x, damping, scale):
     """``(s·A⊗G + λI) vec_r(X) = vec_r(s·A X Gᵀ + λX)`` (power 1, no eigendecomposition)."""
     left = a[:, None] * x if a.ndim == 1 else a @ x
     prod = left * g[None, :] if g.ndim == 1 else left @ xp.matrix_transpose(g)
     return scale * prod + damping * x
-
-
-def _factor_power(func, xp, f, power, delta, threshold):
-    """``(F + δI)^p`` of one factor: a matrix, or a vector for a diagonal factor.  The factors
-    are second moments, so an inverse with clipping at ``threshold <= 0`` is one Cholesky
-    inverse (see :mod:`kfac_ref.linalg`)."""
-    if f.ndim == 1:
-        return elementwise_power(func, xp, xp.clip(f, min=threshold) + delta, power)
-    try:
-        return damped_matpower.kernel(xp, f, power, delta, threshold, func=func,
-                                      second_moment=True)
-    except KFACValueError as exc:
-        raise KFACValueError(f"{func}: a damped Kronecker factor is singular for the power "
-                             f"{power} ({exc}). Add damping.") from None
-
-
-def zero_factor(xp, norms):
-    """kfac-jax's zero-factor test ``‖A‖ = 0 or ‖G‖ = 0`` from :func:`factor_norms`: a
-    Python bool read on the host when value checks run on concrete arrays, else the 0-D
-    boolean array (inside a trace, or with value checks off: both branches are computed and
-    selected, the same numbers without a read and without the error of a singular zero
-    block)."""
-    flag = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
-    return bool(flag) if checks_values(flag) else flag
-
-
-def prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
-                           threshold, norms=None, zero=None):
-    r"""Factor powers of the π-damped block.
-
-    Returns ``(a_pow, g_pow, coeff)`` (and, for traced arrays, the zero-factor flag and the
-    identity coefficient, selected by :func:`apply_kron_factored`) with
-    :math:`(s (A + \delta_A I) \otimes (G + \delta_G I))^p = c\, A_p \otimes G_p`; for the
-    kfac-jax zero-factor case ``a_pow = g_pow = None`` and the block is :math:`c I`.
-    ``norms``: :func:`factor_norms` of ``(a, g, norm_type)`` and ``zero``: their
-    :func:`zero_factor` test, when the caller has them (a cache of several powers computes
-    them once).
-    """
-    lam = damping / scale
-    if norms is None and (zero_factor_fallback == "identity" or norm_type != "off"):
-        norms = _factor_norms(xp, a, g, norm_type)
-    if zero_factor_fallback != "identity":
-        zero = None
-    elif zero is None:
-        # inside a trace the flag is lazy even for factors the traced function closes over
-        zero = zero_factor(xp, norms)
-    if isinstance(zero, bool):  # eager: decided on the host, as kfac-jax's Python branch does
-        if zero:
-            # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
-            if power < 0 and damping == 0.0:
-                raise KFACValueError(
-                    f"{func}: a Kronecker factor is zero and damping is 0, so the block is "
-                    f"singular for the power {power}. Add damping."
-                )
-            return None, None, damping**power
-        zero = None
-    if norm_type == "off":
-        delta_a = delta_g = lam**0.5
-    else:
-        delta_a, delta_g = pi_adjusted_damping.kernel(xp, a, g, lam, norm_type, norms=norms)
-    a_pow = _factor_power(func, xp, a, power, delta_a, threshold)
-    g_pow = _factor_power(func, xp, g, power, delta_g, threshold)
-    if zero is not None:  # traced: both branches, selected per call (jnp.where semantics)
-        return a_pow, g_pow, scale**power, zero, damping**power
-    return a_pow, g_pow, scale**power
-
-
-def apply_kron_factored(xp, prepared, x):
-    a_pow, g_pow, coeff = prepared[:3]
-    if a_pow is None:
-        return coeff * x
-    left = a_pow[:, None] * x if a_pow.ndim == 1 else a_pow @ x
-    prod = left * g_pow[None, :] if g_pow.ndim == 1 else left @ g_pow
-    if len(prepared) == 5:  # traced zero-factor test: the identity block where it holds
-        zero, identity_coeff = prepared[3:]
-        return xp.where(zero, identity_coeff * x, coeff * prod)
-    return coeff * prod
-
-
-def _factor_triangle(func, xp, f, delta, inverse):
-    """Lower Cholesky factor of ``F + δI`` (or its inverse); the diagonal's square root
-    (inverse square root) for a diagonal factor."""
-    if f.ndim == 1:
-        return elementwise_power(func, xp, f + delta, -0.5 if inverse else 0.5)
-    kernel = damped_cholesky_inverse.kernel if inverse else damped_cholesky.kernel
-    return kernel(xp, f, delta, func=func)
-
-
-def apply_kron_cholesky(func, xp, a, g, x, delta_a, delta_g, scale, *, transpose=False,
-                        inverse=False):
-    r"""TF's Cholesky products of a factored-damped Kronecker block on ``X`` ``[p, q]``.
-
-    .. math::
-
-        L = s^{1/2}\, L_A \otimes L_G, \quad L_A L_A^\top = A + \delta_A I, \quad
-        L_G L_G^\top = G + \delta_G I, \qquad L L^\top = s\,(A + \delta_A I) \otimes
-        (G + \delta_G I);
-
-        L\,\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A X L_G^\top), \quad
-        L^\top\mathrm{vec}_r X = s^{1/2}\mathrm{vec}_r(L_A^\top X L_G), \quad
-        L^{-1}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-1} X L_G^{-\top}), \quad
-        L^{-\top}\mathrm{vec}_r X = s^{-1/2}\mathrm{vec}_r(L_A^{-\top} X L_G^{-1})
-
-    (TF ``KroneckerProductFB.multiply_cholesky`` / ``multiply_cholesky_inverse``: the factors'
-    ``get_cholesky`` / ``get_cholesky_inverse`` with their π-split dampings).  A diagonal
-    (1-D) factor's triangle is :math:`(f + \delta)^{\odot \pm 1/2}`.  Internal: the caller
-    validated its arguments.
-    """
-    l_a = _factor_triangle(func, xp, a, delta_a, inverse)
-    l_g = _factor_triangle(func, xp, g, delta_g, inverse)
-    if l_a.ndim == 1:
-        left = l_a[:, None] * x
-    else:
-        left = (xp.matrix_transpose(l_a) if transpose else l_a) @ x
-    if l_g.ndim == 1:
-        prod = left * l_g[None, :]
-    else:
-        prod = left @ (l_g if transpose else xp.matrix_transpose(l_g))
-    return (scale ** (-0.5 if inverse else 0.5)) * prod
 
 
 KRON_PATHS = ("direct", "eigen", "factored")
@@ -212,27 +55,29 @@ def kron_product_path(power, exact, approx_power_one="factored"):
     return "eigen" if exact else "factored"
 
 
-def prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
+def prepare_kron(path, xp, a, g, power, damping, scale, norm_type, zero_factor_fallback,
                  threshold, norms=None, zero=None):
-    """The statistics-only part of a Kronecker product on ``path`` (None for "direct");
-    ``norms`` and ``zero`` as in :func:`prepare_kron_factored`."""
+    """The statistics-only part of a Kronecker product on ``path`` (None for "direct"):
+    :func:`kfac_ref.linalg.kron_eigen` or :func:`kfac_ref.linalg.kron_factored_powers` (the
+    factors are second moments); ``norms`` and ``zero`` as there."""
     if path == "direct":
         return None
     if path == "eigen":
-        return prepare_kron_eigen(func, xp, a, g, threshold)
-    return prepare_kron_factored(func, xp, a, g, power, damping, scale, norm_type,
-                                 zero_factor_fallback, threshold, norms, zero)
+        return kron_eigen(xp, a, g, threshold)
+    return kron_factored_powers(xp, a, g, power, damping, scale, norm_type,
+                                zero_factor_fallback, threshold, second_moment=True,
+                                norms=norms, zero=zero)
 
 
-def apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale):
+def apply_kron(path, xp, a, g, prepared, x, power, damping, scale):
     """The vector part of a Kronecker product on ``path`` (``prepared`` from
     :func:`prepare_kron`, computed now or read from a cache)."""
     if path == "direct":
         return apply_kron_direct(xp, a, g, x, damping, scale)
     if path == "eigen":
-        return apply_kron_eigen(func, xp, prepared, x, power, damping, scale)
-    return apply_kron_factored(xp, prepared, x)
-
+        s_a, q_a, s_g, q_g = prepared
+        return kron_eigenbasis_matpower.kernel(xp, s_a, q_a, s_g, q_g, x, power, damping, scale)
+    return kron_factored_apply(xp, prepared, x)
 
 
 def _check_kron_inputs(func, a, g, x):
@@ -320,9 +165,10 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
     path = kron_product_path(power, exact)
-    prepared = prepare_kron(path, func, xp, a, g, power, damping, scale, norm_type,
-                            zero_factor_fallback, c)
-    return apply_kron(path, func, xp, a, g, prepared, x, power, damping, scale)
+    with errors_named(func):
+        prepared = prepare_kron(path, xp, a, g, power, damping, scale, norm_type,
+                                zero_factor_fallback, c)
+        return apply_kron(path, xp, a, g, prepared, x, power, damping, scale)
 
 
 def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshold=0.0):
@@ -341,7 +187,7 @@ def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshol
     check_factor(func, "g", g)
     scale = check_scalar(func, "scale", scale, positive=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
-    s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, c)
+    s_a, _, s_g, _ = kron_eigen(xp, a, g, c)
     return kron_spectrum(xp, s_a, s_g, scale)
 
 

@@ -28,6 +28,10 @@ def series_gamma(x, num_timesteps):
     xp = namespace_of(func, x=x)
     check_array(func, "x", x)
     t = check_scalar(func, "num_timesteps", num_timesteps, positive=True, integer=True)
+    return _series_gamma(xp, x, t)
+
+
+def _series_gamma(xp, x, t):
     one = x == 1.0
     safe = xp.where(one, xp.zeros_like(x), x)
     gamma = (1.0 - safe) ** 2 / (t * (1.0 - safe**2) - 2.0 * safe * (1.0 - safe**t))
@@ -61,8 +65,14 @@ def series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, num_timesteps, x):
     xp = namespace_of(func, l_a=l_a, psi_a=psi_a, l_g=l_g, psi_g=psi_g, x=x)
     p, q = _check_series_pairs(func, ("l_a", l_a, "psi_a", psi_a), ("l_g", l_g, "psi_g", psi_g))
     _check_series_x(func, x, p, q)
+    t = check_scalar(func, "num_timesteps", num_timesteps, positive=True, integer=True)
+    return series_option1_kernel(xp, l_a, psi_a, l_g, psi_g, t, x)
+
+
+def series_option1_kernel(xp, l_a, psi_a, l_g, psi_g, num_timesteps, x):
+    """The unchecked kernel of :func:`series_option1_multiply_inverse`."""
     y = xp.matrix_transpose(l_a) @ x @ l_g
-    y = y * series_gamma(psi_a[:, None] * psi_g[None, :], num_timesteps)
+    y = y * _series_gamma(xp, psi_a[:, None] * psi_g[None, :], num_timesteps)
     return l_a @ y @ xp.matrix_transpose(l_g)
 
 
@@ -108,6 +118,11 @@ def series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, num_timestep
     check_array(func, "p_g", p_g, shape=(q, q), layout=f"[{q}, {q}]")
     _check_series_x(func, x, p, q)
     t = check_scalar(func, "num_timesteps", num_timesteps, positive=True, integer=True)
+    return series_option2_kernel(xp, p_a, k_a, mu_a, p_g, k_g, mu_g, t, x)
+
+
+def series_option2_kernel(xp, p_a, k_a, mu_a, p_g, k_g, mu_g, t, x):
+    """The unchecked kernel of :func:`series_option2_multiply_inverse`."""
     y = x - p_a @ x @ xp.matrix_transpose(p_g)
     y = xp.matrix_transpose(k_a) @ y @ k_g
     denom = 1.0 - mu_a[:, None] * mu_g[None, :]

@@ -9,7 +9,9 @@ from ..._backend import (
     check_scalar,
     check_symmetric,
     describe,
+    errors_named,
     eye_like,
+    kernel_error,
     namespace_of,
     size_of,
 )
@@ -55,17 +57,18 @@ def kronecker_difference_inverse(a, b, c, d, x):
     check_array(func, "c", c, shape=(p, p))
     check_array(func, "d", d, shape=(q, q))
     check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}]")
-    return _kron_difference_inverse(func, xp, a, b, c, d, x)
+    with errors_named(func):
+        return _kron_difference_inverse(xp, a, b, c, d, x)
 
 
-def _kron_difference_inverse(func, xp, a, b, c, d, x):
+def _kron_difference_inverse(xp, a, b, c, d, x):
     ks, ss = [], []
     for name, big, small in (("a", a, c), ("b", b, d)):
         try:
-            r = damped_matpower(big, -0.5)
+            r = damped_matpower.kernel(xp, big, -0.5)
         except KFACValueError:
-            raise KFACValueError(f"{func}: {name} must be positive definite; its inverse square "
-                                 "root does not exist.") from None
+            raise kernel_error(f"{name} must be positive definite; its inverse square root "
+                               "does not exist.") from None
         m = r @ small @ r
         s, e = xp.linalg.eigh((m + xp.matrix_transpose(m)) / 2.0)  # no clipping: C may be
         # indefinite in general (Appendix B needs only symmetry)
@@ -73,8 +76,8 @@ def _kron_difference_inverse(func, xp, a, b, c, d, x):
         ss.append(s)
     denom = 1.0 - ss[0][:, None] * ss[1][None, :]
     if size_of(denom) and not bool(xp.min(denom) > 0):
-        raise KFACValueError(f"{func}: A⊗B - C⊗D must be positive definite; got "
-                             f"min(1 - s1 s2ᵀ) = {float(xp.min(denom)):.3g}.")
+        raise kernel_error(f"A⊗B - C⊗D must be positive definite; got "
+                           f"min(1 - s1 s2ᵀ) = {float(xp.min(denom)):.3g}.")
     k1, k2 = ks
     y = (xp.matrix_transpose(k1) @ x @ k2) / denom
     return k1 @ y @ xp.matrix_transpose(k2)
@@ -145,7 +148,6 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
     arrays = {f"{k}[{i}]": v for k, seq in seqs.items() for i, v in enumerate(seq)}
     xp = namespace_of(func, **arrays)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
-    A, G = [], []
     for i in range(n):
         check_symmetric(func, f"a_diag[{i}]", a_diag[i])
         check_symmetric(func, f"g_diag[{i}]", g_diag[i])
@@ -154,10 +156,19 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
         if i < n - 1:
             check_array(func, f"a_off[{i}]", a_off[i], shape=(p, a_diag[i + 1].shape[0]))
             check_array(func, f"g_off[{i}]", g_off[i], shape=(q, g_diag[i + 1].shape[0]))
-        da, dg = pi_adjusted_damping(a_diag[i], g_diag[i], damping)
-        A.append(a_diag[i] + da * eye_like(a_diag[i], p))
-        G.append(g_diag[i] + dg * eye_like(g_diag[i], q))
-    inv = [(_spd_power(func, A[i], -1.0), _spd_power(func, G[i], -1.0)) for i in range(n)]
+    with errors_named(func):
+        return _block_tridiagonal_multiply_inverse(xp, a_diag, g_diag, a_off, g_off, xs,
+                                                   damping)
+
+
+def _block_tridiagonal_multiply_inverse(xp, a_diag, g_diag, a_off, g_off, xs, damping):
+    n = len(a_diag)
+    A, G = [], []
+    for i in range(n):
+        da, dg = pi_adjusted_damping.kernel(xp, a_diag[i], g_diag[i], damping)
+        A.append(a_diag[i] + da * eye_like(a_diag[i], a_diag[i].shape[0]))
+        G.append(g_diag[i] + dg * eye_like(g_diag[i], g_diag[i].shape[0]))
+    inv = [(_spd_power(xp, A[i], -1.0), _spd_power(xp, G[i], -1.0)) for i in range(n)]
     psi = [(a_off[i] @ inv[i + 1][0], g_off[i] @ inv[i + 1][1]) for i in range(n - 1)]
     ys = []
     for i in range(n):
@@ -170,7 +181,7 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
         d = pg @ G[i + 1] @ xp.matrix_transpose(pg)
         c = (c + xp.matrix_transpose(c)) / 2
         d = (d + xp.matrix_transpose(d)) / 2
-        ys.append(_kron_difference_inverse(func, xp, A[i], G[i], c, d, u))
+        ys.append(_kron_difference_inverse(xp, A[i], G[i], c, d, u))
     out = [ys[0]]
     for i in range(1, n):
         pa, pg = psi[i - 1]
@@ -178,9 +189,8 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
     return tuple(out)
 
 
-def _spd_power(func, m, power):
+def _spd_power(xp, m, power):
     try:
-        return damped_matpower(m, power)
+        return damped_matpower.kernel(xp, m, power)
     except KFACValueError:
-        raise KFACValueError(f"{func}: a damped diagonal factor is singular. Add damping.") \
-            from None
+        raise kernel_error("a damped diagonal factor is singular. Add damping.") from None

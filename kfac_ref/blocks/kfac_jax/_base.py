@@ -24,6 +24,7 @@ from ..._backend import (
     check_option,
     check_scalar,
     describe,
+    errors_named,
     namespace_of,
     zeros_like_shape,
 )
@@ -140,22 +141,23 @@ class CurvatureBlock(abc.ABC):
         \end{aligned}
 
     The public methods validate their arguments once and call the hooks below, which a
-    block family implements.  A hook receives validated arguments (``func``: the name of
-    the public method, for error messages; ``xp``: the namespace of the state) and must not
-    validate them again.
+    block family implements.  A product hook receives validated arguments (``xp``: the
+    namespace of the state) and must not validate them again; it takes no function name:
+    an error it raises is a :func:`~kfac_ref._backend.kernel_error`, which the public
+    method names (the validation hooks ``_check_*`` take ``func``).
 
     * ``_statistics_shapes()``: shapes of the statistics in :attr:`BlockState.statistics`.
     * ``_batch_statistics(xp, data, batch_size)``: one batch's statistics (a tuple matching
       ``_statistics_shapes``) from ``data``, the output of ``_check_estimation_arrays``;
       :meth:`update_curvature_matrix_estimate` averages them into the state.
-    * ``_multiply_fresh(func, xp, state, vector, lam, power, exact)`` and
+    * ``_multiply_fresh(xp, state, vector, lam, power, exact)`` and
       ``_multiply_cached(...)``: :math:`(sB + \lambda I)^p v` for ``vector`` in the
       family's working form (a tuple of parameter-shaped arrays unless the family
       overrides the working-form hooks below), from the statistics or from the snapshot
       of ``_build_cache``; both run the same product code.
-    * ``_build_cache(func, xp, state, lam, exact, approx, eigenvalues)``: the mapping the
+    * ``_build_cache(xp, state, lam, exact, approx, eigenvalues)``: the mapping the
       cached products need (powers in ``exact``/``approx``, ``lam`` the effective weight).
-    * ``_eigenvalues(func, xp, state)``: :math:`\operatorname{spec}(sB)`, length :attr:`dim`.
+    * ``_eigenvalues(xp, state)``: :math:`\operatorname{spec}(sB)`, length :attr:`dim`.
     * ``_dense_unscaled(xp, state)``: :math:`B` as a ``[dim, dim]`` array.
     * ``_norm_unscaled(xp, state, norm_type)``: :math:`\|B\|` as a 0-D array or a number.
 
@@ -326,19 +328,19 @@ class CurvatureBlock(abc.ABC):
         """One batch's statistics from validated ``data`` (see the class docstring)."""
 
     @abc.abstractmethod
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         """:math:`(sB + \\lambda I)^p v` from the statistics."""
 
     @abc.abstractmethod
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         """:math:`(sB + \\lambda I)^p v` from the cache snapshot."""
 
     @abc.abstractmethod
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         """The cache entries of this family."""
 
     @abc.abstractmethod
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         """:math:`\\operatorname{spec}(sB)`."""
 
     @abc.abstractmethod
@@ -524,12 +526,27 @@ class CurvatureBlock(abc.ABC):
             cached, a negative power of a singular damped block.
         """
         func = f"{type(self).__name__}.multiply_matpower"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, power, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
+
+    def _checked_product(self, func, state, vector, identity_weight, power, exact_power,
+                         use_cached, norm_type):
+        """The validation of :meth:`multiply_matpower` (and of :meth:`multiply`,
+        :meth:`multiply_inverse`, which call the family's product hook themselves: a product
+        is one call from the public method to the family's formula):
+        ``(xp, working form of the vector, λ, power, exact, use_cached)``."""
         xp = self._check_state(func, state)
         vector = self._check_vector(func, state, vector)
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
-        options = self.check_product_options(func, power, exact_power, use_cached,
-                                             norm_to_scale_identity_weight)
-        return self.multiply_matpower_kernel(func, xp, state, vector, w, *options)
+        power, exact, use_cached, norm_type = self.check_product_options(
+            func, power, exact_power, use_cached, norm_type)
+        lam = self._damping(func, xp, state, w, norm_type, use_cached)
+        return xp, self._to_working_form(xp, vector), lam, power, exact, use_cached
 
     def check_product_options(self, func, power, exact_power, use_cached, norm_type=None):
         """The checked scalar options of :meth:`multiply_matpower`:
@@ -583,9 +600,10 @@ class CurvatureBlock(abc.ABC):
     def _multiply_working_form(self, func, xp, state, work, identity_weight, power,
                                exact_power, use_cached, norm_type):
         lam = self._damping(func, xp, state, identity_weight, norm_type, use_cached)
-        if use_cached:
-            return self._multiply_cached(func, xp, state, work, lam, power, exact_power)
-        return self._multiply_fresh(func, xp, state, work, lam, power, exact_power)
+        with errors_named(func):
+            if use_cached:
+                return self._multiply_cached(xp, state, work, lam, power, exact_power)
+            return self._multiply_fresh(xp, state, work, lam, power, exact_power)
 
     # -- the working form of a vector: the parameter tuple unless a family overrides it --
     def _to_working_form(self, xp, vector):
@@ -606,8 +624,14 @@ class CurvatureBlock(abc.ABC):
 
         .. math:: (sB + \lambda I)\, v
         """
-        return self.multiply_matpower(state, vector, identity_weight, 1.0, exact_power,
-                                      use_cached, norm_to_scale_identity_weight)
+        func = f"{type(self).__name__}.multiply"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, 1.0, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
 
     def multiply_inverse(self, state, vector, identity_weight, exact_power, use_cached,
                          norm_to_scale_identity_weight=None):
@@ -615,8 +639,14 @@ class CurvatureBlock(abc.ABC):
 
         .. math:: (sB + \lambda I)^{-1} v
         """
-        return self.multiply_matpower(state, vector, identity_weight, -1.0, exact_power,
-                                      use_cached, norm_to_scale_identity_weight)
+        func = f"{type(self).__name__}.multiply_inverse"
+        xp, work, lam, power, exact, cached = self._checked_product(
+            func, state, vector, identity_weight, -1.0, exact_power, use_cached,
+            norm_to_scale_identity_weight)
+        with errors_named(func):
+            work = (self._multiply_cached if cached else self._multiply_fresh)(
+                xp, state, work, lam, power, exact)
+        return self._from_working_form(xp, work)
 
     # -- cache ---------------------------------------------------------------------------
     def _cache_get(self, state, key, what):
@@ -660,23 +690,24 @@ class CurvatureBlock(abc.ABC):
         # (or takes the fall-back) of the failing check as it always did
         try:
             with deferred_value_checks(xp) as status:
-                cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
+                cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
                                             eigenvalues)
         except KFACValueError:
             status = {"ok": False}
         if not status["ok"]:
-            cache = self._cache_entries(func, xp, state, w, norm_type, exact, approx,
-                                        eigenvalues)
+            with errors_named(func):
+                cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
+                                            eigenvalues)
         return BlockState(state.statistics, MappingProxyType(cache), state.like)
 
-    def _cache_entries(self, func, xp, state, w, norm_type, exact, approx, eigenvalues):
+    def _cache_entries(self, xp, state, w, norm_type, exact, approx, eigenvalues):
         cache = {"declared": state.cache.get("declared", ((), (), False)),
                  "scale": self.scale(state, False), "norms": {}}
         lam = w
         if norm_type is not None:
             cache["norms"] = {norm_type: self._norm(xp, state, norm_type)}
             lam = w * cache["norms"][norm_type]
-        cache.update(self._build_cache(func, xp, state, lam, exact, approx, eigenvalues))
+        cache.update(self._build_cache(xp, state, lam, exact, approx, eigenvalues))
         return cache
 
     def eigenvalues(self, state, use_cached=False):
@@ -688,7 +719,8 @@ class CurvatureBlock(abc.ABC):
         xp = self._check_state(func, state)
         if check_bool(func, "use_cached", use_cached):
             return self._cache_get(state, "eigenvalues", "update_cache(eigenvalues=True)")
-        return self._eigenvalues(func, xp, state)
+        with errors_named(func):
+            return self._eigenvalues(xp, state)
 
     def to_dense_matrix(self, state):
         r"""Dense :math:`sB` in the module's flat parameter order.

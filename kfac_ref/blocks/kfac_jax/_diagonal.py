@@ -43,28 +43,28 @@ class Diagonal(CurvatureBlock):
     def _diagonals(self, state):
         return tuple(s.value for s in state.statistics)
 
-    def _apply(self, func, xp, diagonals, vector, lam, power, s):
-        return tuple(apply_diagonal(func, xp, d, v, power, lam, s)
+    def _apply(self, xp, diagonals, vector, lam, power, s):
+        return tuple(apply_diagonal(xp, d, v, power, lam, s)
                      for d, v in zip(diagonals, vector, strict=True))
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
-        return self._apply(func, xp, self._diagonals(state), vector, lam, power,
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
+        return self._apply(xp, self._diagonals(state), vector, lam, power,
                            self.scale(state, False))
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
-        return self._apply(func, xp, self._cache_get(state, "diagonals", "update_cache"),
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
+        return self._apply(xp, self._cache_get(state, "diagonals", "update_cache"),
                            vector, lam, power, self._cache_get(state, "scale", "update_cache"))
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         out = {"diagonals": self._diagonals(state)}
         if eigenvalues:
-            out["eigenvalues"] = self._eigenvalues(func, xp, state)
+            out["eigenvalues"] = self._eigenvalues(xp, state)
         return out
 
     def _flat_diagonal(self, xp, state):
         return self._flatten(xp, self._diagonals(state))
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         return self.scale(state, False) * self._flat_diagonal(xp, state)
 
     def _dense_unscaled(self, xp, state):

@@ -107,26 +107,26 @@ class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         return self._kfe(xp, a, g, f)
 
     # -- products -------------------------------------------------------------------------
-    def _product(self, func, xp, kfe, x, lam, power, s):
+    def _product(self, xp, kfe, x, lam, power, s):
         q_a, q_g, s_star = kfe
         return _from_kfe(xp, q_a, q_g,
-                         apply_diagonal(func, xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
+                         apply_diagonal(xp, s_star, _to_kfe(xp, q_a, q_g, x), power, lam, s))
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
-        return self._product(func, xp, self._fresh_kfe(xp, state), vector, lam, power,
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
+        return self._product(xp, self._fresh_kfe(xp, state), vector, lam, power,
                              self.scale(state, False))
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
-        return self._product(func, xp, self._cache_get(state, "kfe", "update_cache"), vector,
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
+        return self._product(xp, self._cache_get(state, "kfe", "update_cache"), vector,
                              lam, power, self._cache_get(state, "scale", "update_cache"))
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         out = {"kfe": self._fresh_kfe(xp, state)}
         if eigenvalues:
             out["eigenvalues"] = self.scale(state, False) * xp.reshape(out["kfe"][2], (-1,))
         return out
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         return self.scale(state, False) * xp.reshape(self._fresh_kfe(xp, state)[2], (-1,))
 
     def _dense_unscaled(self, xp, state):

@@ -50,32 +50,32 @@ class Full(CurvatureBlock):
     def _working_form_to_flat(self, xp, work):
         return work
 
-    def _product(self, func, xp, matrix, eig, flat, lam, power, s):
-        return apply_full(func, xp, matrix, eig, flat, power, lam, s)
+    def _product(self, xp, matrix, eig, flat, lam, power, s):
+        return apply_full(xp, matrix, eig, flat, power, lam, s)
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         matrix = state.statistics[0].value
-        eig = None if power == 1.0 else prepare_full(func, xp, matrix,
+        eig = None if power == 1.0 else prepare_full(xp, matrix,
                                                      self.eigenvalue_clipping_threshold)
-        return self._product(func, xp, matrix, eig, vector, lam, power, self.scale(state, False))
+        return self._product(xp, matrix, eig, vector, lam, power, self.scale(state, False))
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         matrix = self._cache_get(state, "matrix", "update_cache")
         eig = None if power == 1.0 else self._cache_get(
             state, "eigen", "update_cache with a power declared in init")
-        return self._product(func, xp, matrix, eig, vector, lam, power,
+        return self._product(xp, matrix, eig, vector, lam, power,
                              self._cache_get(state, "scale", "update_cache"))
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         matrix = state.statistics[0].value
         out = {"matrix": matrix}
         if exact or approx or eigenvalues:
-            out["eigen"] = prepare_full(func, xp, matrix, self.eigenvalue_clipping_threshold)
+            out["eigen"] = prepare_full(xp, matrix, self.eigenvalue_clipping_threshold)
         if eigenvalues:
             out["eigenvalues"] = self.scale(state, False) * out["eigen"][0]
         return out
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         s, _ = clipped_eigh.kernel(xp, state.statistics[0].value,
                                    self.eigenvalue_clipping_threshold)
         return self.scale(state, False) * s

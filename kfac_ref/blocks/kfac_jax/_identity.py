@@ -37,16 +37,16 @@ class ScaledIdentity(CurvatureBlock):
     def _apply(self, vector, lam, power, s):
         return tuple(scaled_identity_matpower(v, power, lam, scale=s) for v in vector)
 
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         return self._apply(vector, lam, power, self.scale(state, False))
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         return self._apply(vector, lam, power, self._cache_get(state, "scale", "update_cache"))
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
-        return {"eigenvalues": self._eigenvalues(func, xp, state)} if eigenvalues else {}
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
+        return {"eigenvalues": self._eigenvalues(xp, state)} if eigenvalues else {}
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         return self.scale(state, False) * ones_like_shape(state.like, (self.dim,))
 
     def _dense_unscaled(self, xp, state):

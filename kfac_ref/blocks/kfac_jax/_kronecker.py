@@ -16,21 +16,29 @@ from ..._backend import (
     check_scalar,
     checks_values,
     is_array,
+    kernel_error,
     namespace_of,
 )
 from ...conv_geometry import to_channels_last
-from ...linalg import append_homog, compute_cov, factor_norm, kron
-from .._math import (
+from ...linalg import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
+    append_homog,
+    compute_cov,
+    factor_norm,
+    kron,
+    kron_eigen,
+    kron_factor_norms,
+    kron_factored_apply,
+    kron_factored_powers,
+    kron_zero_factor,
+)
+from .._math import (
     apply_kron,
-    factor_norms,
     kron_product_path,
     kron_spectrum,
     prepare_kron,
-    prepare_kron_eigen,
     validated_internals,
-    zero_factor,
 )
 from ._base import BlockState, CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
@@ -66,7 +74,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
       (−1, −0.5, 0.5, 1) and raises for others; ``False`` allows any real power (TF);
     * ``zero_factor_fallback``: ``"identity"`` (kfac-jax: damped block :math:`\lambda I`) or
       ``"pi_one"`` (TF: π = 1);
-    * ``pi_norm``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
+    * ``norm_type``: the factor norm for π (``"avg_diag"`` = trace norm; ``"off"`` is TF's
       ``PI_TYPE="off"``);
     * ``symmetrize``: statistics symmetrised (TF; the default here) or not (kfac-jax); they
       differ by rounding only.
@@ -74,7 +82,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
 
     def __init__(self, parameters_shapes, *, approx_power_one="factored",
                  restrict_approx_powers=True, zero_factor_fallback="identity",
-                 pi_norm="avg_diag", symmetrize=True, **kwargs):
+                 norm_type="avg_diag", symmetrize=True, **kwargs):
         super().__init__(parameters_shapes, **kwargs)
         func = type(self).__name__
         self.approx_power_one = check_option(func, "approx_power_one", approx_power_one,
@@ -83,7 +91,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                                                  restrict_approx_powers)
         self.zero_factor_fallback = check_option(func, "zero_factor_fallback",
                                                  zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
-        self.pi_norm = check_option(func, "pi_norm", pi_norm, PI_NORMS)
+        self.norm_type = check_option(func, "norm_type", norm_type, PI_NORMS)
         self.symmetrize = check_bool(func, "symmetrize", symmetrize)
         kernel = self.parameters_shapes[0]
         self.output_size = kernel[-1]
@@ -103,23 +111,25 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                 f"exact_power=True or restrict_approx_powers=False.")
         return power
 
-    # -- the one product path ------------------------------------------------------------
-    def _prepare(self, path, func, xp, a, g, power, lam, s, norms=None, zero=None):
-        return prepare_kron(path, func, xp, a, g, power, lam, s, self.pi_norm,
+    # -- the one product path: kfac_ref.linalg's damped Kronecker kernel ------------------
+    def _prepare(self, path, xp, a, g, power, lam, s, norms=None, zero=None):
+        return prepare_kron(path, xp, a, g, power, lam, s, self.norm_type,
                             self.zero_factor_fallback, self.eigenvalue_clipping_threshold,
                             norms, zero)
 
-    def _product(self, path, func, xp, a, g, prepared, x, lam, power, s):
-        return apply_kron(path, func, xp, a, g, prepared, x, power, lam, s)
-
-    def _multiply_fresh(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_fresh(self, xp, state, vector, lam, power, exact):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         path = kron_product_path(power, exact, self.approx_power_one)
-        prepared = self._prepare(path, func, xp, a, g, power, lam, s)
-        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+        if path == "factored":  # the kernel itself, so an inverse is few calls from LAPACK
+            powers = kron_factored_powers(
+                xp, a, g, power, lam, s, self.norm_type, self.zero_factor_fallback,
+                self.eigenvalue_clipping_threshold, second_moment=True)
+            return kron_factored_apply(xp, powers, vector)
+        prepared = self._prepare(path, xp, a, g, power, lam, s)
+        return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
-    def _multiply_cached(self, func, xp, state, vector, lam, power, exact):
+    def _multiply_cached(self, xp, state, vector, lam, power, exact):
         a, g = self._cache_get(state, "factors", "update_cache")
         s = self._cache_get(state, "scale", "update_cache")
         path = kron_product_path(power, exact, self.approx_power_one)
@@ -127,43 +137,43 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         if path == "eigen":
             prepared = self._cache_get(state, "eigen", "update_cache with exact_powers")
         elif path == "factored" and power == 1.0:
-            prepared = self._prepare(path, func, xp, a, g, power, lam, s)
+            prepared = self._prepare(path, xp, a, g, power, lam, s)
         elif path == "factored":
             approx = self._cache_get(state, "approx", "update_cache with approx_powers")
             if power not in approx:
-                raise KFACValueError(
-                    f"{func}: power must be one of the cached approximate powers "
+                raise kernel_error(
+                    f"power must be one of the cached approximate powers "
                     f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
             lam_cached, prepared = approx[power]
             if self.strict_cache and _differ(lam_cached, lam):
-                raise KFACValueError(
-                    f"{func}: identity_weight (effective {lam!r}) must equal the one the "
+                raise kernel_error(
+                    f"identity_weight (effective {lam!r}) must equal the one the "
                     f"cached approximate power {power} was built with ({lam_cached!r}); call "
                     f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
                     f"(cached weight used).")
-        return self._product(path, func, xp, a, g, prepared, vector, lam, power, s)
+        return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
-    def _build_cache(self, func, xp, state, lam, exact, approx, eigenvalues):
+    def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         a, g = (f.value for f in state.statistics)
         s = self.scale(state, False)
         out = {"factors": (a, g)}
         if exact or eigenvalues:
-            out["eigen"] = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+            out["eigen"] = kron_eigen(xp, a, g, self.eigenvalue_clipping_threshold)
         if eigenvalues:
             out["eigenvalues"] = kron_spectrum(xp, out["eigen"][0], out["eigen"][2], s)
         # the π norms and the zero-factor test (one host read) once for every cached power
         identity = self.zero_factor_fallback == "identity"
-        norms = (factor_norms(xp, a, g, self.pi_norm)
-                 if approx and (identity or self.pi_norm != "off") else None)
-        zero = zero_factor(xp, norms) if approx and identity else None
+        norms = (kron_factor_norms(xp, a, g, self.norm_type)
+                 if approx and (identity or self.norm_type != "off") else None)
+        zero = kron_zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
-            p: (lam, self._prepare("factored", func, xp, a, g, p, lam, s, norms, zero))
+            p: (lam, self._prepare("factored", xp, a, g, p, lam, s, norms, zero))
             for p in approx})
         return out
 
-    def _eigenvalues(self, func, xp, state):
+    def _eigenvalues(self, xp, state):
         a, g = (f.value for f in state.statistics)
-        s_a, _, s_g, _ = prepare_kron_eigen(func, xp, a, g, self.eigenvalue_clipping_threshold)
+        s_a, _, s_g, _ = kron_eigen(xp, a, g, self.eigenvalue_clipping_threshold)
         return kron_spectrum(xp, s_a, s_g, self.scale(state, False))
 
     def _dense_unscaled(self, xp, state):

@@ -15,7 +15,7 @@ from ..._backend import (
     is_array,
     namespace_of,
 )
-from ...linalg import FACTOR_NORMS, pi_adjusted_damping, pi_tracenorm
+from ...linalg import FACTOR_NORMS, check_norm_argument, kron_factor_dampings, pi_tracenorm
 from .._conv import check_conv_outputs_grad, conv_geometry
 from .._math import (
     from_mat2d,
@@ -63,15 +63,23 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping, pi_type="tracenorm
         Unknown ``pi_type``, negative damping.
     """
     func = "compute_pi_adjusted_damping"
-    namespace_of(func, left_cov=left_cov, right_cov=right_cov)
+    xp = namespace_of(func, left_cov=left_cov, right_cov=right_cov)
     check_option(func, "pi_type", pi_type, PI_TYPES)
     d = check_scalar(func, "damping", damping, nonnegative=True)
+    if pi_type != "off":
+        check_norm_argument(func, "left_cov", left_cov)
+        check_norm_argument(func, "right_cov", right_cov)
+    return pi_split(xp, left_cov, right_cov, d, pi_type)
+
+
+def pi_split(xp, left, right, root_damping, pi_type):
+    """The unchecked kernel of :func:`compute_pi_adjusted_damping`: ``(δ·π, δ/π)``, π the
+    damped Kronecker kernel's (``kfac_ref.linalg.kron_factor_dampings`` of a unit damping:
+    ``(π·1, 1/π)``, π = 1 where a factor norm is zero)."""
     if pi_type == "off":
-        return d, d
-    # π itself is kfac_ref.linalg's (one formula, one place): the split of a unit damping is
-    # (π·1, 1/π), with π = 1 where a factor norm is zero.
-    pi, _ = pi_adjusted_damping(left_cov, right_cov, 1.0, norm_of_pi_type(pi_type))
-    return d * pi, d / pi
+        return root_damping, root_damping
+    pi, _ = kron_factor_dampings(xp, left, right, 1.0, norm_of_pi_type(pi_type))
+    return root_damping * pi, root_damping / pi
 
 
 # --------------------------------------------------------------------------------------

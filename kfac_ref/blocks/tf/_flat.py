@@ -16,16 +16,18 @@ from ..._backend import (
     check_int,
     check_scalar,
     describe,
+    errors_named,
     eye_like,
     is_array,
     namespace_of,
 )
 from ...linalg import damped_cholesky, damped_cholesky_inverse
 from .._math import (
-    diagonal_block_matpower,
+    apply_diagonal,
+    apply_full,
     flatten,
-    full_block_matpower,
     normalize_damping,
+    prepare_full,
     unflatten,
     validated_internals,
 )
@@ -110,7 +112,11 @@ class FullFB(_FlatVector, FisherBlock):
         """
         func = f"{type(self).__name__}.multiply_matpower"
         xp, flat, back = self._flat(func, vector, self._cov)
-        return back(full_block_matpower(self._cov, flat, self._exp(exp), self.damping))
+        p = self._exp(exp)
+        # the covariance was validated at construction: the formula's kernel directly
+        with errors_named(func):
+            eig = None if p == 1.0 else prepare_full(xp, self._cov, 0.0)
+            return back(apply_full(xp, self._cov, eig, flat, p, self.damping, 1.0))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``FullFB.multiply_cholesky``: the lower Cholesky factor of the damped block.
@@ -215,7 +221,8 @@ class DiagonalFB(_FlatVector, FisherBlock):
         if flat.shape != self._diag.shape:
             raise KFACValueError(f"{func}: vector must have {self._diag.shape[0]} entries in "
                                  f"all; got {flat.shape[0]}.")
-        return back(diagonal_block_matpower(self._diag, flat, exp, self.damping))
+        with errors_named(func):
+            return back(apply_diagonal(xp, self._diag, flat, exp, self.damping, 1.0))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky``: the square root of the damped diagonal
@@ -320,7 +327,9 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
     def _matpower(self, method, vector, exp):
         func = f"{type(self).__name__}.{method}"
         xp, mat, back = self._to_mat2d(func, vector, self._diag)
-        return back(diagonal_block_matpower(self._diag, mat, exp, self._effective_damping()))
+        with errors_named(func):
+            return back(apply_diagonal(xp, self._diag, mat, exp, self._effective_damping(),
+                                       1.0))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``DiagonalFB.multiply_cholesky`` on the ``[W; b]`` matrix (``transpose``

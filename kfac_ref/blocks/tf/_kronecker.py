@@ -14,15 +14,19 @@ from ..._backend import (
     check_int,
     check_option,
     check_scalar,
+    errors_named,
     eye_like,
     namespace_of,
 )
-from ...linalg import kron
-from .._math import (
+from ...linalg import (
     ZERO_FACTOR_FALLBACKS,
-    apply_kron_cholesky,
+    kron,
+    kron_factored_apply,
+    kron_factored_cholesky_apply,
+    kron_factored_powers,
+)
+from .._math import (
     check_factor,
-    kronecker_block_matpower,
     normalize_damping,
     validated_internals,
 )
@@ -36,6 +40,7 @@ from ._base import (
     cov_of,
     damping_value,
     norm_of_pi_type,
+    pi_split,
 )
 
 
@@ -143,12 +148,14 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
         """
         func = f"{type(self).__name__}.multiply_matpower"
         xp, mat, back = self._to_mat2d(func, vector, self._a)
+        p = self._exp(exp)
         c = self.renorm_coeff
-        out = kronecker_block_matpower(
-            self._a, self._g, mat, self._exp(exp), c * self.damping, scale=c, exact=False,
-            norm_type=norm_of_pi_type(self.pi_type),
-            zero_factor_fallback=self.zero_factor_fallback)
-        return back(out)
+        # the factors were validated at construction: the damped Kronecker kernel directly
+        with errors_named(func):
+            powers = kron_factored_powers(
+                xp, self._a, self._g, p, c * self.damping, c, norm_of_pi_type(self.pi_type),
+                self.zero_factor_fallback, second_moment=True)
+            return back(kron_factored_apply(xp, powers, mat))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""TF ``KroneckerProductFB.multiply_cholesky``: a Kronecker Cholesky factor of the
@@ -191,10 +198,12 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
                 f"products; the kfac-jax fall-back has no Kronecker Cholesky factor; got "
                 f"{self.zero_factor_fallback!r}.")
         xp, mat, back = self._to_mat2d(func, vector, self._a)
-        d_a, d_g = self.factor_dampings()
-        return back(apply_kron_cholesky(func, xp, self._a, self._g, mat, d_a, d_g,
-                                        self.renorm_coeff, transpose=transpose,
-                                        inverse=inverse))
+        with errors_named(func):
+            # factor_dampings' split, without validating the factors again
+            d_a, d_g = pi_split(xp, self._a, self._g, self.damping ** 0.5, self.pi_type)
+            return back(kron_factored_cholesky_apply(xp, self._a, self._g, mat, d_a, d_g,
+                                                     self.renorm_coeff, transpose=transpose,
+                                                     inverse=inverse))
 
     def full_fisher_block(self):
         r"""The undamped block :math:`c\,(A \otimes G)` (1-D factors as diagonal matrices).

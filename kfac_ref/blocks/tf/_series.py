@@ -17,8 +17,8 @@ from ..._backend import (
 from .._math import (
     check_factor,
     normalize_damping,
-    series_option1_multiply_inverse,
-    series_option2_multiply_inverse,
+    series_option1_kernel,
+    series_option2_kernel,
 )
 from ._base import (
     PI_TYPES,
@@ -27,6 +27,7 @@ from ._base import (
     compute_pi_adjusted_damping,
     cov_of,
     damping_value,
+    pi_split,
 )
 
 
@@ -132,17 +133,20 @@ class FullyConnectedSeriesFB(Mat2dVector, FisherBlock):
             raise KFACValueError(f"{func}: exp must be -1 (FullyConnectedSeriesFB only supports "
                                  f"inverse multiplications); got {exp}.")
         xp, mat, back = self._to_mat2d(func, vector, self._a0)
-        d_a, d_g = self.factor_dampings()
+        # the statistics were validated at construction: kernels only, errors named here
+        d_a, d_g = pi_split(xp, self._a0, self._g0, self.damping ** 0.5, self.pi_type)
         t = self.num_uses
         if self.option == 1:
-            l_a, psi_a = factors.series_option1_quantities(self._a0, self._a1, d_a,
-                                                     self.option1_eig_method)
-            l_g, psi_g = factors.series_option1_quantities(self._g0, self._g1, d_g,
-                                                     self.option1_eig_method)
-            return back(series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, t, mat))
-        p_a, k_a, mu_a = factors.series_option2_quantities(self._a0, self._a1, d_a)
-        p_g, k_g, mu_g = factors.series_option2_quantities(self._g0, self._g1, d_g)
-        return back(series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
+            quantities = factors.series_option1_quantities.kernel
+            l_a, psi_a = quantities(xp, self._a0, self._a1, d_a, self.option1_eig_method,
+                                    func=func)
+            l_g, psi_g = quantities(xp, self._g0, self._g1, d_g, self.option1_eig_method,
+                                    func=func)
+            return back(series_option1_kernel(xp, l_a, psi_a, l_g, psi_g, t, mat))
+        quantities = factors.series_option2_quantities.kernel
+        p_a, k_a, mu_a = quantities(xp, self._a0, self._a1, d_a, func=func)
+        p_g, k_g, mu_g = quantities(xp, self._g0, self._g1, d_g, func=func)
+        return back(series_option2_kernel(xp, p_a, k_a, mu_a, p_g, k_g, mu_g, t, mat))
 
     def multiply_cholesky(self, vector, transpose=False):
         r"""Not defined by TF (``NotImplementedError``); raises.  The block has no Kronecker
