@@ -23,6 +23,7 @@ from conftest import assert_allclose_normwise
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
+from kfac_ref.factors import conv_input_factor_tap
 
 FD_H = 1e-4
 FD_RTOL = 1e-6
@@ -131,17 +132,24 @@ def test_conv_forward_tap_is_the_kfc_input_factor_of_the_forwards_patches(xp, rn
     else:
         pads = ((0, 0), (0, 0)) if pad == "VALID" else pad
     xin = xp.asarray(x if fmt == "NHWC" else x.transpose(0, 3, 1, 2))
-    out, omega = layer.forward_with_tap(params, xin)
+    tap = conv_input_factor_tap(layer.geometry(tuple(xin.shape)), use_bias)
+    out, omega = layer.forward_with_tap(params, xin, tap)
     xp.assert_close(out, xp.to_numpy(layer.forward(params, xin)))
     xp.assert_close(omega, kfc_input_factor_oracle(xp.round_host(x), k, s, pads, d, use_bias))
+    chunks = []  # the tap sees the patches of each chunk, every example once, in order
+    layer.forward_with_tap(params, xin, lambda p: chunks.append(int(p.shape[0])) or 0.0)
+    assert sum(chunks) == 3 and (max_bytes is None) == (chunks == [3])
 
 
-def test_layers_without_a_forward_statistic_tap_nothing(xp, rng):
+def test_a_layer_taps_its_input_or_nothing(xp, rng):
     layer = nn.Dense(3, 2)
     params = tuple(xp.asarray(a) for a in layer.init_params(rng, np.zeros(1)))
     x = xp.asarray(rng.standard_normal((4, 3)))
-    out, tap = layer.forward_with_tap(params, x)
+    out, tap = layer.forward_with_tap(params, x, None)
     assert tap is None
+    xp.assert_close(out, xp.to_numpy(layer.forward(params, x)))
+    out, tap = layer.forward_with_tap(params, x, lambda u: u.T @ u)  # tap(x): one chunk
+    xp.assert_close(tap, xp.to_numpy(x).T @ xp.to_numpy(x))
     xp.assert_close(out, xp.to_numpy(layer.forward(params, x)))
 
 
