@@ -12,6 +12,9 @@
   e.g. curvature calling ``net._forward`` of :class:`kfac_ref.nn.Sequential` instead of its
   public tap protocol.  ``_ATTRIBUTE_ALLOWED`` lists the exceptions, each with its reason;
 * no single-letter aliases of modules (``import kfac_ref.linalg as L``);
+* layers do not know curvature: :mod:`kfac_ref.nn` imports no statistics (factors, losses),
+  blocks or curvature modules (a statistic of a layer's forward pass is a tap the caller
+  hands in, :meth:`kfac_ref.nn.Layer.forward_with_tap`);
 * the only modules that import a backend library or ``array_api_compat`` directly are
   :mod:`kfac_ref._backend` (the glue) and the host-side NumPy users it documents.
 """
@@ -179,3 +182,27 @@ def test_the_attribute_allow_list_is_current():
         assert reason, (module, attr)
         assert any(isinstance(n, ast.Attribute) and n.attr == attr
                    for n in ast.walk(_TREES[module])), (module, attr)
+
+
+_NN_MAY_NOT_IMPORT = ("kfac_ref.factors", "kfac_ref.losses", "kfac_ref.blocks",
+                      "kfac_ref.curvature", "kfac_ref.optim", "kfac_ref.operators")
+
+
+def _kfac_imports(module: str) -> set[str]:
+    path = next(p for p in SOURCES if _modname(p) == module)
+    out = set()
+    for node in ast.walk(_TREES[module]):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(module, path.name == "__init__.py", node.module, node.level)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("kfac_ref")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _TREES if m.startswith("kfac_ref.nn")))
+def test_layers_do_not_know_statistics_or_curvature(module):
+    bad = sorted(m for m in _kfac_imports(module)
+                 if any(m == b or m.startswith(b + ".") for b in _NN_MAY_NOT_IMPORT))
+    assert bad == [], f"{module} imports {bad}"

@@ -281,7 +281,8 @@ class Sequential:
         tuple
             The validated parameters, one tuple per layer.
         """
-        arrays = {f"p{i}_{j}": a for i, p in enumerate(params or ()) if isinstance(p, (tuple, list))
+        layers = params if isinstance(params, (tuple, list)) else ()
+        arrays = {f"p{i}_{j}": a for i, p in enumerate(layers) if isinstance(p, (tuple, list))
                   for j, a in enumerate(p)}
         namespace_of(func, **arrays, x=x, **others)
         params = self.check_params(func, params)
