@@ -101,7 +101,7 @@ _EAGER = Support({b: "yes" for b in EAGER_BACKENDS})
 _ARRAY_FREE = (
     "kfac_ref.value_checks",
     "kfac_ref.register_jax_pytrees",
-    "kfac_ref.factors.conv_kfc.set_max_temporary_bytes",
+    "kfac_ref.patches.set_max_temporary_bytes",
     "kfac_ref.capabilities.Support",
     "kfac_ref.capabilities.support_of",
     "kfac_ref.capabilities.support_table",

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 
 from ._backend import (
     KFACTypeError,
@@ -89,6 +90,10 @@ __all__ = [
     "num_subsampled_patches",
     "example_chunks",
     "PATCH_TEMPORARY_COPIES",
+    "MAX_TEMPORARY_BYTES",
+    "DEVICE_MEMORY_SHARE",
+    "set_max_temporary_bytes",
+    "temporary_bytes_bound",
 ]
 
 
@@ -503,6 +508,79 @@ def _subsample_rows(xp, array, num_rows, rng):
 # --------------------------------------------------------------------------------------
 # Chunks of examples under a memory bound
 # --------------------------------------------------------------------------------------
+MAX_TEMPORARY_BYTES = 64 * 2**20
+"""Default bound (64 MiB) on the patch temporaries of one chunk of examples for host arrays
+in the convolution statistics (:func:`kfac_ref.factors.conv_input_kronecker_factor`,
+:func:`kfac_ref.factors.conv_output_kronecker_factor`,
+:func:`kfac_ref.factors.conv_diagonal_factor`) and :class:`kfac_ref.nn.Conv2D` (keyword
+``max_temporary_bytes``); GPU arrays get :func:`temporary_bytes_bound`'s share of free
+device memory."""
+
+DEVICE_MEMORY_SHARE = 0.25
+"""Share of the free memory of a GPU that the patch temporaries of one chunk may take by
+default (:func:`temporary_bytes_bound`)."""
+
+_USER_BOUND = {"bytes": None}
+
+
+def set_max_temporary_bytes(nbytes):
+    r"""Set, once for the process, the bound on the patch temporaries of one chunk of
+    examples that every convolution statistic and :class:`kfac_ref.nn.Conv2D` uses when
+    its ``max_temporary_bytes`` is not given (``None`` restores the device-aware default).
+
+    .. math:: M \leftarrow \texttt{nbytes}
+
+    Returns the previous setting (``None``: the device-aware default).
+    """
+    if nbytes is not None:
+        nbytes = check_int("set_max_temporary_bytes", "nbytes", nbytes, minimum=1)
+    previous, _USER_BOUND["bytes"] = _USER_BOUND["bytes"], nbytes
+    return previous
+
+
+def temporary_bytes_bound(like, max_temporary_bytes=None):
+    r"""The bound :math:`M` (bytes) on the patch temporaries of one chunk of examples for
+    arrays like ``like``: the one place the chunk bound is decided.
+
+    .. math::
+
+        M = \begin{cases}
+        \texttt{max\_temporary\_bytes} & \text{when given},\\
+        \text{the bound of } \texttt{set\_max\_temporary\_bytes} & \text{when set},\\
+        \max(64\,\text{MiB},\ \rho\cdot\text{free device memory}) &
+            \text{CuPy arrays, torch CUDA tensors},\\
+        64\,\text{MiB} & \text{otherwise (host arrays, lazy arrays)},
+        \end{cases}
+
+    with :math:`\rho` = :data:`DEVICE_MEMORY_SHARE` (0.25) and the free memory queried
+    from the library (``cupy.cuda.Device.mem_info``, ``torch.cuda.mem_get_info``) at the
+    call.  Chunking changes only the order of the sums, so any bound gives the same
+    statistics up to rounding.
+    """
+    if max_temporary_bytes is not None:
+        return max_temporary_bytes
+    if _USER_BOUND["bytes"] is not None:
+        return _USER_BOUND["bytes"]
+    free = _free_device_bytes(like)
+    if free is None:
+        return MAX_TEMPORARY_BYTES
+    return max(MAX_TEMPORARY_BYTES, int(DEVICE_MEMORY_SHARE * free))
+
+
+def _free_device_bytes(like):
+    """Free memory of the GPU that holds ``like`` (CuPy, torch CUDA), else None.  Not
+    exercised without a GPU."""
+    module = type(like).__module__.split(".")[0]
+    try:
+        if module == "cupy":
+            return int(like.device.mem_info[0])
+        if module == "torch" and getattr(like, "is_cuda", False):
+            return int(sys.modules["torch"].cuda.mem_get_info(like.device)[0])
+    except Exception:  # a query the driver refuses: the host default
+        return None
+    return None
+
+
 def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_bytes):
     r"""Chunks of examples whose temporaries stay within a memory bound, as a list of
     ``(start, stop)`` pairs that cover every example in order.
@@ -521,3 +599,17 @@ def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_by
     """
     size = max(1, min(num_examples, max_temporary_bytes // max(1, entries_per_example * itemsize)))
     return [(start, min(start + size, num_examples)) for start in range(0, num_examples, size)]
+
+
+def per_example_patch_products(xp, patch_rows, outputs_grad_rows):
+    r"""Internal kernel, the one home of a convolution's per-example weight gradient summed
+    over locations: ``[N, |T|, D]`` patch rows and ``[N, |T|, C_out]`` back-propagated
+    vectors (channels last) → ``[N, D, C_out]``.
+
+    .. math:: DW_n = \sum_{t \in T} \bar p_{n,t}\, g_{n,t}^\top
+
+    One batched GEMM.  Used by :func:`kfac_ref.factors.conv_per_example_gradients` (with
+    the bias coordinate and patch mask in the rows) and by
+    :meth:`kfac_ref.nn.Conv2D.param_grads` (``per_example=True``).
+    """
+    return xp.matrix_transpose(patch_rows) @ outputs_grad_rows

@@ -5,7 +5,16 @@
   ``f.kernel``, or a module's documented internal API without a leading underscore).  A
   private *module* (``kfac_ref.blocks._math``) is private to its package: its siblings
   use it.  ``kfac_ref._backend`` is the internal validation API of the whole library;
+* no module touches another module's private *attributes*: an access ``obj._name`` (load,
+  store or delete) where ``obj`` is not ``self``/``cls`` and ``_name`` is defined by another
+  kfac_ref module and not by this one (a method, a class attribute, an ``obj._name = ...``
+  assignment, a keyword of an ``_evolve(_name=...)``-style copy, a module-level name) —
+  e.g. curvature calling ``net._forward`` of :class:`kfac_ref.nn.Sequential` instead of its
+  public tap protocol.  ``_ATTRIBUTE_ALLOWED`` lists the exceptions, each with its reason;
 * no single-letter aliases of modules (``import kfac_ref.linalg as L``);
+* layers do not know curvature: :mod:`kfac_ref.nn` imports no statistics (factors, losses),
+  blocks or curvature modules (a statistic of a layer's forward pass is a tap the caller
+  hands in, :meth:`kfac_ref.nn.Layer.forward_with_tap`);
 * the only modules that import a backend library or ``array_api_compat`` directly are
   :mod:`kfac_ref._backend` (the glue) and the host-side NumPy users it documents.
 """
@@ -89,3 +98,111 @@ def _violations(path: Path):
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_reach_into_other_modules_privates(path):
     assert _violations(path) == []
+
+
+# -- private attributes across modules ---------------------------------------------------
+# (module, attribute) -> why the access is allowed.  Keep it short: fix instead of listing.
+_ATTRIBUTE_ALLOWED: dict[tuple[str, str], str] = {
+    ("kfac_ref.factors.series", "_evolve"): (
+        "FullyConnectedMultiKF.update_cov adds its C_1 average to the factor that the base "
+        "class's update_cov returned, an object of its own class: the copy-with-changes of "
+        "the factor family (kfac_ref.factors.base), not another module's object"),
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """The private names a module defines: functions, classes, assigned names and
+    attributes (``x._a = ...``, ``self._a = ...``, class bodies), keyword arguments (the
+    attributes of ``_evolve(_a=...)``-style copies) and ``__slots__`` entries."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            names.add(node.arg)
+        elif (isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets)):
+            names.update(c.value for c in ast.walk(node.value)
+                         if isinstance(c, ast.Constant) and isinstance(c.value, str))
+    return {n for n in names if _private(n)}
+
+
+_TREES = {_modname(p): ast.parse(p.read_text(encoding="utf-8")) for p in SOURCES}
+_DEFINED = {m: _defined_privates(t) for m, t in _TREES.items()}
+
+
+def _attribute_violations(me: str) -> list[str]:
+    others: dict[str, list[str]] = {}
+    for module, names in _DEFINED.items():
+        if module != me:
+            for name in names:
+                others.setdefault(name, []).append(module)
+    out = []
+    for node in ast.walk(_TREES[me]):
+        if not (isinstance(node, ast.Attribute) and _private(node.attr)):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue
+        if node.attr in _DEFINED[me] or node.attr not in others:
+            continue
+        if (me, node.attr) in _ATTRIBUTE_ALLOWED:
+            continue
+        out.append(f"{me}:{node.lineno}: {ast.unparse(node)} (defined in "
+                   f"{', '.join(sorted(others[node.attr]))})")
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(_TREES))
+def test_no_private_attribute_access_across_modules(module):
+    assert _attribute_violations(module) == []
+
+
+def test_the_attribute_scan_catches_a_reach_into_another_module():
+    """The scan must be able to fail: an estimator calling the network's private pass."""
+    tree = ast.parse("def update(net, params, x):\n    return net._forward(params, x)\n")
+    _TREES["kfac_ref.curvature._probe"], _DEFINED["kfac_ref.curvature._probe"] = tree, set()
+    try:
+        found = _attribute_violations("kfac_ref.curvature._probe")
+    finally:
+        del _TREES["kfac_ref.curvature._probe"], _DEFINED["kfac_ref.curvature._probe"]
+    assert len(found) == 1 and "net._forward" in found[0] and "kfac_ref.nn.network" in found[0]
+
+
+def test_the_attribute_allow_list_is_current():
+    """Every allowed entry still names an access that exists (no stale exceptions)."""
+    for (module, attr), reason in _ATTRIBUTE_ALLOWED.items():
+        assert reason, (module, attr)
+        assert any(isinstance(n, ast.Attribute) and n.attr == attr
+                   for n in ast.walk(_TREES[module])), (module, attr)
+
+
+_NN_MAY_NOT_IMPORT = ("kfac_ref.factors", "kfac_ref.losses", "kfac_ref.blocks",
+                      "kfac_ref.curvature", "kfac_ref.optim", "kfac_ref.operators")
+
+
+def _kfac_imports(module: str) -> set[str]:
+    path = next(p for p in SOURCES if _modname(p) == module)
+    out = set()
+    for node in ast.walk(_TREES[module]):
+        if isinstance(node, ast.ImportFrom):
+            base = _resolve(module, path.name == "__init__.py", node.module, node.level)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m.startswith("kfac_ref")}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in _TREES if m.startswith("kfac_ref.nn")))
+def test_layers_do_not_know_statistics_or_curvature(module):
+    bad = sorted(m for m in _kfac_imports(module)
+                 if any(m == b or m.startswith(b + ".") for b in _NN_MAY_NOT_IMPORT))
+    assert bad == [], f"{module} imports {bad}"

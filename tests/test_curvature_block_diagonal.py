@@ -458,7 +458,6 @@ def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharin
     # an exact mode has C = 3 output vectors: every Kronecker block computes its input factor
     # once and its output factor once, from the C·N stacked rows (not once per vector)
     from kfac_ref import factors
-    from kfac_ref.nn import layers
 
     calls = {"dense": [], "conv_in": 0, "conv_out": [], "tap": 0}
     dense_k = factors.fully_connected_kronecker_factor.kernel
@@ -480,13 +479,18 @@ def test_kronecker_factors_computed_once_per_update(xp, rng, monkeypatch, sharin
     monkeypatch.setattr(factors.fully_connected_kronecker_factor, "kernel", dense)
     monkeypatch.setattr(factors.conv_input_kronecker_factor, "kernel", conv_in)
     monkeypatch.setattr(factors.conv_output_kronecker_factor, "kernel", conv_out)
-    tap_rows = layers.patch_rows
+    make_tap = factors.conv_input_factor_tap
 
-    def tap(*a, **k):
-        calls["tap"] += 1
-        return tap_rows(*a, **k)
+    def counted_tap(*a, **k):  # counts the calls of the tap, one per chunk of the forward
+        tap = make_tap(*a, **k)
 
-    monkeypatch.setattr(layers, "patch_rows", tap)
+        def counted(patches):
+            calls["tap"] += 1
+            return tap(patches)
+
+        return counted
+
+    monkeypatch.setattr(factors, "conv_input_factor_tap", counted_tap)
     net = convnet()  # conv (Kronecker), scale-and-shift (diagonal), dense (Kronecker)
     n, c = 4, 3
     bp, batch = make_data(xp, rng, net, ce, n, (2, 3, 3))
@@ -515,22 +519,22 @@ def test_stacked_backward_equals_one_backward_pass_per_vector(xp, rng, monkeypat
     net = make()
     bp, batch = make_data(xp, rng, net, ce, 3, in_shape)
     calls = {"n": 0}
-    stacked = nn.Sequential._backward_stacked
+    stacked = nn.Sequential.stacked_backward_pass
 
     def counted(self, *a, **k):
         calls["n"] += 1
         return stacked(self, *a, **k)
 
-    monkeypatch.setattr(nn.Sequential, "_backward_stacked", counted)
+    monkeypatch.setattr(nn.Sequential, "stacked_backward_pass", counted)
     _, one_pass = run(net, ce, bp, batch, mode)
     assert calls["n"] == 1
 
-    def per_vector(self, params, inputs, g, caches=None):
-        passes = [self._backward(params, inputs, g[j, ...], param_grads=False,
-                                 caches=caches)[1] for j in range(g.shape[0])]
+    def per_vector(self, forward, g, caches=None):
+        passes = [self.backward_pass(forward, g[j, ...], param_grads=False,
+                                     caches=caches)[1] for j in range(g.shape[0])]
         return [xp.xp.stack([p[i] for p in passes], axis=0) for i in range(len(passes[0]))]
 
-    monkeypatch.setattr(nn.Sequential, "_backward_stacked", per_vector)
+    monkeypatch.setattr(nn.Sequential, "stacked_backward_pass", per_vector)
     _, separate = run(net, ce, bp, batch, mode)
     for one, two in zip(one_pass.blocks_states, separate.blocks_states, strict=True):
         for s1, s2 in zip(one.statistics, two.statistics, strict=True):

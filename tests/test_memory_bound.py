@@ -1,7 +1,7 @@
 """The bound on a convolution's patch temporaries follows the arrays' device, decided in one
-place (:func:`kfac_ref.factors.temporary_bytes_bound`): host arrays keep 64 MiB, GPU arrays
+place (:func:`kfac_ref.patches.temporary_bytes_bound`): host arrays keep 64 MiB, GPU arrays
 (CuPy, torch CUDA) get a share of free device memory, a bound set once with
-:func:`kfac_ref.factors.set_max_temporary_bytes` overrides both, an explicit
+:func:`kfac_ref.patches.set_max_temporary_bytes` overrides both, an explicit
 ``max_temporary_bytes`` overrides everything.  Chunking changes only the order of the sums:
 statistics and layer passes computed under a tiny process-wide bound equal the one-shot
 ones at ``xp.rtol`` (as in tests/test_factors_chunks.py).  The GPU query itself
@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kfac_ref import KFACValueError, factors, nn
-from kfac_ref.factors import conv_kfc
+from kfac_ref import KFACValueError, factors, nn, patches
 
 ONE_SHOT = 2**62
 
@@ -44,9 +43,9 @@ def test_host_default_explicit_and_user_bound(xp, user_bound):
 
 def test_gpu_share_of_free_memory(monkeypatch, user_bound):
     x = np.zeros(3)
-    monkeypatch.setattr(conv_kfc, "_free_device_bytes", lambda like: 8 * 2**30)
+    monkeypatch.setattr(patches, "_free_device_bytes", lambda like: 8 * 2**30)
     assert factors.temporary_bytes_bound(x) == int(factors.DEVICE_MEMORY_SHARE * 8 * 2**30)
-    monkeypatch.setattr(conv_kfc, "_free_device_bytes", lambda like: 10 * 2**20)
+    monkeypatch.setattr(patches, "_free_device_bytes", lambda like: 10 * 2**20)
     assert factors.temporary_bytes_bound(x) == factors.MAX_TEMPORARY_BYTES  # never below
     factors.set_max_temporary_bytes(999)
     assert factors.temporary_bytes_bound(x) == 999

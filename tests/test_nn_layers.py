@@ -23,6 +23,7 @@ from conftest import assert_allclose_normwise
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
+from kfac_ref.factors import conv_input_factor_tap
 
 FD_H = 1e-4
 FD_RTOL = 1e-6
@@ -131,17 +132,24 @@ def test_conv_forward_tap_is_the_kfc_input_factor_of_the_forwards_patches(xp, rn
     else:
         pads = ((0, 0), (0, 0)) if pad == "VALID" else pad
     xin = xp.asarray(x if fmt == "NHWC" else x.transpose(0, 3, 1, 2))
-    out, omega = layer.forward_with_tap(params, xin)
+    tap = conv_input_factor_tap(layer.geometry(tuple(xin.shape)), use_bias)
+    out, omega = layer.forward_with_tap(params, xin, tap)
     xp.assert_close(out, xp.to_numpy(layer.forward(params, xin)))
     xp.assert_close(omega, kfc_input_factor_oracle(xp.round_host(x), k, s, pads, d, use_bias))
+    chunks = []  # the tap sees the patches of each chunk, every example once, in order
+    layer.forward_with_tap(params, xin, lambda p: chunks.append(int(p.shape[0])) or 0.0)
+    assert sum(chunks) == 3 and (max_bytes is None) == (chunks == [3])
 
 
-def test_layers_without_a_forward_statistic_tap_nothing(xp, rng):
+def test_a_layer_taps_its_input_or_nothing(xp, rng):
     layer = nn.Dense(3, 2)
     params = tuple(xp.asarray(a) for a in layer.init_params(rng, np.zeros(1)))
     x = xp.asarray(rng.standard_normal((4, 3)))
-    out, tap = layer.forward_with_tap(params, x)
+    out, tap = layer.forward_with_tap(params, x, None)
     assert tap is None
+    xp.assert_close(out, xp.to_numpy(layer.forward(params, x)))
+    out, tap = layer.forward_with_tap(params, x, lambda u: u.T @ u)  # tap(x): one chunk
+    xp.assert_close(tap, xp.to_numpy(x).T @ xp.to_numpy(x))
     xp.assert_close(out, xp.to_numpy(layer.forward(params, x)))
 
 
@@ -466,6 +474,97 @@ def test_network_jvp_vjp_adjoint_and_per_example(xp, rng):
     rhs = float(xp.to_numpy(jtu) @ xp.round_host(v))
     scale = float(np.sum(np.abs(xp.round_host(u) * xp.to_numpy(jv)))) + 1
     assert abs(lhs - rhs) <= xp.rtol * scale
+
+
+def _dot(xp, a, b):
+    """<a, b> of two host arrays and the scale of its rounding error."""
+    prod = np.asarray(a, dtype=np.float64) * np.asarray(b, dtype=np.float64)
+    return float(np.sum(prod)), float(np.sum(np.abs(prod))) + 1.0
+
+
+def test_tap_protocol_passes_satisfy_their_identities(xp, rng):
+    """The public passes on one forward pass: the JVP and the backward pass are adjoint
+    (<u, J v> = <Jᵀu, v>), the stacked backward is the per-vector backward, the R-backward
+    with g = 0 is the backward of R{g}, and the Hessian of E = ½Σ‖f‖² (g = f, R{g} = Jv) it
+    gives is symmetric (<w, H v> = <v, H w>)."""
+    net = small_net()
+    x = xp.asarray(rng.standard_normal((3, 3, 3, 2)))
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    host_v, host_w = rng.standard_normal(net.num_params), rng.standard_normal(net.num_params)
+    v, w = xp.asarray(host_v), xp.asarray(host_w)
+    us = rng.standard_normal((2, 3, 3))
+    fwd = net.forward_pass(params, x)
+    xp.assert_close(fwd.output, xp.to_numpy(net.forward(params, x)))
+    assert fwd.inputs[0] is x and fwd.taps == (None,) * len(net)
+    caches = net.vjp_caches(fwd)
+    jv, dins = net.jvp_pass(fwd, v)
+    assert len(dins) == len(net) and dins[0] is None
+    grads, cots = net.backward_pass(fwd, xp.asarray(us[0]), caches=caches)
+    jtu = xp.to_numpy(net.flatten(grads))
+    lhs, scale = _dot(xp, xp.round_host(us[0]), xp.to_numpy(jv))
+    assert abs(lhs - float(jtu @ xp.round_host(host_v))) <= xp.rtol * scale
+    stacked = net.stacked_backward_pass(fwd, xp.asarray(us), caches=caches)
+    for j in range(2):
+        _, one = net.backward_pass(fwd, xp.asarray(us[j]), param_grads=False)
+        for layer_stack, layer_one in zip(stacked, one, strict=True):
+            xp.assert_close(layer_stack[j, ...], xp.to_numpy(layer_one))
+    zero = xp.asarray(np.zeros(us[0].shape))
+    r_only = net.r_backward_pass(fwd, v, dins, zero, xp.asarray(us[0]))
+    xp.assert_close(net.flatten(r_only), jtu)
+
+    def hvp(direction):
+        f_dot, tangents = net.jvp_pass(fwd, direction)
+        return xp.to_numpy(net.flatten(net.r_backward_pass(fwd, direction, tangents,
+                                                           fwd.output, f_dot)))
+
+    lhs, scale = _dot(xp, xp.round_host(host_w), hvp(v))
+    rhs, _ = _dot(xp, xp.round_host(host_v), hvp(w))
+    assert abs(lhs - rhs) <= 10 * xp.rtol * scale
+
+
+def test_forward_pass_runs_each_tap_on_its_layer(xp, rng):
+    net = small_net()
+    x = xp.asarray(rng.standard_normal((3, 3, 3, 2)))
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    taps = [None] * len(net)
+    taps[4] = lambda u: u.T @ u  # the dense layer's input
+    fwd = net.forward_pass(params, x, taps)
+    assert fwd.taps[:4] == (None,) * 4
+    a = xp.to_numpy(fwd.inputs[4])
+    xp.assert_close(fwd.taps[4], a.T @ a)
+    with pytest.raises(AttributeError, match="read-only"):
+        fwd.output = x
+
+
+def test_tap_protocol_errors(xp, rng):
+    net = small_net()
+    x = xp.asarray(rng.standard_normal((3, 3, 3, 2)))
+    params = net.init_params(rng, xp.asarray(np.zeros(1)))
+    with pytest.raises(KFACTypeError, match="Sequential.forward_pass: taps must be"):
+        net.forward_pass(params, x, [None])
+    with pytest.raises(KFACTypeError, match="Sequential.forward_pass: taps must be"):
+        net.forward_pass(params, x, [None, None, None, None, "tap"])
+    fwd = net.forward_pass(params, x)
+    other = small_net()
+    with pytest.raises(KFACTypeError, match="Sequential.backward_pass: forward must be"):
+        other.backward_pass(fwd, xp.asarray(np.zeros((3, 3))))
+    with pytest.raises(KFACTypeError, match="Sequential.jvp_pass: forward must be"):
+        net.jvp_pass((fwd.output, fwd.inputs), xp.asarray(np.zeros(net.num_params)))
+    with pytest.raises(KFACValueError, match="Sequential.backward_pass: g_out"):
+        net.backward_pass(fwd, xp.asarray(np.zeros((3, 2))))
+    with pytest.raises(KFACValueError, match="Sequential.stacked_backward_pass: g_out"):
+        net.stacked_backward_pass(fwd, xp.asarray(np.zeros((3, 3))))
+    with pytest.raises(KFACValueError, match=r"Sequential.jvp_pass: dparams .*\[P\]"):
+        net.jvp_pass(fwd, xp.asarray(np.zeros(net.num_params + 1)))
+    with pytest.raises(KFACTypeError, match="Sequential.backward_pass: caches"):
+        net.backward_pass(fwd, xp.asarray(np.zeros((3, 3))), caches=(None,))
+    jv, dins = net.jvp_pass(fwd, xp.asarray(np.zeros(net.num_params)))
+    with pytest.raises(KFACTypeError, match="Sequential.r_backward_pass: input_tangents"):
+        net.r_backward_pass(fwd, xp.asarray(np.zeros(net.num_params)), dins[1:], jv, jv)
+    bad = np.zeros((3, 3))
+    bad[0, 0] = np.nan
+    with pytest.raises(KFACValueError, match="Sequential.backward_pass: g_out .*finite"):
+        net.backward_pass(fwd, xp.asarray(bad))
 
 
 # ---------------------------------------------------------------------------------------------

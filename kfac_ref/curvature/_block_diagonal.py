@@ -74,7 +74,7 @@ class BlockDiagonalCurvature(EstimatorBase):
     g_{c,r})^\top` (:math:`R` rows per vector) is the second moment of the :math:`CR`
     stacked rows, one GEMM.  Other blocks are updated once per vector as above.  A block
     that reads a statistic its layer's forward pass computes
-    (:meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.uses_layer_tap`: the KFC input factor
+    (:meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.layer_tap`: the KFC input factor
     :math:`\Omega` of a :class:`kfac_ref.nn.Conv2D`, from the patches of the forward's own
     chunks, :meth:`kfac_ref.nn.Conv2D.forward_with_tap`) is handed it, so a convolution's
     patches are extracted once per update for the forward pass and :math:`\Omega` together.
@@ -231,13 +231,9 @@ class BlockDiagonalCurvature(EstimatorBase):
         func = "BlockDiagonalCurvature.init"
         params, batch = unpack_func_args(func, func_args)
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
-        params = self.net.check_params(func, params)
-        self.net.check_input(func, x, self.net._like(params))
-        shapes, shape = [], tuple(x.shape)
-        for layer in self.net.layers:
-            shapes.append(shape)
-            shape = layer.output_shape(shape)
-        self._input_shapes = tuple(shapes)
+        params = self.net.check_params_and_input(func, params, x)
+        shapes = self.net.input_shapes(tuple(x.shape))
+        self._input_shapes = shapes
         self._blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
         slices = self.net.layer_slices()
         self._block_slices = tuple(slices[i] for i in self.layer_indices)
@@ -268,7 +264,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                                  f"got an uninitialised estimator.")
         self._check_state(func, state)
         b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch,
-                                 taps=self._taps if any(self._taps) else None)
+                                 layer_taps=self._layer_taps if any(self._taps) else None)
         self._check_batch_size(func, batch_size, b.n)
         for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
             got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
@@ -296,16 +292,26 @@ class BlockDiagonalCurvature(EstimatorBase):
                                          ema_old, ema_new)
         return BlockDiagonalState(tuple(states))
 
+    def _layer_taps(self, input_shapes):
+        """The taps of a batch's forward pass: each marked layer's block's
+        :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.layer_tap` for the layer's input
+        shape in this batch (``None`` for the other layers)."""
+        taps = [None] * len(self.net.layers)
+        for i, block in zip(self.layer_indices, self._blocks, strict=True):
+            if self._taps[i]:
+                taps[i] = block.layer_tap(self.net.layers[i], input_shapes[i])
+        return tuple(taps)
+
     def _update_blocks(self, b, vectors, root, states, layers, stacked, need_grads, ema_old,
                        ema_new):
         c = int(vectors.shape[0])
         if not need_grads and c > 1:
             # every block reads layer cotangents only: back-propagate the C vectors stacked,
-            # one batched call per layer (Sequential._backward_stacked); each block gets
+            # one batched call per layer (Sequential.stacked_backward_pass); each block gets
             # its layer's C cotangents as views of the stacked result
             u = b.xp.reshape(vectors, (c, *b.out.shape))
-            cots = self.net._backward_stacked(b.params, b.inputs, u * root if root != 1.0
-                                              else u, caches=b.vjp_caches)
+            cots = self.net.stacked_backward_pass(b.forward, u * root if root != 1.0 else u,
+                                                  caches=b.vjp_caches)
             for k, i, _ in layers:
                 stacked[k] = [cots[i][j, ...] for j in range(c)]
             c_loop = 0
@@ -314,9 +320,9 @@ class BlockDiagonalCurvature(EstimatorBase):
         for j in range(c_loop):
             u = vectors[j, ...]
             u = u * root if root != 1.0 else u
-            grads, cots = self.net._backward(b.params, b.inputs, b.as_output(u),
-                                             per_example=need_grads, param_grads=need_grads,
-                                             caches=b.vjp_caches)
+            grads, cots = self.net.backward_pass(b.forward, b.as_output(u),
+                                                 per_example=need_grads,
+                                                 param_grads=need_grads, caches=b.vjp_caches)
             old = ema_old if j == 0 else 1.0
             for k, i, block in layers:
                 if k in stacked:

@@ -66,6 +66,7 @@ from .._backend import (
     device_of,
     kernel_of,
     namespace_of,
+    value_checks,
 )
 from .._random import check_random_source, draw_noise, split_source
 from ..linalg import compute_cov
@@ -111,21 +112,20 @@ r"""``"mean"``: :math:`\frac1N\sum_n g_n g_n^\top` (TF K-FAC, curvlinops, the de
 class _Batch:
     """Forward pass of one batch with the loss object built on its output."""
 
-    def __init__(self, func, net, loss_fn, params, batch, taps=None):
+    def __init__(self, func, net, loss_fn, params, batch, layer_taps=None):
         if not isinstance(net, Sequential):
             raise KFACTypeError(f"{func}: net must be a kfac_ref.nn.Sequential; got "
                                 f"{type(net).__name__}.")
         x, y = _unpack_batch(func, batch)
-        arrays = {f"p{i}_{j}": a for i, p in enumerate(params or ()) for j, a in enumerate(p)}
-        self.xp = namespace_of(func, **arrays, x=x, targets=y)
-        params = net.check_params(func, params)
-        net.check_input(func, x, net._like(params))
+        params = net.check_params_and_input(func, params, x, targets=y)
+        self.xp = namespace_of(func, x=x, targets=y)
         self.net, self.params, self.x, self.targets = net, params, x, y
-        if taps is not None:  # what marked layers' forward passes leave for the blocks
-            self.out, self.inputs, self.taps = net._forward(params, x, taps)
-        else:
-            self.out, self.inputs = net._forward(params, x)
-            self.taps = (None,) * len(net.layers)
+        # the taps that marked layers' forward passes compute for the blocks
+        taps = None if layer_taps is None else layer_taps(net.input_shapes(tuple(x.shape)))
+        with value_checks(False):  # (params, x) were validated above in the name of func
+            self.forward = net.forward_pass(params, x, taps)
+        self.out, self.inputs, self.taps = (self.forward.output, self.forward.inputs,
+                                            self.forward.taps)
         self._vjp_caches = None
         self.n = int(self.out.shape[0])
         self.d = math.prod(self.out.shape[1:])
@@ -165,23 +165,27 @@ class _Batch:
         return self.xp.reshape(flat, tuple(self.out.shape))
 
     # network maps
+    # network maps: the network's tap protocol on this batch's forward pass; the vectors
+    # were validated by the public function (check_flat_vector) or derive from validated
+    # arrays, so only the static checks of the passes run
     def jvp_flat(self, v):
         """J v per example, [N, D]."""
-        vs = self.net._as_structured(self.func, "vector", v)
-        dout, _ = self.net._jvp(self.params, self.inputs, vs)
+        with value_checks(False):
+            dout, _ = self.net.jvp_pass(self.forward, v)
         return self.xp.reshape(dout, (self.n, self.d))
 
     def vjp(self, u_flat, per_example=False):
         """Σ_n J_nᵀ u_n ([P]) or [J_nᵀ u_n]_n ([N, P])."""
-        grads, _ = self.net._backward(self.params, self.inputs, self.as_output(u_flat),
-                                      per_example, caches=self.vjp_caches)
+        with value_checks(False):
+            grads, _ = self.net.backward_pass(self.forward, self.as_output(u_flat),
+                                              per_example, caches=self.vjp_caches)
         return self.net.flatten(grads, per_example=per_example)
 
     @property
     def vjp_caches(self):
         """The layers' backward caches, formed once for every backward pass of this batch."""
         if self._vjp_caches is None:
-            self._vjp_caches = self.net._vjp_caches(self.params, self.inputs)
+            self._vjp_caches = self.net.vjp_caches(self.forward)
         return self._vjp_caches
 
     def jacobian(self):
@@ -195,14 +199,15 @@ class _Batch:
         return xp.stack(cols, axis=1)
 
 
-def evaluate_batch(func, net, loss_fn, params, batch, taps=None):
+def evaluate_batch(func, net, loss_fn, params, batch, layer_taps=None):
     """Validate ``(net, loss_fn, params, batch)`` once, in the name of the public function
-    ``func``, run the forward pass and build the loss on its output: the evaluated batch that
-    the kernels of this module take (``ggn_matrix.kernel(b)`` ...).  With ``taps`` (one bool
-    per layer) the marked layers' :meth:`~kfac_ref.nn.Layer.forward_with_tap` taps are kept
-    (``b.taps``).
+    ``func``, run the forward pass (:meth:`kfac_ref.nn.Sequential.forward_pass`, kept as
+    ``b.forward``) and build the loss on its output: the evaluated batch that the kernels of
+    this module take (``ggn_matrix.kernel(b)`` ...).  ``layer_taps``, when given, maps the
+    batch's layer input shapes (:meth:`~kfac_ref.nn.Sequential.input_shapes`) to the taps of
+    the forward pass (one entry per layer, ``None`` for none); their values are ``b.taps``.
     Internal API of :mod:`kfac_ref.curvature`."""
-    return _Batch(func, net, loss_fn, params, batch, taps)
+    return _Batch(func, net, loss_fn, params, batch, layer_taps)
 
 
 def unpack_batch(func, batch):
@@ -587,10 +592,11 @@ def _hvp(b, vector):
         fd = xp.reshape(f_dot, (b.n, b.d, 1))
         return b.as_output(grad), b.as_output(xp.reshape(hess @ fd, (b.n, b.d)))
 
-    vs = b.net._as_structured(b.func, "vector", vector)
-    f_dot, dins = b.net._jvp(b.params, b.inputs, vs)
-    g, rg = cot(b.out, f_dot)
-    return b.net.flatten(b.net._r_backward(b.params, b.inputs, vs, dins, g, rg))
+    with value_checks(False):  # the vector was validated by the public function
+        vs = b.net.check_param_tangent(b.func, "vector", vector)
+        f_dot, dins = b.net.jvp_pass(b.forward, vs)
+        g, rg = cot(b.out, f_dot)
+        return b.net.flatten(b.net.r_backward_pass(b.forward, vs, dins, g, rg))
 
 
 def hessian_vector_product(net, loss_fn, params, batch, vector):

@@ -19,7 +19,15 @@ Modules: :mod:`~kfac_ref.factors.base` (state machinery), :mod:`~kfac_ref.factor
 :mod:`~kfac_ref.factors.scale_shift`.
 """
 
-from ..patches import num_conv_locations
+# the chunk bound's one home is kfac_ref.patches; its names stay importable here, where
+# they were documented first
+from ..patches import (
+    DEVICE_MEMORY_SHARE,
+    MAX_TEMPORARY_BYTES,
+    num_conv_locations,
+    set_max_temporary_bytes,
+    temporary_bytes_bound,
+)
 from .base import (
     EIGENVALUE_CLIPPING_THRESHOLD,
     EIGENVALUE_DECOMPOSITION_THRESHOLD,
@@ -28,9 +36,7 @@ from .base import (
     FisherFactor,
 )
 from .conv import (
-    DEVICE_MEMORY_SHARE,
     EXTRACT_PATCHES_FNS,
-    MAX_TEMPORARY_BYTES,
     SUA_ORDERS,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
@@ -39,6 +45,7 @@ from .conv import (
     ConvOutputKroneckerFactor,
     ConvOutputMultiKF,
     conv_diagonal_factor,
+    conv_input_factor_tap,
     conv_input_kronecker_factor,
     conv_input_sua_factor,
     conv_input_sua_inverse,
@@ -46,8 +53,6 @@ from .conv import (
     conv_output_kronecker_factor,
     conv_patch_matrix,
     conv_per_example_gradients,
-    set_max_temporary_bytes,
-    temporary_bytes_bound,
 )
 from .dense import (
     FullyConnectedDiagonalFactor,
@@ -103,6 +108,7 @@ __all__ = [
     "conv_patch_matrix",
     "conv_per_example_gradients",
     "conv_input_kronecker_factor",
+    "conv_input_factor_tap",
     "conv_output_kronecker_factor",
     "conv_diagonal_factor",
     "num_conv_locations",

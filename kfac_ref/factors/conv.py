@@ -11,21 +11,18 @@ and the SUA input factor (:mod:`~kfac_ref.factors.conv_sua`), re-exported under 
 """
 
 from .conv_kfc import (
-    DEVICE_MEMORY_SHARE,
     EXTRACT_PATCHES_FNS,
-    MAX_TEMPORARY_BYTES,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
     ConvInputMultiKF,
     ConvOutputKroneckerFactor,
     ConvOutputMultiKF,
     conv_diagonal_factor,
+    conv_input_factor_tap,
     conv_input_kronecker_factor,
     conv_output_kronecker_factor,
     conv_patch_matrix,
     conv_per_example_gradients,
-    set_max_temporary_bytes,
-    temporary_bytes_bound,
 )
 from .conv_sua import (
     SUA_ORDERS,
@@ -37,13 +34,10 @@ from .conv_sua import (
 
 __all__ = [
     "EXTRACT_PATCHES_FNS",
-    "MAX_TEMPORARY_BYTES",
-    "DEVICE_MEMORY_SHARE",
-    "set_max_temporary_bytes",
-    "temporary_bytes_bound",
     "conv_patch_matrix",
     "conv_per_example_gradients",
     "conv_input_kronecker_factor",
+    "conv_input_factor_tap",
     "conv_output_kronecker_factor",
     "conv_diagonal_factor",
     "ConvInputKroneckerFactor",

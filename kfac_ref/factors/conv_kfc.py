@@ -18,9 +18,9 @@ on); the classes validate each tower once and call the kernels.  The spatially u
 from __future__ import annotations
 
 import math
-import sys
 
 from .._backend import (
+    KFACTypeError,
     KFACValueError,
     check_array,
     check_bool,
@@ -41,7 +41,9 @@ from ..patches import (
     is_channels_last,
     num_subsampled_inputs,
     num_subsampled_patches,
+    per_example_patch_products,
     subsample_rows,
+    temporary_bytes_bound,
     to_channels_last,
 )
 from .base import (
@@ -64,83 +66,8 @@ __all__ = [
     "ConvDiagonalFactor",
     "ConvInputMultiKF",
     "ConvOutputMultiKF",
-    "MAX_TEMPORARY_BYTES",
-    "DEVICE_MEMORY_SHARE",
-    "set_max_temporary_bytes",
-    "temporary_bytes_bound",
+    "conv_input_factor_tap",
 ]
-
-MAX_TEMPORARY_BYTES = 64 * 2**20
-"""Default bound (64 MiB) on the patch temporaries of one chunk of examples for host arrays
-in :func:`conv_input_kronecker_factor`, :func:`conv_output_kronecker_factor`,
-:func:`conv_diagonal_factor` and :class:`kfac_ref.nn.Conv2D` (keyword
-``max_temporary_bytes``); GPU arrays get :func:`temporary_bytes_bound`'s share of free
-device memory."""
-
-DEVICE_MEMORY_SHARE = 0.25
-"""Share of the free memory of a GPU that the patch temporaries of one chunk may take by
-default (:func:`temporary_bytes_bound`)."""
-
-_USER_BOUND = {"bytes": None}
-
-
-def set_max_temporary_bytes(nbytes):
-    r"""Set, once for the process, the bound on the patch temporaries of one chunk of
-    examples that every convolution statistic and :class:`kfac_ref.nn.Conv2D` uses when
-    its ``max_temporary_bytes`` is not given (``None`` restores the device-aware default).
-
-    .. math:: M \leftarrow \texttt{nbytes}
-
-    Returns the previous setting (``None``: the device-aware default).
-    """
-    if nbytes is not None:
-        nbytes = check_int("set_max_temporary_bytes", "nbytes", nbytes, minimum=1)
-    previous, _USER_BOUND["bytes"] = _USER_BOUND["bytes"], nbytes
-    return previous
-
-
-def temporary_bytes_bound(like, max_temporary_bytes=None):
-    r"""The bound :math:`M` (bytes) on the patch temporaries of one chunk of examples for
-    arrays like ``like``: the one place the chunk bound is decided.
-
-    .. math::
-
-        M = \begin{cases}
-        \texttt{max\_temporary\_bytes} & \text{when given},\\
-        \text{the bound of } \texttt{set\_max\_temporary\_bytes} & \text{when set},\\
-        \max(64\,\text{MiB},\ \rho\cdot\text{free device memory}) &
-            \text{CuPy arrays, torch CUDA tensors},\\
-        64\,\text{MiB} & \text{otherwise (host arrays, lazy arrays)},
-        \end{cases}
-
-    with :math:`\rho` = :data:`DEVICE_MEMORY_SHARE` (0.25) and the free memory queried
-    from the library (``cupy.cuda.Device.mem_info``, ``torch.cuda.mem_get_info``) at the
-    call.  Chunking changes only the order of the sums, so any bound gives the same
-    statistics up to rounding.
-    """
-    if max_temporary_bytes is not None:
-        return max_temporary_bytes
-    if _USER_BOUND["bytes"] is not None:
-        return _USER_BOUND["bytes"]
-    free = _free_device_bytes(like)
-    if free is None:
-        return MAX_TEMPORARY_BYTES
-    return max(MAX_TEMPORARY_BYTES, int(DEVICE_MEMORY_SHARE * free))
-
-
-def _free_device_bytes(like):
-    """Free memory of the GPU that holds ``like`` (CuPy, torch CUDA), else None.  Not
-    exercised without a GPU."""
-    module = type(like).__module__.split(".")[0]
-    try:
-        if module == "cupy":
-            return int(like.device.mem_info[0])
-        if module == "torch" and getattr(like, "is_cuda", False):
-            return int(sys.modules["torch"].cuda.mem_get_info(like.device)[0])
-    except Exception:  # a query the driver refuses: the host default
-        return None
-    return None
-
 
 def _chunk_bounds(xp, n, entries_per_example, max_temporary_bytes, like):
     """:func:`kfac_ref.patches.example_chunks` for arrays like ``like`` (the bound from
@@ -254,7 +181,7 @@ def patch_rows(xp, patches, patch_size, has_bias=False, patch_mask=None):
 
     (mask :math:`m` when given, the homogeneous 1 with a bias).  Shared by the factor's own
     patch extraction and by callers that already hold the patches (a conv layer's forward
-    pass, :meth:`kfac_ref.nn.Conv2D.forward_with_tap`).
+    pass, :func:`conv_input_factor_tap`).
     """
     rows = xp.reshape(patches, (-1, patch_size))
     if patch_mask is not None:
@@ -262,6 +189,49 @@ def patch_rows(xp, patches, patch_size, has_bias=False, patch_mask=None):
     if has_bias:
         rows = append_homog.kernel(xp, rows)
     return rows
+
+
+def conv_input_factor_tap(geometry, has_bias=False):
+    r"""The KFC input factor :math:`\Omega` as a tap of a convolution's forward pass: a
+    function of the patches of a chunk of examples whose sum over the chunks of a batch is
+    :func:`conv_input_kronecker_factor` of the batch.
+
+    .. math::
+
+        \operatorname{tap}(P_c) = \frac{1}{N|T|}\sum_{n \in c,\ t \in T}
+            \bar p_{n,t}\bar p_{n,t}^\top, \qquad
+        \sum_c \operatorname{tap}(P_c) = \Omega,
+
+    with :math:`\bar p = (p, 1)` with a bias and :math:`N` the batch size of ``geometry``.
+    For :meth:`kfac_ref.nn.Layer.forward_with_tap` (and the ``taps`` of
+    :meth:`kfac_ref.nn.Sequential.forward_pass`): :class:`kfac_ref.nn.Conv2D` hands it the
+    ``[B, Ho, Wo, kh·kw·C_in]`` patches of each chunk while they are alive, so the factor
+    needs no second patch extraction.
+
+    Parameters
+    ----------
+    geometry : kfac_ref.patches.ConvGeometry
+        The convolution on the whole batch (``geometry.input_shape[0]`` is :math:`N`), e.g.
+        :meth:`kfac_ref.nn.Conv2D.geometry` of the layer's input shape.
+    has_bias : bool
+
+    Returns
+    -------
+    callable
+        ``tap(patches) -> [K (+1), K (+1)]``, ``K = kh·kw·C_in``.
+    """
+    func = "conv_input_factor_tap"
+    if not isinstance(geometry, ConvGeometry):
+        raise KFACTypeError(f"{func}: geometry must be a kfac_ref.patches.ConvGeometry; got "
+                            f"{type(geometry).__name__}.")
+    has_bias = check_bool(func, "has_bias", has_bias)
+    rows, size = geometry.input_shape[0] * geometry.num_locations, geometry.patch_size
+
+    def tap(patches):
+        xp = namespace_of(func, patches=patches)
+        return compute_cov.kernel(xp, patch_rows(xp, patches, size, has_bias), None, rows)
+
+    return tap
 
 
 def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dilation_rate=None,
@@ -549,7 +519,7 @@ def _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias=False, *
     g = geo.to_channels_last(xp, outputs_grad)
     p = xp.reshape(patches, (n, geo.num_locations, patches.shape[1]))
     gg = xp.reshape(g, (n, geo.num_locations, geo.out_channels))
-    return xp.matrix_transpose(p) @ gg  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
+    return per_example_patch_products(xp, p, gg)  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
 
 
 def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,

@@ -344,13 +344,13 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
             sigma, mu = sigma + s_t, mu + m_t
         sigma, mu = sigma / float(len(stats)), mu / float(len(stats))
         cov_avg = self._cov_avg if self._cov_avg is not None else self._fresh_average(sigma)
-        new = self._evolve(_cov_avg=cov_avg.update(sigma, ema_decay, ema_weight))
-        if self.assume_zero_mean_activations:
-            return new
-        avg = self._mu_avg
-        if avg is None:
-            avg = MovingAverageVariable.zeros_like(mu, zero_debias=self.zero_debias)
-        return new._evolve(_mu_avg=avg.update(mu, ema_decay, ema_weight))
+        changes = {"_cov_avg": cov_avg.update(sigma, ema_decay, ema_weight)}
+        if not self.assume_zero_mean_activations:
+            avg = self._mu_avg
+            if avg is None:
+                avg = MovingAverageVariable.zeros_like(mu, zero_debias=self.zero_debias)
+            changes["_mu_avg"] = avg.update(mu, ema_decay, ema_weight)
+        return self._evolve(**changes)
 
     @property
     def mu(self):

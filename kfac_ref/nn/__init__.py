@@ -29,7 +29,7 @@ from .layers import (
     ScaleAndShift,
     activation_derivatives,
 )
-from .network import Sequential
+from .network import ForwardPass, Sequential
 
 __all__ = [
     "ACTIVATIONS",
@@ -38,6 +38,7 @@ __all__ = [
     "Dense",
     "Embedding",
     "Flatten",
+    "ForwardPass",
     "HAIKU_NAMES",
     "Layer",
     "MeanPool",

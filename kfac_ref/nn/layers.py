@@ -42,14 +42,13 @@ from .._backend import (
     namespace_of,
     zeros_like_shape,
 )
-from ..factors import conv_per_example_gradients, temporary_bytes_bound
-from ..factors.conv_kfc import patch_rows
-from ..linalg import compute_cov
 from ..patches import (
     ConvGeometry,
     example_chunks,
     extract_convolution_patches,
     from_channels_last,
+    per_example_patch_products,
+    temporary_bytes_bound,
     to_channels_last,
 )
 
@@ -175,17 +174,25 @@ class Layer:
         """
         raise NotImplementedError
 
-    def forward_with_tap(self, params, x):
-        r"""The layer map and what the pass computed that a curvature block may reuse.
+    def forward_with_tap(self, params, x, tap):
+        r"""The layer map and a caller's statistic of what the layer's weight multiplies,
+        taken while the pass holds it.
 
-        .. math:: (y, \tau) = (f(\theta, x), \tau(\theta, x))
+        .. math::
 
-        ``τ`` is ``None`` for the base class; :class:`Conv2D` returns the KFC input factor
-        of its patches.  A block that reads ``τ``
-        (:class:`~kfac_ref.blocks.kfac_jax.Conv2DTwoKroneckerFactored`) then does not
-        recompute it (:class:`~kfac_ref.curvature.BlockDiagonalCurvature` passes it on).
+            (y, \tau) = \Big(f(\theta, x),\ \sum_{\text{chunks } c} \operatorname{tap}(u_c)\Big)
+
+        :math:`u` is what the weight multiplies: the input :math:`x` here (one chunk, the
+        whole batch); a :class:`Conv2D` hands its patches :math:`P(x)` chunk by chunk as
+        its forward pass forms them.  ``tap`` must be additive over examples (its value on
+        a batch is the sum of its values on the batch's chunks), as any sum over examples
+        with a fixed normalisation is; ``None`` gives :math:`\tau` = ``None``.  The layer
+        computes no statistic of its own: the K-FAC input factor of a convolution is
+        :func:`kfac_ref.factors.conv_input_factor_tap`, which a Kronecker block asks for
+        (:meth:`kfac_ref.blocks.kfac_jax.CurvatureBlock.layer_tap`) so the patches are
+        extracted once per update.
         """
-        return self.forward(params, x), None
+        return self.forward(params, x), (None if tap is None else tap(x))
 
     def jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
         r"""Forward-mode tangent (``None`` tangents are zero; returns ``None`` if both are).
@@ -415,7 +422,7 @@ class Conv2D(Layer):
     ``max_temporary_bytes``.  Padding amounts, output grid and
     layout come from one :class:`kfac_ref.patches.ConvGeometry` (:meth:`geometry`), the
     geometry the patch extractor and the conv factors use; the per-example weight gradient
-    is :func:`kfac_ref.factors.conv_per_example_gradients`' kernel.
+    is the patches' per-example product (``kfac_ref.patches.per_example_patch_products``).
 
     Parameters
     ----------
@@ -429,7 +436,7 @@ class Conv2D(Layer):
     use_bias : bool
     max_temporary_bytes : int, optional
         Bound on the patch-sized temporaries of every pass (default
-        :func:`kfac_ref.factors.temporary_bytes_bound` of the arrays of each call: 64 MiB on
+        :func:`kfac_ref.patches.temporary_bytes_bound` of the arrays of each call: 64 MiB on
         the host, a share of free GPU memory on a GPU): the forward, jvp, input
         cotangent and weight gradient run over chunks of examples
         (:func:`kfac_ref.patches.example_chunks`), each holding at most this many bytes of
@@ -438,8 +445,8 @@ class Conv2D(Layer):
         :meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example`.  Peak
         memory is then about this bound plus twice the output (the chunks' results and their
         concatenation).  Outputs are unchanged up to the rounding of the chunked sums.
-        :meth:`forward_with_tap` runs the same chunks and adds each chunk's share of the
-        KFC input factor, a :math:`(K+b)^2` accumulator.
+        :meth:`forward_with_tap` runs the same chunks and sums its tap over them (for
+        the KFC input factor, a :math:`(K+b)^2` accumulator).
 
     Raises
     ------
@@ -669,34 +676,36 @@ class Conv2D(Layer):
         xp = namespace_of("Conv2D.forward", x=x)
         return self._conv(xp, x, params[0], params[1] if self.use_bias else None)
 
-    def forward_with_tap(self, params, x):
-        r"""The output and the KFC input factor of the patches it was computed from.
+    def forward_with_tap(self, params, x, tap):
+        r"""The output and ``tap`` summed over the patches of the chunks it was computed
+        from.
 
         .. math::
 
             y = P(x) K + b, \qquad
-            \tau = \Omega = \frac{1}{N|T|}\sum_{n,t} \bar p_{n,t}\bar p_{n,t}^\top
-            \in \mathbb R^{(K+b) \times (K+b)}
+            \tau = \sum_{\text{chunks } c} \operatorname{tap}\big(P(x_c)\big),
 
-        (:func:`kfac_ref.factors.conv_input_kronecker_factor` on the layer's geometry,
-        :math:`\bar p = (p, 1)` with a bias), accumulated chunk by chunk while each chunk's
-        patches are alive, so a Kronecker block needs no second patch extraction.  The
-        chunks hold at most ``max_temporary_bytes`` of patches, as in :meth:`forward`.
+        with :math:`P(x_c)` the ``[B, Ho, Wo, kh·kw·C_in]`` patches of a chunk of :math:`B`
+        examples (:meth:`patches`), handed over while they are alive, so a statistic of the
+        patches (:func:`kfac_ref.factors.conv_input_factor_tap`, the KFC input factor
+        :math:`\Omega`) needs no second patch extraction.  The chunks hold at most
+        ``max_temporary_bytes`` of patches, as in :meth:`forward` (counted with one
+        homogeneous column when the layer has a bias).
         """
+        if tap is None:
+            return self.forward(params, x), None
         xp = namespace_of("Conv2D.forward_with_tap", x=x)
         k = self._kernel_matrix(xp, params[0])
         bias = params[1] if self.use_bias else None
-        rows = x.shape[0] * self.geometry(tuple(x.shape)).num_locations
-        outs, omega = [], None
+        outs, total = [], None
         for lo, hi in self._chunks(xp, x, x.shape, int(self.use_bias)):
             p = self.patches(x if (lo, hi) == (0, x.shape[0]) else x[lo:hi, ...])
             y = p @ k
             outs.append(y if bias is None else y + bias)
-            part = compute_cov.kernel(xp, patch_rows(xp, p, self.patch_size, self.use_bias),
-                                      None, rows)
-            omega = part if omega is None else omega + part
+            part = tap(p)
+            total = part if total is None else total + part
         y = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
-        return self._from_nhwc(xp, y), omega
+        return self._from_nhwc(xp, y), total
 
     def jvp(self, params, x, dparams, dx):
         xp = namespace_of("Conv2D.jvp", x=x)
@@ -737,11 +746,12 @@ class Conv2D(Layer):
         kshape = self.param_shapes()[0]
         n = x.shape[0]
         bounds = self._chunks(xp, x, x.shape)
-        if per_example:  # Σ_t p gᵀ per example: the one home is the conv factors' kernel
-            geo = self.geometry(tuple(x.shape))
-
+        if per_example:  # Σ_t p gᵀ per example, one batched GEMM per chunk
             def per_example_weight(xc, gc):
-                return conv_per_example_gradients.kernel(xp, xc, gc, geo, False)
+                m = xc.shape[0]
+                p = xp.reshape(self.patches(xc), (m, -1, self.patch_size))
+                return per_example_patch_products(
+                    xp, p, xp.reshape(self._to_nhwc(xp, gc), (m, -1, self.c_out)))
 
             gw = xp.reshape(self._concat_chunks(xp, per_example_weight, bounds, x, g),
                             (n, *kshape))

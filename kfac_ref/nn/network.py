@@ -14,6 +14,29 @@ The derivative passes are batched over examples (no loop over examples):
 * backward pass :math:`g_l = (\partial_x f_{l+1})^\top g_{l+1}` with per-layer parameter
   cotangents, summed over the batch or per example;
 * the R-operator backward pass (Pearlmutter 1994) for exact Hessian-vector products.
+
+The tap protocol
+----------------
+Curvature estimators need more than a gradient: every layer's input, the cotangent at every
+layer's output, many backward passes of one forward pass, and forward-mode tangents.
+:class:`Sequential` exposes them as documented methods on a :class:`ForwardPass`, the
+record of one validated forward pass (:meth:`Sequential.forward_pass`), so that the
+parameters and the input are validated once, at that door, and the passes that follow
+check only their own arguments:
+
+* :meth:`Sequential.forward_pass` — every layer's input :math:`x_{l-1}` and, for the layers
+  given a ``tap``, the tap's statistic of what the layer's weight multiplies
+  (:meth:`~kfac_ref.nn.Layer.forward_with_tap`);
+* :meth:`Sequential.jvp_pass` — the output tangent and every layer's input tangent;
+* :meth:`Sequential.backward_pass` — every layer's output cotangent :math:`g_l` and the
+  (summed or per-example) parameter gradients;
+* :meth:`Sequential.stacked_backward_pass` — the cotangents of :math:`C` output
+  cotangents stacked on a leading axis, one batched call per layer;
+* :meth:`Sequential.r_backward_pass` — the R-operator backward pass;
+* :meth:`Sequential.vjp_caches` — what the backward passes of one forward pass share.
+
+The network computes no curvature statistic: a tap is a function handed in by the caller
+(the K-FAC factors define them, e.g. :func:`kfac_ref.factors.conv_input_factor_tap`).
 """
 
 from __future__ import annotations
@@ -24,6 +47,7 @@ from .._backend import (
     KFACTypeError,
     KFACValueError,
     check_array,
+    check_bool,
     check_rng,
     namespace_of,
     value_checks,
@@ -31,7 +55,49 @@ from .._backend import (
 )
 from .layers import Layer
 
-__all__ = ["Sequential"]
+__all__ = ["Sequential", "ForwardPass"]
+
+
+class ForwardPass:
+    r"""The record of one validated forward pass of a :class:`Sequential` network.
+
+    .. math::
+
+        x_0 = x, \qquad x_l = f_l(\theta_l, x_{l-1}), \qquad
+        \tau_l = \textstyle\sum_{\text{chunks } c} \operatorname{tap}_l(u_{l,c})
+
+    Made by :meth:`Sequential.forward_pass` only; the derivative passes of the tap protocol
+    (:meth:`Sequential.jvp_pass`, :meth:`Sequential.backward_pass`, ...) take it in place of
+    ``(params, x)``, so those are validated once.  Read-only.
+
+    Attributes
+    ----------
+    network : Sequential
+        The network that made it.
+    params : tuple of tuples of arrays
+        The validated parameters, one tuple per layer.
+    output : array
+        :math:`x_L = f(\theta, x)`.
+    inputs : tuple of arrays
+        Every layer's input :math:`(x_0, \dots, x_{L-1})`; ``inputs[0]`` is ``x``.
+    taps : tuple
+        Per layer, the value :math:`\tau_l` of the tap it was given
+        (:meth:`kfac_ref.nn.Layer.forward_with_tap`), ``None`` for the others.
+    """
+
+    __slots__ = ("network", "params", "output", "inputs", "taps")
+
+    def __init__(self, network, params, output, inputs, taps):
+        for name, value in (("network", network), ("params", params), ("output", output),
+                            ("inputs", tuple(inputs)), ("taps", tuple(taps))):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"ForwardPass is read-only; cannot set {name!r}.")
+
+    def __repr__(self):
+        return (f"ForwardPass(output shape {tuple(self.output.shape)}, "
+                f"{len(self.inputs)} layer inputs)")
 
 
 class Sequential:
@@ -145,6 +211,18 @@ class Sequential:
             shape = layer.output_shape(shape)
         return shape
 
+    def input_shapes(self, input_shape):
+        r"""Shape of every layer's input for a network input of shape ``input_shape`` (both
+        with the batch axis).
+
+        .. math:: (\operatorname{shape} x_0, \dots, \operatorname{shape} x_{L-1})
+        """
+        shapes, shape = [], tuple(input_shape)
+        for layer in self.layers:
+            shapes.append(shape)
+            shape = layer.output_shape(shape)
+        return tuple(shapes)
+
     # -- validation ---------------------------------------------------------------------------
     def check_params(self, func, params):
         r"""Validate the parameter structure (one tuple per layer, right shapes, finite).
@@ -190,17 +268,42 @@ class Sequential:
             shape = layer.output_shape(shape)
         return x
 
-    def _like(self, params):
-        for p in params:
-            if p:
-                return p[0]
-        return None
+    def check_params_and_input(self, func, params, x, **others):
+        r"""Validate ``(params, x)`` of a call in the name of ``func``: one namespace and
+        device for the parameters, ``x`` and the named ``others`` arrays (``None`` entries
+        are skipped), the parameter structure (:meth:`check_params`) and ``x`` with the shape
+        every layer receives (:meth:`check_input`, probed in the parameters' dtype).
 
-    def _arrays(self, params):
-        return {f"p{i}_{j}": a for i, p in enumerate(params) for j, a in enumerate(p)}
+        .. math:: \theta = (\theta_1, \dots, \theta_L), \qquad x_0 = x
 
-    def _xp(self, func, params, x, **others):
-        return namespace_of(func, **self._arrays(params), x=x, **others)
+        Returns
+        -------
+        tuple
+            The validated parameters, one tuple per layer.
+        """
+        layers = params if isinstance(params, (tuple, list)) else ()
+        arrays = {f"p{i}_{j}": a for i, p in enumerate(layers) if isinstance(p, (tuple, list))
+                  for j, a in enumerate(p)}
+        namespace_of(func, **arrays, x=x, **others)
+        params = self.check_params(func, params)
+        like = next((p[0] for p in params if p), None)
+        self.check_input(func, x, like)
+        return params
+
+    def check_param_tangent(self, func, name, v):
+        r"""Validate a vector of parameter space, given flat (``[P]``, the canonical order) or
+        in the parameter structure, and return it in the structure (``None`` stays ``None``,
+        the zero tangent).
+
+        .. math:: \dot\theta = (\dot\theta_1, \dots, \dot\theta_L), \qquad
+            \dot\theta_l = \mathrm{vec}_r^{-1}(\dot\theta[\text{slice}_l])
+        """
+        if v is None:
+            return None
+        if isinstance(v, (tuple, list)):
+            return self.check_params(func, v)
+        check_array(func, name, v, shape=(self.num_params,), layout="[P]")
+        return self._unflatten(namespace_of(func, **{name: v}), v)
 
     # -- flattening -------------------------------------------------------------------------------
     def flatten(self, params, per_example=False):
@@ -233,6 +336,9 @@ class Sequential:
         func = "Sequential.unflatten"
         xp = namespace_of(func, vec=vec)
         check_array(func, "vec", vec, shape=(self.num_params,), layout="[P]")
+        return self._unflatten(xp, vec)
+
+    def _unflatten(self, xp, vec):
         out, start = [], 0
         for layer in self.layers:
             arrs = []
@@ -243,29 +349,22 @@ class Sequential:
             out.append(tuple(arrs))
         return tuple(out)
 
-    def _as_structured(self, func, name, v):
-        if v is None:
-            return None
-        if isinstance(v, (tuple, list)):
-            return self.check_params(func, v)
-        check_array(func, name, v, shape=(self.num_params,), layout="[P]")
-        return self.unflatten(v)
-
-    # -- passes (unvalidated internals) ---------------------------------------------------
+    # -- passes: the unchecked kernels of the public passes below ------------------------
     def _forward(self, params, x, taps=None):
-        """``(output, inputs of every layer)``; with ``taps`` (one bool per layer) also the
-        :meth:`~kfac_ref.nn.Layer.forward_with_tap` tap of each layer it marks (``None``
-        for the others and where a layer has none)."""
+        """``(output, inputs of every layer, tap values)``: each layer given a tap (``taps``,
+        one entry per layer, ``None`` for none) runs
+        :meth:`~kfac_ref.nn.Layer.forward_with_tap`, the others :meth:`Layer.forward`."""
         inputs, kept = [], []
         h = x
         for j, (layer, p) in enumerate(zip(self.layers, params, strict=False)):
             inputs.append(h)
-            if taps is not None and taps[j]:
-                h, tap = layer.forward_with_tap(p, h)
+            tap = None if taps is None else taps[j]
+            if tap is not None:
+                h, value = layer.forward_with_tap(p, h, tap)
             else:
-                h, tap = layer.forward(p, h), None
-            kept.append(tap)
-        return (h, inputs) if taps is None else (h, inputs, tuple(kept))
+                h, value = layer.forward(p, h), None
+            kept.append(value)
+        return h, inputs, tuple(kept)
 
     def _jvp(self, params, inputs, dparams, dx=None):
         dins = []
@@ -277,17 +376,10 @@ class Sequential:
         return dh, dins
 
     def _vjp_caches(self, params, inputs):
-        """Each layer's :meth:`~kfac_ref.nn.Layer.vjp_cache` for one forward pass: what a
-        backward pass reuses for every cotangent (``None`` where a layer has nothing)."""
         return tuple(layer.vjp_cache(p, xin)
                      for layer, p, xin in zip(self.layers, params, inputs, strict=True))
 
     def _backward(self, params, inputs, g, per_example=False, param_grads=True, caches=None):
-        """Cotangents of every layer's output and, when ``param_grads``, the (summed or
-        per-example) parameter gradients; without them a layer's gradient is ``()`` (the
-        Kronecker-factored estimators read only the cotangents).  ``caches`` (from
-        :meth:`_vjp_caches`) lets many backward passes of one forward share the layers'
-        derivatives."""
         n = len(self.layers)
         grads = [None] * n
         cots = [None] * n
@@ -302,11 +394,6 @@ class Sequential:
         return tuple(grads), cots
 
     def _backward_stacked(self, params, inputs, g, caches=None):
-        """Cotangents of every layer's output for :math:`C` output cotangents stacked on a
-        leading axis (``g``: ``[C, *output_shape]``; each result ``[C, *layer_output]``):
-        one pass through :meth:`~kfac_ref.nn.Layer.vjp_input_stacked`, so each layer runs
-        one batched call (one GEMM for a dense layer) instead of :math:`C`.  No parameter
-        gradients.  ``caches``: as in :meth:`_backward`."""
         cots = [None] * len(self.layers)
         for i in range(len(self.layers) - 1, -1, -1):
             cots[i] = g
@@ -327,7 +414,225 @@ class Sequential:
                 g, rg = layer.vjp_input(p, xin, g), r_x
         return tuple(rgrads)
 
-    # -- public passes --------------------------------------------------------------------
+    # -- the tap protocol: passes on one validated forward pass ------------------------------
+    def forward_pass(self, params, x, taps=None):
+        r"""Validate ``(params, x)`` once and run the forward pass that the other passes of
+        the tap protocol reuse.
+
+        .. math::
+
+            x_0 = x,\qquad x_l = f_l(\theta_l, x_{l-1}),\qquad
+            \tau_l = \textstyle\sum_{\text{chunks } c}\operatorname{tap}_l(u_{l,c}),
+
+        with :math:`u_l` what layer :math:`l`'s weight multiplies (its input :math:`x_{l-1}`,
+        a convolution's patches), chunk by chunk as the layer forms it
+        (:meth:`kfac_ref.nn.Layer.forward_with_tap`).
+
+        Parameters
+        ----------
+        params : tuple of per-layer tuples of arrays
+        x : array, the network input (batch axis first)
+        taps : sequence of callables or None, optional
+            One entry per layer: ``None``, or a function of the layer's :math:`u` for a
+            chunk of examples whose sum over the chunks is the statistic wanted (e.g.
+            :func:`kfac_ref.factors.conv_input_factor_tap`).
+
+        Returns
+        -------
+        ForwardPass
+            ``output``, ``inputs`` (every layer's input), ``taps`` (per layer, the tap's
+            value or ``None``) and the validated ``params``.
+        """
+        func = "Sequential.forward_pass"
+        params = self.check_params_and_input(func, params, x)
+        if taps is not None:
+            if (not isinstance(taps, (tuple, list)) or len(taps) != len(self.layers)
+                    or not all(t is None or callable(t) for t in taps)):
+                raise KFACTypeError(
+                    f"{func}: taps must be None or a sequence of {len(self.layers)} entries, "
+                    f"each None or a callable; got {taps!r:.80}.")
+            if all(t is None for t in taps):
+                taps = None
+        out, inputs, values = self._forward(params, x, taps)
+        return ForwardPass(self, params, out, inputs, values)
+
+    def _check_pass(self, func, forward):
+        if not isinstance(forward, ForwardPass) or forward.network is not self:
+            raise KFACTypeError(f"{func}: forward must be the ForwardPass of this network's "
+                                f"forward_pass; got {type(forward).__name__}.")
+        return forward
+
+    def _check_cotangent(self, func, name, forward, g, stacked=False):
+        namespace_of(func, output=forward.output, **{name: g})
+        shape = tuple(forward.output.shape)
+        lay = "[C, *output_shape]" if stacked else "[*output_shape]"
+        check_array(func, name, g, shape=(None, *shape) if stacked else shape, layout=lay)
+        return g
+
+    def _check_caches(self, func, caches):
+        if caches is not None and (not isinstance(caches, tuple)
+                                   or len(caches) != len(self.layers)):
+            raise KFACTypeError(f"{func}: caches must be None or the tuple of vjp_caches "
+                                f"({len(self.layers)} entries); got {caches!r:.80}.")
+        return caches
+
+    def vjp_caches(self, forward):
+        r"""What every backward pass of one forward pass reuses: each layer's
+        :meth:`~kfac_ref.nn.Layer.vjp_cache` (e.g. an activation's derivative
+        :math:`\sigma'(x_{l-1})`; ``None`` where a layer keeps nothing).
+
+        .. math:: c_l = \text{cache}_l(\theta_l, x_{l-1})
+
+        Pass the result as ``caches`` to :meth:`backward_pass` and
+        :meth:`stacked_backward_pass`.
+        """
+        forward = self._check_pass("Sequential.vjp_caches", forward)
+        return self._vjp_caches(forward.params, forward.inputs)
+
+    def jvp_pass(self, forward, dparams):
+        r"""Forward-mode pass for a parameter tangent: the output tangent and every layer's
+        input tangent.
+
+        .. math::
+
+            \dot x_0 = 0,\qquad
+            \dot x_l = \partial_\theta f_l\,\dot\theta_l + \partial_x f_l\,\dot x_{l-1},
+            \qquad \dot x_L = J\dot\theta .
+
+        Parameters
+        ----------
+        forward : ForwardPass
+        dparams : flat array [P] or parameter structure
+            The direction :math:`\dot\theta`.
+
+        Returns
+        -------
+        (output_tangent, input_tangents)
+            :math:`\dot x_L` (the output's shape) and :math:`(\dot x_0, \dots, \dot
+            x_{L-1})` (``None`` for zero), the tangents :meth:`r_backward_pass` reads.
+        """
+        func = "Sequential.jvp_pass"
+        forward = self._check_pass(func, forward)
+        if not isinstance(dparams, (tuple, list)):
+            namespace_of(func, output=forward.output, dparams=dparams)
+        dparams = self.check_param_tangent(func, "dparams", dparams)
+        out, dins = self._jvp(forward.params, forward.inputs, dparams)
+        return out, tuple(dins)
+
+    def backward_pass(self, forward, g_out, per_example=False, param_grads=True, caches=None):
+        r"""Backward pass of one output cotangent: every layer's output cotangent and the
+        parameter gradients.
+
+        .. math::
+
+            g_L = g_{out},\qquad g_{l-1} = (\partial_x f_l)^\top g_l,\qquad
+            \nabla_{\theta_l} = (\partial_\theta f_l)^\top g_l
+            \ \big(\textstyle\sum_n \text{ or per example}\big).
+
+        With ``g_out`` the per-example loss gradient (no :math:`1/N`), ``cotangents[l]`` is
+        the back-propagated vector :math:`g` of K-FAC at layer :math:`l`'s output.
+
+        Parameters
+        ----------
+        forward : ForwardPass
+        g_out : array of the output's shape
+        per_example : bool
+            Parameter gradients per example (leading axis ``N``) instead of summed.
+        param_grads : bool
+            ``False`` skips the parameter gradients (each layer's entry is ``()``).
+        caches : tuple, optional
+            :meth:`vjp_caches` of ``forward``, shared by many backward passes.
+
+        Returns
+        -------
+        (grads, cotangents)
+            Per layer, the parameter gradients (a tuple of arrays, ``()`` without
+            parameters) and :math:`g_l`.
+        """
+        func = "Sequential.backward_pass"
+        forward = self._check_pass(func, forward)
+        self._check_cotangent(func, "g_out", forward, g_out)
+        per_example = check_bool(func, "per_example", per_example)
+        param_grads = check_bool(func, "param_grads", param_grads)
+        caches = self._check_caches(func, caches)
+        grads, cots = self._backward(forward.params, forward.inputs, g_out, per_example,
+                                     param_grads, caches)
+        return grads, tuple(cots)
+
+    def stacked_backward_pass(self, forward, g_out, caches=None):
+        r"""Backward pass of :math:`C` output cotangents stacked on a leading axis: every
+        layer's output cotangents, one batched call per layer
+        (:meth:`~kfac_ref.nn.Layer.vjp_input_stacked`; one GEMM for a dense layer) instead
+        of :math:`C` passes.  No parameter gradients.
+
+        .. math::
+
+            g_{L,c} = g_{out,c},\qquad g_{l-1,c} = (\partial_x f_l)^\top g_{l,c},
+            \qquad c = 1, \dots, C .
+
+        Parameters
+        ----------
+        forward : ForwardPass
+        g_out : array ``[C, *output_shape]``
+        caches : tuple, optional
+            :meth:`vjp_caches` of ``forward``.
+
+        Returns
+        -------
+        tuple of arrays
+            Per layer, :math:`g_{l,\cdot}` as ``[C, *layer_output_shape]``.
+        """
+        func = "Sequential.stacked_backward_pass"
+        forward = self._check_pass(func, forward)
+        self._check_cotangent(func, "g_out", forward, g_out, stacked=True)
+        caches = self._check_caches(func, caches)
+        return tuple(self._backward_stacked(forward.params, forward.inputs, g_out, caches))
+
+    def r_backward_pass(self, forward, dparams, input_tangents, g_out, rg_out):
+        r"""R-operator backward pass (Pearlmutter 1994): the directional derivative of the
+        backward pass when :math:`\theta` moves along :math:`\dot\theta`.
+
+        .. math::
+
+            R\{\nabla_{\theta_l}\} = (\partial_\theta f_l)^\top R\{g_l\}
+            + R\{\partial_\theta f_l\}^\top g_l, \qquad
+            R\{g_{l-1}\} = (\partial_x f_l)^\top R\{g_l\} + R\{\partial_x f_l\}^\top g_l,
+
+        layer by layer with :meth:`~kfac_ref.nn.Layer.rvjp`, from :math:`g_L` = ``g_out``
+        and :math:`R\{g_L\}` = ``rg_out``.
+
+        Parameters
+        ----------
+        forward : ForwardPass
+        dparams : flat array [P] or parameter structure
+            The direction :math:`\dot\theta`.
+        input_tangents : sequence
+            :meth:`jvp_pass`'s input tangents for ``dparams``.
+        g_out, rg_out : arrays of the output's shape
+
+        Returns
+        -------
+        tuple
+            Per layer, :math:`R\{\nabla_{\theta_l}\}` (``()`` without parameters).
+        """
+        func = "Sequential.r_backward_pass"
+        forward = self._check_pass(func, forward)
+        if not isinstance(dparams, (tuple, list)):
+            namespace_of(func, output=forward.output, dparams=dparams)
+        dparams = self.check_param_tangent(func, "dparams", dparams)
+        if not isinstance(input_tangents, (tuple, list)) or len(input_tangents) != len(
+                self.layers):
+            raise KFACTypeError(f"{func}: input_tangents must be the {len(self.layers)} input "
+                                f"tangents of jvp_pass; got {input_tangents!r:.80}.")
+        for i, (t, xin) in enumerate(zip(input_tangents, forward.inputs, strict=True)):
+            if t is not None:
+                check_array(func, f"input_tangents[{i}]", t, shape=tuple(xin.shape))
+        self._check_cotangent(func, "g_out", forward, g_out)
+        self._check_cotangent(func, "rg_out", forward, rg_out)
+        return self._r_backward(forward.params, forward.inputs, dparams, input_tangents, g_out,
+                                rg_out)
+
+    # -- one-call passes ---------------------------------------------------------------------
     def forward(self, params, x):
         r"""Network output :math:`f(\theta, x)` for a batch ``x``.
 
@@ -335,10 +640,7 @@ class Sequential:
 
             f(\theta, x) = f_L(\theta_L, \dots f_1(\theta_1, x)).
         """
-        func = "Sequential.forward"
-        self._xp(func, params, x)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
+        params = self.check_params_and_input("Sequential.forward", params, x)
         return self._forward(params, x)[0]
 
     def forward_with_inputs(self, params, x):
@@ -346,11 +648,8 @@ class Sequential:
 
         .. math:: (x_L, [x_0, \dots, x_{L-1}])
         """
-        func = "Sequential.forward_with_inputs"
-        self._xp(func, params, x)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
-        return self._forward(params, x)
+        params = self.check_params_and_input("Sequential.forward_with_inputs", params, x)
+        return self._forward(params, x)[:2]
 
     def jvp(self, params, x, dparams):
         r"""Jacobian-vector product with respect to the parameters, batched over examples.
@@ -368,12 +667,10 @@ class Sequential:
         array, the output's shape [N, ...]
         """
         func = "Sequential.jvp"
-        self._xp(func, params, x, dparams=dparams if not isinstance(dparams, (tuple, list))
-                 else None)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
-        dparams = self._as_structured(func, "dparams", dparams)
-        _, inputs = self._forward(params, x)
+        flat = None if isinstance(dparams, (tuple, list)) else dparams
+        params = self.check_params_and_input(func, params, x, dparams=flat)
+        dparams = self.check_param_tangent(func, "dparams", dparams)
+        _, inputs, _ = self._forward(params, x)
         return self._jvp(params, inputs, dparams)[0]
 
     def vjp(self, params, x, g_out, per_example=False):
@@ -389,10 +686,8 @@ class Sequential:
         g_out : array of the output's shape [N, ...]
         """
         func = "Sequential.vjp"
-        self._xp(func, params, x, g_out=g_out)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
-        out, inputs = self._forward(params, x)
+        params = self.check_params_and_input(func, params, x, g_out=g_out)
+        out, inputs, _ = self._forward(params, x)
         check_array(func, "g_out", g_out, shape=tuple(out.shape))
         grads, _ = self._backward(params, inputs, g_out, per_example)
         return self.flatten(grads, per_example=per_example)
@@ -414,10 +709,8 @@ class Sequential:
         (inputs, cotangents) : lists over layers of ``x_{l-1}`` and ``g_l``
         """
         func = "Sequential.backward_with_cotangents"
-        self._xp(func, params, x, g_out=g_out)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
-        out, inputs = self._forward(params, x)
+        params = self.check_params_and_input(func, params, x, g_out=g_out)
+        out, inputs, _ = self._forward(params, x)
         check_array(func, "g_out", g_out, shape=tuple(out.shape))
         _, cots = self._backward(params, inputs, g_out, param_grads=False)
         return inputs, cots
@@ -448,12 +741,10 @@ class Sequential:
         array [P]
         """
         func = "Sequential.second_order_backward"
-        self._xp(func, params, x, dparams=dparams if not isinstance(dparams, (tuple, list))
-                 else None)
-        params = self.check_params(func, params)
-        self.check_input(func, x, self._like(params))
-        dparams = self._as_structured(func, "dparams", dparams)
-        out, inputs = self._forward(params, x)
+        flat = None if isinstance(dparams, (tuple, list)) else dparams
+        params = self.check_params_and_input(func, params, x, dparams=flat)
+        dparams = self.check_param_tangent(func, "dparams", dparams)
+        out, inputs, _ = self._forward(params, x)
         f_dot, dins = self._jvp(params, inputs, dparams)
         g, rg = output_cotangents(out, f_dot)
         return self.flatten(self._r_backward(params, inputs, dparams, dins, g, rg))

@@ -277,8 +277,9 @@ class CurvatureBlock(abc.ABC):
     def uses_layer_tap(self, layer, input_shape):
         r"""Whether this block reads the tap of ``layer``'s forward pass for inputs of shape
         ``input_shape`` (:meth:`kfac_ref.nn.Layer.forward_with_tap`): then
-        :class:`kfac_ref.curvature.BlockDiagonalCurvature` asks the layer for it and passes
-        it to :meth:`update_from_output_vectors` as ``layer_tap``.
+        :class:`kfac_ref.curvature.BlockDiagonalCurvature` hands the layer the tap of
+        :meth:`layer_tap` and passes its value to :meth:`update_from_output_vectors` as
+        ``layer_tap``.
 
         .. math:: \tau(\theta, x) \text{ is one of the block's statistics }\hat S(x, g)
 
@@ -287,6 +288,20 @@ class CurvatureBlock(abc.ABC):
         own geometry and bias.
         """
         return False
+
+    def layer_tap(self, layer, input_shape):
+        r"""The tap this block wants from ``layer``'s forward pass on inputs of shape
+        ``input_shape`` (batch axis included), or ``None``: a function of what the layer's
+        weight multiplies, chunk by chunk, whose sum is one of the block's statistics
+        (:meth:`kfac_ref.nn.Layer.forward_with_tap`).
+
+        .. math:: \tau = \textstyle\sum_c \operatorname{tap}(u_c) = \hat S(x)
+
+        ``None`` here and wherever :meth:`uses_layer_tap` is false;
+        :class:`~kfac_ref.blocks.kfac_jax.Conv2DTwoKroneckerFactored` returns
+        :func:`kfac_ref.factors.conv_input_factor_tap` of the layer's geometry.
+        """
+        return None
 
     @property
     def uses_params_grads(self):

@@ -353,12 +353,22 @@ class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
                 and all(getattr(mine, f) == getattr(its, f) for f in same)
                 and getattr(layer, "use_bias", None) == self.has_bias)
 
+    def layer_tap(self, layer, input_shape):
+        r""":func:`kfac_ref.factors.conv_input_factor_tap` of ``layer``'s geometry on inputs
+        of shape ``input_shape`` when :meth:`uses_layer_tap`, else ``None``.
+
+        .. math:: \tau = \Omega = \frac{1}{N|T|}\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top
+        """
+        if not self.uses_layer_tap(layer, input_shape):
+            return None
+        return factors.conv_input_factor_tap(layer.geometry(tuple(input_shape)), self.has_bias)
+
     def fixed_scale(self):
         return float(self.num_locations)
 
     def _batch_statistics(self, xp, data, batch_size):
         x, g = data["inputs"], data["outputs_grad"]
-        # the layer's forward pass computed Ω from its patches (Conv2D.forward_with_tap):
+        # the layer's forward pass computed Ω from its patches (layer_tap, forward_with_tap):
         # the same statistic, summed over the forward's chunks
         tap = data.get("input_factor")
         if self.symmetrize:
