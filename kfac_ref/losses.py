@@ -108,6 +108,9 @@ __all__ = [
     "MultiBernoulliNegativeLogProbLoss",
     "NormalMeanNegativeLogProbLoss",
     "NormalMeanVarianceNegativeLogProbLoss",
+    "CustomLoss",
+    "CustomNegativeLogProbLoss",
+    "AutodiffLoss",
 ]
 
 COEFFICIENT_MODES = ("regular", "sqrt", "off")
@@ -1581,3 +1584,380 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         top = xp.concat([h_mm, h_mv], axis=-1)
         bottom = xp.concat([h_mv, h_vv], axis=-1)
         return xp.concat([top, bottom], axis=-2) * self._weight
+
+
+# --------------------------------------------------------------------------------------
+# A user's own loss
+# --------------------------------------------------------------------------------------
+class CustomLoss(LossFunction):
+    r"""A loss given by three functions of the network output: value, gradient and a square
+    root of the Hessian.
+
+    .. math::
+
+        \begin{aligned}
+        \texttt{value}(f, y)_n &= \ell_n(f_n, y_n), \qquad
+        \texttt{gradient}(f, y)_n = \nabla_{f}\ell_n, \\
+        \texttt{hessian\_sqrt}(f, y)_n &= B_n \in \mathbb R^{D\times K},\qquad
+        B_n B_n^\top = \nabla^2_{f}\ell_n = G_n ,
+        \end{aligned}
+
+    so the loss is split at the output itself (:math:`\eta = f`): the GGN of the network is
+    :math:`\frac{w}{N}\sum_n J_n^\top B_n B_n^\top J_n`, which is positive semi-definite
+    for any :math:`B_n`, and is the GGN of :math:`\ell` when :math:`\ell` is convex in
+    :math:`f` (Schraudolph 2002; Martens 2014, §8).  ``hessian_sqrt`` is called once, at
+    construction; every GGN product, the factor and its transpose, the dense matrices and
+    the estimation vectors of :mod:`kfac_ref.curvature` are formed from :math:`B_n`.
+
+    Shapes (:math:`D` = the number of output coordinates of one example, flattened
+    row-major; :math:`K \ge 1` any number of columns, e.g. :math:`K = D` for a full
+    square root, :math:`K = 1` for a rank-one Hessian):
+
+    ============================  =============================================
+    ``value(outputs, targets)``        ``[N]``: the per-example loss, not reduced
+    ``gradient(outputs, targets)``     ``outputs.shape``: per example, no :math:`1/N`
+    ``hessian_sqrt(outputs, targets)`` ``[N, D, K]``
+    ============================  =============================================
+
+    Each returns an array of the outputs' namespace, device and dtype; a result of another
+    shape, dtype or namespace, or with a NaN or an infinity (on eager arrays, while value
+    checks are on), raises a :class:`~kfac_ref.KFACValueError` or
+    :class:`~kfac_ref.KFACTypeError` that names the function.  The functions get the
+    targets given here (``None`` when none were given; a function that needs them then
+    fails) and must not modify their arguments.  The weight :math:`w` multiplies the loss
+    as for the built-in losses (the functions compute the unweighted :math:`\ell_n`).
+
+    A ``CustomLoss`` has no Fisher (it is not a predictive distribution): the estimation
+    modes ``ggn_curvature_prop``, ``ggn_exact`` and ``fisher_empirical``, the exact GGN,
+    the empirical Fisher and the Hessian-free products accept it; the Fisher modes ask for
+    a :class:`CustomNegativeLogProbLoss`.
+
+    Parameters
+    ----------
+    outputs : array [N, ...]
+        The network output (at least 2-D, real floating, finite).
+    targets : array [N, ...], optional
+        Anything the functions need per example (any dtype; floating targets finite).
+    value, gradient, hessian_sqrt : callable
+        ``(outputs, targets) -> array`` as in the table.
+    weight : float or 0-D array
+        Non-negative :math:`w`.
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        A function argument not callable, bad outputs or targets, negative weight, or a
+        ``hessian_sqrt`` result of the wrong shape, dtype or namespace or not finite.
+
+    References
+    ----------
+    N. N. Schraudolph, "Fast curvature matrix-vector products for second-order gradient
+    descent", Neural Computation 14 (2002); Martens (2014), arXiv:1412.1193, §8.
+    """
+
+    _dependant_names = ("outputs",)
+
+    def __init__(self, outputs, targets=None, *, value, gradient, hessian_sqrt, weight=1.0):
+        func = self._fname("__init__")
+        self._ns = namespace_of(func, outputs=outputs, targets=targets,
+                                **_arrays_only(weight=weight))
+        check_array(func, "outputs", outputs, min_ndim=2, layout="[N, ...]")
+        self._outputs = outputs
+        self._set_weight(func, weight)
+        self._functions = {"value": value, "gradient": gradient, "hessian_sqrt": hessian_sqrt}
+        for name, fn in self._functions.items():
+            if not callable(fn):
+                raise KFACTypeError(f"{func}: {name} must be a callable (outputs, targets) -> "
+                                    f"array; got {describe(fn)}.")
+        self._targets = None if targets is None else self._check_targets(func, targets)
+        n, d = outputs.shape[0], _prod(outputs.shape[1:])
+        b = self._call(func, "hessian_sqrt", self._targets, "[N, D, K]", ndim=3,
+                       shape=(n, d, None))
+        if b.shape[2] == 0:
+            raise KFACValueError(f"{func}: hessian_sqrt(outputs, targets) must have K >= 1 "
+                                 f"columns; got {describe(b)}.")
+        self._sqrt = b
+
+    def _check_targets(self, func, targets):
+        self._namespace(func, targets=targets)
+        n = self._outputs.shape[0]
+        check_array(func, "targets", targets, dtype=None, min_ndim=1, layout="[N, ...]")
+        if targets.shape[0] != n:
+            raise KFACValueError(f"{func}: targets must have the batch size {n} of outputs "
+                                 f"on axis 0; got {describe(targets)}.")
+        return targets
+
+    def _call(self, func, name, targets, layout, **shape):
+        """The user's function ``name`` at (outputs, targets), its result checked: one
+        array of the outputs' namespace and dtype, of the shape given, finite."""
+        out = self._functions[name](self._outputs, targets)
+        what = f"{name}(outputs, targets)"
+        if not is_array(out):
+            raise KFACTypeError(f"{func}: {what} must return an array {layout}; got "
+                                f"{describe(out)}.")
+        self._namespace(func, **{what: out})
+        check_array(func, what, out, layout=layout, **shape)
+        self._check_dtype(func, what, out)
+        return out
+
+    @property
+    def outputs(self):
+        """The network output ``[N, ...]``."""
+        return self._outputs
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def parameter_dependants(self) -> tuple:
+        return (self._outputs,)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._weight)
+
+    @property
+    def ggn_factor_inner_shape(self) -> tuple:
+        return (self._outputs.shape[0], self._sqrt.shape[2])
+
+    @property
+    def hessian_sqrt(self):
+        r"""The per-example square roots :math:`B_n` ``[N, D, K]`` (unweighted)."""
+        return self._sqrt
+
+    def _constructor_kwargs(self):
+        return dict(weight=self._weight, **self._functions)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, **self._constructor_kwargs())
+
+    # -- formulas -------------------------------------------------------------------------
+    @property
+    def _xp(self):
+        return self._ns
+
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
+        func = self._fname("evaluate")
+        n = self._outputs.shape[0]
+        value = self._call(func, "value", self._given(targets), "[N]", shape=(n,))
+        return value * self._coefficient(coefficient_mode)
+
+    def _grad(self, targets=None, coefficient_mode="regular"):
+        func = self._fname("grad_of_evaluate")
+        g = self._call(func, "gradient", self._given(targets), "like outputs",
+                       shape=tuple(self._outputs.shape))
+        return (g * self._coefficient(coefficient_mode),)
+
+    def _as_outputs(self, flat):
+        return self._xp.reshape(flat, tuple(self._outputs.shape))
+
+    def _curvature_vp(self, vector, weighted=True):
+        xp, b = self._xp, self._sqrt
+        btv = xp.sum(b * _flat(xp, vector[0])[:, :, None], axis=1)  # [N, K]
+        return (self._as_outputs(xp.sum(b * btv[:, None, :], axis=2)) * self._w(weighted),)
+
+    def _factor_vp(self, vector, weighted=True):
+        xp = self._xp
+        bu = xp.sum(self._sqrt * vector[:, None, :], axis=2)  # [N, D]
+        return (self._as_outputs(bu) * self._sqrt_w(weighted),)
+
+    def _factor_t_vp(self, vector, weighted=True):
+        xp = self._xp
+        btv = xp.sum(self._sqrt * _flat(xp, vector[0])[:, :, None], axis=1)
+        return btv * self._sqrt_w(weighted)
+
+    def _factor_column(self, index, weighted=True):
+        (k,) = index
+        return (self._as_outputs(self._sqrt[:, :, k]) * self._sqrt_w(weighted),)
+
+    def _curvature_matrix(self):
+        b = self._sqrt
+        return (b @ self._xp.permute_dims(b, (0, 2, 1))) * self._weight
+
+    def _factor_matrix(self):
+        return self._sqrt * self._sqrt_weight
+
+
+class CustomNegativeLogProbLoss(CustomLoss, NegativeLogProbLoss):
+    r"""A :class:`CustomLoss` that is the negative log-likelihood of a predictive
+    distribution in its natural parameters, with a function that samples it.
+
+    .. math::
+
+        \ell_n = -\log p(y_n\mid f_n),\qquad
+        F_n = \nabla^2_f\ell_n = G_n = B_n B_n^\top ,\qquad
+        \texttt{sample}(f, \texttt{rng})_n = \tilde y_n \sim p(\cdot\mid f_n),
+
+    because for an exponential family in its natural parameters the Hessian of the negative
+    log-likelihood is the Fisher and does not depend on :math:`y` (Martens 2014, §9.2).  So
+    the Fisher products run the same formulas as the GGN products, and every estimation
+    mode accepts the loss: ``fisher_gradients`` back-propagates
+    ``gradient(outputs, sample(outputs, rng))``.  That the outputs are natural parameters
+    is the caller's claim; the Fisher of any other parameterisation is not :math:`B_nB_n^\top`.
+
+    Parameters
+    ----------
+    outputs, targets, value, gradient, hessian_sqrt, weight
+        As :class:`CustomLoss`; ``hessian_sqrt`` must not depend on the targets.
+    sample : callable
+        ``(outputs, rng) -> targets``: one draw per example from :math:`p(\cdot\mid f_n)`,
+        in the form ``value`` and ``gradient`` accept.  ``rng`` is the
+        :class:`numpy.random.Generator` (or JAX key) given to the estimator; draw on the
+        host from it and convert to the outputs' namespace for the same numbers on every
+        backend.
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        As :class:`CustomLoss`; ``sample`` not callable, or a sample with the wrong batch
+        size or namespace.
+
+    References
+    ----------
+    Martens (2014), arXiv:1412.1193, §9.2; Martens and Grosse (2015), §5.
+    """
+
+    _hessian_uses_targets = False
+
+    def __init__(self, outputs, targets=None, *, value, gradient, hessian_sqrt, sample,
+                 weight=1.0):
+        if not callable(sample):
+            raise KFACTypeError(f"{self._fname('__init__')}: sample must be a callable "
+                                f"(outputs, rng) -> targets; got {describe(sample)}.")
+        self._sampler = sample
+        super().__init__(outputs, targets, value=value, gradient=gradient,
+                         hessian_sqrt=hessian_sqrt, weight=weight)
+
+    def _constructor_kwargs(self):
+        return dict(sample=self._sampler, **super()._constructor_kwargs())
+
+    @property
+    def params(self) -> tuple:
+        return (self._outputs,)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        return self.ggn_factor_inner_shape
+
+    def _sample(self, rng):
+        y = self._sampler(self._outputs, rng)
+        func = self._fname("sample")
+        if not is_array(y):
+            raise KFACTypeError(f"{func}: sample(outputs, rng) must return an array [N, ...]; "
+                                f"got {describe(y)}.")
+        return self._check_targets(func, y)
+
+    def _hessian_matrix(self, targets=None):
+        return self._curvature_matrix()
+
+
+def _autodiff_functions(loss, outputs, targets):
+    """value, gradient and hessian_sqrt functions of :class:`AutodiffLoss` from the user's
+    per-example ``loss`` by the autodiff of the outputs' library (torch.func or JAX).
+
+    Glue for the user's own function, which is written for one of these libraries: the
+    library is imported here, lazily, only when the user's arrays are of it."""
+    xp = namespace_of("AutodiffLoss", outputs=outputs)
+    lib = xp.__name__  # "array_api_compat.torch", "jax.numpy", ...
+    axis = None if targets is None else 0
+    if lib.endswith("torch"):
+        import torch.func as autodiff  # glue for the user's torch function
+
+        def vmap(f):
+            return autodiff.vmap(f, in_dims=(0, axis))
+        grad, hessian = autodiff.grad, autodiff.hessian
+    elif lib.startswith("jax"):
+        import jax as autodiff  # glue for the user's JAX function
+
+        def vmap(f):
+            return autodiff.vmap(f, in_axes=(0, axis))
+        grad, hessian = autodiff.grad, autodiff.hessian
+    else:
+        raise KFACTypeError(f"AutodiffLoss: outputs must be a torch tensor or a JAX array (the "
+                            f"loss is differentiated by their library); got {describe(outputs)}.")
+
+    def value(f, y):
+        return vmap(loss)(f, y)
+
+    def gradient(f, y):
+        return vmap(grad(loss))(f, y)
+
+    def hessian_sqrt(f, y):
+        n, d = f.shape[0], _prod(f.shape[1:])
+        h = xp.reshape(vmap(hessian(loss))(f, y), (n, d, d))
+        return _psd_sqrt(xp, (h + xp.permute_dims(h, (0, 2, 1))) / 2.0)
+
+    return value, gradient, hessian_sqrt
+
+
+def _psd_sqrt(xp, h):
+    r""":math:`B = V\sqrt{\max(\Lambda, 0)}` for :math:`H = V\Lambda V^\top` ``[N, D, D]``;
+    a clearly negative eigenvalue (beyond rounding) is an error: the GGN needs a loss convex
+    in the output."""
+    lam, v = xp.linalg.eigh(h)
+    if checks_values(h):
+        eps = float(xp.finfo(h.dtype).eps)
+        scale = xp.max(xp.abs(lam), axis=-1, keepdims=True)
+        bad = lam < -(100.0 * eps * h.shape[-1]) * scale
+        if any_true(xp, bad):
+            raise KFACValueError(
+                f"AutodiffLoss: the Hessian of loss must be positive semi-definite (a loss "
+                f"convex in the output, as the GGN needs); got an eigenvalue "
+                f"{float(xp.min(lam))!r}.")
+    return v * xp.sqrt(xp.clip(lam, min=0.0))[:, None, :]
+
+
+class AutodiffLoss(CustomLoss):
+    r"""A :class:`CustomLoss` whose gradient and Hessian square root come from automatic
+    differentiation of a per-example loss written for PyTorch or JAX.
+
+    .. math::
+
+        \ell_n = \texttt{loss}(f_n, y_n),\quad
+        \nabla_f\ell_n = \texttt{grad}(\texttt{loss}),\quad
+        \nabla^2_f\ell_n = \texttt{hessian}(\texttt{loss}) = V_n\Lambda_nV_n^\top,\quad
+        B_n = V_n\Lambda_n^{1/2},
+
+    all vectorised over the batch (``torch.func.vmap`` / ``jax.vmap`` of ``grad`` and
+    ``hessian``; no loop over examples), the Hessian symmetrised and its square root taken
+    by one batched ``eigh``.  An eigenvalue below :math:`-100\,\varepsilon D\max|\lambda|`
+    raises (the loss is not convex in the output there; the GGN needs a convex outer
+    loss); smaller negative ones are rounding and are clipped to zero.  The Hessian is
+    :math:`D\times D` per example: this is for outputs of modest size.
+
+    Parameters
+    ----------
+    outputs : torch tensor or JAX array [N, ...]
+        The network output (real floating, finite).
+    targets : array [N, ...], optional
+        Passed to ``loss`` one example at a time (``None`` is passed as is).
+    loss : callable
+        ``loss(output, target) -> scalar`` for ONE example: ``output`` of shape
+        ``outputs.shape[1:]``, ``target`` one row of ``targets`` (or ``None``); written with
+        the library's own operations so that it can be differentiated.
+    weight : float or 0-D array
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        ``loss`` not callable; outputs not a torch tensor or JAX array; a Hessian that is
+        not positive semi-definite; as :class:`CustomLoss` otherwise.
+
+    References
+    ----------
+    ``torch.func.hessian``; ``jax.hessian``; Martens (2014), arXiv:1412.1193, §8.
+    """
+
+    def __init__(self, outputs, targets=None, *, loss, weight=1.0):
+        if not callable(loss):
+            raise KFACTypeError(f"AutodiffLoss: loss must be a callable (output, target) -> "
+                                f"scalar; got {describe(loss)}.")
+        self._loss_fn = loss
+        value, gradient, hessian_sqrt = _autodiff_functions(loss, outputs, targets)
+        super().__init__(outputs, targets, value=value, gradient=gradient,
+                         hessian_sqrt=hessian_sqrt, weight=weight)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, loss=self._loss_fn,
+                          weight=self._weight)
