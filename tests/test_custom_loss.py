@@ -134,6 +134,11 @@ def test_custom_normal_products_equal_the_builtin(xp):
         xp.assert_close(getattr(c, name)(), xp.to_numpy(getattr(b, name)()))
     xp.assert_close(c.grad_of_evaluate(None, "sqrt")[0],
                     xp.to_numpy(b.grad_of_evaluate(None, "sqrt")[0]))
+    value, gradient, hessian_sqrt, _ = _normal_functions(5, 3)
+    ggn_only = L.CustomLoss(f, y, value=value, gradient=gradient, hessian_sqrt=hessian_sqrt,
+                            weight=WEIGHT)
+    xp.assert_close(ggn_only.multiply_ggn((u,))[0], xp.to_numpy(b.multiply_ggn((u,))[0]))
+    xp.assert_close(ggn_only.ggn_matrix(), xp.to_numpy(b.ggn_matrix()))
 
 
 @pytest.mark.parametrize("mode", ESTIMATION_MODES)
