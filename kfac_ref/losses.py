@@ -1721,11 +1721,6 @@ class CustomLoss(LossFunction):
     def ggn_factor_inner_shape(self) -> tuple:
         return (self._outputs.shape[0], self._sqrt.shape[2])
 
-    @property
-    def hessian_sqrt(self):
-        r"""The per-example square roots :math:`B_n` ``[N, D, K]`` (unweighted)."""
-        return self._sqrt
-
     def _constructor_kwargs(self):
         return dict(weight=self._weight, **self._functions)
 
