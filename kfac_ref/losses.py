@@ -49,8 +49,8 @@ Conventions (shared by every class)
   (:math:`\sqrt w B_n^\top v_n`), ``_factor_column`` (:math:`\sqrt w B_ne_i`),
   ``_curvature_matrix``, ``_factor_matrix`` and ``_hessian_matrix``.
   :mod:`kfac_ref.curvature.exact`, which has validated its vectors already, calls these
-  directly.  Nothing reads array values
-  without a value check, so the products run under ``jax.jit``.
+  directly.  Nothing reads array values without a value check, so the products run under
+  ``jax.jit``.
 * **One curvature per loss.**  :math:`C_n` is the GGN of a :class:`LossFunction`; for a
   :class:`NegativeLogProbLoss` it is also the Fisher: every loss here has
   :math:`G_n = F_n` (natural parameters, or the stated split of the mean-variance normal),
