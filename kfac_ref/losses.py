@@ -21,7 +21,8 @@ Conventions (shared by every class)
   ``multiply_ggn_factor`` take one such array.
 * **Weight.**  ``weight`` :math:`w \ge 0` multiplies the loss, hence the Fisher and the GGN;
   the factors carry :math:`\sqrt{w}` so that :math:`(\sqrt w B)(\sqrt w B)^\top = wF`.  The
-  ``_unweighted`` methods leave :math:`w` out.  ``coefficient_mode`` of ``evaluate`` and
+  ``_unweighted`` methods leave :math:`w` out (the same private formula, called with
+  ``weighted=False``).  ``coefficient_mode`` of ``evaluate`` and
   ``grad_of_evaluate`` selects :math:`w` ("regular"), :math:`\sqrt w` ("sqrt", used to
   back-propagate sampled gradients whose outer products must carry :math:`w`) or 1 ("off").
 * **The batch normaliser 1/N.**  kfac-jax's ``register_*`` functions declare the objective
@@ -42,9 +43,19 @@ Conventions (shared by every class)
 * **Validation, once.**  The constructor checks the inputs (shape, dtype, namespace,
   device, one precision; values — finite, masks 0/1, targets in range, variances positive —
   on eager arrays while ``kfac_ref.value_checks`` is on) and each public method checks
-  only its own arguments, then runs the unchecked computation of the same name in
-  ``loss.kernels`` (the internal API that :mod:`kfac_ref.curvature.exact` uses).  Nothing
-  reads array values without a value check, so the products run under ``jax.jit``.
+  only its own arguments, then calls one unchecked private method of the loss that holds
+  the formula (weight included): ``_evaluate``, ``_grad``, ``_sample``, ``_curvature_vp``
+  (:math:`wC_nv_n`), ``_factor_vp`` (:math:`\sqrt w B_nu_n`), ``_factor_t_vp``
+  (:math:`\sqrt w B_n^\top v_n`), ``_factor_column`` (:math:`\sqrt w B_ne_i`),
+  ``_curvature_matrix``, ``_factor_matrix`` and ``_hessian_matrix``.
+  :mod:`kfac_ref.curvature.exact`, which has validated its vectors already, calls these
+  directly.  Nothing reads array values without a value check, so the products run under
+  ``jax.jit``.
+* **One curvature per loss.**  :math:`C_n` is the GGN of a :class:`LossFunction`; for a
+  :class:`NegativeLogProbLoss` it is also the Fisher: every loss here has
+  :math:`G_n = F_n` (natural parameters, or the stated split of the mean-variance normal),
+  so ``multiply_fisher`` and ``multiply_ggn`` (and their factor variants) are two public
+  names that validate against their own inner shape and run the same formula.
 * **Randomness.**  ``sample(rng)`` takes an explicit :class:`numpy.random.Generator`; the
   noise is drawn on the host in float64 (``kfac_ref._backend.host_draw``) and moved to
   the inputs' device, so one seed gives the same samples on every backend.  For JAX
@@ -97,6 +108,9 @@ __all__ = [
     "MultiBernoulliNegativeLogProbLoss",
     "NormalMeanNegativeLogProbLoss",
     "NormalMeanVarianceNegativeLogProbLoss",
+    "CustomLoss",
+    "CustomNegativeLogProbLoss",
+    "AutodiffLoss",
 ]
 
 COEFFICIENT_MODES = ("regular", "sqrt", "off")
@@ -131,13 +145,6 @@ def _diag_embed(xp, d):
     return d[:, :, None] * eye_like(d, d.shape[1])[None, :, :]
 
 
-def _scaled(vectors, c):
-    """Multiply each array of a tuple by ``c`` (a Python float or a 0-D array)."""
-    if isinstance(c, float) and c == 1.0:
-        return tuple(vectors)
-    return tuple(v * c for v in vectors)
-
-
 def _sqrt(xp, c):
     """Square root of a validated scalar: ``math.sqrt`` for a Python number, ``xp.sqrt``
     for a 0-D array (which may be traced)."""
@@ -160,98 +167,6 @@ def _prod(shape):
 
 
 # --------------------------------------------------------------------------------------
-# The unchecked computations (the kernels of the public methods)
-# --------------------------------------------------------------------------------------
-class _LossKernels:
-    """Unchecked computations of one loss: each method is the public method of the same
-    name without its argument checks (see :attr:`LossFunction.kernels`)."""
-
-    __slots__ = ("_loss",)
-
-    def __init__(self, loss):
-        self._loss = loss
-
-    # -- coefficients, values and gradients ---------------------------------------------
-    def coefficient(self, coefficient_mode):
-        """:math:`w`, :math:`\\sqrt w` or 1 for a validated ``coefficient_mode``."""
-        loss = self._loss
-        if coefficient_mode == "regular":
-            return loss._weight
-        if coefficient_mode == "sqrt":
-            return loss._sqrt_weight
-        return 1.0
-
-    def _targets(self, targets):
-        return self._loss.targets if targets is None else targets
-
-    def evaluate(self, targets=None, coefficient_mode="regular"):
-        return self._loss._evaluate(self._targets(targets)) * self.coefficient(coefficient_mode)
-
-    def grad_of_evaluate(self, targets=None, coefficient_mode="regular"):
-        return _scaled(self._loss._grad(self._targets(targets)),
-                       self.coefficient(coefficient_mode))
-
-    # -- GGN ------------------------------------------------------------------------------
-    def _w(self, weighted):
-        return self._loss._weight if weighted else 1.0
-
-    def _sqrt_w(self, weighted):
-        return self._loss._sqrt_weight if weighted else 1.0
-
-    def multiply_ggn(self, vector, weighted=True):
-        return _scaled(self._loss._ggn_vp(vector), self._w(weighted))
-
-    def multiply_ggn_factor(self, vector, weighted=True):
-        return _scaled(self._loss._ggn_factor_vp(vector), self._sqrt_w(weighted))
-
-    def multiply_ggn_factor_transpose(self, vector, weighted=True):
-        return self._loss._ggn_factor_t_vp(vector) * self._sqrt_w(weighted)
-
-    def multiply_ggn_factor_replicated_one_hot(self, index, weighted=True):
-        return _scaled(self._loss._ggn_one_hot(index), self._sqrt_w(weighted))
-
-    def ggn_matrix(self):
-        return self._loss._ggn_dense() * self._loss._weight
-
-    def ggn_factor_matrix(self):
-        return self._loss._ggn_factor_dense() * self._loss._sqrt_weight
-
-
-class _NegativeLogProbKernels(_LossKernels):
-    """:class:`_LossKernels` plus the Fisher, the samples and the Hessian."""
-
-    __slots__ = ()
-
-    def sample(self, rng):
-        return self._loss._sample(rng)
-
-    def grad_of_evaluate_on_sample(self, rng, coefficient_mode="regular"):
-        return _scaled(self._loss._grad(self._loss._sample(rng)),
-                       self.coefficient(coefficient_mode))
-
-    def multiply_fisher(self, vector, weighted=True):
-        return _scaled(self._loss._fisher_vp(vector), self._w(weighted))
-
-    def multiply_fisher_factor(self, vector, weighted=True):
-        return _scaled(self._loss._fisher_factor_vp(vector), self._sqrt_w(weighted))
-
-    def multiply_fisher_factor_transpose(self, vector, weighted=True):
-        return self._loss._fisher_factor_t_vp(vector) * self._sqrt_w(weighted)
-
-    def multiply_fisher_factor_replicated_one_hot(self, index, weighted=True):
-        return _scaled(self._loss._fisher_one_hot(index), self._sqrt_w(weighted))
-
-    def fisher_matrix(self):
-        return self._loss._fisher_dense() * self._loss._weight
-
-    def fisher_factor_matrix(self):
-        return self._loss._fisher_factor_dense() * self._loss._sqrt_weight
-
-    def hessian_matrix(self, targets=None):
-        return self._loss._hessian_dense(self._targets(targets)) * self._loss._weight
-
-
-# --------------------------------------------------------------------------------------
 # Base classes
 # --------------------------------------------------------------------------------------
 class LossFunction(abc.ABC):
@@ -268,10 +183,11 @@ class LossFunction(abc.ABC):
     :math:`w\,\ell_n` (``[N]``, not reduced); the products act per example without the
     :math:`1/N` of :math:`\mathcal L` (see the module docstring).
 
-    Every public method validates its arguments once and then runs the unchecked
-    computation of the same name in ``kernels``; the constructor validates the inputs
-    once.  Code that has already validated its vectors (the exact curvature of
-    :mod:`kfac_ref.curvature.exact`) calls ``kernels`` directly.
+    Every public method validates its arguments once and then calls the one private
+    method that holds its formula (``multiply_ggn`` → ``_curvature_vp``, see the module
+    docstring); the constructor validates the inputs once.  Code that has already
+    validated its vectors (the exact curvature of :mod:`kfac_ref.curvature.exact`) calls
+    the private method directly.  A subclass implements those private methods.
 
     Parameters
     ----------
@@ -290,7 +206,6 @@ class LossFunction(abc.ABC):
     kfac-jax ``LossFunction``; Martens (2014), arXiv:1412.1193, §8-9.
     """
 
-    _kernels_class = _LossKernels
     _dependant_names: tuple = ("input",)
     """Argument names of the parameter dependants, for error messages."""
 
@@ -315,20 +230,24 @@ class LossFunction(abc.ABC):
         """The relative weight :math:`w` of the loss (a float, or the 0-D array given)."""
         return self._weight
 
-    @property
-    def kernels(self):
-        r"""The unchecked computations of this loss (kfac_ref's internal API).
+    # -- the weight as each formula applies it -------------------------------------------
+    def _coefficient(self, coefficient_mode):
+        """:math:`w`, :math:`\\sqrt w` or 1 for a validated ``coefficient_mode``."""
+        if coefficient_mode == "regular":
+            return self._weight
+        if coefficient_mode == "sqrt":
+            return self._sqrt_weight
+        return 1.0
 
-        ``loss.kernels.multiply_fisher(v)`` is ``loss.multiply_fisher(v)`` without the
-        argument checks, and likewise for every product, dense matrix, value, gradient and
-        sample (``weighted=False`` gives the ``_unweighted`` variants,
-        :math:`F_n v_n` instead of :math:`w F_n v_n`).  The caller guarantees what the public
-        method checks: vectors shaped like the inputs in their namespace, device and
-        dtype; indices as tuples of in-range ints; a ``coefficient_mode`` from
-        ``COEFFICIENT_MODES``; targets as returned by validation, or ``None`` for the
-        construction-time targets.
-        """
-        return self._kernels_class(self)
+    def _w(self, weighted):
+        return self._weight if weighted else 1.0
+
+    def _sqrt_w(self, weighted):
+        return self._sqrt_weight if weighted else 1.0
+
+    def _given(self, targets):
+        """Validated targets, or the construction-time ones for ``None``."""
+        return self.targets if targets is None else targets
 
     @property
     def dtype(self):
@@ -496,7 +415,7 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("evaluate")
         mode = self._check_mode(func, coefficient_mode)
-        return self.kernels.evaluate(self._resolve_targets(func, targets), mode)
+        return self._evaluate(self._resolve_targets(func, targets), mode)
 
     def grad_of_evaluate(self, targets=None, coefficient_mode="regular"):
         r"""Gradient of :math:`\sum_n c\,\ell_n(y_n)` with respect to each input.
@@ -520,15 +439,16 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("grad_of_evaluate")
         mode = self._check_mode(func, coefficient_mode)
-        return self.kernels.grad_of_evaluate(self._resolve_targets(func, targets), mode)
+        return self._grad(self._resolve_targets(func, targets), mode)
 
     @abc.abstractmethod
-    def _evaluate(self, targets):
-        """Unweighted per-example loss [N] (masked)."""
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
+        """Per-example :math:`c\\,\\ell_n` [N] (masked) at validated targets (``None``: the
+        construction-time ones)."""
 
     @abc.abstractmethod
-    def _grad(self, targets):
-        """Unweighted gradient tuple (masked)."""
+    def _grad(self, targets=None, coefficient_mode="regular"):
+        """:math:`c\\,\\nabla_f\\ell_n` as a tuple (masked), targets as ``_evaluate``."""
 
     # -- GGN products --------------------------------------------------------------------------
     def multiply_ggn(self, vector):
@@ -544,12 +464,12 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        return self.kernels.multiply_ggn(self._check_vector(self._fname("multiply_ggn"), vector))
+        return self._curvature_vp(self._check_vector(self._fname("multiply_ggn"), vector))
 
     def multiply_ggn_unweighted(self, vector):
         r""":math:`G_n v_n` (``multiply_ggn`` without the weight)."""
         vector = self._check_vector(self._fname("multiply_ggn_unweighted"), vector)
-        return self.kernels.multiply_ggn(vector, weighted=False)
+        return self._curvature_vp(vector, weighted=False)
 
     def multiply_ggn_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = G_n`.
@@ -566,13 +486,13 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("multiply_ggn_factor")
         vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self.kernels.multiply_ggn_factor(vector)
+        return self._factor_vp(vector)
 
     def multiply_ggn_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (``multiply_ggn_factor`` without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_unweighted")
         vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self.kernels.multiply_ggn_factor(vector, weighted=False)
+        return self._factor_vp(vector, weighted=False)
 
     def multiply_ggn_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -588,13 +508,12 @@ class LossFunction(abc.ABC):
             Of shape ``ggn_factor_inner_shape`` (a single array, not a tuple).
         """
         vector = self._check_vector(self._fname("multiply_ggn_factor_transpose"), vector)
-        return self.kernels.multiply_ggn_factor_transpose(vector)
+        return self._factor_t_vp(vector)
 
     def multiply_ggn_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_transpose_unweighted")
-        return self.kernels.multiply_ggn_factor_transpose(self._check_vector(func, vector),
-                                                          weighted=False)
+        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
 
     def multiply_ggn_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -614,39 +533,46 @@ class LossFunction(abc.ABC):
         """
         func = self._fname("multiply_ggn_factor_replicated_one_hot")
         index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self.kernels.multiply_ggn_factor_replicated_one_hot(index)
+        return self._factor_column(index)
 
     def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_ggn_factor_replicated_one_hot_unweighted")
         index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self.kernels.multiply_ggn_factor_replicated_one_hot(index, weighted=False)
+        return self._factor_column(index, weighted=False)
 
     def ggn_matrix(self):
         r"""Dense per-example GGN :math:`w\,G_n`, shape ``[N, D, D]`` (see module docstring)."""
-        return self.kernels.ggn_matrix()
+        return self._curvature_matrix()
 
     def ggn_factor_matrix(self):
         r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
-        return self.kernels.ggn_factor_matrix()
+        return self._factor_matrix()
+
+    # -- the formulas a subclass implements (unchecked; weight included) ---------------------
+    @abc.abstractmethod
+    def _curvature_vp(self, vector, weighted=True):
+        """:math:`w\\,C_n v_n` for a validated tuple ``vector`` (:math:`w \\to 1` unweighted)."""
 
     @abc.abstractmethod
-    def _ggn_vp(self, vector): ...
+    def _factor_vp(self, vector, weighted=True):
+        """:math:`\\sqrt w\\,B_n u_n` (a tuple) for a validated inner-shape array."""
 
     @abc.abstractmethod
-    def _ggn_factor_vp(self, vector): ...
+    def _factor_t_vp(self, vector, weighted=True):
+        """:math:`\\sqrt w\\,B_n^\\top v_n` (one inner-shape array) for a validated tuple."""
 
     @abc.abstractmethod
-    def _ggn_factor_t_vp(self, vector): ...
+    def _factor_column(self, index, weighted=True):
+        """:math:`\\sqrt w\\,B_n e_{\\text{index}}` (a tuple) for a validated index tuple."""
 
     @abc.abstractmethod
-    def _ggn_one_hot(self, index): ...
+    def _curvature_matrix(self):
+        """Dense :math:`w\\,C_n`, ``[N, D, D]``."""
 
     @abc.abstractmethod
-    def _ggn_dense(self): ...
-
-    @abc.abstractmethod
-    def _ggn_factor_dense(self): ...
+    def _factor_matrix(self):
+        """Dense :math:`\\sqrt w\\,B_n`, ``[N, D, K]``."""
 
 
 class NegativeLogProbLoss(LossFunction):
@@ -662,6 +588,11 @@ class NegativeLogProbLoss(LossFunction):
     single-sample Monte-Carlo vectors whose outer products are unbiased for :math:`F_n`
     (Martens & Grosse 2015, §5).
 
+    The Fisher products run the same private formulas as the GGN products
+    (``_curvature_vp``, ``_factor_vp``, ...): every loss here has :math:`G_n = F_n`, by
+    the natural-parameter identity or by the stated split of the mean-variance normal.  A
+    subclass whose GGN differs from its Fisher is not one of these.
+
     Parameters
     ----------
     weight : float or 0-D array
@@ -672,7 +603,6 @@ class NegativeLogProbLoss(LossFunction):
     kfac-jax ``NegativeLogProbLoss``; TF K-FAC ``NegativeLogProbLoss``.
     """
 
-    _kernels_class = _NegativeLogProbKernels
     _hessian_uses_targets = True
     """Whether the Hessian of the loss depends on the targets (false for natural params)."""
 
@@ -715,8 +645,8 @@ class NegativeLogProbLoss(LossFunction):
         (drawn with :mod:`jax.random` at every call), or draw outside it (call ``sample``
         eagerly, or pass the targets in as an argument).
         """
-        return self.kernels.sample(check_random_source(self._fname("sample"), "rng", rng,
-                                                        self.params[0]))
+        return self._sample(check_random_source(self._fname("sample"), "rng", rng,
+                                                self.params[0]))
 
     @abc.abstractmethod
     def _sample(self, rng): ...
@@ -735,7 +665,7 @@ class NegativeLogProbLoss(LossFunction):
         func = self._fname("grad_of_evaluate_on_sample")
         check_random_source(func, "rng", rng, self.params[0])
         mode = self._check_mode(func, coefficient_mode)
-        return self.kernels.grad_of_evaluate_on_sample(rng, mode)
+        return self._grad(self._sample(rng), mode)
 
     # -- Fisher products ----------------------------------------------------------------------
     def multiply_fisher(self, vector):
@@ -752,12 +682,12 @@ class NegativeLogProbLoss(LossFunction):
             Shaped like ``params``.
         """
         vector = self._check_vector(self._fname("multiply_fisher"), vector)
-        return self.kernels.multiply_fisher(vector)
+        return self._curvature_vp(vector)
 
     def multiply_fisher_unweighted(self, vector):
         r""":math:`F_n v_n` (without the weight)."""
         vector = self._check_vector(self._fname("multiply_fisher_unweighted"), vector)
-        return self.kernels.multiply_fisher(vector, weighted=False)
+        return self._curvature_vp(vector, weighted=False)
 
     def multiply_fisher_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = F_n`.
@@ -774,13 +704,13 @@ class NegativeLogProbLoss(LossFunction):
         """
         func = self._fname("multiply_fisher_factor")
         vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self.kernels.multiply_fisher_factor(vector)
+        return self._factor_vp(vector)
 
     def multiply_fisher_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_unweighted")
         vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self.kernels.multiply_fisher_factor(vector, weighted=False)
+        return self._factor_vp(vector, weighted=False)
 
     def multiply_fisher_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -796,13 +726,12 @@ class NegativeLogProbLoss(LossFunction):
             Of shape ``fisher_factor_inner_shape`` (a single array, not a tuple).
         """
         vector = self._check_vector(self._fname("multiply_fisher_factor_transpose"), vector)
-        return self.kernels.multiply_fisher_factor_transpose(vector)
+        return self._factor_t_vp(vector)
 
     def multiply_fisher_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_transpose_unweighted")
-        return self.kernels.multiply_fisher_factor_transpose(self._check_vector(func, vector),
-                                                             weighted=False)
+        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
 
     def multiply_fisher_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -822,21 +751,21 @@ class NegativeLogProbLoss(LossFunction):
         """
         func = self._fname("multiply_fisher_factor_replicated_one_hot")
         index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self.kernels.multiply_fisher_factor_replicated_one_hot(index)
+        return self._factor_column(index)
 
     def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
         func = self._fname("multiply_fisher_factor_replicated_one_hot_unweighted")
         index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self.kernels.multiply_fisher_factor_replicated_one_hot(index, weighted=False)
+        return self._factor_column(index, weighted=False)
 
     def fisher_matrix(self):
         r"""Dense per-example Fisher :math:`w\,F_n`, shape ``[N, D, D]``."""
-        return self.kernels.fisher_matrix()
+        return self._curvature_matrix()
 
     def fisher_factor_matrix(self):
         r"""Dense per-example factor :math:`\sqrt{w}\,B_n`, shape ``[N, D, K]``."""
-        return self.kernels.fisher_factor_matrix()
+        return self._factor_matrix()
 
     def hessian_matrix(self, targets=None):
         r"""Dense per-example Hessian :math:`w\,\nabla^2_{f}\ell_n(y_n)`, shape ``[N, D, D]``.
@@ -851,49 +780,11 @@ class NegativeLogProbLoss(LossFunction):
             targets = self._resolve_targets(func, targets)
         elif targets is not None:
             targets = self._check_targets(func, targets)
-        return self.kernels.hessian_matrix(targets)
+        return self._hessian_matrix(targets)
 
     @abc.abstractmethod
-    def _hessian_dense(self, targets):
-        """Unweighted per-example Hessian [N, D, D] at validated targets."""
-
-    @abc.abstractmethod
-    def _fisher_vp(self, vector): ...
-
-    @abc.abstractmethod
-    def _fisher_factor_vp(self, vector): ...
-
-    @abc.abstractmethod
-    def _fisher_factor_t_vp(self, vector): ...
-
-    @abc.abstractmethod
-    def _fisher_one_hot(self, index): ...
-
-    @abc.abstractmethod
-    def _fisher_dense(self): ...
-
-    @abc.abstractmethod
-    def _fisher_factor_dense(self): ...
-
-    # GGN = Fisher is the default (true for natural parameters, and chosen with a stated
-    # reason for the mean-variance normal); a subclass with another GGN overrides these.
-    def _ggn_vp(self, vector):
-        return self._fisher_vp(vector)
-
-    def _ggn_factor_vp(self, vector):
-        return self._fisher_factor_vp(vector)
-
-    def _ggn_factor_t_vp(self, vector):
-        return self._fisher_factor_t_vp(vector)
-
-    def _ggn_one_hot(self, index):
-        return self._fisher_one_hot(index)
-
-    def _ggn_dense(self):
-        return self._fisher_dense()
-
-    def _ggn_factor_dense(self):
-        return self._fisher_factor_dense()
+    def _hessian_matrix(self, targets=None):
+        """Dense :math:`w\\,\\nabla^2_f\\ell_n` ``[N, D, D]`` at validated targets."""
 
     @property
     def ggn_factor_inner_shape(self) -> tuple:
@@ -921,8 +812,8 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
 
     _hessian_uses_targets = False
 
-    def _hessian_dense(self, targets):
-        return self._fisher_dense()
+    def _hessian_matrix(self, targets=None):
+        return self._curvature_matrix()
 
 
 # --------------------------------------------------------------------------------------
@@ -1084,20 +975,22 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _targets_as_one_hot(self, targets):
         return self._one_hot_targets(targets)
 
-    def _evaluate(self, targets):
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
-        y = self._targets_as_one_hot(targets)
-        return self._masked(-xp.sum(y * self._log_probs(), axis=-1))
+        y = self._targets_as_one_hot(self._given(targets))
+        c = self._coefficient(coefficient_mode)
+        return self._masked(-xp.sum(y * self._log_probs(), axis=-1)) * c
 
-    def _grad(self, targets):
+    def _grad(self, targets=None, coefficient_mode="regular"):
         # p - y written as p(1 - y) - y Σ_c p_c (1 - y_c): equal for one-hot y, and the
         # target-class entry p_y - 1 = -Σ_{c≠y} p_c is then a sum of small accurate terms
         # instead of a cancelling difference (relative accuracy when p_y ≈ 1).
         xp = self._xp
         p = self._probs()
-        y = self._targets_as_one_hot(targets)
+        y = self._targets_as_one_hot(self._given(targets))
+        c = self._coefficient(coefficient_mode)
         rest = xp.sum(p * (1.0 - y), axis=-1, keepdims=True)
-        return (self._masked(p * (1.0 - y) - y * rest),)
+        return (self._masked(p * (1.0 - y) - y * rest) * c,)
 
     def _sample(self, rng):
         # Gumbel-max: argmax_c (z_c + g_c), g_c iid Gumbel(0, 1), is distributed as softmax(z)
@@ -1106,39 +999,43 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
         return xp.argmax(self._logits + g, axis=-1)
 
-    def _fisher_vp(self, vector):
+    def _curvature_vp(self, vector, weighted=True):
         xp = self._xp
         (v,) = vector
         p = self._probs()
-        return (self._masked(p * v - p * xp.sum(p * v, axis=-1, keepdims=True)),)
+        fv = p * v - p * xp.sum(p * v, axis=-1, keepdims=True)
+        return (self._masked(fv) * self._w(weighted),)
 
-    def _fisher_factor_vp(self, vector):
+    def _factor_vp(self, vector, weighted=True):
         xp = self._xp
         p, q = self._probs(), self._sqrt_probs()
-        return (self._masked(q * vector - p * xp.sum(q * vector, axis=-1, keepdims=True)),)
+        bu = q * vector - p * xp.sum(q * vector, axis=-1, keepdims=True)
+        return (self._masked(bu) * self._sqrt_w(weighted),)
 
-    def _fisher_factor_t_vp(self, vector):
+    def _factor_t_vp(self, vector, weighted=True):
         xp = self._xp
         (v,) = vector
         p, q = self._probs(), self._sqrt_probs()
-        return self._masked(q * v - q * xp.sum(p * v, axis=-1, keepdims=True))
+        btv = q * v - q * xp.sum(p * v, axis=-1, keepdims=True)
+        return self._masked(btv) * self._sqrt_w(weighted)
 
-    def _fisher_one_hot(self, index):
+    def _factor_column(self, index, weighted=True):
         # Column c of B: sqrt(p_c) (e_c - p).
         (c,) = index
         e = self._one_hot_event(index, (self._logits.shape[1],))
         q_c = self._sqrt_probs()[:, c:c + 1]
-        return (self._masked(q_c * (e - self._probs())),)
+        return (self._masked(q_c * (e - self._probs())) * self._sqrt_w(weighted),)
 
-    def _fisher_dense(self):
+    def _curvature_matrix(self):
         xp = self._xp
         p = self._probs()
-        return self._masked(_diag_embed(xp, p) - p[:, :, None] * p[:, None, :])
+        return self._masked(_diag_embed(xp, p) - p[:, :, None] * p[:, None, :]) * self._weight
 
-    def _fisher_factor_dense(self):
+    def _factor_matrix(self):
         xp = self._xp
         p, q = self._probs(), self._sqrt_probs()
-        return self._masked(_diag_embed(xp, q) - p[:, :, None] * q[:, None, :])
+        b = _diag_embed(xp, q) - p[:, :, None] * q[:, None, :]
+        return self._masked(b) * self._sqrt_weight
 
 
 class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogProbLoss):
@@ -1309,18 +1206,18 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _sqrt_variance(self):
         return self._xp.exp(0.5 * self._log_variance())
 
-    def _evaluate(self, targets):
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
-        z = self._logits
-        per_element = -(targets * _log_sigmoid(xp, z) + (1.0 - targets) * _log_sigmoid(xp, -z))
-        return xp.sum(_flat(xp, per_element), axis=-1)
+        z, y = self._logits, self._given(targets)
+        per_element = -(y * _log_sigmoid(xp, z) + (1.0 - y) * _log_sigmoid(xp, -z))
+        return xp.sum(_flat(xp, per_element), axis=-1) * self._coefficient(coefficient_mode)
 
-    def _grad(self, targets):
+    def _grad(self, targets=None, coefficient_mode="regular"):
         # σ(z) - y = (1 - y) σ(z) - y σ(-z): no cancellation when σ(z) ≈ y.
         xp = self._xp
-        z = self._logits
-        return ((1.0 - targets) * xp.exp(_log_sigmoid(xp, z))
-                - targets * xp.exp(_log_sigmoid(xp, -z)),)
+        z, y = self._logits, self._given(targets)
+        g = (1.0 - y) * xp.exp(_log_sigmoid(xp, z)) - y * xp.exp(_log_sigmoid(xp, -z))
+        return (g * self._coefficient(coefficient_mode),)
 
     def _sample(self, rng):
         # y = [z + L > 0] with L ~ Logistic(0, 1): P(y = 1) = P(L > -z) = σ(z).
@@ -1328,24 +1225,24 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         noise = draw_noise(rng, self._logits, "logistic", self._logits.shape)
         return xp.astype(self._logits + noise > 0.0, self._logits.dtype)
 
-    def _fisher_vp(self, vector):
-        return (self._variance() * vector[0],)
+    def _curvature_vp(self, vector, weighted=True):
+        return (self._variance() * vector[0] * self._w(weighted),)
 
-    def _fisher_factor_vp(self, vector):
-        return (self._sqrt_variance() * vector,)
+    def _factor_vp(self, vector, weighted=True):
+        return (self._sqrt_variance() * vector * self._sqrt_w(weighted),)
 
-    def _fisher_factor_t_vp(self, vector):
-        return self._sqrt_variance() * vector[0]
+    def _factor_t_vp(self, vector, weighted=True):
+        return self._sqrt_variance() * vector[0] * self._sqrt_w(weighted)
 
-    def _fisher_one_hot(self, index):
+    def _factor_column(self, index, weighted=True):
         e = self._one_hot_event(index, tuple(self._logits.shape[1:]))
-        return (self._sqrt_variance() * e,)
+        return (self._sqrt_variance() * e * self._sqrt_w(weighted),)
 
-    def _fisher_dense(self):
-        return _diag_embed(self._xp, _flat(self._xp, self._variance()))
+    def _curvature_matrix(self):
+        return _diag_embed(self._xp, _flat(self._xp, self._variance())) * self._weight
 
-    def _fisher_factor_dense(self):
-        return _diag_embed(self._xp, _flat(self._xp, self._sqrt_variance()))
+    def _factor_matrix(self):
+        return _diag_embed(self._xp, _flat(self._xp, self._sqrt_variance())) * self._sqrt_weight
 
 
 # --------------------------------------------------------------------------------------
@@ -1454,46 +1351,47 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _xp(self):
         return self._ns
 
-    def _evaluate(self, targets):
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
-        r = _flat(xp, targets - self._mean)
+        r = _flat(xp, self._given(targets) - self._mean)
         value = xp.sum(r * r, axis=-1) / (2.0 * self._variance)
         if self._normalize:
             value = value + 0.5 * r.shape[1] * (_LOG_2PI + _log(xp, self._variance))
-        return value
+        return value * self._coefficient(coefficient_mode)
 
-    def _grad(self, targets):
-        return ((self._mean - targets) / self._variance,)
+    def _grad(self, targets=None, coefficient_mode="regular"):
+        c = self._coefficient(coefficient_mode)
+        return ((self._mean - self._given(targets)) * (c / self._variance),)
 
     def _sample(self, rng):
         z = draw_noise(rng, self._mean, "normal", self._mean.shape)
         return self._mean + self._sqrt_variance * z
 
-    def _fisher_vp(self, vector):
-        return (vector[0] / self._variance,)
+    def _curvature_vp(self, vector, weighted=True):
+        return (vector[0] * (self._w(weighted) / self._variance),)
 
-    def _fisher_factor_vp(self, vector):
-        return (vector / self._sqrt_variance,)
+    def _factor_vp(self, vector, weighted=True):
+        return (vector * (self._sqrt_w(weighted) / self._sqrt_variance),)
 
-    def _fisher_factor_t_vp(self, vector):
-        return vector[0] / self._sqrt_variance
+    def _factor_t_vp(self, vector, weighted=True):
+        return vector[0] * (self._sqrt_w(weighted) / self._sqrt_variance)
 
-    def _fisher_one_hot(self, index):
+    def _factor_column(self, index, weighted=True):
         xp = self._xp
         e = self._one_hot_event(index, tuple(self._mean.shape[1:]))
         ones = xp.ones_like(self._mean)
-        return (ones * e / self._sqrt_variance,)
+        return (ones * e * (self._sqrt_w(weighted) / self._sqrt_variance),)
 
     def _identity_batch(self):
         xp = self._xp
         d = _flat(xp, self._mean).shape[1]
         return xp.ones_like(_flat(xp, self._mean))[:, :, None] * eye_like(self._mean, d)[None, :, :]
 
-    def _fisher_dense(self):
-        return self._identity_batch() / self._variance
+    def _curvature_matrix(self):
+        return self._identity_batch() * (self._weight / self._variance)
 
-    def _fisher_factor_dense(self):
-        return self._identity_batch() / self._sqrt_variance
+    def _factor_matrix(self):
+        return self._identity_batch() * (self._sqrt_weight / self._sqrt_variance)
 
 
 # --------------------------------------------------------------------------------------
@@ -1621,64 +1519,440 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
     def _xp(self):
         return self._ns
 
-    def _factor_diagonals(self):
+    def _factor_diagonals(self, weighted):
+        """Diagonals :math:`\\sqrt w/\\sqrt v`, :math:`\\sqrt w/(\\sqrt2\\,v)` of :math:`B`."""
         xp = self._xp
-        return 1.0 / xp.sqrt(self._variance), 1.0 / (math.sqrt(2.0) * self._variance)
+        sw = self._sqrt_w(weighted)
+        return sw / xp.sqrt(self._variance), sw / (math.sqrt(2.0) * self._variance)
 
-    def _evaluate(self, targets):
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
         v = self._variance
-        r = targets - self._mean
-        return xp.sum(r * r / (2.0 * v) + 0.5 * (_LOG_2PI + xp.log(v)), axis=-1)
+        r = self._given(targets) - self._mean
+        value = xp.sum(r * r / (2.0 * v) + 0.5 * (_LOG_2PI + xp.log(v)), axis=-1)
+        return value * self._coefficient(coefficient_mode)
 
-    def _grad(self, targets):
+    def _grad(self, targets=None, coefficient_mode="regular"):
         v = self._variance
-        r = targets - self._mean
-        return (-r / v, 0.5 / v - r * r / (2.0 * v * v))
+        r = self._given(targets) - self._mean
+        c = self._coefficient(coefficient_mode)
+        return (-r / v * c, (0.5 / v - r * r / (2.0 * v * v)) * c)
 
     def _sample(self, rng):
         xp = self._xp
         z = draw_noise(rng, self._mean, "normal", self._mean.shape)
         return self._mean + xp.sqrt(self._variance) * z
 
-    def _fisher_vp(self, vector):
-        v = self._variance
-        return (vector[0] / v, vector[1] / (2.0 * v * v))
+    def _curvature_vp(self, vector, weighted=True):
+        v, w = self._variance, self._w(weighted)
+        return (vector[0] * w / v, vector[1] * w / (2.0 * v * v))
 
-    def _fisher_factor_vp(self, vector):
-        a, c = self._factor_diagonals()
+    def _factor_vp(self, vector, weighted=True):
+        a, c = self._factor_diagonals(weighted)
         d = self._mean.shape[1]
         return (a * vector[:, :d], c * vector[:, d:])
 
-    def _fisher_factor_t_vp(self, vector):
-        a, c = self._factor_diagonals()
+    def _factor_t_vp(self, vector, weighted=True):
+        a, c = self._factor_diagonals(weighted)
         return self._xp.concat([a * vector[0], c * vector[1]], axis=-1)
 
-    def _fisher_one_hot(self, index):
+    def _factor_column(self, index, weighted=True):
         # Column j of the diagonal factor: mean block for j < d, variance block otherwise.
-        a, c = self._factor_diagonals()
+        a, c = self._factor_diagonals(weighted)
         d = self._mean.shape[1]
         e = self._one_hot_event(index, (2 * d,))
         return (a * e[:, :d], c * e[:, d:])
 
-    def _fisher_dense(self):
+    def _curvature_matrix(self):
         xp = self._xp
         v = self._variance
-        return _diag_embed(xp, xp.concat([1.0 / v, 1.0 / (2.0 * v * v)], axis=-1))
+        diagonal = xp.concat([1.0 / v, 1.0 / (2.0 * v * v)], axis=-1)
+        return _diag_embed(xp, diagonal) * self._weight
 
-    def _fisher_factor_dense(self):
+    def _factor_matrix(self):
         xp = self._xp
-        a, c = self._factor_diagonals()
+        a, c = self._factor_diagonals(True)
         return _diag_embed(xp, xp.concat([a, c], axis=-1))
 
-    def _hessian_dense(self, targets):
+    def _hessian_matrix(self, targets=None):
         xp = self._xp
-        y = targets
         v = self._variance
-        r = y - self._mean
+        r = self._given(targets) - self._mean
         h_mm = _diag_embed(xp, 1.0 / v)
         h_mv = _diag_embed(xp, r / (v * v))
         h_vv = _diag_embed(xp, r * r / (v * v * v) - 0.5 / (v * v))
         top = xp.concat([h_mm, h_mv], axis=-1)
         bottom = xp.concat([h_mv, h_vv], axis=-1)
-        return xp.concat([top, bottom], axis=-2)
+        return xp.concat([top, bottom], axis=-2) * self._weight
+
+
+# --------------------------------------------------------------------------------------
+# A user's own loss
+# --------------------------------------------------------------------------------------
+class CustomLoss(LossFunction):
+    r"""A loss given by three functions of the network output: value, gradient and a square
+    root of the Hessian.
+
+    .. math::
+
+        \begin{aligned}
+        \texttt{value}(f, y)_n &= \ell_n(f_n, y_n), \qquad
+        \texttt{gradient}(f, y)_n = \nabla_{f}\ell_n, \\
+        \texttt{hessian\_sqrt}(f, y)_n &= B_n \in \mathbb R^{D\times K},\qquad
+        B_n B_n^\top = \nabla^2_{f}\ell_n = G_n ,
+        \end{aligned}
+
+    so the loss is split at the output itself (:math:`\eta = f`): the GGN of the network is
+    :math:`\frac{w}{N}\sum_n J_n^\top B_n B_n^\top J_n`, which is positive semi-definite
+    for any :math:`B_n`, and is the GGN of :math:`\ell` when :math:`\ell` is convex in
+    :math:`f` (Schraudolph 2002; Martens 2014, §8).  ``hessian_sqrt`` is called once, at
+    construction; every GGN product, the factor and its transpose, the dense matrices and
+    the estimation vectors of :mod:`kfac_ref.curvature` are formed from :math:`B_n`.
+
+    Shapes (:math:`D` = the number of output coordinates of one example, flattened
+    row-major; :math:`K \ge 1` any number of columns, e.g. :math:`K = D` for a full
+    square root, :math:`K = 1` for a rank-one Hessian):
+
+    ============================  =============================================
+    ``value(outputs, targets)``        ``[N]``: the per-example loss, not reduced
+    ``gradient(outputs, targets)``     ``outputs.shape``: per example, no :math:`1/N`
+    ``hessian_sqrt(outputs, targets)`` ``[N, D, K]``
+    ============================  =============================================
+
+    Each returns an array of the outputs' namespace, device and dtype; a result of another
+    shape, dtype or namespace, or with a NaN or an infinity (on eager arrays, while value
+    checks are on), raises a :class:`~kfac_ref.KFACValueError` or
+    :class:`~kfac_ref.KFACTypeError` that names the function.  The functions get the
+    targets given here (``None`` when none were given; a function that needs them then
+    fails) and must not modify their arguments.  The weight :math:`w` multiplies the loss
+    as for the built-in losses (the functions compute the unweighted :math:`\ell_n`).
+
+    A ``CustomLoss`` has no Fisher (it is not a predictive distribution): the estimation
+    modes ``ggn_curvature_prop``, ``ggn_exact`` and ``fisher_empirical``, the exact GGN,
+    the empirical Fisher and the Hessian-free products accept it; the Fisher modes ask for
+    a :class:`CustomNegativeLogProbLoss`.
+
+    Parameters
+    ----------
+    outputs : array [N, ...]
+        The network output (at least 2-D, real floating, finite).
+    targets : array [N, ...], optional
+        Anything the functions need per example (any dtype; floating targets finite).
+    value, gradient, hessian_sqrt : callable
+        ``(outputs, targets) -> array`` as in the table.
+    weight : float or 0-D array
+        Non-negative :math:`w`.
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        A function argument not callable, bad outputs or targets, negative weight, or a
+        ``hessian_sqrt`` result of the wrong shape, dtype or namespace or not finite.
+
+    References
+    ----------
+    N. N. Schraudolph, "Fast curvature matrix-vector products for second-order gradient
+    descent", Neural Computation 14 (2002); Martens (2014), arXiv:1412.1193, §8.
+    """
+
+    _dependant_names = ("outputs",)
+
+    def __init__(self, outputs, targets=None, *, value, gradient, hessian_sqrt, weight=1.0):
+        func = self._fname("__init__")
+        self._ns = namespace_of(func, outputs=outputs, targets=targets,
+                                **_arrays_only(weight=weight))
+        check_array(func, "outputs", outputs, min_ndim=2, layout="[N, ...]")
+        self._outputs = outputs
+        self._set_weight(func, weight)
+        self._functions = {"value": value, "gradient": gradient, "hessian_sqrt": hessian_sqrt}
+        for name, fn in self._functions.items():
+            if not callable(fn):
+                raise KFACTypeError(f"{func}: {name} must be a callable (outputs, targets) -> "
+                                    f"array; got {describe(fn)}.")
+        self._targets = None if targets is None else self._check_targets(func, targets)
+        n, d = outputs.shape[0], _prod(outputs.shape[1:])
+        b = self._call(func, "hessian_sqrt", self._targets, "[N, D, K]", ndim=3,
+                       shape=(n, d, None))
+        if b.shape[2] == 0:
+            raise KFACValueError(f"{func}: hessian_sqrt(outputs, targets) must have K >= 1 "
+                                 f"columns; got {describe(b)}.")
+        self._sqrt = b
+
+    def _check_targets(self, func, targets):
+        self._namespace(func, targets=targets)
+        n = self._outputs.shape[0]
+        check_array(func, "targets", targets, dtype=None, min_ndim=1, layout="[N, ...]")
+        if targets.shape[0] != n:
+            raise KFACValueError(f"{func}: targets must have the batch size {n} of outputs "
+                                 f"on axis 0; got {describe(targets)}.")
+        return targets
+
+    def _call(self, func, name, targets, layout, **shape):
+        """The user's function ``name`` at (outputs, targets), its result checked: one
+        array of the outputs' namespace and dtype, of the shape given, finite."""
+        out = self._functions[name](self._outputs, targets)
+        what = f"{name}(outputs, targets)"
+        if not is_array(out):
+            raise KFACTypeError(f"{func}: {what} must return an array {layout}; got "
+                                f"{describe(out)}.")
+        self._namespace(func, **{what: out})
+        check_array(func, what, out, layout=layout, **shape)
+        self._check_dtype(func, what, out)
+        return out
+
+    @property
+    def outputs(self):
+        """The network output ``[N, ...]``."""
+        return self._outputs
+
+    @property
+    def targets(self):
+        return self._targets
+
+    @property
+    def parameter_dependants(self) -> tuple:
+        return (self._outputs,)
+
+    @property
+    def parameter_independants(self) -> tuple:
+        return (self._targets, self._weight)
+
+    @property
+    def ggn_factor_inner_shape(self) -> tuple:
+        return (self._outputs.shape[0], self._sqrt.shape[2])
+
+    def _constructor_kwargs(self):
+        return dict(weight=self._weight, **self._functions)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, **self._constructor_kwargs())
+
+    # -- formulas -------------------------------------------------------------------------
+    @property
+    def _xp(self):
+        return self._ns
+
+    def _evaluate(self, targets=None, coefficient_mode="regular"):
+        func = self._fname("evaluate")
+        n = self._outputs.shape[0]
+        value = self._call(func, "value", self._given(targets), "[N]", shape=(n,))
+        return value * self._coefficient(coefficient_mode)
+
+    def _grad(self, targets=None, coefficient_mode="regular"):
+        func = self._fname("grad_of_evaluate")
+        g = self._call(func, "gradient", self._given(targets), "like outputs",
+                       shape=tuple(self._outputs.shape))
+        return (g * self._coefficient(coefficient_mode),)
+
+    def _as_outputs(self, flat):
+        return self._xp.reshape(flat, tuple(self._outputs.shape))
+
+    def _curvature_vp(self, vector, weighted=True):
+        xp, b = self._xp, self._sqrt
+        btv = xp.sum(b * _flat(xp, vector[0])[:, :, None], axis=1)  # [N, K]
+        return (self._as_outputs(xp.sum(b * btv[:, None, :], axis=2)) * self._w(weighted),)
+
+    def _factor_vp(self, vector, weighted=True):
+        xp = self._xp
+        bu = xp.sum(self._sqrt * vector[:, None, :], axis=2)  # [N, D]
+        return (self._as_outputs(bu) * self._sqrt_w(weighted),)
+
+    def _factor_t_vp(self, vector, weighted=True):
+        xp = self._xp
+        btv = xp.sum(self._sqrt * _flat(xp, vector[0])[:, :, None], axis=1)
+        return btv * self._sqrt_w(weighted)
+
+    def _factor_column(self, index, weighted=True):
+        (k,) = index
+        return (self._as_outputs(self._sqrt[:, :, k]) * self._sqrt_w(weighted),)
+
+    def _curvature_matrix(self):
+        b = self._sqrt
+        return (b @ self._xp.permute_dims(b, (0, 2, 1))) * self._weight
+
+    def _factor_matrix(self):
+        return self._sqrt * self._sqrt_weight
+
+
+class CustomNegativeLogProbLoss(CustomLoss, NegativeLogProbLoss):
+    r"""A :class:`CustomLoss` that is the negative log-likelihood of a predictive
+    distribution in its natural parameters, with a function that samples it.
+
+    .. math::
+
+        \ell_n = -\log p(y_n\mid f_n),\qquad
+        F_n = \nabla^2_f\ell_n = G_n = B_n B_n^\top ,\qquad
+        \texttt{sample}(f, \texttt{rng})_n = \tilde y_n \sim p(\cdot\mid f_n),
+
+    because for an exponential family in its natural parameters the Hessian of the negative
+    log-likelihood is the Fisher and does not depend on :math:`y` (Martens 2014, §9.2).  So
+    the Fisher products run the same formulas as the GGN products, and every estimation
+    mode accepts the loss: ``fisher_gradients`` back-propagates
+    ``gradient(outputs, sample(outputs, rng))``.  That the outputs are natural parameters
+    is the caller's claim; the Fisher of any other parameterisation is not :math:`B_nB_n^\top`.
+
+    Parameters
+    ----------
+    outputs, targets, value, gradient, hessian_sqrt, weight
+        As :class:`CustomLoss`; ``hessian_sqrt`` must not depend on the targets.
+    sample : callable
+        ``(outputs, rng) -> targets``: one draw per example from :math:`p(\cdot\mid f_n)`,
+        in the form ``value`` and ``gradient`` accept.  ``rng`` is the
+        :class:`numpy.random.Generator` (or JAX key) given to the estimator; draw on the
+        host from it and convert to the outputs' namespace for the same numbers on every
+        backend.
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        As :class:`CustomLoss`; ``sample`` not callable, or a sample with the wrong batch
+        size or namespace.
+
+    References
+    ----------
+    Martens (2014), arXiv:1412.1193, §9.2; Martens and Grosse (2015), §5.
+    """
+
+    _hessian_uses_targets = False
+
+    def __init__(self, outputs, targets=None, *, value, gradient, hessian_sqrt, sample,
+                 weight=1.0):
+        if not callable(sample):
+            raise KFACTypeError(f"{self._fname('__init__')}: sample must be a callable "
+                                f"(outputs, rng) -> targets; got {describe(sample)}.")
+        self._sampler = sample
+        super().__init__(outputs, targets, value=value, gradient=gradient,
+                         hessian_sqrt=hessian_sqrt, weight=weight)
+
+    def _constructor_kwargs(self):
+        return dict(sample=self._sampler, **super()._constructor_kwargs())
+
+    @property
+    def params(self) -> tuple:
+        return (self._outputs,)
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        return self.ggn_factor_inner_shape
+
+    def _sample(self, rng):
+        y = self._sampler(self._outputs, rng)
+        func = self._fname("sample")
+        if not is_array(y):
+            raise KFACTypeError(f"{func}: sample(outputs, rng) must return an array [N, ...]; "
+                                f"got {describe(y)}.")
+        return self._check_targets(func, y)
+
+    def _hessian_matrix(self, targets=None):
+        return self._curvature_matrix()
+
+
+def _autodiff_functions(loss, outputs, targets):
+    """value, gradient and hessian_sqrt functions of :class:`AutodiffLoss` from the user's
+    per-example ``loss`` by the autodiff of the outputs' library (torch.func or JAX).
+
+    Glue for the user's own function, which is written for one of these libraries: the
+    library is imported here, lazily, only when the user's arrays are of it."""
+    xp = namespace_of("AutodiffLoss", outputs=outputs)
+    lib = xp.__name__  # "array_api_compat.torch", "jax.numpy", ...
+    axis = None if targets is None else 0
+    if lib.endswith("torch"):
+        import torch.func as autodiff  # glue for the user's torch function
+
+        def vmap(f):
+            return autodiff.vmap(f, in_dims=(0, axis))
+        grad, hessian = autodiff.grad, autodiff.hessian
+    elif lib.startswith("jax"):
+        import jax as autodiff  # glue for the user's JAX function
+
+        def vmap(f):
+            return autodiff.vmap(f, in_axes=(0, axis))
+        grad, hessian = autodiff.grad, autodiff.hessian
+    else:
+        raise KFACTypeError(f"AutodiffLoss: outputs must be a torch tensor or a JAX array (the "
+                            f"loss is differentiated by their library); got {describe(outputs)}.")
+
+    def value(f, y):
+        return vmap(loss)(f, y)
+
+    def gradient(f, y):
+        return vmap(grad(loss))(f, y)
+
+    def hessian_sqrt(f, y):
+        n, d = f.shape[0], _prod(f.shape[1:])
+        h = xp.reshape(vmap(hessian(loss))(f, y), (n, d, d))
+        return _psd_sqrt(xp, (h + xp.permute_dims(h, (0, 2, 1))) / 2.0)
+
+    return value, gradient, hessian_sqrt
+
+
+def _psd_sqrt(xp, h):
+    r""":math:`B = V\sqrt{\max(\Lambda, 0)}` for :math:`H = V\Lambda V^\top` ``[N, D, D]``;
+    a clearly negative eigenvalue (beyond rounding) is an error: the GGN needs a loss convex
+    in the output."""
+    lam, v = xp.linalg.eigh(h)
+    if checks_values(h):
+        eps = float(xp.finfo(h.dtype).eps)
+        scale = xp.max(xp.abs(lam), axis=-1, keepdims=True)
+        bad = lam < -(100.0 * eps * h.shape[-1]) * scale
+        if any_true(xp, bad):
+            raise KFACValueError(
+                f"AutodiffLoss: the Hessian of loss must be positive semi-definite (a loss "
+                f"convex in the output, as the GGN needs); got an eigenvalue "
+                f"{float(xp.min(lam))!r}.")
+    return v * xp.sqrt(xp.clip(lam, min=0.0))[:, None, :]
+
+
+class AutodiffLoss(CustomLoss):
+    r"""A :class:`CustomLoss` whose gradient and Hessian square root come from automatic
+    differentiation of a per-example loss written for PyTorch or JAX.
+
+    .. math::
+
+        \ell_n = \texttt{loss}(f_n, y_n),\quad
+        \nabla_f\ell_n = \texttt{grad}(\texttt{loss}),\quad
+        \nabla^2_f\ell_n = \texttt{hessian}(\texttt{loss}) = V_n\Lambda_nV_n^\top,\quad
+        B_n = V_n\Lambda_n^{1/2},
+
+    all vectorised over the batch (``torch.func.vmap`` / ``jax.vmap`` of ``grad`` and
+    ``hessian``; no loop over examples), the Hessian symmetrised and its square root taken
+    by one batched ``eigh``.  An eigenvalue below :math:`-100\,\varepsilon D\max|\lambda|`
+    raises (the loss is not convex in the output there; the GGN needs a convex outer
+    loss); smaller negative ones are rounding and are clipped to zero.  The Hessian is
+    :math:`D\times D` per example: this is for outputs of modest size.
+
+    Parameters
+    ----------
+    outputs : torch tensor or JAX array [N, ...]
+        The network output (real floating, finite).
+    targets : array [N, ...], optional
+        Passed to ``loss`` one example at a time (``None`` is passed as is).
+    loss : callable
+        ``loss(output, target) -> scalar`` for ONE example: ``output`` of shape
+        ``outputs.shape[1:]``, ``target`` one row of ``targets`` (or ``None``); written with
+        the library's own operations so that it can be differentiated.
+    weight : float or 0-D array
+
+    Raises
+    ------
+    KFACTypeError, KFACValueError
+        ``loss`` not callable; outputs not a torch tensor or JAX array; a Hessian that is
+        not positive semi-definite; as :class:`CustomLoss` otherwise.
+
+    References
+    ----------
+    ``torch.func.hessian``; ``jax.hessian``; Martens (2014), arXiv:1412.1193, §8.
+    """
+
+    def __init__(self, outputs, targets=None, *, loss, weight=1.0):
+        if not callable(loss):
+            raise KFACTypeError(f"AutodiffLoss: loss must be a callable (output, target) -> "
+                                f"scalar; got {describe(loss)}.")
+        self._loss_fn = loss
+        value, gradient, hessian_sqrt = _autodiff_functions(loss, outputs, targets)
+        super().__init__(outputs, targets, value=value, gradient=gradient,
+                         hessian_sqrt=hessian_sqrt, weight=weight)
+
+    def _with_inputs(self, inputs):
+        return type(self)(inputs[0], targets=self._targets, loss=self._loss_fn,
+                          weight=self._weight)

@@ -72,8 +72,8 @@ def test_exact_mode_update_calls_the_loss_once(monkeypatch, outputs):
     """A ``fisher_exact`` update of the block-diagonal estimator: one loss object, one dense
     factor, no per-vector product, two softmaxes (p and √p) whatever C is."""
     cls = L.CategoricalLogitsNegativeLogProbLoss
-    counts = {"loss_fn": 0, "_fisher_factor_dense": 0, "_fisher_one_hot": 0, "_log_probs": 0}
-    for name in ("_fisher_factor_dense", "_fisher_one_hot", "_log_probs"):
+    counts = {"loss_fn": 0, "_factor_matrix": 0, "_factor_column": 0, "_log_probs": 0}
+    for name in ("_factor_matrix", "_factor_column", "_log_probs"):
         original = getattr(cls, name)
 
         def counting(self, *a, _original=original, _name=name, **k):
@@ -96,5 +96,5 @@ def test_exact_mode_update_calls_the_loss_once(monkeypatch, outputs):
     for k in counts:
         counts[k] = 0
     est.update_curvature_matrix_estimate(st, 0.0, 1.0, 6, None, (params, batch), "fisher_exact")
-    assert counts == {"loss_fn": 1, "_fisher_factor_dense": 1, "_fisher_one_hot": 0,
+    assert counts == {"loss_fn": 1, "_factor_matrix": 1, "_factor_column": 0,
                       "_log_probs": 2}

@@ -195,22 +195,22 @@ def test_weight_and_variance_as_zero_d_arrays_match_python_numbers(xp):
     xp.assert_close(arr.evaluate(), xp.to_numpy(num.evaluate()))
 
 
-def test_kernels_are_the_public_methods_without_checks(xp):
+def test_private_formulas_are_the_public_methods_without_checks(xp):
     z = xp.asarray(_host(7, (3, 4)))
     loss = CAT(z, xp.asarray(np.array([0, 1, 3]), dtype=xp.xp.int64 if xp.float64
                              else xp.xp.int32), weight=2.0)
     u = xp.asarray(_host(8, (3, 4)))
-    k = loss.kernels
-    pairs = [(loss.multiply_fisher((u,))[0], k.multiply_fisher((u,))[0]),
+    pairs = [(loss.multiply_fisher((u,))[0], loss._curvature_vp((u,))[0]),
+             (loss.multiply_ggn((u,))[0], loss._curvature_vp((u,))[0]),
              (loss.multiply_fisher_unweighted((u,))[0],
-              k.multiply_fisher((u,), weighted=False)[0]),
-             (loss.multiply_ggn_factor(u)[0], k.multiply_ggn_factor(u)[0]),
-             (loss.multiply_fisher_factor_transpose((u,)),
-              k.multiply_fisher_factor_transpose((u,))),
+              loss._curvature_vp((u,), weighted=False)[0]),
+             (loss.multiply_ggn_factor(u)[0], loss._factor_vp(u)[0]),
+             (loss.multiply_fisher_factor_transpose((u,)), loss._factor_t_vp((u,))),
              (loss.multiply_fisher_factor_replicated_one_hot([2])[0],
-              k.multiply_fisher_factor_replicated_one_hot((2,))[0]),
-             (loss.evaluate(None, "sqrt"), k.evaluate(None, "sqrt")),
-             (loss.hessian_matrix(), k.hessian_matrix()),
-             (loss.ggn_factor_matrix(), k.ggn_factor_matrix())]
-    for public, kernel in pairs:
-        xp.assert_close(kernel, xp.to_numpy(public), rtol=0.0)
+              loss._factor_column((2,))[0]),
+             (loss.evaluate(None, "sqrt"), loss._evaluate(None, "sqrt")),
+             (loss.grad_of_evaluate(None, "off")[0], loss._grad(None, "off")[0]),
+             (loss.hessian_matrix(), loss._hessian_matrix()),
+             (loss.ggn_factor_matrix(), loss._factor_matrix())]
+    for public, private in pairs:
+        xp.assert_close(private, xp.to_numpy(public), rtol=0.0)

@@ -39,7 +39,8 @@ Validation
 Each public function validates its arguments once — the network, the parameters, the batch
 and its own vectors — and builds the loss object through ``loss_fn`` (whose constructor
 validates the outputs and the targets); every product with the loss then runs through the
-loss's unchecked ``loss.kernels``, and the second moments through
+loss's one unchecked private method for it (``_curvature_vp``, ``_factor_vp``, ...; see
+:mod:`kfac_ref.losses`), and the second moments through
 ``kfac_ref.linalg.compute_cov.kernel``.  For modules that reuse the dense matrices
 (``kfac_ref.curvature.report``), ``evaluate_batch`` does the validation in the name of
 the caller and ``ggn_matrix.kernel(b)``, ``fisher_matrix.kernel(b)`` and
@@ -259,8 +260,7 @@ def check_flat_vector(func, b, v, name="vector"):
 
 def _factor_columns(b, kind):
     """Per-example factor columns as flat vectors: [N, D, K] (weight included, sqrt w)."""
-    k = b.loss.kernels
-    return k.fisher_factor_matrix() if kind == "fisher" else k.ggn_factor_matrix()
+    return b.loss._factor_matrix()  # B_n of the Fisher = of the GGN for every loss
 
 
 # ------------------------------------------------------------------------------------------
@@ -347,8 +347,8 @@ def loss_value_and_grad(net, loss_fn, params, batch):
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
     xp = b.xp
-    value = xp.sum(b.loss.kernels.evaluate()) / b.n
-    g = b.flat(b.loss.kernels.grad_of_evaluate()) / b.n
+    value = xp.sum(b.loss._evaluate()) / b.n
+    g = b.flat(b.loss._grad()) / b.n
     return value, b.vjp(g)
 
 
@@ -452,7 +452,7 @@ def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
 
 @kernel_of(empirical_fisher_matrix)
 def _empirical_fisher_matrix(b, normalization):
-    g = b.vjp(b.flat(b.loss.kernels.grad_of_evaluate()), per_example=True)  # [N, P]
+    g = b.vjp(b.flat(b.loss._grad()), per_example=True)  # [N, P]
     scale = b.n if normalization == "mean" else b.n * b.n
     return _second_moment(b.xp, g, scale)
 
@@ -525,8 +525,7 @@ def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
     if kind == "fisher":
         require_negative_log_prob(func, b, "the Fisher")
     jv = b.as_tuple(b.jvp_flat(vector))
-    k = b.loss.kernels
-    prod = k.multiply_fisher(jv) if kind == "fisher" else k.multiply_ggn(jv)
+    prod = b.loss._curvature_vp(jv)
     return b.vjp(b.flat(prod)) / b.n
 
 
@@ -578,15 +577,15 @@ def empirical_fisher_vector_product(net, loss_fn, params, batch, vector, normali
     b = _Batch(func, net, loss_fn, params, batch)
     _need_targets(func, b)
     check_flat_vector(func, b, vector)
-    g = b.vjp(b.flat(b.loss.kernels.grad_of_evaluate()), per_example=True)
+    g = b.vjp(b.flat(b.loss._grad()), per_example=True)
     scale = b.n if normalization == "mean" else b.n * b.n
     return (g.T @ (g @ vector)) / scale
 
 
 def _hvp(b, vector):
     xp = b.xp
-    grad = b.flat(b.loss.kernels.grad_of_evaluate()) / b.n  # [N, D]
-    hess = b.loss.kernels.hessian_matrix() / b.n  # [N, D, D]
+    grad = b.flat(b.loss._grad()) / b.n  # [N, D]
+    hess = b.loss._hessian_matrix() / b.n  # [N, D, D]
 
     def cot(out, f_dot):
         fd = xp.reshape(f_dot, (b.n, b.d, 1))
@@ -629,9 +628,7 @@ def _factor_t(func, net, loss_fn, params, batch, vector, kind):
     if kind == "fisher":
         require_negative_log_prob(func, b, "the Fisher factor")
     jv = b.as_tuple(b.jvp_flat(vector))
-    k = b.loss.kernels
-    out = (k.multiply_fisher_factor_transpose(jv) if kind == "fisher"
-           else k.multiply_ggn_factor_transpose(jv))
+    out = b.loss._factor_t_vp(jv)
     return out / math.sqrt(b.n)
 
 
@@ -644,8 +641,7 @@ def _factor(func, net, loss_fn, params, batch, inner, kind):
     namespace_of(func, x=b.out, loss_inner_vectors=inner)
     check_array(func, "loss_inner_vectors", inner, shape=tuple(shape),
                 layout="like the loss's factor inner shape")
-    k = b.loss.kernels
-    out = k.multiply_fisher_factor(inner) if kind == "fisher" else k.multiply_ggn_factor(inner)
+    out = b.loss._factor_vp(inner)
     return b.vjp(b.flat(out)) / math.sqrt(b.n)
 
 
@@ -731,7 +727,7 @@ def draw_estimation_stack(func, b, mode, rng, num_samples, empirical_normalizati
         check_random_source(func, "rng", rng, b.out)
     if mode == "fisher_empirical":
         _need_targets(func, b)
-        g = b.flat(loss.kernels.grad_of_evaluate(None, "regular"))
+        g = b.flat(loss._grad(None, "regular"))
         if empirical_normalization == "kfac_jax":
             g = g / math.sqrt(b.n)
         return g[None, ...]
@@ -742,13 +738,13 @@ def draw_estimation_stack(func, b, mode, rng, num_samples, empirical_normalizati
     out = []
     for key in split_source(rng, num_samples):
         if mode == "fisher_gradients":
-            u = b.flat(loss.kernels.grad_of_evaluate_on_sample(key, "sqrt"))
+            u = b.flat(loss._grad(loss._sample(key), "sqrt"))
         elif mode == "fisher_curvature_prop":
             sign = draw_noise(key, b.out, "rademacher", loss.fisher_factor_inner_shape)
-            u = b.flat(loss.kernels.multiply_fisher_factor(sign))
+            u = b.flat(loss._factor_vp(sign))
         else:
             sign = draw_noise(key, b.out, "rademacher", loss.ggn_factor_inner_shape)
-            u = b.flat(loss.kernels.multiply_ggn_factor(sign))
+            u = b.flat(loss._factor_vp(sign))
         out.append(u * scale if num_samples > 1 else u)
     return out[0][None, ...] if num_samples == 1 else xp.stack(out, axis=0)
 
