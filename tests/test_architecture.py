@@ -109,6 +109,17 @@ _ATTRIBUTE_ALLOWED: dict[tuple[str, str], str] = {
         "the factor family (kfac_ref.factors.base), not another module's object"),
 }
 
+# The exact curvature validates the network's output and targets once, at its public
+# entry point, then calls each loss formula's unchecked kernel (the loss's public methods
+# would scan the same arrays again per product; "validate once, one door").
+_LOSS_KERNEL_REASON = (
+    "kfac_ref.curvature.exact has validated the output and targets at its public entry "
+    "point and calls the loss formula's unchecked kernel (kfac_ref.losses)")
+_ATTRIBUTE_ALLOWED.update({
+    ("kfac_ref.curvature.exact", name): _LOSS_KERNEL_REASON
+    for name in ("_evaluate", "_grad", "_sample", "_factor_vp", "_factor_t_vp",
+                 "_factor_matrix", "_hessian_matrix")})
+
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
