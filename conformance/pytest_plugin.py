@@ -14,8 +14,10 @@ against the tolerance, the diagnosed pitfall with its numbers and the docs secti
 formula it gets wrong.  The files of ``--kfac-skips`` / ``--kfac-xfails`` hold one fnmatch
 pattern of case ids or capability names a line, an optional ``# reason`` after it (the
 format of ``python -m conformance --skips/--xfails``); listed cases are skipped / marked
-``xfail`` (non-strict: an XPASS is reported, not failed).  ``--kfac-report DIR`` writes the
-suite's reports (JSON, JUnit, Markdown, HTML) of the items that ran.
+``xfail`` (non-strict: an XPASS is reported, not failed).  ``--kfac-case-timeout SECONDS``
+is the time limit of one case (default 60, 0 = none; a case past it fails as timed out, its call
+runs on in the background).  ``--kfac-report DIR`` writes the suite's reports (JSON, JUnit,
+Markdown, HTML) of the items that ran.
 
 An adapter that cannot be loaded or set up here is a usage error (exit status 4), as on the
 command line.

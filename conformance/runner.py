@@ -83,7 +83,8 @@ class RunReport:
 
     @property
     def ok(self) -> bool:
-        """Passes when nothing failed or errored and at least one case was compared."""
+        """Passes when nothing failed or errored, at least one case was compared and the run
+        was not interrupted."""
         c = self.counts()
         return (not self.unavailable and not self.interrupted and c["fail"] == 0
                 and c["error"] == 0 and (c["pass"] + c["convention"]) > 0)
@@ -158,23 +159,29 @@ def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="l
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     t0 = time.perf_counter()
     setup_error = None
+    fallback = {"name": adapter.name, "description": adapter.description, "version": "",
+                "dtype": adapter.dtype, "conventions": adapter.conventions.to_dict(),
+                "non_canonical_conventions": adapter.conventions.differences()}
     try:
         if setup:
             adapter.setup()
         impl = adapter.implementations()
-        info = adapter.info()
         unavailable = ""
     except KeyboardInterrupt:
         raise
-    except BaseException as exc:  # noqa: BLE001 - AdapterUnavailable, or a broken setup/version
-        impl = {}
+    except BaseException as exc:  # noqa: BLE001 - AdapterUnavailable, or a broken setup
+        impl, info = {}, fallback
         unavailable = str(exc) if isinstance(exc, AdapterUnavailable) else ""
         if not unavailable:
             setup_error = Result(f"{adapter.name}/setup", "adapter.setup", "error",
                                  f"the adapter could not be set up: {_raised(exc)}")
-        info = {"name": adapter.name, "description": adapter.description, "version": "",
-                "dtype": adapter.dtype, "conventions": adapter.conventions.to_dict(),
-                "non_canonical_conventions": adapter.conventions.differences()}
+    else:
+        try:
+            info = adapter.info()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a version lookup is no reason to stop
+            info = dict(fallback, version=f"unknown (version() raised {_raised(exc)})")
     eps = EPS32 if adapter.dtype == "float32" else EPS64
     conv = adapter.conventions
     results = [] if setup_error is None else [setup_error]

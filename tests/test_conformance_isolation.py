@@ -91,6 +91,20 @@ def test_a_setup_that_raises_is_an_error_not_an_unavailable_adapter(kron_cases):
                                                          "error")
     assert row.message.startswith("the adapter could not be set up: SystemExit: setup gave up")
 
+    class NoVersion(Adapter):  # metadata that cannot be read is no reason to stop
+        name = "no_version"
+
+        def version(self):
+            raise LookupError("no distribution metadata")
+
+        @implements("linalg.kron")
+        def kron(self, inputs, params):
+            return np.kron(inputs["a"], inputs["g"])
+
+    rep = run_adapter(NoVersion(), kron_cases, capabilities())
+    assert rep.ok and rep.adapter["version"] == (
+        "unknown (version() raised LookupError: no distribution metadata)")
+
     class Missing(Adapter):  # a missing implementation stays "unavailable" (a skip)
         name = "missing"
 
@@ -191,6 +205,44 @@ def test_ctrl_c_stops_the_run_with_partial_reports(tmp_path, capsys, timeout):
         encoding="utf-8")
     assert "Run interrupted, incomplete" in (out / "interrupted" / "report.html").read_text(
         encoding="utf-8")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="sends SIGINT")
+def test_a_real_ctrl_c_while_a_case_hangs(tmp_path):
+    """SIGINT while the runner waits for a hanging case's thread: the wait is interrupted, the
+    reports are written and the exit status is 130."""
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    path = _write(tmp_path,
+                  "import time\n"
+                  "class A(Adapter):\n"
+                  "    name = 'sigint'\n"
+                  "    @implements('linalg.kron')\n"
+                  "    def kron(self, inputs, params):\n"
+                  "        if inputs['a'].shape[0] == 4:\n"
+                  "            print('HANGING', flush=True)\n"
+                  "            time.sleep(600)\n"
+                  "        return np.kron(inputs['a'], inputs['g'])\n"
+                  "ADAPTER = A()\n")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "conformance", "--adapter", path,
+                             "--out", str(out), *KRON[:-1]],
+                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "HANGING" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "RUN INTERRUPTED, INCOMPLETE: interrupted (Ctrl-C) at case linalg.kron/p4_q3" in stdout
+    rep = _report(out, "sigint")
+    assert rep["interrupted"] and [r["status"] for r in rep["results"]] == ["pass"]
 
 
 # -- a sampler's output must be draws -------------------------------------------------------
