@@ -33,8 +33,16 @@ exit status:
      with --all-adapters: an installed, non-mutant adapter failed; golden --check: a
      golden file is missing, corrupt or out of date
   2  usage error: an unknown option, an adapter that cannot be loaded or is unavailable
-     here (not installed), golden files that cannot be read"""
+     here (not installed), golden files that cannot be read
+130  interrupted (Ctrl-C): the reports of the cases run so far are written, marked
+     interrupted"""
 
+
+#: exit status of a run stopped by Ctrl-C (128 + SIGINT, as a shell reports it)
+EXIT_INTERRUPTED = 130
+#: default of ``run --case-timeout`` (conformance.runner.DEFAULT_CASE_TIMEOUT; repeated here so
+#: that ``--help`` does not import the runner)
+DEFAULT_CASE_TIMEOUT = 60.0
 
 #: widest line ``list`` prints (a terminal of 100 columns)
 LIST_WIDTH = 100
@@ -112,7 +120,7 @@ def _adapter_lines(conventions: bool = False, width: int | None = None) -> list[
     ``conventions``, a second line with its declared conventions (wrapped).  With ``width``,
     descriptions are cut to fit that many columns (the entry-point note is kept)."""
     from .adapter import load_adapter
-    from .adapters import ENTRY_POINT_GROUP, distribution_of, external, shipped
+    from .adapters import ENTRY_POINT_GROUP, broken, distribution_of, external, shipped
 
     rows = []
     ext = external()
@@ -122,13 +130,18 @@ def _adapter_lines(conventions: bool = False, width: int | None = None) -> list[
             adapter = load_adapter(name)
             desc = adapter.description
             conv = _conventions_text(adapter)
-        except Exception as exc:  # noqa: BLE001 - a broken adapter module is listed as such
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken adapter is listed as such
             desc = f"(cannot be loaded: {type(exc).__name__}: {exc})"
         note = ""
         if name in ext:
             dist = distribution_of(name)
             note = f" [entry point {ENTRY_POINT_GROUP}" + (f" of {dist}]" if dist else "]")
         rows.append((name, desc, conv, note))
+    for mod, why in broken().items():  # its adapters' names are unknown: the module's;
+        # the error is the note, never cut
+        rows.append((mod.rsplit(".", 1)[1], "", "", f"(module {mod} cannot be imported: {why})"))
     w = max(len(n) for n, *_ in rows)
     out = []
     for n, d, c, note in rows:
@@ -182,6 +195,18 @@ def _run_options_text(run_parser, prog: str) -> str:
     return fmt.format_help().strip("\n")
 
 
+def _seconds(text: str) -> float:
+    """A ``--case-timeout`` value: a number of seconds ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no limit); "
+                                         f"got {text!r}")
+    return value
+
+
 def _parser(prog: str = PROG):
     epilog = _epilog(prog)
     fmt = argparse.RawDescriptionHelpFormatter
@@ -220,6 +245,11 @@ def _parser(prog: str = PROG):
     r.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
                    help=f"report directory (default: ./{DEFAULT_OUT}, under the current "
                         "directory)")
+    r.add_argument("--case-timeout", type=_seconds, default=DEFAULT_CASE_TIMEOUT,
+                   metavar="SECONDS",
+                   help="time limit of one case (all its adapter calls); a case past it is "
+                        "an error and the run goes on (its call cannot be stopped and runs "
+                        f"on in the background); 0 = no limit (default: {DEFAULT_CASE_TIMEOUT:g})")
     r.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     r.add_argument("--verbose", "-v", action="store_true",
                    help="each failure in full: the case, its numbers, the diagnosis and what "
@@ -286,7 +316,7 @@ def _is_reference(name) -> bool:
 
 def _cmd_run(args) -> int:
     from .adapter import Adapter, AdapterUnavailable, load_adapter
-    from .adapters import external, mutants, shipped
+    from .adapters import broken, external, mutants, shipped
     from .reports import Progress, legend, terminal_summary, write_matrix, write_reports
     from .runner import read_pattern_file
     from .suite import run, select_cases
@@ -308,7 +338,10 @@ def _cmd_run(args) -> int:
             print(locate(f"hint: `{command(prog)} list` shows the adapters; peers run in their "
                          "own environments, see conformance/peers/README.md"), file=sys.stderr)
             return 2
-        except Exception as exc:  # noqa: BLE001 - a broken spec, module or setup
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken spec, module or setup
+            # (SystemExit included: an adapter does not end the run with its own status)
             print(f"error: cannot load adapter {spec!r}: {type(exc).__name__}: {exc}",
                   file=sys.stderr)
             return 2
@@ -323,21 +356,31 @@ def _cmd_run(args) -> int:
         specs.update({k: v for k, v in external().items() if k not in specs})
         if args.with_mutants:
             specs.update(mutants())
+        for mod, why in broken().items():  # reported as errors, never dropped
+            if args.with_mutants or not mod.startswith("conformance.mutants."):
+                specs.setdefault(mod.rsplit(".", 1)[1], _BrokenModule(
+                    f"adapter module {mod} cannot be imported: {why}"))
     else:
         specs = {single.name: single}
-    reports, all_ok = [], True
+    reports, all_ok, interrupted = [], True, False
     for name, spec in specs.items():
         if single is not None:
             adapter = single
         else:
             try:
+                if isinstance(spec, _BrokenModule):
+                    raise spec
                 adapter = load_adapter(spec)
-            except AdapterUnavailable as exc:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - unavailable, or a broken adapter
                 adapter = Adapter()
                 adapter.name = name
+                if isinstance(exc, AdapterUnavailable):
+                    exc = AdapterUnavailable(str(exc))
 
                 def _fail_setup(exc=exc):
-                    raise AdapterUnavailable(str(exc))
+                    raise exc
 
                 adapter.setup = _fail_setup
         self_check = single is not None and _is_reference(adapter.name)
@@ -346,7 +389,8 @@ def _cmd_run(args) -> int:
                 if self_check else "")
         print(f"== adapter {adapter.name}: {len(cases)} cases{what} ==")
         report = run(adapter, cases=cases, skips=skips, xfails=xfails,
-                     progress=Progress(quiet=args.quiet), setup=single is None)
+                     progress=Progress(quiet=args.quiet), setup=single is None,
+                     case_timeout=args.case_timeout)
         report.absent = absent
         report.source = label
         paths = write_reports(report, args.out)
@@ -359,6 +403,11 @@ def _cmd_run(args) -> int:
             if not (args.all_adapters and adapter.name in mutants()):
                 all_ok &= report.ok
         reports.append(report.to_dict())
+        if report.interrupted:
+            print(f"\n{report.interrupted}; the reports hold the cases that ran",
+                  file=sys.stderr)
+            interrupted = True
+            break
         if self_check:
             cmd = command(prog)
             print("next: this was a self-check of the reference.  To check another "
@@ -371,7 +420,13 @@ def _cmd_run(args) -> int:
         print(legend())
         write_matrix(reports, args.out)
         print(f"matrix: {Path(args.out) / 'matrix.md'}, {Path(args.out) / 'matrix.json'}")
+    if interrupted:
+        return EXIT_INTERRUPTED
     return 0 if all_ok else 1
+
+
+class _BrokenModule(RuntimeError):
+    """An adapter module of the suite that cannot be imported (its adapter's run errors)."""
 
 
 def _failure_hint(report, args, paths) -> None:
@@ -628,9 +683,15 @@ def main(argv=None, prog: str = PROG) -> int:
     args = _parser(prog).parse_args(argv)
     args.prog = prog
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    return {"run": _cmd_run, "golden": _cmd_golden, "list": _cmd_list,
-            "matrix": _cmd_matrix, "docs": _cmd_docs,
-            "new-adapter": _cmd_new_adapter}[args.command](args)
+    try:
+        return _COMMANDS[args.command](args)
+    except KeyboardInterrupt:  # outside a run's cases (those write a partial report)
+        print("\ninterrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+_COMMANDS = {"run": _cmd_run, "golden": _cmd_golden, "list": _cmd_list,
+             "matrix": _cmd_matrix, "docs": _cmd_docs, "new-adapter": _cmd_new_adapter}
 
 
 def script() -> int:

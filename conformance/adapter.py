@@ -151,5 +151,12 @@ def load_adapter(spec: str | None = None) -> Adapter:
         try:
             mod = importlib.import_module(path)
         except ImportError as exc:
-            raise AdapterUnavailable(f"cannot import adapter module {path!r}: {exc}") from exc
+            from .adapters import broken
+
+            bad = broken()
+            note = ("; these adapter modules of the suite cannot be imported and may define "
+                    "it: " + "; ".join(f"{m} ({why})" for m, why in bad.items())) if (
+                "." not in path and bad) else ""
+            raise AdapterUnavailable(f"cannot import adapter module {path!r}: {exc}{note}") \
+                from exc
     return _from_module(mod, attr)

@@ -199,6 +199,13 @@ PITFALLS = {
         "variance used as the standard deviation",
         "normal targets drawn as μ + v·ε instead of μ + √v·ε",
         "TF K-FAC `NormalMeanNegativeLogProbLoss.sample` (loss_functions.py)"),
+    "not_draws": (
+        "not draws",
+        "a sampler returned something other than samples of its distribution: probabilities "
+        "or expectations where draws are due, class "
+        "indices that are no integers in [0, k), one-hot rows that are not 0/1 with a single "
+        "1, Bernoulli entries other than 0 and 1, NaN/Inf, complex, text or object values; "
+        "found before any statistics", ""),
     "kronecker_instead_of_exact": (
         "Kronecker-factored block where a full (or diagonal) block is asked",
         "A ⊗ G (or its diagonal) instead of the exact per-example second moment of the "

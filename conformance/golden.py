@@ -133,8 +133,14 @@ def read_manifest(directory=GOLDEN_DIR) -> dict:
     if not path.exists():
         raise GoldenError(f"no golden manifest at {path}; run `python -m conformance golden "
                           "--write`")
+    if not path.is_file():
+        raise GoldenError(f"{path}: not a file; restore it or run `python -m conformance "
+                          "golden --write`")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise GoldenError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}): corrupt; "
+                          "restore it or run `python -m conformance golden --write`") from None
     except json.JSONDecodeError as exc:
         raise GoldenError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column "
                           f"{exc.colno}): truncated or edited; restore it or run `python -m "
@@ -157,28 +163,49 @@ def load_golden(directory=GOLDEN_DIR) -> list[Case]:
     mpath = directory / "manifest.json"
     data = {}
     for fname, meta in manifest["files"].items():
+        if not fname.endswith(".npz") or Path(fname).name != fname:
+            raise GoldenError(f"{mpath}: lists the file {fname!r}; golden data files are .npz "
+                              "files in the golden directory itself")
         path = directory / fname
         if not path.exists():
             raise GoldenError(f"golden file {path} is missing")
+        if not path.is_file():
+            raise GoldenError(f"golden file {path} is not a file")
         digest = _sha256(path)
         if not isinstance(meta, dict) or "sha256" not in meta:
             raise GoldenError(f"{mpath}: the entry of file {fname!r} has no 'sha256'")
         if digest != meta["sha256"]:
             raise GoldenError(f"golden file {path} is corrupt: sha256 {digest} != manifest "
                               f"{meta['sha256']}")
-        with np.load(path, allow_pickle=False) as npz:
-            data[fname] = {k: npz[k] for k in npz.files}
-    cases = []
+        data[fname] = _read_npz(path)
+    cases, seen = [], set()
     for i, c in enumerate(manifest["cases"]):
         cid = c.get("id", f"#{i}") if isinstance(c, dict) else f"#{i}"
         try:
-            cases.append(_case(c, data))
+            case = _case(c, data)
         except KeyError as exc:
             raise GoldenError(f"{mpath}: case {cid}: the entry has no {exc.args[0]!r} (a "
                               "truncated or hand-edited manifest)") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, AttributeError) as exc:
             raise GoldenError(f"{mpath}: case {cid}: malformed entry ({exc})") from None
+        if case.id in seen:
+            raise GoldenError(f"{mpath}: case {cid} is listed twice")
+        seen.add(case.id)
+        cases.append(case)
     return cases
+
+
+def _read_npz(path: Path) -> dict:
+    """The arrays of one golden data file (raises :class:`GoldenError` when it is not an
+    archive of plain ``.npy`` arrays: truncated, another format, pickled objects)."""
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            if not isinstance(npz, np.lib.npyio.NpzFile):
+                raise ValueError("a single .npy array, not an .npz archive")
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise GoldenError(f"golden file {path} cannot be read as an .npz archive of .npy "
+                          f"arrays ({type(exc).__name__}: {exc}): corrupt data") from None
 
 
 def _case(c, data) -> Case:
@@ -199,6 +226,13 @@ def _case(c, data) -> Case:
         if list(arr.shape) != list(entry["shape"]):
             raise GoldenError(f"case {cid}: array {entry['key']} has shape "
                               f"{arr.shape}, manifest says {entry['shape']}")
+        if arr.dtype.str not in ("<f8", "<i8") or arr.dtype.str != entry.get("dtype",
+                                                                             arr.dtype.str):
+            raise GoldenError(f"golden file {fname}: array {entry['key']} of case {cid} has "
+                              f"dtype {arr.dtype.str}"
+                              + (f", manifest says {entry['dtype']}" if "dtype" in entry else "")
+                              + ": corrupt data (golden arrays are little-endian float64 "
+                              "'<f8' or int64 '<i8')")
         if arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
             bad = int(np.sum(~np.isfinite(arr)))
             raise GoldenError(f"golden file {fname}: array {entry['key']} of case {cid} holds "
@@ -212,6 +246,23 @@ def _case(c, data) -> Case:
         dict(c["params"]), get(a["expected"]), Tolerance.from_dict(c["tolerance"]),
         dict(c["meta"]), {n: get(e) for n, e in a["alternatives"].items()},
         c.get("description", ""), source="golden")
+
+
+def _unlisted_arrays(directory, manifest) -> list[str]:
+    """Entries of the listed data files that no case of the manifest refers to."""
+    keys: dict[str, set] = {}
+    for c in manifest["cases"]:
+        a = c["arrays"]
+        entries = [*a["inputs"].values(), a["expected"], *a["alternatives"].values()]
+        keys.setdefault(c["file"], set()).update(e["key"] + ".npy" for e in entries)
+    out = []
+    for fname in sorted(manifest["files"]):
+        with zipfile.ZipFile(Path(directory) / fname) as zf:
+            extra = sorted(set(zf.namelist()) - keys.get(fname, set()))
+        if extra:
+            out.append(f"{fname}: {len(extra)} array(s) that no case of the manifest lists, "
+                       f"e.g. {extra[0]} (left over or copied in; regenerate)")
+    return out
 
 
 def _disagreement(stored, live, rtol, scale=0.0) -> str:
@@ -253,11 +304,14 @@ def check_golden(live_cases, directory=GOLDEN_DIR) -> list[str]:
         golden = {c.id: c for c in load_golden(directory)}
     except GoldenError as exc:
         return [str(exc)]
-    listed = set(read_manifest(directory)["files"])
-    for extra in sorted(p.name for p in Path(directory).glob("*.npz")):
-        if extra not in listed:
-            problems.append(f"{extra}: a .npz file in {directory} that the manifest does not "
-                            "list (left over or copied in; remove it or regenerate)")
+    manifest = read_manifest(directory)
+    listed = set(manifest["files"])
+    for extra in sorted(p.name for p in Path(directory).iterdir()):
+        if extra not in listed and extra != "manifest.json" and not extra.startswith("."):
+            problems.append(f"{extra}: a {'.npz ' if extra.endswith('.npz') else ''}file in "
+                            f"{directory} that the manifest does not list (left over or copied "
+                            "in; remove it or regenerate)")
+    problems += _unlisted_arrays(directory, manifest)
     live = {c.id: c for c in live_cases}
     for cid in sorted(set(live) - set(golden)):
         problems.append(f"{cid}: in the live catalogue but not in the golden files "

@@ -121,6 +121,8 @@ def html_report(report: dict) -> str:
     ]
     if report.get("unavailable"):
         parts.append(f"<p><b>Adapter unavailable:</b> {_e(report['unavailable'])}</p>")
+    if report.get("interrupted"):
+        parts.append(f"<p><b>Run interrupted, incomplete:</b> {_e(report['interrupted'])}</p>")
     bad = [r for r in report["results"] if r["status"] in ("fail", "error", "xfail")]
     if bad:
         parts.append("<h2>Failures, errors and expected failures</h2>")

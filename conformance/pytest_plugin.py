@@ -14,8 +14,10 @@ against the tolerance, the diagnosed pitfall with its numbers and the docs secti
 formula it gets wrong.  The files of ``--kfac-skips`` / ``--kfac-xfails`` hold one fnmatch
 pattern of case ids or capability names a line, an optional ``# reason`` after it (the
 format of ``python -m conformance --skips/--xfails``); listed cases are skipped / marked
-``xfail`` (non-strict: an XPASS is reported, not failed).  ``--kfac-report DIR`` writes the
-suite's reports (JSON, JUnit, Markdown, HTML) of the items that ran.
+``xfail`` (non-strict: an XPASS is reported, not failed).  ``--kfac-case-timeout SECONDS``
+is the time limit of one case (default 60, 0 = none; a case past it fails as timed out, its call
+runs on in the background).  ``--kfac-report DIR`` writes the suite's reports (JSON, JUnit,
+Markdown, HTML) of the items that ran.
 
 An adapter that cannot be loaded or set up here is a usage error (exit status 4), as on the
 command line.
@@ -48,6 +50,9 @@ def pytest_addoption(parser):
                     help="file of case-id/capability patterns to skip")
     group.addoption("--kfac-xfails", default=None, metavar="FILE",
                     help="file of case-id/capability patterns expected to fail")
+    group.addoption("--kfac-case-timeout", default=None, type=float, metavar="SECONDS",
+                    help="time limit of one case (default 60; 0 = no limit): a case past it "
+                         "fails as timed out (its call runs on in the background)")
     group.addoption("--kfac-report", default=None, metavar="DIR",
                     help="write the suite's reports (JSON, JUnit, Markdown, HTML) here")
     parser.addini("kfac_adapter", "default for --kfac-adapter", default="")
@@ -144,14 +149,15 @@ class ConformanceItem(pytest.Item):
 
     def runtest(self):
         from .model import EPS32, EPS64
-        from .runner import _run_one
+        from .runner import DEFAULT_CASE_TIMEOUT, _run_one
 
         state = self.config.stash[_STATE]
         adapter = state["adapter"]
         eps = EPS32 if adapter.dtype == "float32" else EPS64
+        timeout = self.config.getoption("kfac_case_timeout")
         r = _run_one(adapter, state["impl"], adapter.conventions,
                      state["caps"].get(self.case.capability), self.case, eps, state["skips"],
-                     None, "")
+                     None, "", timeout=DEFAULT_CASE_TIMEOUT if timeout is None else timeout)
         r.source = self.case.source
         r.description = self.case.description
         state["results"][self.case.id] = r

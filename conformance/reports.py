@@ -87,6 +87,8 @@ def terminal_summary(report: RunReport, with_legend: bool = True, verbose: bool 
         lines.append("declared conventions: " + ", ".join(f"{k}={v!r}" for k, v in nc.items()))
     if report.unavailable:
         lines.append(f"ADAPTER UNAVAILABLE: {report.unavailable}")
+    if report.interrupted:
+        lines.append(f"RUN INTERRUPTED, INCOMPLETE: {report.interrupted}")
     rows = []
     for cap in report.capabilities():
         c = report.counts(cap)
@@ -114,7 +116,9 @@ def terminal_summary(report: RunReport, with_legend: bool = True, verbose: bool 
         lines.append(f"absent family {fam}: {why}")
     n_cmp = tot["pass"] + tot["convention"]
     verdict = "PASSED" if report.ok else "FAILED"
-    if n_cmp == 0 and not bad:
+    if report.interrupted:
+        verdict = "INTERRUPTED"
+    elif n_cmp == 0 and not bad:
         verdict += " (nothing was compared: an empty run never passes)"
     lines.append(f"\n{verdict}: {tot['pass']} passed, {tot['convention']} passed under declared "
                  f"conventions, {tot['fail']} failed, {tot['error']} errors, {tot['xfail']} "
@@ -242,6 +246,8 @@ def _markdown(report: RunReport) -> str:
         out.append("")
     if report.unavailable:
         out += [f"**Adapter unavailable**: {report.unavailable}", ""]
+    if report.interrupted:
+        out += [f"**Run interrupted, incomplete**: {report.interrupted}", ""]
     out += ["| capability | pass | pass under declared convention | fail | error | xfail | skip "
             "| diagnosis |",
             "|---|---|---|---|---|---|---|---|"]

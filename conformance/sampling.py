@@ -51,7 +51,15 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["ALPHA", "CHEBYSHEV_C", "GROUP_SIZE", "plan", "binomial_tail", "StatResult",
-           "statistical_check"]
+           "statistical_check", "NotDraws"]
+
+
+class NotDraws(ValueError):
+    """A sampler's output is not draws of its distribution: probabilities or expectations
+    where samples are due, values outside the support (a class index that is no integer in
+    [0, k), a one-hot row that is not 0/1 with a single 1, a Bernoulli entry that is not 0 or
+    1), non-finite, complex, text or object values.  The runner reports the case as a
+    failure diagnosed ``not_draws``."""
 
 #: false-alarm probability bound of one statistical case
 ALPHA = 1e-6

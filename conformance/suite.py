@@ -7,7 +7,7 @@ import fnmatch
 from .adapter import load_adapter
 from .catalogue import build_catalogue, capabilities
 from .golden import GOLDEN_DIR, GoldenError, load_golden
-from .runner import run_adapter
+from .runner import DEFAULT_CASE_TIMEOUT, run_adapter
 
 __all__ = ["select_cases", "run", "SOURCES"]
 
@@ -57,10 +57,12 @@ def select_cases(source="auto", families=None, capability=None, keyword=None,
 
 
 def run(adapter=None, source="auto", families=None, capability=None, keyword=None,
-        skips=None, xfails=None, progress=None, cases=None, setup=True):
+        skips=None, xfails=None, progress=None, cases=None, setup=True,
+        case_timeout=DEFAULT_CASE_TIMEOUT):
     """Run one adapter (an :class:`~conformance.adapter.Adapter`, a spec string or ``None``
     for ``$KFAC_CONFORMANCE_ADAPTER``) and return its :class:`~conformance.runner.RunReport`
-    (``setup=False``: the adapter is an instance already set up).
+    (``setup=False``: the adapter is an instance already set up; ``case_timeout``: seconds
+    each case may take, ``None`` or 0 for no limit).
     """
     if adapter is None or isinstance(adapter, str):
         adapter = load_adapter(adapter)  # AdapterUnavailable propagates
@@ -68,4 +70,5 @@ def run(adapter=None, source="auto", families=None, capability=None, keyword=Non
     if cases is None:
         cases, absent, label = select_cases(source, families, capability, keyword)
     return run_adapter(adapter, cases, capabilities(), absent=absent, source=label,
-                       skips=skips, xfails=xfails, progress=progress, setup=setup)
+                       skips=skips, xfails=xfails, progress=progress, setup=setup,
+                       case_timeout=case_timeout)

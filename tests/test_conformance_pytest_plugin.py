@@ -122,3 +122,32 @@ def test_an_adapter_that_cannot_load_is_a_usage_error(tmp_path):
     assert rc == 4, out
     assert "--kfac-adapter: adapter 'no_such_module_xyz' is unavailable: cannot import " \
            "adapter module 'no_such_module_xyz'" in out
+
+
+def test_a_case_that_exits_or_hangs_fails_alone(tmp_path):
+    """An adapter's SystemExit is its case's failure, and --kfac-case-timeout ends a hanging
+    case; the other items run."""
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "unruly.py").write_text(
+        "import sys, time\n"
+        "import numpy as np\n"
+        "from conformance.adapter import Adapter, implements\n\n"
+        "class Unruly(Adapter):\n"
+        "    name = 'unruly'\n\n"
+        "    @implements('linalg.kron')\n"
+        "    def kron(self, inputs, params):\n"
+        "        if inputs['a'].shape[0] == 3:\n"
+        "            sys.exit(0)\n"
+        "        return np.kron(inputs['a'], inputs['g'])\n\n"
+        "    @implements('linalg.kron_matvec')\n"
+        "    def kron_matvec(self, inputs, params):\n"
+        "        time.sleep(60)\n\n"
+        "ADAPTER = Unruly\n")
+    rc, out = _pytest(tmp_path, "--kfac-adapter=unruly.py", "--kfac-family=linalg",
+                      "--kfac-case-timeout=0.5", "-k", "kron")
+    assert rc == 1, out
+    assert "1 passed" in out and "3 failed" in out, out
+    assert "the adapter raised: SystemExit: 0 (a BaseException that would have ended the run)" \
+        in out
+    assert "the adapter raised: timed out: the case ran longer than the per-case limit of 0.5 s" \
+        in out

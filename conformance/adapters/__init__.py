@@ -17,6 +17,10 @@ Adapters outside this package join through the entry-point group :data:`ENTRY_PO
 is listed by ``python -m conformance list``, runs with ``--adapter mykfac`` and takes part in
 ``--all-adapters`` and the ecosystem matrix.  ``python -m conformance new-adapter NAME``
 writes a commented skeleton to start from.
+
+A module here that cannot be imported (a syntax error, a top-level import of a missing
+library) is not dropped: :func:`broken` names it with its exception, ``list`` shows it and
+``--all-adapters`` reports it as an error.
 """
 
 from __future__ import annotations
@@ -24,14 +28,16 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-__all__ = ["registry", "shipped", "mutants", "external", "ENTRY_POINT_GROUP"]
+__all__ = ["registry", "shipped", "mutants", "external", "broken", "ENTRY_POINT_GROUP"]
 
 #: entry-point group through which installed distributions contribute adapters
 ENTRY_POINT_GROUP = "kfac_ref.conformance_adapters"
 
 
 def _collect(package):
-    out = {}
+    """The adapters of ``package``'s modules: (name -> spec, module -> why it cannot be
+    imported).  A broken module must not hide the others, nor disappear."""
+    out, bad = {}, {}
     pkg = importlib.import_module(package)
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name.startswith("_"):
@@ -39,24 +45,36 @@ def _collect(package):
         modname = f"{package}.{info.name}"
         try:
             mod = importlib.import_module(modname)
-        except Exception:  # noqa: BLE001 - a broken adapter module must not hide the others
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit at import time included
+            bad[modname] = f"{type(exc).__name__}: {exc}"
             continue
         if hasattr(mod, "ADAPTERS"):
             for name, target in mod.ADAPTERS.items():
                 out[name] = target if isinstance(target, str) else f"{modname}:{target.__name__}"
         elif hasattr(mod, "ADAPTER"):
             out[getattr(mod.ADAPTER, "name", info.name)] = modname
-    return out
+    return out, bad
 
 
 def shipped() -> dict:
     """Adapters for real implementations: name -> spec."""
-    return _collect("conformance.adapters")
+    return _collect("conformance.adapters")[0]
 
 
 def mutants() -> dict:
     """Deliberately wrong adapters (one pitfall each): name -> spec."""
-    return _collect("conformance.mutants")
+    return _collect("conformance.mutants")[0]
+
+
+def broken() -> dict:
+    """Adapter modules of this suite (shipped adapters and mutants) that cannot be imported:
+    module name -> ``"ExceptionType: message"``.  Their adapters are missing from
+    :func:`shipped` and :func:`mutants`; ``list`` and ``--all-adapters`` report them."""
+    out = dict(_collect("conformance.adapters")[1])
+    out.update(_collect("conformance.mutants")[1])
+    return out
 
 
 def external() -> dict:

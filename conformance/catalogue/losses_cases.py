@@ -60,16 +60,41 @@ def _variance_scale(arr, case, conv):
 
 def sample_statistic(y, case):
     """Sufficient statistic T(y) of one sample whose mean the statistical route tests: one-hot
-    classes (categorical), the 0/1 values (one-hot, Bernoulli), (y, (y − μ)²) (normal)."""
+    classes (categorical), the 0/1 values (one-hot, Bernoulli), (y, (y − μ)²) (normal).
+
+    ``y`` must be draws (:class:`~conformance.sampling.NotDraws` otherwise): integer class
+    indices in [0, k) of shape [N] (categorical), 0/1 rows with a single 1 (one-hot), 0/1
+    entries (Bernoulli), finite real values (normal), each in the shape of the parameters."""
+    from ..sampling import NotDraws
+
     kind, inputs = case.params["loss"], case.inputs
-    y = np.asarray(y, dtype=np.float64)
+    raw = np.asarray(y)
+    if raw.dtype.kind not in "biuf":
+        raise NotDraws(f"a sample is real numbers; got an array of dtype {raw.dtype}")
+    y = raw.astype(np.float64)
     if kind == "categorical":
         k = inputs["logits"].shape[-1]
         if y.shape != inputs["logits"].shape[:-1] or not np.all(np.isin(y, np.arange(k))):
-            raise ValueError(f"a categorical sample must be class indices in [0, {k}) of "
-                             f"shape {inputs['logits'].shape[:-1]}; got shape {y.shape}")
+            raise NotDraws(f"a categorical sample must be integer class indices in [0, {k}) "
+                           f"of shape {inputs['logits'].shape[:-1]}; got shape {y.shape}"
+                           + (" (probabilities?)" if y.shape == inputs["logits"].shape
+                              else ""))
         return np.eye(k)[y.astype(np.int64)]
+    shape = inputs["logits" if "logits" in inputs else "mean"].shape
+    if y.shape != shape:
+        raise NotDraws(f"a {kind} sample has the shape of its parameters, {shape}; got "
+                       f"{y.shape}")
+    if not np.all(np.isfinite(y)):
+        raise NotDraws(f"a {kind} sample holds {int(np.sum(~np.isfinite(y)))} NaN/Inf "
+                       "values")
     if kind in ("onehot_categorical", "multi_bernoulli"):
+        if not np.all((y == 0) | (y == 1)):
+            bad = y[(y != 0) & (y != 1)]
+            raise NotDraws(f"a {kind} sample holds 0 and 1 only; got {bad.size} other "
+                           f"value(s), e.g. {bad.flat[0]:.4g} (probabilities instead of "
+                           "draws?)")
+        if kind == "onehot_categorical" and not np.all(y.sum(axis=-1) == 1):
+            raise NotDraws("a onehot_categorical sample has exactly one 1 per row")
         return y
     return np.concatenate([y, (y - inputs["mean"]) ** 2], axis=-1)
 
