@@ -39,9 +39,11 @@ eigenvalues :math:`\lambda_{g,k}` of each block, which every structure has in cl
 §4; laplace-torch's ``KronDecomposed`` without damping).  ``"kron_factored"`` is the
 posterior precision of Ritter, Botev & Barber (2018), eq. 7,
 :math:`(\sqrt s A + \sqrt\delta I)\otimes(\sqrt s G + \sqrt\delta I)`, which adds the prior
-to each factor (laplace-torch's ``damping=True``): it is *not* :math:`sH + P_0`, the
+to each factor (laplace-torch's damped ``KronDecomposed``): it is *not* :math:`sH + P_0`, the
 cross term :math:`\sqrt{s\delta}(A\otimes I + I\otimes G)` comes with it, and the
-evidence keeps :math:`\log\det P_0 = n_g\log\delta_g`.  ``"ekfac"`` is George et al.'s
+evidence keeps :math:`\log\det P_0 = n_g\log\delta_g`.  Unlike the exact posterior it
+depends on how a scalar is shared between the factors (:math:`(\alpha A, G/\alpha)` gives
+another posterior); the factors are used as given.  ``"ekfac"`` is George et al.'s
 (2018) :math:`H_g = (Q_A\otimes Q_G)\operatorname{diag}(\operatorname{vec}S)(Q_A\otimes
 Q_G)^\top` with orthogonal :math:`Q_A, Q_G`, whose eigenvalues are the entries of
 :math:`S`.  In the ``"kron"`` structures a group may also be one full block ``H_g``
