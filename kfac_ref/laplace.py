@@ -217,8 +217,12 @@ def _check_args(func, params, curvature, prior_precision, structure, temperature
     prior_mean = _check_prior_mean(func, prior_mean, params)
     if log_likelihood is not None:
         log_likelihood = _check_log_likelihood(func, log_likelihood)
+    loss_arrays = ({f"log_likelihood.{k}": a for k, a in
+                    enumerate(log_likelihood.parameter_dependants)}
+                   if isinstance(log_likelihood, LossFunction) else {})
     namespace_of(func, params_0=params[0], prior_precision=prior_precision,
-                 temperature=temperature, log_likelihood=_loglik_array(log_likelihood))
+                 temperature=temperature, log_likelihood=_loglik_array(log_likelihood),
+                 **loss_arrays)
     return xp, structure, prior_precision, temperature, prior_mean, log_likelihood
 
 

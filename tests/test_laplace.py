@@ -347,3 +347,7 @@ def test_mixed_namespaces_are_refused(rng):
     with pytest.raises(KFACTypeError, match="one array namespace"):
         laplace.laplace_log_marginal_likelihood(
             LOGLIK, [params[0], torch.asarray(params[1])], curv)
+    loss = losses.CategoricalLogitsNegativeLogProbLoss(torch.zeros((2, 3), dtype=torch.float64),
+                                                       targets=torch.tensor([0, 1]))
+    with pytest.raises(KFACTypeError, match="one array namespace"):
+        laplace.laplace_log_marginal_likelihood(loss, params, curv)
