@@ -330,6 +330,7 @@ def laplace_log_marginal_likelihood(log_likelihood, params, curvature, prior_pre
     prior_precision : float, 0-D array or array [n_groups]
         :math:`\delta > 0`, one for all groups or one per group.
     structure : {"kron", "kron_factored", "ekfac", "diagonal", "full"}
+        How ``curvature`` is given and which eigenvalue identity applies (module docstring).
     temperature : float
         :math:`T > 0`.
     prior_mean : float or list of arrays
