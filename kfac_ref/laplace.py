@@ -183,6 +183,10 @@ def _check_prior_precision(func, prior_precision, n_groups):
             if any_true(xp, xp.any(prior_precision <= 0)):
                 _fail(func, "prior_precision", "positive", describe(prior_precision))
         return prior_precision
+    if not is_array(prior_precision) and not isinstance(prior_precision, numbers.Real):
+        _fail(func, "prior_precision", f"a positive number, a 0-D array or a 1-D array "
+              f"[{n_groups}] (one per parameter group)", describe(prior_precision),
+              KFACTypeError)
     return check_scalar(func, "prior_precision", prior_precision, positive=True)
 
 

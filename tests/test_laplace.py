@@ -314,6 +314,8 @@ def _ok(rng):
     (lambda p, c: dict(prior_precision=np.ones(3)), KFACValueError,
      r"prior_precision must be an array of shape \(2\)"),
     (lambda p, c: dict(temperature=-1.0), KFACValueError, "temperature must be positive"),
+    (lambda p, c: dict(prior_precision=[1.0, 2.0]), KFACTypeError,
+     r"prior_precision must be a positive number, a 0-D array or a 1-D array \[2\]"),
     (lambda p, c: dict(prior_mean=[p[0]]), KFACValueError, "prior_mean must be a list"),
     (lambda p, c: dict(log_likelihood="nll"), KFACTypeError, "log_likelihood must be a real"),
     (lambda p, c: dict(params=[p[0], np.full(p[1].shape, np.nan)]), KFACValueError,
