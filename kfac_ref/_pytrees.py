@@ -3,7 +3,8 @@ r"""kfac_ref's state classes as JAX pytrees, registered without importing JAX at
 A state (:class:`~kfac_ref.blocks.kfac_jax.BlockState`,
 :class:`~kfac_ref.curvature.estimators.BlockDiagonalState`,
 :class:`~kfac_ref.curvature.estimators.ExplicitState`,
-:class:`~kfac_ref.averaging.WeightedMovingAverage`) is a JAX pytree once
+:class:`~kfac_ref.averaging.WeightedMovingAverage`, :class:`~kfac_ref.optim.OptimizerState`
+and its :class:`~kfac_ref.optim.StepStats`) is a JAX pytree once
 :func:`register_jax_pytrees` has run, so it can be passed into, returned from and closed over
 by ``jax.jit`` (and ``jax.tree_util`` maps over its arrays).  Registration is lazy: each state
 class declares here how it splits into arrays and static data
@@ -57,7 +58,8 @@ def register_jax_pytrees():
         \text{state} \;\mapsto\; (\text{arrays}, \text{static data}),
         \qquad \texttt{tree\_unflatten}(\texttt{tree\_flatten}(s)) = s
 
-    After this call every block state, estimator state and weighted moving average can
+    After this call every block state, estimator state, optimiser state and weighted
+    moving average can
     cross a ``jax.jit`` boundary (argument, result or closure) and be mapped over with
     ``jax.tree_util``.  kfac_ref calls it itself when a block's or an estimator's ``init``
     receives a JAX array, and when it is imported after JAX; a user calls it to map over

@@ -1613,11 +1613,11 @@ class CustomLoss(LossFunction):
     row-major; :math:`K \ge 1` any number of columns, e.g. :math:`K = D` for a full
     square root, :math:`K = 1` for a rank-one Hessian):
 
-    ============================  =============================================
-    ``value(outputs, targets)``        ``[N]``: the per-example loss, not reduced
-    ``gradient(outputs, targets)``     ``outputs.shape``: per example, no :math:`1/N`
-    ``hessian_sqrt(outputs, targets)`` ``[N, D, K]``
-    ============================  =============================================
+    ==================================  ==============================================
+    ``value(outputs, targets)``         ``[N]``: the per-example loss, not reduced
+    ``gradient(outputs, targets)``      ``outputs.shape``: per example, no :math:`1/N`
+    ``hessian_sqrt(outputs, targets)``  ``[N, D, K]``
+    ==================================  ==============================================
 
     Each returns an array of the outputs' namespace, device and dtype; a result of another
     shape, dtype or namespace, or with a NaN or an infinity (on eager arrays, while value

@@ -57,6 +57,7 @@ from ._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from ._pytrees import frozen, join, split, state_class
 
 __all__ = [
     "MOMENTUM_TYPES",
@@ -573,6 +574,45 @@ class OptimizerState:
     preconditioner_state: Any = None
     preconditioner_damping: Any = None
     stats: StepStats | None = None
+
+
+# JAX pytrees (kfac_ref._pytrees): arrays are leaves (a jitted function takes and returns an
+# optimiser state); the step counter and the step's flags stay static, like a Python-number
+# damping, because the step's schedule branches on them.
+_STATS_VALUES = ("loss", "learning_rate", "momentum", "damping", "precon_damping",
+                 "new_loss", "rho", "quad_model_change", "scaled_grad_norm_sq",
+                 "clip_coefficient")
+
+
+def _flatten_stats(stats):
+    leaves, skeleton = split(tuple(getattr(stats, f) for f in _STATS_VALUES))
+    return (tuple(leaves),), (skeleton, stats.step, stats.updated_curvature,
+                              stats.updated_inverse)
+
+
+def _unflatten_stats(aux, children):
+    skeleton, step, curvature, inverse = aux
+    values = dict(zip(_STATS_VALUES, join(skeleton, children[0]), strict=True))
+    return frozen(StepStats, step=step, updated_curvature=curvature,
+                  updated_inverse=inverse, **values)
+
+
+def _flatten_optimizer_state(st):
+    leaves, skeleton = split((st.damping, st.velocity, st.preconditioner_damping))
+    return ((tuple(leaves), st.estimator_state, st.preconditioner_state, st.stats),
+            (st.step, skeleton))
+
+
+def _unflatten_optimizer_state(aux, children):
+    step, skeleton = aux
+    damping, velocity, preconditioner_damping = join(skeleton, children[0])
+    return frozen(OptimizerState, step=step, damping=damping, velocity=velocity,
+                  estimator_state=children[1], preconditioner_state=children[2],
+                  preconditioner_damping=preconditioner_damping, stats=children[3])
+
+
+state_class(StepStats, _flatten_stats, _unflatten_stats)
+state_class(OptimizerState, _flatten_optimizer_state, _unflatten_optimizer_state)
 
 
 # ------------------------------------------------------------------------------------------

@@ -339,3 +339,36 @@ def test_jitted_step_next_to_kfac_jax():
         func_args=(th, (a, b)), estimation_mode="ggn_exact"))(pst, theta, jx, jy)
     theirs = peer.to_diagonal_block_dense_matrix(pst)
     _close(tuple(theirs), tuple(np.asarray(o) for o in ours))
+
+
+def test_optimizer_state_crosses_jit():
+    """An optimiser state (with its step statistics) is a pytree: it leaves a jitted function
+    with the arrays it entered with, and the next eager step from the returned state gives
+    the numbers of the next step from the original one; the step counter, the flags and a
+    Python-number damping are static."""
+    from kfac_ref.optim import KFACOptimizer, OptimizerState, StepStats
+
+    net, params, x, y, _ = _net_case()
+    params, batch = _jax_tree(params), (jnp.asarray(x), jnp.asarray(y))
+    opt = KFACOptimizer(net, CE, BlockDiagonalCurvature(net, _ce), damping=0.1,
+                        momentum_type="qmodel", curvature_ema=0.5)
+    state = opt.init(params, batch, np.random.default_rng(0))
+    params1, state1 = opt.step(state, params, batch, np.random.default_rng(1))
+    assert isinstance(state1.stats, StepStats)
+
+    leaves, treedef = jax.tree_util.tree_flatten(state1)
+    # arrays, and the moving averages' weights (leaves even as Python numbers)
+    assert all(isinstance(leaf, (jax.Array, float)) for leaf in leaves)
+    assert sum(isinstance(leaf, jax.Array) for leaf in leaves) > len(leaves) // 2
+    rebuilt = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert isinstance(rebuilt, OptimizerState)
+    assert (rebuilt.step, rebuilt.damping) == (state1.step, state1.damping) == (1, 0.1)
+    assert rebuilt.stats.updated_inverse == state1.stats.updated_inverse
+
+    through = jax.jit(lambda s: s)(state1)
+    assert through.step == 1 and through.stats.step == state1.stats.step
+    _close(through, state1)
+    want = opt.step(state1, params1, batch, np.random.default_rng(2))
+    got = opt.step(through, params1, batch, np.random.default_rng(2))
+    _close(got[0], want[0])
+    _close(got[1].velocity, want[1].velocity)
