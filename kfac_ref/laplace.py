@@ -14,7 +14,8 @@ approximates the evidence by (MacKay 1992; Immer et al. 2021, eq. 4; Daxberger e
     \log p(\mathcal D) \approx \frac{\ell(\theta_*)}{T}
     - \frac12\Big[(\theta_* - \mu_0)^\top P_0 (\theta_* - \mu_0)
     + \log\det P - \log\det P_0\Big],
-    \qquad P = \frac1T H + P_0,
+
+    P = \frac1T H + P_0,
 
 with :math:`\ell(\theta_*) = \log p(\mathcal D\mid\theta_*)` (the :math:`\tfrac n2\log 2\pi`
 of the prior and of the Gaussian integral cancel).  :math:`H` is block diagonal over the

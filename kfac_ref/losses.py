@@ -1781,7 +1781,8 @@ class CustomNegativeLogProbLoss(CustomLoss, NegativeLogProbLoss):
     .. math::
 
         \ell_n = -\log p(y_n\mid f_n),\qquad
-        F_n = \nabla^2_f\ell_n = G_n = B_n B_n^\top ,\qquad
+        F_n = \nabla^2_f\ell_n = G_n = B_n B_n^\top ,
+
         \texttt{sample}(f, \texttt{rng})_n = \tilde y_n \sim p(\cdot\mid f_n),
 
     because for an exponential family in its natural parameters the Hessian of the negative
@@ -1910,7 +1911,8 @@ class AutodiffLoss(CustomLoss):
     .. math::
 
         \ell_n = \texttt{loss}(f_n, y_n),\quad
-        \nabla_f\ell_n = \texttt{grad}(\texttt{loss}),\quad
+        \nabla_f\ell_n = \texttt{grad}(\texttt{loss}),
+
         \nabla^2_f\ell_n = \texttt{hessian}(\texttt{loss}) = V_n\Lambda_nV_n^\top,\quad
         B_n = V_n\Lambda_n^{1/2},
 

@@ -595,7 +595,8 @@ class Sequential:
         .. math::
 
             R\{\nabla_{\theta_l}\} = (\partial_\theta f_l)^\top R\{g_l\}
-            + R\{\partial_\theta f_l\}^\top g_l, \qquad
+            + R\{\partial_\theta f_l\}^\top g_l,
+
             R\{g_{l-1}\} = (\partial_x f_l)^\top R\{g_l\} + R\{\partial_x f_l\}^\top g_l,
 
         layer by layer with :meth:`~kfac_ref.nn.Layer.rvjp`, from :math:`g_L` = ``g_out``
