@@ -92,6 +92,7 @@ source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 kfac_markdown_pages = {
     "conformance/generated/README.md": "conformance/README.md",
     "conformance/generated/GOLDEN_SPEC.md": "conformance/GOLDEN_SPEC.md",
+    "generated/CONTRIBUTING.md": "CONTRIBUTING.md",
 }
 # The ecosystem matrix (docs/_ext/kfac_matrix.py): drawn at build time from the suite's
 # matrix.json (path relative to the repository root) into a git-ignored folder of docs/, and

@@ -9,13 +9,9 @@ import numpy as np
 import pytest
 
 from conformance.adapter import Adapter, AdapterUnavailable, load_adapter
+from conformance.adapters.kfac_ref_optimizer import kfac_optimizer_steps
 from conformance.catalogue import build_catalogue, capabilities
-from conformance.catalogue.optimizer_cases import (
-    FAULTS,
-    PITFALLS,
-    pitfall_steps,
-    reference_steps,
-)
+from conformance.catalogue.optimizer_cases import FAULTS, PITFALLS, pitfall_steps
 from conformance.conventions import Conventions
 from conformance.model import EPS32, EPS64
 from conformance.runner import run_adapter
@@ -55,7 +51,7 @@ def test_momentum_pitfall_is_insensitive_without_momentum():
 def test_reference_on_every_backend(xp, case):
     """kfac_ref's optimiser on every backend cell agrees with the float64 NumPy expectation
     within the case's own budget at the cell's precision."""
-    got = reference_steps(case.params, case.inputs, xp.asarray, xp.to_numpy)
+    got = kfac_optimizer_steps(case.params, case.inputs, xp.asarray, xp.to_numpy)
     assert got.shape == case.expected.shape
     assert _rel(got, case.expected) <= case.tolerance.rtol(xp.eps)
 
@@ -65,7 +61,7 @@ def test_pieces_loop_equals_the_optimiser(case):
     """Two implementations: KFACOptimizer vs the loop over kfac_ref's batch factors and
     gradients with EMA, π split, inverses, momentum and step in NumPy (the case's expected
     value), within the case's own budget (its derivation is in optimizer_cases.py)."""
-    assert _rel(reference_steps(case.params, case.inputs), case.expected) <= (
+    assert _rel(kfac_optimizer_steps(case.params, case.inputs), case.expected) <= (
         case.tolerance.rtol(EPS64))
 
 
@@ -78,7 +74,7 @@ def test_pieces_loop_equals_the_optimiser(case):
 def test_pitfalls_equal_the_optimisers_own_options(case, fault, options):
     """Three built-in faults are options of KFACOptimizer: exact damping, period 1, TF's
     'adam' momentum (momentum on the gradient, then preconditioned)."""
-    ref = reference_steps(case.params, case.inputs, **options)
+    ref = kfac_optimizer_steps(case.params, case.inputs, **options)
     # the case's own budget (derived in optimizer_cases.py) at float64
     assert _rel(pitfall_steps(case.params, case.inputs, fault), ref) <= case.tolerance.rtol(EPS64)
 
@@ -124,9 +120,9 @@ def test_one_layer_softmax_against_a_hand_written_loop():
     inputs = {"x": rng.standard_normal((5, 6, 3)), "targets": rng.integers(0, 4, (5, 6)),
               "w0": rng.standard_normal((3, 4)) / 2, "b0": 0.3 * rng.standard_normal(4)}
     want = _softmax_loop(inputs["x"], inputs["targets"], inputs["w0"], inputs["b0"], hyper)
-    assert _rel(reference_steps(params, inputs), want) <= 1e-12
+    assert _rel(kfac_optimizer_steps(params, inputs), want) <= 1e-12
     # the stale inverse matters: refreshing every step gives other numbers
-    assert _rel(reference_steps(params, inputs, inverse_update_period=1), want) > 1e-3
+    assert _rel(kfac_optimizer_steps(params, inputs, inverse_update_period=1), want) > 1e-3
 
 
 def test_one_step_on_a_convex_quadratic_is_newton():
@@ -141,7 +137,7 @@ def test_one_step_on_a_convex_quadratic_is_newton():
               "decay": 0.9}
     inputs = {"x": x, "targets": y, "w0": rng.standard_normal((d_in, d_out)),
               "b0": rng.standard_normal(d_out)}
-    out = reference_steps(params, inputs)
+    out = kfac_optimizer_steps(params, inputs)
     ab = np.concatenate([x[0], np.ones((n, 1))], axis=1)
     star = np.linalg.lstsq(ab, y[0], rcond=None)[0].reshape(-1)
     assert _rel(out[0, 1], star) <= 1e-12

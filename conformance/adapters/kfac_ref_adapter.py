@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import Adapter, AdapterUnavailable, implements
+from .kfac_ref_networks import KfacRefNetworksMixin
 from .kfac_ref_optimizer import KfacRefOptimizerMixin
 
 ADAPTERS = {
@@ -37,7 +38,7 @@ def _conv_args(params):
             params["data_format"])
 
 
-class KfacRefAdapter(KfacRefOptimizerMixin, Adapter):
+class KfacRefAdapter(KfacRefNetworksMixin, KfacRefOptimizerMixin, Adapter):
     name = "kfac_ref"
     description = "kfac_ref on NumPy arrays (the reference; canonical conventions)"
     backend = "numpy"
@@ -331,64 +332,6 @@ class KfacRefAdapter(KfacRefOptimizerMixin, Adapter):
                                     has_bias=params["has_bias"], option=params["option"],
                                     input_cov_dt1=a1, output_cov_dt1=g1)
         return series_apply(fb, inputs["x"], self.to_backend, self.to_numpy)
-
-    # -- networks -------------------------------------------------------------------------
-    @implements("networks.ggn")
-    def net_ggn(self, inputs, params):
-        from ..catalogue.networks_cases import exact_matrix
-
-        return exact_matrix(params, inputs, "ggn", self.to_backend, self.to_numpy)
-
-    @implements("networks.empirical_fisher")
-    def net_ef(self, inputs, params):
-        from ..catalogue.networks_cases import exact_matrix
-
-        return exact_matrix(params, inputs, "ef", self.to_backend, self.to_numpy)
-
-    @implements("networks.kfac")
-    def net_kfac(self, inputs, params):
-        from ..catalogue.networks_cases import kfac_matrix
-
-        return kfac_matrix(params, inputs, self.to_backend, self.to_numpy)
-
-    @implements("networks.kfac_input_factors")
-    def net_kfac_a(self, inputs, params):
-        from ..catalogue.networks_cases import kfac_factors
-
-        return kfac_factors(params, inputs, "input", self.to_backend, self.to_numpy)
-
-    @implements("networks.kfac_output_factors")
-    def net_kfac_g(self, inputs, params):
-        from ..catalogue.networks_cases import kfac_factors
-
-        return kfac_factors(params, inputs, "output", self.to_backend, self.to_numpy)
-
-    @implements("networks.kfac_inverse_matvec")
-    def net_kfac_inverse(self, inputs, params):
-        from ..catalogue.networks_cases import kfac_inverse_matvec
-
-        return kfac_inverse_matvec(params, inputs, self.to_backend, self.to_numpy)
-
-    @implements("sampling.kfac")
-    def sampling_kfac(self, inputs, params):
-        from ..catalogue.sampling_cases import kfac_given_draws, kfac_own_draws
-
-        if "seed" in params:  # the statistical route: kfac_ref's own sampling
-            return kfac_own_draws(params, inputs, params["seed"], self.to_backend,
-                                  self.to_numpy)
-        return kfac_given_draws(params, inputs, self.to_backend, self.to_numpy)
-
-    @implements("estimator.full_blocks")
-    def est_full_blocks(self, inputs, params):
-        from ..catalogue.estimator_cases import full_blocks_matrix
-
-        return full_blocks_matrix(params, inputs, self.to_backend, self.to_numpy)
-
-    @implements("estimator.kfac_ema")
-    def est_kfac_ema(self, inputs, params):
-        from ..catalogue.estimator_cases import kfac_two_batches
-
-        return kfac_two_batches(params, inputs, self.to_backend, self.to_numpy)
 
 
 class KfacRefStrictAdapter(KfacRefAdapter):

@@ -34,8 +34,9 @@ initial parameters ``w{i}``, ``b{i}`` and the hyper-parameters, and returns an a
 The expected values come from :func:`pitfall_steps` without a fault: a loop over kfac_ref's
 batch factors and gradients (each tested against explicit sums elsewhere) with the moving
 average, π split, inverses, momentum and step written out in NumPy, independent of
-:class:`kfac_ref.optim.KFACOptimizer` (:func:`reference_steps`, which must agree with it);
-the alternatives are the same loop with one pitfall built in.  Tolerance derivation: the
+:class:`kfac_ref.optim.KFACOptimizer` (which the kfac_ref adapter runs,
+:func:`conformance.adapters.kfac_ref_optimizer.kfac_optimizer_steps`, and which must agree
+with it); the alternatives are the same loop with one pitfall built in.  Tolerance derivation: the
 network budget (work = N·D + P, ×4 for the chain depth) times κ, the largest condition
 number of a damped factor product at a refresh, times K (every step adds its rounding to
 the parameters).
@@ -47,7 +48,6 @@ import numpy as np
 
 from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
-from ._data import to_np
 from .networks_cases import build_net, layer_factors, loss_fn, params_from_inputs
 
 REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses", "kfac_ref.optim")
@@ -91,41 +91,6 @@ def param_index(spec, x_shape, conv):
 
 
 # -- the reference: kfac_ref's optimiser --------------------------------------------------------
-def reference_steps(params, inputs, to_backend=lambda v: v, to_numpy=to_np, **options):
-    """[K, 2, P] directions and parameters of kfac_ref's ``KFACOptimizer`` (``options``
-    override its keyword arguments, e.g. ``exact_power=True``)."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
-    from kfac_ref.optim import KFACOptimizer
-
-    spec = params["net"]
-    net = build_net(spec)
-    theta = params_from_inputs(spec, inputs, to_backend)
-    est = BlockDiagonalCurvature(net, loss_fn(params))
-    kwargs = dict(learning_rate=params["learning_rate"], momentum=params["momentum"],
-                  momentum_type="regular", damping=params["damping"],
-                  curvature_ema=params["decay"], ema_style="kfac_jax",
-                  curvature_update_period=1, inverse_update_period=params["inverse_period"],
-                  exact_power=False, estimation_mode=params["mode"])
-    kwargs.update(options)
-    opt = KFACOptimizer(net, loss_fn(params), est, **kwargs)
-    xs, ys = inputs["x"], inputs["targets"]
-    rng = np.random.default_rng(0)  # unused by the exact and empirical modes
-    state = opt.init(theta, (to_backend(xs[0]), to_backend(ys[0])), rng)
-    lr, mu = float(kwargs["learning_rate"]), float(kwargs["momentum"])
-    flat, rows = to_numpy(net.flatten(theta)), []
-    for t in range(int(params["steps"])):
-        old_v, old_flat = to_numpy(state.velocity), flat
-        theta, state = opt.step(state, theta, (to_backend(xs[t]), to_backend(ys[t])), rng)
-        flat = to_numpy(net.flatten(theta))
-        if kwargs["momentum_type"] == "adam":  # velocity = μv + g, δ = −ηp: d_t = δ/η
-            direction = (flat - old_flat) / lr
-        else:  # v_t = μ v_{t−1} + p_t, d_t = −p_t
-            direction = -(to_numpy(state.velocity) - mu * old_v)
-        rows.append((direction, flat))
-    return np.stack([np.stack(r) for r in rows])
-
-
-# -- the same steps from kfac_ref's pieces, with a pitfall built in -----------------------------
 def _inv(m, shift):
     s, q = np.linalg.eigh((m + m.T) / 2)
     return (q / (np.maximum(s, 0.0) + shift)) @ q.T
@@ -165,7 +130,7 @@ def _with_params(spec, net, flat, base):
 
 
 def pitfall_steps(params, inputs, fault=None, return_kappa=False):
-    """[K, 2, P] as :func:`reference_steps` specifies, computed from kfac_ref's batch factors
+    """[K, 2, P] as the module docstring specifies, computed from kfac_ref's batch factors
     (``networks_cases.layer_factors``: one estimator update) and gradients
     (``loss_value_and_grad``) with the moving average, π split, inverses, momentum and step
     in NumPy, optionally with one of :data:`FAULTS` built in:
