@@ -84,6 +84,14 @@ from ._kronecker import (
     ReducedConv2DTwoKroneckerFactored,
     TwoKroneckerFactored,
 )
+from ._other_kronecker import (
+    Conv2DTNT,
+    DenseFOOF,
+    DenseKPSVD,
+    DenseTNT,
+    nearest_kronecker_factors,
+    tnt_scale,
+)
 from ._registry import (
     default_layer_to_block,
     layer_block,
@@ -112,6 +120,12 @@ __all__ = [
     "Conv2DEKFAC",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
+    "DenseTNT",
+    "Conv2DTNT",
+    "DenseFOOF",
+    "DenseKPSVD",
+    "tnt_scale",
+    "nearest_kronecker_factors",
     "register_layer_block",
     "layer_block",
     "registered_layer_blocks",
