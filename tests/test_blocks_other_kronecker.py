@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_allclose_normwise
+from conftest import RTOL_FACTOR, assert_allclose_normwise
 
 from kfac_ref import KFACTypeError, KFACValueError, nn
 from kfac_ref.blocks import kfac_jax as kj
@@ -287,3 +287,34 @@ def test_bad_inputs(xp, rng):
                                              r"inputs must"):
         _fill(xp, kj.DenseTNT(3, 2), {"inputs": rng.standard_normal((N, 4)),
                                       "outputs_grad": rng.standard_normal((N, 2))})
+
+
+@pytest.mark.parametrize("name,cls", [("tnt", kj.DenseTNT), ("foof", kj.DenseFOOF),
+                                      ("kpsvd", kj.DenseKPSVD)])
+def test_estimator_uses_the_registered_family(name, cls):
+    """BlockDiagonalCurvature with layer_to_block naming the family: its blocks, and its
+    damped inverse is each block's dense damped solve."""
+    from kfac_ref.curvature import BlockDiagonalCurvature
+    from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
+
+    rng = np.random.default_rng(3)
+    net = nn.Sequential([("d1", nn.Dense(3, 4)), ("a", nn.Activation("tanh")),
+                         ("d2", nn.Dense(4, 3))])
+    params = net.init_params(rng, np.zeros(1))
+    batch = (rng.standard_normal((6, 3)), rng.integers(0, 3, size=6))
+    est = BlockDiagonalCurvature(
+        net, lambda f, y: CategoricalLogitsNegativeLogProbLoss(f, targets=y),
+        layer_to_block={"dense": name})
+    st = est.init(None, (params, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 6, None, (params, batch),
+                                              "ggn_exact")
+    assert [type(b) for b in est.blocks] == [cls, cls]
+    v = rng.standard_normal(est.dim)
+    out = np.asarray(est.multiply_matpower(st, v, 0.5, -1.0, True, False))
+    start = 0
+    for blk, bst in zip(est.blocks, st.blocks_states, strict=True):
+        dense = np.asarray(blk.to_dense_matrix(bst)) + 0.5 * np.eye(blk.dim)
+        seg = slice(start, start + blk.dim)
+        assert_allclose_normwise(out[seg], np.linalg.solve(dense, v[seg]),
+                                 RTOL_FACTOR * np.finfo(np.float64).eps)
+        start += blk.dim
