@@ -318,3 +318,37 @@ def test_estimator_uses_the_registered_family(name, cls):
         assert_allclose_normwise(out[seg], np.linalg.solve(dense, v[seg]),
                                  RTOL_FACTOR * np.finfo(np.float64).eps)
         start += blk.dim
+
+
+@pytest.mark.parametrize("reduction", ["per_source", "summed"])
+def test_naive_tnt_vs_dense_definition(xp, rng, reduction):
+    kern, bias = rng.standard_normal((3, 3, 2)), rng.standard_normal((3, 2))  # 3 sources
+    block = kj.NaiveTNT([(3, 2), (2,)], source_reduction=reduction)
+    st = block.init(xp.asarray(np.zeros(1)))
+    st = block.update_curvature_matrix_estimate(
+        st, {"params_grads": (xp.asarray(kern), xp.asarray(bias))}, 0.0, 1.0, N)
+    mats = np.concatenate([xp.round_host(kern), xp.round_host(bias)[:, None, :]], axis=1)
+    if reduction == "summed":
+        mats = mats.sum(axis=0, keepdims=True)
+    a = sum(m @ m.T for m in mats) / N
+    g = sum(m.T @ m for m in mats) / N
+    s = 1.0 / np.sqrt(np.trace(a) * np.trace(g))
+    xp.assert_close(st.statistics[0].value, a)
+    xp.assert_close(st.statistics[1].value, g)
+    _check_products(xp, rng, block, st, s * np.kron(a, g), a, g, s)
+
+
+def test_naive_tnt_on_per_example_gradients_is_dense_tnt(xp, rng):
+    x, dy = rng.standard_normal((N, 3)), rng.standard_normal((N, 2))
+    dense = _fill(xp, kj.DenseTNT(3, 2), {"inputs": x, "outputs_grad": dy})
+    naive = kj.NaiveTNT([(3, 2), (2,)])
+    st = naive.init(xp.asarray(np.zeros(1)))
+    per_example = (np.einsum("ni,nj->nij", x, dy), dy)
+    st = naive.update_curvature_matrix_estimate(
+        st, {"params_grads": tuple(xp.asarray(v) for v in per_example)}, 0.0, 1.0, N)
+    for got, want in zip(st.statistics, dense.statistics, strict=True):
+        xp.assert_close(got.value, xp.to_numpy(want.value))
+    with pytest.raises(KFACValueError, match="NaiveTNT.update_from_output_vectors: the block "
+                                             "must read layer inputs"):
+        naive.update_from_output_vectors(st, nn.Dense(3, 2), xp.asarray(x), [xp.asarray(dy)],
+                                         N, "expand", 0.0, 1.0)

@@ -89,6 +89,7 @@ from ._other_kronecker import (
     DenseFOOF,
     DenseKPSVD,
     DenseTNT,
+    NaiveTNT,
     nearest_kronecker_factors,
     tnt_scale,
 )
@@ -120,6 +121,7 @@ __all__ = [
     "Conv2DEKFAC",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
+    "NaiveTNT",
     "DenseTNT",
     "Conv2DTNT",
     "DenseFOOF",

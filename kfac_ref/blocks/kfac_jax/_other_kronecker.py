@@ -29,13 +29,25 @@ from __future__ import annotations
 from array_api_compat import device as _device
 
 from ... import factors
-from ..._backend import KFACValueError, check_array, check_bool, check_int, namespace_of
+from ..._backend import (
+    KFACValueError,
+    check_array,
+    check_bool,
+    check_int,
+    check_option,
+    namespace_of,
+)
 from ...linalg import append_homog, compute_cov
 from ._base import CurvatureBlock
-from ._kronecker import Conv2DTwoKroneckerFactored, DenseTwoKroneckerFactored
+from ._kronecker import (
+    Conv2DTwoKroneckerFactored,
+    DenseTwoKroneckerFactored,
+    TwoKroneckerFactored,
+)
+from ._layers import SOURCE_REDUCTIONS, ParamsGradsSources
 from ._registry import register_layer_block
 
-__all__ = ["DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD", "tnt_scale",
+__all__ = ["NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD", "tnt_scale",
            "nearest_kronecker_factors"]
 
 
@@ -131,6 +143,62 @@ class _TNTScale:
         statistic is one GEMM."""
         return (self._second_moment(xp, x * xp.sqrt(wg)[:, None]),
                 self._second_moment(xp, g * xp.sqrt(wx)[:, None]))
+
+
+class NaiveTNT(ParamsGradsSources, _TNTScale, TwoKroneckerFactored):
+    r"""TNT from gradients of the summed loss (kfac-jax ``NaiveTNT``), on the ``[W; b]``
+    matrix.
+
+    .. math::
+
+        \begin{aligned}
+        A &= \frac1N\sum_s X_s X_s^\top,\qquad G = \frac1N\sum_s X_s^\top X_s
+            &&\text{(per\_source, default)},\\
+        A &= \frac1N X X^\top,\qquad G = \frac1N X^\top X,\quad X = \sum_s X_s
+            &&\text{(summed; kfac-jax)},\\
+        B &= s\,A\otimes G,\qquad s = (\operatorname{tr}A\,\operatorname{tr}G)^{-1/2},
+        \end{aligned}
+
+    with :math:`X_s` the ``[K (+1), C_out]`` matrix (kernel reshaped row-major to
+    ``[-1, C_out]``, bias row last) of ``estimation_data["params_grads"]`` source :math:`s`
+    (see :mod:`kfac_ref.blocks.kfac_jax`; per-example gradients as :math:`N` sources give
+    :class:`DenseTNT`'s factors).  kfac-jax contracts every axis of the parameter array
+    with the others (one factor per axis); here the kernel is matricised to two factors as
+    in :class:`TwoKroneckerFactored`.  Each statistic is one GEMM over the stacked sources.
+
+    Parameters
+    ----------
+    parameters_shapes : sequence of tuple of int
+        ``(kernel_shape,)`` or ``(kernel_shape, (C_out,))``.
+    source_reduction : {"per_source", "summed"}
+    **kwargs
+        Options of :class:`TwoKroneckerFactored`.
+    """
+
+    def __init__(self, parameters_shapes, source_reduction="per_source", **kwargs):
+        super().__init__(parameters_shapes, **kwargs)
+        self.source_reduction = check_option(type(self).__name__, "source_reduction",
+                                             source_reduction, SOURCE_REDUCTIONS)
+
+    # refuses output vectors: it reads parameter gradients
+    update_from_output_vectors = CurvatureBlock.update_from_output_vectors
+
+    def _batch_statistics(self, xp, sources, batch_size):
+        q = self.output_size
+        kernels = xp.stack([xp.reshape(src[0], (-1, q)) for src in sources])
+        mats = kernels if len(self.parameters_shapes) == 1 else xp.concat(
+            [kernels, xp.stack([xp.reshape(src[1], (1, q)) for src in sources])], axis=1)
+        if self.source_reduction == "summed":
+            mats = xp.sum(mats, axis=0, keepdims=True)
+        s_count, rows = mats.shape[0], mats.shape[1]
+        # Σ_s X_s X_sᵀ = Y Yᵀ with Y = [X_1 … X_S]; Σ_s X_sᵀ X_s = Zᵀ Z with Z = [X_1; …; X_S]
+        y_t = xp.reshape(xp.permute_dims(mats, (0, 2, 1)), (s_count * q, rows))
+        z = xp.reshape(mats, (s_count * rows, q))
+        if self.symmetrize:
+            return (compute_cov.kernel(xp, y_t, normalizer=batch_size),
+                    compute_cov.kernel(xp, z, normalizer=batch_size))
+        return (compute_cov.kernel(xp, y_t, y_t, normalizer=batch_size),
+                compute_cov.kernel(xp, z, z, normalizer=batch_size))
 
 
 class DenseTNT(_TNTScale, _StackedRows, DenseTwoKroneckerFactored):
