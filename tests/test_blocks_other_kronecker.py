@@ -352,3 +352,39 @@ def test_naive_tnt_on_per_example_gradients_is_dense_tnt(xp, rng):
                                              "must read layer inputs"):
         naive.update_from_output_vectors(st, nn.Dense(3, 2), xp.asarray(x), [xp.asarray(dy)],
                                          N, "expand", 0.0, 1.0)
+
+
+def test_conv_tnt_same_for_nchw_and_nhwc(xp, rng):
+    x, dy = rng.standard_normal((N, 3, 3, 1)), rng.standard_normal((N, 2, 2, 2))
+    nhwc = _fill(xp, kj.Conv2DTNT((N, 3, 3, 1), (2, 2, 1, 2)), {"inputs": x, "outputs_grad": dy})
+    nchw = _fill(xp, kj.Conv2DTNT((N, 1, 3, 3), (2, 2, 1, 2), data_format="NCHW"),
+                 {"inputs": x.transpose(0, 3, 1, 2), "outputs_grad": dy.transpose(0, 3, 1, 2)})
+    for got, want in zip(nchw.statistics, nhwc.statistics, strict=True):
+        xp.assert_close(got.value, xp.to_numpy(want.value))
+
+
+def test_kpsvd_of_zero_gradients_is_the_damped_identity(xp, rng):
+    block = kj.DenseKPSVD(3, 2)
+    st = _fill(xp, block, {"inputs": rng.standard_normal((N, 3)),
+                           "outputs_grad": np.zeros((N, 2))})
+    for f in st.statistics:
+        xp.assert_close(f.value, np.zeros(tuple(f.value.shape)))
+    vec, vh = _vector(xp, rng, block)
+    for exact in (True, False):
+        assert_allclose_normwise(_flat(xp, block.multiply_inverse(st, vec, LAM, exact, False)),
+                                 vh / LAM, xp.rtol)
+
+
+def test_more_bad_inputs(xp, rng):
+    a, g = xp.asarray(rng.standard_normal((4, 3))), xp.asarray(rng.standard_normal((4, 2)))
+    with pytest.raises(KFACValueError, match="nearest_kronecker_factors: iterations must"):
+        kj.nearest_kronecker_factors(a, g, iterations=0)
+    with pytest.raises(KFACTypeError, match="nearest_kronecker_factors: iterations must"):
+        kj.nearest_kronecker_factors(a, g, iterations=1.5)
+    with pytest.raises(KFACValueError, match="NaiveTNT: source_reduction must be one of"):
+        kj.NaiveTNT([(3, 2), (2,)], source_reduction="mean")
+    with pytest.raises(KFACValueError, match=r"NaiveTNT.update_curvature_matrix_estimate: "
+                                             r"params_grads must be a sequence of 2"):
+        block = kj.NaiveTNT([(3, 2), (2,)])
+        block.update_curvature_matrix_estimate(block.init(xp.asarray(np.zeros(1))),
+                                               {"params_grads": (a,)}, 0.0, 1.0, N)
