@@ -377,6 +377,9 @@ def test_kpsvd_of_zero_gradients_is_the_damped_identity(xp, rng):
 
 def test_more_bad_inputs(xp, rng):
     a, g = xp.asarray(rng.standard_normal((4, 3))), xp.asarray(rng.standard_normal((4, 2)))
+    with pytest.raises(KFACValueError, match=r"tnt_scale: g must be a square matrix; got "
+                                             r"shape \(4, 2\)"):
+        kj.tnt_scale(xp.asarray(np.eye(3)), g)
     with pytest.raises(KFACValueError, match="nearest_kronecker_factors: iterations must"):
         kj.nearest_kronecker_factors(a, g, iterations=0)
     with pytest.raises(KFACTypeError, match="nearest_kronecker_factors: iterations must"):

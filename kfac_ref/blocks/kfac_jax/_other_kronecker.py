@@ -63,8 +63,11 @@ def tnt_scale(a, g):
     = \operatorname{tr}A = \operatorname{tr}G`.  Returns a 0-D array of ``a``'s namespace.
     """
     xp = namespace_of("tnt_scale", a=a, g=g)
-    check_array("tnt_scale", "a", a, ndim=2)
-    check_array("tnt_scale", "g", g, ndim=2)
+    for name, m in (("a", a), ("g", g)):
+        check_array("tnt_scale", name, m, ndim=2)
+        if m.shape[0] != m.shape[1]:
+            raise KFACValueError(f"tnt_scale: {name} must be a square matrix; got shape "
+                                 f"{tuple(m.shape)}.")
     return _tnt_scale(xp, a, g)
 
 
