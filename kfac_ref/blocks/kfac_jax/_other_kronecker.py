@@ -35,6 +35,7 @@ from ..._backend import (
     check_bool,
     check_int,
     check_option,
+    kernel_of,
     namespace_of,
 )
 from ...linalg import append_homog, compute_cov
@@ -71,14 +72,12 @@ def tnt_scale(a, g):
     return _tnt_scale(xp, a, g)
 
 
+@kernel_of(tnt_scale)
 def _tnt_scale(xp, a, g):
     ta, tg = xp.sum(xp.linalg.diagonal(a)), xp.sum(xp.linalg.diagonal(g))
     positive = (ta > 0) & (tg > 0)
     one = xp.ones_like(ta)
     return xp.where(positive, one / xp.sqrt(xp.where(positive, ta * tg, one)), one)
-
-
-tnt_scale.kernel = _tnt_scale
 
 
 class _StackedRows:
@@ -358,6 +357,7 @@ def _frobenius_normalised(xp, m):
     return m / xp.where(nrm > 0, nrm, xp.ones_like(nrm)), nrm
 
 
+@kernel_of(nearest_kronecker_factors)
 def _nearest_kronecker_factors(xp, a, g, iterations, symmetrize=True):
     def weighted(rows, w):  # (1/N) Σ w_n r_n r_nᵀ, one GEMM
         return compute_cov.kernel(xp, rows * xp.sqrt(w)[:, None]) if symmetrize else \
@@ -374,9 +374,6 @@ def _nearest_kronecker_factors(xp, a, g, iterations, symmetrize=True):
     _, nrm = _frobenius_normalised(xp, am)
     c = xp.sqrt(nrm)
     return am / xp.where(c > 0, c, xp.ones_like(c)), gm * c
-
-
-nearest_kronecker_factors.kernel = _nearest_kronecker_factors
 
 
 class DenseKPSVD(_StackedRows, DenseTwoKroneckerFactored):
