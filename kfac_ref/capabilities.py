@@ -157,6 +157,8 @@ _DECLARED: dict[str, dict] = {
     **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
         "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
         "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
+    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
+        "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")},
     # states cross the jit boundary (JAX pytrees): tests/test_jit_states.py
     "kfac_ref.blocks.kfac_jax.BlockState": {"jit": "yes"},
     "kfac_ref.curvature.estimators.BlockDiagonalCurvature": {"jit": "yes"},

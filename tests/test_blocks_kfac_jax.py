@@ -46,6 +46,14 @@ def build(name, xp, rng):
         "ScaleAndShiftDiagonal": (lambda: kj.ScaleAndShiftDiagonal((3, 2), (2,), (1, 2)), sas,
                                   True),
         "ScaleAndShiftFull": (lambda: kj.ScaleAndShiftFull((3, 2), (2,), (2,)), sas, True),
+        # per-example gradients as N sources (three sources are too few for a well
+        # conditioned TNT block)
+        "NaiveTNT": (lambda: kj.NaiveTNT([(3, 2), (2,)]),
+                     {"params_grads": (np.einsum("ni,nj->nij", a3, g2), g2)}, True),
+        "DenseTNT": (lambda: kj.DenseTNT(3, 2), dense, True),
+        "Conv2DTNT": (lambda: kj.Conv2DTNT(**conv_kw), conv, True),
+        "DenseFOOF": (lambda: kj.DenseFOOF(3, 2), dense, True),
+        "DenseKPSVD": (lambda: kj.DenseKPSVD(3, 2), dense, True),
     }
     ctor, data, full_rank = table[name]
     return ctor(), data, full_rank
@@ -53,8 +61,10 @@ def build(name, xp, rng):
 
 BLOCKS = ["ScaledIdentity", "NaiveDiagonal", "NaiveFull", "DenseDiagonal", "DenseFull",
           "DenseTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull",
-          "Conv2DTwoKroneckerFactored", "ScaleAndShiftDiagonal", "ScaleAndShiftFull"]
-KRON = {"DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored"}
+          "Conv2DTwoKroneckerFactored", "ScaleAndShiftDiagonal", "ScaleAndShiftFull",
+          "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD"]
+KRON = {"DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored", "NaiveTNT", "DenseTNT",
+        "Conv2DTNT", "DenseFOOF", "DenseKPSVD"}
 
 
 def to_xp(xp, data):
@@ -91,7 +101,8 @@ def flat(xp, vec):
 def approx_dense(xp, block, state, lam):
     """Oracle for the π-damped Kronecker block, from the state's factors (trace-norm π)."""
     a, g = (xp.to_numpy(f.value) for f in state.statistics)
-    s = block.scale(state)
+    s = block.scale(state)  # a 0-D array for blocks whose scale depends on the state (TNT)
+    s = s if isinstance(s, float) else float(xp.to_numpy(s))
     ta, tg = np.trace(a) / a.shape[0], np.trace(g) / g.shape[0]
     pi = np.sqrt(ta / tg)
     r = np.sqrt(lam / s)

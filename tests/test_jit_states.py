@@ -70,6 +70,10 @@ BLOCKS = {
     "Conv2DTwoKroneckerFactored": (lambda: kj.Conv2DTwoKroneckerFactored(**_CONV), True),
     "Conv2DDiagonal": (lambda: kj.Conv2DDiagonal(**_CONV), True),
     "Conv2DFull": (lambda: kj.Conv2DFull(**_CONV), True),
+    "DenseTNT": (lambda: kj.DenseTNT(3, 2), False),
+    "Conv2DTNT": (lambda: kj.Conv2DTNT(**_CONV), True),
+    "DenseFOOF": (lambda: kj.DenseFOOF(3, 2), False),
+    "DenseKPSVD": (lambda: kj.DenseKPSVD(3, 2), False),
 }
 # what tests/test_transforms.py checks against the jit column of kfac_ref.capabilities
 JIT_STATE_EXERCISED = {f"kfac_ref.blocks.kfac_jax.{n}" for n in BLOCKS} | {

@@ -14,7 +14,8 @@ its scale (:meth:`~CurvatureBlock.scale`) and :math:`\lambda` the ``identity_wei
 (optionally multiplied by the block's norm, kfac-jax's ``norm_to_scale_identity_weight_per_block``).
 
 The families live in one module each, as kfac-jax's ``_src/curvature_blocks/``: the scaled
-identity, diagonal blocks, full blocks and Kronecker-factored blocks; layer adapters (dense,
+identity, diagonal blocks, full blocks and Kronecker-factored blocks, and the Kronecker
+families with other statistics (TNT, FOOF, the nearest Kronecker product); layer adapters (dense,
 convolution, scale-and-shift, naive gradient sources) are mixins shared by the families.  A
 new family is one module (its classes implement the hooks of :class:`CurvatureBlock` and
 register themselves with :func:`register_layer_block`) and one import line here.
@@ -84,6 +85,15 @@ from ._kronecker import (
     ReducedConv2DTwoKroneckerFactored,
     TwoKroneckerFactored,
 )
+from ._other_kronecker import (
+    Conv2DTNT,
+    DenseFOOF,
+    DenseKPSVD,
+    DenseTNT,
+    NaiveTNT,
+    nearest_kronecker_factors,
+    tnt_scale,
+)
 from ._registry import (
     default_layer_to_block,
     layer_block,
@@ -112,6 +122,13 @@ __all__ = [
     "Conv2DEKFAC",
     "ScaleAndShiftDiagonal",
     "ScaleAndShiftFull",
+    "NaiveTNT",
+    "DenseTNT",
+    "Conv2DTNT",
+    "DenseFOOF",
+    "DenseKPSVD",
+    "tnt_scale",
+    "nearest_kronecker_factors",
     "register_layer_block",
     "layer_block",
     "registered_layer_blocks",
