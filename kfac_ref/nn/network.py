@@ -42,6 +42,7 @@ The network computes no curvature statistic: a tap is a function handed in by th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from .._backend import (
     KFACTypeError,
@@ -49,6 +50,8 @@ from .._backend import (
     check_array,
     check_bool,
     check_rng,
+    check_shape,
+    describe,
     namespace_of,
     value_checks,
     zeros_like_shape,
@@ -127,6 +130,9 @@ class Sequential:
 
     def __init__(self, layers):
         func = "Sequential"
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise KFACTypeError(f"{func}: layers must be a non-empty sequence of (name, layer) "
+                                f"pairs; got {describe(layers)}.")
         entries = list(layers)
         if not entries:
             raise KFACValueError(f"{func}: layers must be a non-empty sequence of (name, layer) "
@@ -144,6 +150,8 @@ class Sequential:
             objs.append(item[1])
         self.names = tuple(names)
         self.layers = tuple(objs)
+        # the layers' unchecked maps: a call is validated once, at the network's door
+        self._kernels = tuple(layer.kernel for layer in objs)
         self._layer_sizes = tuple(layer.num_params for layer in self.layers)
 
     # -- structure --------------------------------------------------------------------------
@@ -198,18 +206,24 @@ class Sequential:
         Dense/conv kernels :math:`\mathcal N(0, 1/\text{fan\_in})`, biases
         :math:`\mathcal N(0, 0.25)`, scales :math:`1 + \mathcal N(0, 0.09)`.
         """
-        check_rng("Sequential.init_params", "rng", rng)
-        return tuple(layer.init_params(rng, like) for layer in self.layers)
+        func = "Sequential.init_params"
+        check_rng(func, "rng", rng)
+        check_array(func, "like", like, finite=False)  # only its namespace, device and dtype
+        return tuple(k.init_params(rng, like) for k in self._kernels)
 
     def output_shape(self, input_shape):
         r"""Output shape for an input shape (both with the batch axis).
 
         .. math:: f(\theta, x) \in \mathbb R^{\text{output\_shape}}
         """
-        shape = tuple(input_shape)
-        for layer in self.layers:
-            shape = layer.output_shape(shape)
+        shape = self._check_shape("Sequential.output_shape", input_shape)
+        for k in self._kernels:
+            shape = k.output_shape(shape)
         return shape
+
+    def _check_shape(self, func, input_shape):
+        rank = 2 if self.layers[0].input_dtype == "real floating" else 1
+        return check_shape(func, "input_shape", input_shape, min_ndim=rank)
 
     def input_shapes(self, input_shape):
         r"""Shape of every layer's input for a network input of shape ``input_shape`` (both
@@ -217,26 +231,49 @@ class Sequential:
 
         .. math:: (\operatorname{shape} x_0, \dots, \operatorname{shape} x_{L-1})
         """
-        shapes, shape = [], tuple(input_shape)
-        for layer in self.layers:
+        shapes, shape = [], self._check_shape("Sequential.input_shapes", input_shape)
+        for k in self._kernels:
             shapes.append(shape)
-            shape = layer.output_shape(shape)
+            shape = k.output_shape(shape)
         return tuple(shapes)
 
     # -- validation ---------------------------------------------------------------------------
-    def check_params(self, func, params):
-        r"""Validate the parameter structure (one tuple per layer, right shapes, finite).
+    def check_params(self, func, params, name="params"):
+        r"""Validate the parameter structure (one tuple per layer, right shapes, real
+        floating dtype, one namespace, device and precision, finite values).
 
         .. math:: \theta = (\theta_1, \dots, \theta_L)
+
+        ``name`` names the structure in messages (``params``, ``dparams``, ...); an array
+        is named ``name[l][i] (<layer name>.<parameter name>)``.
         """
         if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
             raise KFACValueError(
-                f"{func}: params must be a tuple of {len(self.layers)} per-layer tuples; got "
-                f"{type(params).__name__} of length "
-                f"{len(params) if isinstance(params, (tuple, list)) else '?'}."
+                f"{func}: {name} must be a tuple of {len(self.layers)} per-layer tuples; got "
+                f"{describe(params)}."
             )
-        pairs = zip(self.layers, params, strict=True)
-        return tuple(layer.check_params(func, p) for layer, p in pairs)
+        labels = [f"{name}[{i}]" for i in range(len(self.layers))]
+        for label, layer, p in zip(labels, self.layers, params, strict=True):
+            if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
+                layer.check_params(func, p, label)  # raises, naming the layer's arrays
+        arrays = self._named_arrays(name, params)
+        if arrays:
+            namespace_of(func, **arrays)
+        return tuple(layer.check_params(func, p, label)
+                     for label, layer, p in zip(labels, self.layers, params, strict=True))
+
+    def _named_arrays(self, name, params):
+        """``{message name: array}`` of a parameter structure (well-formed or not)."""
+        if not isinstance(params, (tuple, list)):
+            return {}
+        out = {}
+        for i, (lname, layer, p) in enumerate(zip(self.names, self.layers, params,
+                                                  strict=False)):
+            if isinstance(p, (tuple, list)):
+                pnames = layer.param_names()
+                out.update({f"{name}[{i}][{j}] ({lname}.{pnames[j] if j < len(pnames) else j})":
+                            a for j, a in enumerate(p)})
+        return out
 
     def check_input(self, func, x, like=None):
         r"""Validate ``x`` against the first layer (rank, sizes, dtype, finite values) and the
@@ -254,7 +291,7 @@ class Sequential:
             return x
         from .._backend import KFACInputError
 
-        shape = self.layers[0].output_shape(tuple(x.shape))
+        shape = self._kernels[0].output_shape(tuple(x.shape))
         for name, layer in zip(self.names[1:], self.layers[1:], strict=True):
             probe = zeros_like_shape(like, (1, *shape[1:]))
             try:
@@ -265,13 +302,14 @@ class Sequential:
                     f"{func}: layer {name!r} must receive the shape its predecessor produces "
                     f"(per example {tuple(shape[1:])}); {exc}"
                 ) from None
-            shape = layer.output_shape(shape)
+            shape = layer.kernel.output_shape(shape)
         return x
 
     def check_params_and_input(self, func, params, x, **others):
-        r"""Validate ``(params, x)`` of a call in the name of ``func``: one namespace and
-        device for the parameters, ``x`` and the named ``others`` arrays (``None`` entries
-        are skipped), the parameter structure (:meth:`check_params`) and ``x`` with the shape
+        r"""Validate ``(params, x)`` of a call in the name of ``func``: one namespace,
+        device and floating precision for the parameters, ``x`` and the named ``others``
+        (arrays or parameter structures; ``None`` entries are skipped), the parameter
+        structure (:meth:`check_params`) and ``x`` with the shape
         every layer receives (:meth:`check_input`, probed in the parameters' dtype).
 
         .. math:: \theta = (\theta_1, \dots, \theta_L), \qquad x_0 = x
@@ -281,10 +319,11 @@ class Sequential:
         tuple
             The validated parameters, one tuple per layer.
         """
-        layers = params if isinstance(params, (tuple, list)) else ()
-        arrays = {f"p{i}_{j}": a for i, p in enumerate(layers) if isinstance(p, (tuple, list))
-                  for j, a in enumerate(p)}
-        namespace_of(func, **arrays, x=x, **others)
+        arrays = self._named_arrays("params", params)
+        for name, v in others.items():
+            arrays.update(self._named_arrays(name, v) if isinstance(v, (tuple, list))
+                          else {name: v})
+        namespace_of(func, **arrays, x=x)
         params = self.check_params(func, params)
         like = next((p[0] for p in params if p), None)
         self.check_input(func, x, like)
@@ -301,7 +340,7 @@ class Sequential:
         if v is None:
             return None
         if isinstance(v, (tuple, list)):
-            return self.check_params(func, v)
+            return self.check_params(func, v, name)
         check_array(func, name, v, shape=(self.num_params,), layout="[P]")
         return self._unflatten(namespace_of(func, **{name: v}), v)
 
@@ -316,16 +355,33 @@ class Sequential:
         With ``per_example=True`` every array has a leading batch axis and the result is
         ``[N, P]``.
         """
-        xp = None
-        pieces = []
-        for layer_params in params:
-            for a in layer_params:
-                if xp is None:
-                    xp = namespace_of("Sequential.flatten", a=a)
-                pieces.append(xp.reshape(a, (a.shape[0], -1)) if per_example
-                              else xp.reshape(a, (-1,)))
-        if xp is None:
-            raise KFACValueError("Sequential.flatten: the network has no parameters; got none.")
+        func = "Sequential.flatten"
+        per_example = check_bool(func, "per_example", per_example)
+        if not self.num_params:
+            raise KFACValueError(f"{func}: the network must have parameters; got none.")
+        if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
+            raise KFACValueError(f"{func}: params must be a tuple of {len(self.layers)} "
+                                 f"per-layer tuples; got {describe(params)}.")
+        for i, (layer, p) in enumerate(zip(self.layers, params, strict=True)):
+            if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
+                layer.check_params(func, p, f"params[{i}]")  # raises
+        arrays = self._named_arrays("params", params)
+        xp = namespace_of(func, **arrays)
+        # static checks only: a reshape and a concatenation pass NaN through unchanged, and
+        # the library flattens gradients it computed (no scan of its own results)
+        shapes = [shape for layer in self.layers for shape in layer.param_shapes()]
+        for (name, a), shape in zip(arrays.items(), shapes, strict=True):
+            check_array(func, name, a, shape=(None, *shape) if per_example else shape,
+                        finite=False)
+        if per_example and len({a.shape[0] for a in arrays.values()}) > 1:
+            raise KFACValueError(f"{func}: params must share one leading batch axis N with "
+                                 f"per_example=True; got sizes "
+                                 f"{sorted({a.shape[0] for a in arrays.values()})}.")
+        return self._flatten(xp, params, per_example)
+
+    def _flatten(self, xp, params, per_example=False):
+        pieces = [xp.reshape(a, (a.shape[0], -1)) if per_example else xp.reshape(a, (-1,))
+                  for layer_params in params for a in layer_params]
         return xp.concat(pieces, axis=-1)
 
     def unflatten(self, vec):
@@ -353,10 +409,11 @@ class Sequential:
     def _forward(self, params, x, taps=None):
         """``(output, inputs of every layer, tap values)``: each layer given a tap (``taps``,
         one entry per layer, ``None`` for none) runs
-        :meth:`~kfac_ref.nn.Layer.forward_with_tap`, the others :meth:`Layer.forward`."""
+        :meth:`~kfac_ref.nn.Layer.forward_with_tap`, the others :meth:`Layer.forward` (the
+        layers' unchecked kernels, :attr:`~kfac_ref.nn.Layer.kernel`)."""
         inputs, kept = [], []
         h = x
-        for j, (layer, p) in enumerate(zip(self.layers, params, strict=False)):
+        for j, (layer, p) in enumerate(zip(self._kernels, params, strict=False)):
             inputs.append(h)
             tap = None if taps is None else taps[j]
             if tap is not None:
@@ -369,7 +426,7 @@ class Sequential:
     def _jvp(self, params, inputs, dparams, dx=None):
         dins = []
         dh = dx
-        for i, (layer, p, xin) in enumerate(zip(self.layers, params, inputs, strict=True)):
+        for i, (layer, p, xin) in enumerate(zip(self._kernels, params, inputs, strict=True)):
             dins.append(dh)
             dp = None if dparams is None or not p else dparams[i]
             dh = layer.jvp(p, xin, dp, dh)
@@ -377,14 +434,14 @@ class Sequential:
 
     def _vjp_caches(self, params, inputs):
         return tuple(layer.vjp_cache(p, xin)
-                     for layer, p, xin in zip(self.layers, params, inputs, strict=True))
+                     for layer, p, xin in zip(self._kernels, params, inputs, strict=True))
 
     def _backward(self, params, inputs, g, per_example=False, param_grads=True, caches=None):
         n = len(self.layers)
         grads = [None] * n
         cots = [None] * n
         for i in range(n - 1, -1, -1):
-            layer, p, xin = self.layers[i], params[i], inputs[i]
+            layer, p, xin = self._kernels[i], params[i], inputs[i]
             cots[i] = g
             grads[i] = layer.param_grads(p, xin, g, per_example) if p and param_grads else ()
             if i > 0:
@@ -399,14 +456,14 @@ class Sequential:
             cots[i] = g
             if i > 0:
                 cache = None if caches is None else caches[i]
-                g = self.layers[i].vjp_input_stacked(params[i], inputs[i], g, cache)
+                g = self._kernels[i].vjp_input_stacked(params[i], inputs[i], g, cache)
         return cots
 
     def _r_backward(self, params, inputs, dparams, dins, g, rg):
         n = len(self.layers)
         rgrads = [None] * n
         for i in range(n - 1, -1, -1):
-            layer, p, xin = self.layers[i], params[i], inputs[i]
+            layer, p, xin = self._kernels[i], params[i], inputs[i]
             dp = dparams[i] if p else None
             r_p, r_x = layer.rvjp(p, xin, dp, dins[i], g, rg)
             rgrads[i] = r_p
@@ -455,6 +512,23 @@ class Sequential:
                 taps = None
         out, inputs, values = self._forward(params, x, taps)
         return ForwardPass(self, params, out, inputs, values)
+
+    def _check_direction(self, func, forward, dparams):
+        """The direction of a pass: a flat ``[P]`` array or a parameter structure (never
+        ``None``) in the namespace, device and precision of ``forward``."""
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        arrays = (self._named_arrays("dparams", dparams) if isinstance(dparams, (tuple, list))
+                  else {"dparams": dparams})
+        namespace_of(func, output=forward.output, **arrays)
+        return self.check_param_tangent(func, "dparams", dparams)
+
+    def _output_shape(self, input_shape):
+        shape = tuple(input_shape)
+        for k in self._kernels:
+            shape = k.output_shape(shape)
+        return shape
 
     def _check_pass(self, func, forward):
         if not isinstance(forward, ForwardPass) or forward.network is not self:
@@ -513,9 +587,7 @@ class Sequential:
         """
         func = "Sequential.jvp_pass"
         forward = self._check_pass(func, forward)
-        if not isinstance(dparams, (tuple, list)):
-            namespace_of(func, output=forward.output, dparams=dparams)
-        dparams = self.check_param_tangent(func, "dparams", dparams)
+        dparams = self._check_direction(func, forward, dparams)
         out, dins = self._jvp(forward.params, forward.inputs, dparams)
         return out, tuple(dins)
 
@@ -617,13 +689,13 @@ class Sequential:
         """
         func = "Sequential.r_backward_pass"
         forward = self._check_pass(func, forward)
-        if not isinstance(dparams, (tuple, list)):
-            namespace_of(func, output=forward.output, dparams=dparams)
-        dparams = self.check_param_tangent(func, "dparams", dparams)
+        dparams = self._check_direction(func, forward, dparams)
         if not isinstance(input_tangents, (tuple, list)) or len(input_tangents) != len(
                 self.layers):
             raise KFACTypeError(f"{func}: input_tangents must be the {len(self.layers)} input "
-                                f"tangents of jvp_pass; got {input_tangents!r:.80}.")
+                                f"tangents of jvp_pass; got {describe(input_tangents)}.")
+        namespace_of(func, output=forward.output,
+                     **{f"input_tangents[{i}]": t for i, t in enumerate(input_tangents)})
         for i, (t, xin) in enumerate(zip(input_tangents, forward.inputs, strict=True)):
             if t is not None:
                 check_array(func, f"input_tangents[{i}]", t, shape=tuple(xin.shape))
@@ -667,8 +739,10 @@ class Sequential:
         array, the output's shape [N, ...]
         """
         func = "Sequential.jvp"
-        flat = None if isinstance(dparams, (tuple, list)) else dparams
-        params = self.check_params_and_input(func, params, x, dparams=flat)
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        params = self.check_params_and_input(func, params, x, dparams=dparams)
         dparams = self.check_param_tangent(func, "dparams", dparams)
         _, inputs, _ = self._forward(params, x)
         return self._jvp(params, inputs, dparams)[0]
@@ -686,11 +760,13 @@ class Sequential:
         g_out : array of the output's shape [N, ...]
         """
         func = "Sequential.vjp"
+        per_example = check_bool(func, "per_example", per_example)
         params = self.check_params_and_input(func, params, x, g_out=g_out)
-        out, inputs, _ = self._forward(params, x)
-        check_array(func, "g_out", g_out, shape=tuple(out.shape))
+        check_array(func, "g_out", g_out, shape=self._output_shape(x.shape),
+                    layout="[*output_shape]")
+        _, inputs, _ = self._forward(params, x)
         grads, _ = self._backward(params, inputs, g_out, per_example)
-        return self.flatten(grads, per_example=per_example)
+        return self._flatten(namespace_of(func, x=g_out), grads, per_example)
 
     def backward_with_cotangents(self, params, x, g_out):
         r"""Backward pass returning every layer's input and output cotangent.
@@ -710,8 +786,9 @@ class Sequential:
         """
         func = "Sequential.backward_with_cotangents"
         params = self.check_params_and_input(func, params, x, g_out=g_out)
-        out, inputs, _ = self._forward(params, x)
-        check_array(func, "g_out", g_out, shape=tuple(out.shape))
+        check_array(func, "g_out", g_out, shape=self._output_shape(x.shape),
+                    layout="[*output_shape]")
+        _, inputs, _ = self._forward(params, x)
         _, cots = self._backward(params, inputs, g_out, param_grads=False)
         return inputs, cots
 
@@ -741,10 +818,22 @@ class Sequential:
         array [P]
         """
         func = "Sequential.second_order_backward"
-        flat = None if isinstance(dparams, (tuple, list)) else dparams
-        params = self.check_params_and_input(func, params, x, dparams=flat)
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        if not callable(output_cotangents):
+            raise KFACTypeError(f"{func}: output_cotangents must be a callable (f, f_dot) -> "
+                                f"(g, r_g); got {describe(output_cotangents)}.")
+        params = self.check_params_and_input(func, params, x, dparams=dparams)
         dparams = self.check_param_tangent(func, "dparams", dparams)
         out, inputs, _ = self._forward(params, x)
         f_dot, dins = self._jvp(params, inputs, dparams)
-        g, rg = output_cotangents(out, f_dot)
-        return self.flatten(self._r_backward(params, inputs, dparams, dins, g, rg))
+        cots = output_cotangents(out, f_dot)
+        if not isinstance(cots, (tuple, list)) or len(cots) != 2:
+            raise KFACTypeError(f"{func}: output_cotangents must return a pair (g, r_g); got "
+                                f"{describe(cots)}.")
+        g, rg = cots
+        xp = namespace_of(func, output=out, g=g, r_g=rg)
+        check_array(func, "g", g, shape=tuple(out.shape), layout="[*output_shape]")
+        check_array(func, "r_g", rg, shape=tuple(out.shape), layout="[*output_shape]")
+        return self._flatten(xp, self._r_backward(params, inputs, dparams, dins, g, rg))
