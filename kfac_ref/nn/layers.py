@@ -144,14 +144,16 @@ class Layer:
     def _init_params(self, rng, like):
         return ()
 
-    def check_params(self, func: str, params, label: str = "params") -> tuple:
+    def check_params(self, func: str, params, label: str = "params",
+                     owner: str | None = None) -> tuple:
         r"""Validate a parameter tuple against :meth:`param_shapes` (shapes, real floating
         dtype, finite values).
 
         .. math:: \theta_{l,i}.\text{shape} = \text{shape}_i
 
-        ``label`` names the tuple in messages (its arrays are named by
-        :meth:`param_names`, prefixed with ``label`` unless it is ``"params"``).
+        ``label`` names the tuple in messages; its arrays are named by :meth:`param_names`
+        (``label[i] (name)`` unless ``label`` is ``"params"``; ``label[i] (owner.name)``
+        when the layer's ``owner`` name in a network is given).
 
         Raises
         ------
@@ -163,15 +165,16 @@ class Layer:
                 f"{func}: {label} of a {type(self).__name__} layer must be a tuple of "
                 f"{len(shapes)} arrays {self.param_names()}; got {describe(params)}."
             )
-        for name, p, s in zip(self._arg_names(label), params, shapes, strict=True):
+        for name, p, s in zip(self._arg_names(label, owner), params, shapes, strict=True):
             check_array(func, name, p, shape=s)
         return tuple(params)
 
-    def _arg_names(self, label):
+    def _arg_names(self, label, owner=None):
         """Message names of the arrays of a parameter-shaped tuple called ``label``."""
-        if label == "params":
+        if label == "params" and owner is None:
             return self.param_names()
-        return tuple(f"{label}[{j}] ({n})" for j, n in enumerate(self.param_names()))
+        prefix = "" if owner is None else f"{owner}."
+        return tuple(f"{label}[{j}] ({prefix}{n})" for j, n in enumerate(self.param_names()))
 
     # -- shapes -----------------------------------------------------------------------
     def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -1073,14 +1076,14 @@ class ScaleAndShift(Layer):
 
     def _param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("ScaleAndShift.param_grads", x=x, g=g)
-        n = x.shape[0]
+        n, s = x.shape[0], math.prod(x.shape[1:-1])  # no -1: an empty batch has none
         c = self.num_channels
         out = []
         if per_example:
             if self.has_scale:
-                out.append(xp.sum(xp.reshape(g * x, (n, -1, c)), axis=1))
+                out.append(xp.sum(xp.reshape(g * x, (n, s, c)), axis=1))
             if self.has_shift:
-                out.append(xp.sum(xp.reshape(g, (n, -1, c)), axis=1))
+                out.append(xp.sum(xp.reshape(g, (n, s, c)), axis=1))
         else:
             if self.has_scale:
                 out.append(xp.sum(xp.reshape(g * x, (-1, c)), axis=0))
@@ -1346,7 +1349,8 @@ class MeanPool(Layer):
 
     def _forward(self, params, x):
         xp = namespace_of("MeanPool.forward", x=x)
-        return xp.mean(xp.reshape(x, (x.shape[0], -1, x.shape[-1])), axis=1)
+        s = math.prod(x.shape[1:-1])  # spelled out: an empty batch has no -1 to infer
+        return xp.mean(xp.reshape(x, (x.shape[0], s, x.shape[-1])), axis=1)
 
     def _jvp(self, params, x, dparams, dx):
         return None if dx is None else self._forward(params, dx)
@@ -1382,7 +1386,7 @@ class Flatten(Layer):
 
     def _forward(self, params, x):
         xp = namespace_of("Flatten.forward", x=x)
-        return xp.reshape(x, (x.shape[0], -1))
+        return xp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
 
     def _jvp(self, params, x, dparams, dx):
         return None if dx is None else self._forward(params, dx)

@@ -253,14 +253,14 @@ class Sequential:
                 f"{describe(params)}."
             )
         labels = [f"{name}[{i}]" for i in range(len(self.layers))]
-        for label, layer, p in zip(labels, self.layers, params, strict=True):
+        rows = list(zip(labels, self.names, self.layers, params, strict=True))
+        for label, lname, layer, p in rows:
             if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
-                layer.check_params(func, p, label)  # raises, naming the layer's arrays
+                layer.check_params(func, p, label, lname)  # raises, naming the layer's arrays
         arrays = self._named_arrays(name, params)
         if arrays:
             namespace_of(func, **arrays)
-        return tuple(layer.check_params(func, p, label)
-                     for label, layer, p in zip(labels, self.layers, params, strict=True))
+        return tuple(layer.check_params(func, p, label, lname) for label, lname, layer, p in rows)
 
     def _named_arrays(self, name, params):
         """``{message name: array}`` of a parameter structure (well-formed or not)."""
@@ -270,9 +270,9 @@ class Sequential:
         for i, (lname, layer, p) in enumerate(zip(self.names, self.layers, params,
                                                   strict=False)):
             if isinstance(p, (tuple, list)):
-                pnames = layer.param_names()
-                out.update({f"{name}[{i}][{j}] ({lname}.{pnames[j] if j < len(pnames) else j})":
-                            a for j, a in enumerate(p)})
+                pnames = layer.param_names()  # the names Layer.check_params gives them
+                out.update({f"{name}[{i}][{j}]" + (f" ({lname}.{pnames[j]})" if j < len(pnames)
+                                                   else ""): a for j, a in enumerate(p)})
         return out
 
     def check_input(self, func, x, like=None):
@@ -364,7 +364,7 @@ class Sequential:
                                  f"per-layer tuples; got {describe(params)}.")
         for i, (layer, p) in enumerate(zip(self.layers, params, strict=True)):
             if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
-                layer.check_params(func, p, f"params[{i}]")  # raises
+                layer.check_params(func, p, f"params[{i}]", self.names[i])  # raises
         arrays = self._named_arrays("params", params)
         xp = namespace_of(func, **arrays)
         # static checks only: a reshape and a concatenation pass NaN through unchanged, and
@@ -380,8 +380,9 @@ class Sequential:
         return self._flatten(xp, params, per_example)
 
     def _flatten(self, xp, params, per_example=False):
-        pieces = [xp.reshape(a, (a.shape[0], -1)) if per_example else xp.reshape(a, (-1,))
-                  for layer_params in params for a in layer_params]
+        # sizes spelled out: an empty batch (N = 0) has no -1 to infer
+        pieces = [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) if per_example
+                  else xp.reshape(a, (-1,)) for layer_params in params for a in layer_params]
         return xp.concat(pieces, axis=-1)
 
     def unflatten(self, vec):
