@@ -522,3 +522,30 @@ def test_permute_matrix_needs_a_square_matrix(xp, rng):
         nn.permute_matrix(xp.asarray(rng.standard_normal((3, 4))), [0, 1, 2])
     with pytest.raises(KFACValueError, match=r"permute_matrix: mat must be finite"):
         nn.permute_matrix(_with_nan(xp, xp.asarray(np.eye(3))), [0, 1, 2])
+
+
+def test_parameter_derivatives_of_a_network_without_parameters_are_refused(xp, rng):
+    """A parameter-free network has no Jacobian to apply: refused by name, not a ``None``
+    tangent or an empty concatenation."""
+    net = nn.Sequential([("act", nn.Activation("tanh")), ("flat", nn.Flatten())])
+    x = xp.asarray(rng.standard_normal((3, 2, 2)))
+    xp.assert_close(net.forward(((), ()), x), np.tanh(xp.round_host(
+        xp.to_numpy(x))).reshape(3, 4))
+    g = xp.asarray(rng.standard_normal((3, 4)))
+    for call in (lambda: net.vjp(((), ()), x, g), lambda: net.jvp(((), ()), x, ((), ())),
+                 lambda: net.flatten(((), ()))):
+        with pytest.raises(KFACValueError, match=r"the network must have parameters"):
+            call()
+
+
+def test_conv_patches_and_layer_check_params(xp, rng):
+    layer, params, x, _ = _setup(xp, rng, "conv-nhwc")
+    with pytest.raises(KFACValueError, match=r"Conv2D\.patches: x must be finite"):
+        layer.patches(_with_nan(xp, x))
+    with pytest.raises(KFACValueError, match=r"Conv2D\.patches: x must have C_in = 2"):
+        layer.patches(x[..., :1])
+    assert tuple(layer.patches(x).shape) == (2, 4, 4, 8)
+    if xp.float64:
+        b32 = xp.xp.astype(params[1], xp.xp.float32)
+        with pytest.raises(KFACTypeError, match=r"f: b must have the floating dtype of w"):
+            layer.check_params("f", (params[0], b32))

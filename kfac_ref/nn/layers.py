@@ -16,6 +16,13 @@ and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the or
   :math:`\dot\theta, \dot x, \dot g` (``rg``).  This is the second-order piece that turns a
   backward pass into an exact Hessian-vector product.
 
+Each public map validates its arguments once (structure and shapes of ``params``, ``x``,
+tangents and cotangents; real floating arrays, integer ids for :class:`Embedding`; one
+namespace, device and precision; finite values while value checks are on and the arrays
+are eager), then runs the layer's unchecked kernel.  Code that has validated already — a
+:class:`~kfac_ref.nn.Sequential` network at its own door — calls the kernels through
+:attr:`Layer.kernel`, so no array is scanned twice.
+
 Conventions (see the docs page *Conventions*): batch axis first; dense kernels ``W`` are
 ``[d_in, d_out]`` with ``y = x W + b``; convolution kernels are HWIO; the bias is the last
 parameter of a layer.  A ``None`` tangent or cotangent stands for zero.
@@ -147,7 +154,7 @@ class Layer:
     def check_params(self, func: str, params, label: str = "params",
                      owner: str | None = None) -> tuple:
         r"""Validate a parameter tuple against :meth:`param_shapes` (shapes, real floating
-        dtype, finite values).
+        dtype, one namespace, device and precision, finite values).
 
         .. math:: \theta_{l,i}.\text{shape} = \text{shape}_i
 
@@ -165,7 +172,10 @@ class Layer:
                 f"{func}: {label} of a {type(self).__name__} layer must be a tuple of "
                 f"{len(shapes)} arrays {self.param_names()}; got {describe(params)}."
             )
-        for name, p, s in zip(self._arg_names(label, owner), params, shapes, strict=True):
+        names = self._arg_names(label, owner)
+        if params:  # one namespace, device and precision (static: metadata only)
+            namespace_of(func, **dict(zip(names, params, strict=True)))
+        for name, p, s in zip(names, params, shapes, strict=True):
             check_array(func, name, p, shape=s)
         return tuple(params)
 

@@ -357,8 +357,7 @@ class Sequential:
         """
         func = "Sequential.flatten"
         per_example = check_bool(func, "per_example", per_example)
-        if not self.num_params:
-            raise KFACValueError(f"{func}: the network must have parameters; got none.")
+        self._check_has_params(func)
         if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
             raise KFACValueError(f"{func}: params must be a tuple of {len(self.layers)} "
                                  f"per-layer tuples; got {describe(params)}.")
@@ -514,6 +513,14 @@ class Sequential:
         out, inputs, values = self._forward(params, x, taps)
         return ForwardPass(self, params, out, inputs, values)
 
+    def _check_has_params(self, func):
+        """Derivatives with respect to the parameters need parameters: without them a
+        tangent would be ``None`` and a gradient an empty concatenation."""
+        if not self.num_params:
+            raise KFACValueError(f"{func}: the network must have parameters (P > 0) for a "
+                                 f"derivative with respect to them; got none (layers "
+                                 f"{', '.join(self.names)}).")
+
     def _check_direction(self, func, forward, dparams):
         """The direction of a pass: a flat ``[P]`` array or a parameter structure (never
         ``None``) in the namespace, device and precision of ``forward``."""
@@ -587,6 +594,7 @@ class Sequential:
             x_{L-1})` (``None`` for zero), the tangents :meth:`r_backward_pass` reads.
         """
         func = "Sequential.jvp_pass"
+        self._check_has_params(func)
         forward = self._check_pass(func, forward)
         dparams = self._check_direction(func, forward, dparams)
         out, dins = self._jvp(forward.params, forward.inputs, dparams)
@@ -689,6 +697,7 @@ class Sequential:
             Per layer, :math:`R\{\nabla_{\theta_l}\}` (``()`` without parameters).
         """
         func = "Sequential.r_backward_pass"
+        self._check_has_params(func)
         forward = self._check_pass(func, forward)
         dparams = self._check_direction(func, forward, dparams)
         if not isinstance(input_tangents, (tuple, list)) or len(input_tangents) != len(
@@ -740,6 +749,7 @@ class Sequential:
         array, the output's shape [N, ...]
         """
         func = "Sequential.jvp"
+        self._check_has_params(func)
         if dparams is None:
             raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
                                 f"structure (the direction); got None.")
@@ -761,6 +771,7 @@ class Sequential:
         g_out : array of the output's shape [N, ...]
         """
         func = "Sequential.vjp"
+        self._check_has_params(func)
         per_example = check_bool(func, "per_example", per_example)
         params = self.check_params_and_input(func, params, x, g_out=g_out)
         check_array(func, "g_out", g_out, shape=self._output_shape(x.shape),
@@ -819,6 +830,7 @@ class Sequential:
         array [P]
         """
         func = "Sequential.second_order_backward"
+        self._check_has_params(func)
         if dparams is None:
             raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
                                 f"structure (the direction); got None.")
