@@ -549,3 +549,22 @@ def test_conv_patches_and_layer_check_params(xp, rng):
         b32 = xp.xp.astype(params[1], xp.xp.float32)
         with pytest.raises(KFACTypeError, match=r"f: b must have the floating dtype of w"):
             layer.check_params("f", (params[0], b32))
+
+
+def test_backward_passes_check_their_caches(xp, rng):
+    net, params, x, g = _net_setup(xp, rng, _mlp)
+    fp = net.forward_pass(params, x)
+    caches = net.vjp_caches(fp)
+    grads, _ = net.backward_pass(fp, g, caches=caches)
+    want, _ = net.backward_pass(fp, g)
+    for a, b in zip(grads, want, strict=True):
+        for u, v in zip(a, b, strict=True):
+            xp.assert_close(u, xp.to_numpy(v))
+    with pytest.raises(KFACTypeError, match=r"backward_pass: caches must be None or the "
+                                            r"tuple of vjp_caches"):
+        net.backward_pass(fp, g, caches=caches[:2])
+    with pytest.raises(KFACValueError, match=r"caches\[0\] must be None \(layer 'fc1'"):
+        net.backward_pass(fp, g, caches=(x, *caches[1:]))
+    with pytest.raises(KFACValueError, match=r"stacked_backward_pass: caches\[1\] must be an "
+                                             r"array of shape \(4, 4\)"):
+        net.stacked_backward_pass(fp, g[None, ...], caches=(None, x, None))

@@ -292,7 +292,8 @@ class Sequential:
         from .._backend import KFACInputError
 
         shape = self._kernels[0].output_shape(tuple(x.shape))
-        for name, layer in zip(self.names[1:], self.layers[1:], strict=True):
+        later = zip(self.names[1:], self.layers[1:], self._kernels[1:], strict=True)
+        for name, layer, kernel in later:
             probe = zeros_like_shape(like, (1, *shape[1:]))
             try:
                 with value_checks(False):  # a zero probe: only its shape is checked
@@ -302,7 +303,7 @@ class Sequential:
                     f"{func}: layer {name!r} must receive the shape its predecessor produces "
                     f"(per example {tuple(shape[1:])}); {exc}"
                 ) from None
-            shape = layer.kernel.output_shape(shape)
+            shape = kernel.output_shape(shape)
         return x
 
     def check_params_and_input(self, func, params, x, **others):
@@ -551,11 +552,24 @@ class Sequential:
         check_array(func, name, g, shape=(None, *shape) if stacked else shape, layout=lay)
         return g
 
-    def _check_caches(self, func, caches):
-        if caches is not None and (not isinstance(caches, tuple)
-                                   or len(caches) != len(self.layers)):
+    def _check_caches(self, func, forward, caches):
+        if caches is None:
+            return None
+        if not isinstance(caches, tuple) or len(caches) != len(self.layers):
             raise KFACTypeError(f"{func}: caches must be None or the tuple of vjp_caches "
-                                f"({len(self.layers)} entries); got {caches!r:.80}.")
+                                f"({len(self.layers)} entries); got {describe(caches)}.")
+        # static checks only: vjp_caches computed them from the validated forward pass, and
+        # a scan here would be repeated by every backward pass that shares them
+        namespace_of(func, output=forward.output,
+                     **{f"caches[{i}]": c for i, c in enumerate(caches)})
+        for i, (c, layer, xin) in enumerate(zip(caches, self.layers, forward.inputs,
+                                                strict=True)):
+            if c is not None:
+                if not layer.has_vjp_cache:
+                    raise KFACValueError(f"{func}: caches[{i}] must be None (layer "
+                                         f"{self.names[i]!r} keeps no vjp_cache); got "
+                                         f"{describe(c)}.")
+                check_array(func, f"caches[{i}]", c, shape=tuple(xin.shape), finite=False)
         return caches
 
     def vjp_caches(self, forward):
@@ -635,7 +649,7 @@ class Sequential:
         self._check_cotangent(func, "g_out", forward, g_out)
         per_example = check_bool(func, "per_example", per_example)
         param_grads = check_bool(func, "param_grads", param_grads)
-        caches = self._check_caches(func, caches)
+        caches = self._check_caches(func, forward, caches)
         grads, cots = self._backward(forward.params, forward.inputs, g_out, per_example,
                                      param_grads, caches)
         return grads, tuple(cots)
@@ -666,7 +680,7 @@ class Sequential:
         func = "Sequential.stacked_backward_pass"
         forward = self._check_pass(func, forward)
         self._check_cotangent(func, "g_out", forward, g_out, stacked=True)
-        caches = self._check_caches(func, caches)
+        caches = self._check_caches(func, forward, caches)
         return tuple(self._backward_stacked(forward.params, forward.inputs, g_out, caches))
 
     def r_backward_pass(self, forward, dparams, input_tangents, g_out, rg_out):
