@@ -153,6 +153,7 @@ class Sequential:
         # the layers' unchecked maps: a call is validated once, at the network's door
         self._kernels = tuple(layer.kernel for layer in objs)
         self._layer_sizes = tuple(layer.num_params for layer in self.layers)
+        self._param_shapes = tuple(s for layer in objs for s in layer.param_shapes())
 
     # -- structure --------------------------------------------------------------------------
     def __len__(self):
@@ -247,20 +248,27 @@ class Sequential:
         ``name`` names the structure in messages (``params``, ``dparams``, ...); an array
         is named ``name[l][i] (<layer name>.<parameter name>)``.
         """
+        return self._check_params(func, params, name)
+
+    def _check_params(self, func, params, name="params", arrays=None):
+        """:meth:`check_params`; ``arrays``, the structure's named arrays whose namespace
+        the caller has checked already (with others), skips the second namespace check."""
         if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
             raise KFACValueError(
                 f"{func}: {name} must be a tuple of {len(self.layers)} per-layer tuples; got "
                 f"{describe(params)}."
             )
-        labels = [f"{name}[{i}]" for i in range(len(self.layers))]
-        rows = list(zip(labels, self.names, self.layers, params, strict=True))
-        for label, lname, layer, p in rows:
+        for i, (lname, layer, p) in enumerate(zip(self.names, self.layers, params,
+                                                  strict=True)):
             if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
-                layer.check_params(func, p, label, lname)  # raises, naming the layer's arrays
-        arrays = self._named_arrays(name, params)
-        if arrays:
-            namespace_of(func, **arrays)
-        return tuple(layer.check_params(func, p, label, lname) for label, lname, layer, p in rows)
+                layer.check_params(func, p, f"{name}[{i}]", lname)  # raises, naming arrays
+        if arrays is None:
+            arrays = self._named_arrays(name, params)
+            if arrays:
+                namespace_of(func, **arrays)
+        for (label, a), shape in zip(arrays.items(), self._param_shapes, strict=True):
+            check_array(func, label, a, shape=shape)
+        return tuple(tuple(p) for p in params)
 
     def _named_arrays(self, name, params):
         """``{message name: array}`` of a parameter structure (well-formed or not)."""
@@ -321,11 +329,12 @@ class Sequential:
             The validated parameters, one tuple per layer.
         """
         arrays = self._named_arrays("params", params)
+        named = dict(arrays)
         for name, v in others.items():
-            arrays.update(self._named_arrays(name, v) if isinstance(v, (tuple, list))
-                          else {name: v})
-        namespace_of(func, **arrays, x=x)
-        params = self.check_params(func, params)
+            named.update(self._named_arrays(name, v) if isinstance(v, (tuple, list))
+                         else {name: v})
+        namespace_of(func, **named, x=x)
+        params = self._check_params(func, params, arrays=arrays)
         like = next((p[0] for p in params if p), None)
         self.check_input(func, x, like)
         return params
@@ -369,8 +378,7 @@ class Sequential:
         xp = namespace_of(func, **arrays)
         # static checks only: a reshape and a concatenation pass NaN through unchanged, and
         # the library flattens gradients it computed (no scan of its own results)
-        shapes = [shape for layer in self.layers for shape in layer.param_shapes()]
-        for (name, a), shape in zip(arrays.items(), shapes, strict=True):
+        for (name, a), shape in zip(arrays.items(), self._param_shapes, strict=True):
             check_array(func, name, a, shape=(None, *shape) if per_example else shape,
                         finite=False)
         if per_example and len({a.shape[0] for a in arrays.values()}) > 1:
