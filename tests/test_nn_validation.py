@@ -568,3 +568,14 @@ def test_backward_passes_check_their_caches(xp, rng):
     with pytest.raises(KFACValueError, match=r"stacked_backward_pass: caches\[1\] must be an "
                                              r"array of shape \(4, 4\)"):
         net.stacked_backward_pass(fp, g[None, ...], caches=(None, x, None))
+
+
+def test_permutation_value_check_follows_the_switch(xp, rng):
+    """Length and dtype are static checks; whether the entries form a permutation is a
+    value check, off under ``value_checks(False)`` (the result is then the plain gather)."""
+    v = rng.standard_normal(4)
+    with value_checks(False):
+        got = nn.permute_vector(xp.asarray(v), [0, 0, 1, 1])
+        np.testing.assert_array_equal(xp.to_numpy(got), xp.round_host(v)[[0, 0, 1, 1]])
+        with pytest.raises(KFACValueError, match=r"of length 4"):
+            nn.permute_vector(xp.asarray(v), [0, 1])
