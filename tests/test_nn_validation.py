@@ -579,3 +579,27 @@ def test_permutation_value_check_follows_the_switch(xp, rng):
         np.testing.assert_array_equal(xp.to_numpy(got), xp.round_host(v)[[0, 0, 1, 1]])
         with pytest.raises(KFACValueError, match=r"of length 4"):
             nn.permute_vector(xp.asarray(v), [0, 1])
+
+
+def test_value_checks_skip_traced_arrays():
+    """Under ``jax.jit`` the arrays are tracers: static checks still run, value checks
+    (finite entries, id range, permutation entries) are skipped."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    layer = nn.Dense(2, 3)
+    params = layer.init_params(np.random.default_rng(0), jnp.zeros(1, dtype=jnp.float32))
+    x = jnp.asarray(np.array([[np.nan, 1.0]], dtype=np.float32))
+    with pytest.raises(KFACValueError, match=r"Dense\.forward: x must be finite"):
+        layer.forward(params, x)
+    out = jax.jit(layer.forward)(params, x)
+    assert np.isnan(np.asarray(out)).all()
+    with pytest.raises(KFACValueError, match=r"x must have last axis d_in = 2"):
+        jax.jit(layer.forward)(params, jnp.zeros((1, 3), dtype=jnp.float32))
+    net = nn.Sequential([("emb", nn.Embedding(4, 2)), ("flat", nn.Flatten())])
+    p = net.init_params(np.random.default_rng(0), jnp.zeros(1, dtype=jnp.float32))
+    ids = jnp.asarray(np.array([[0, 3]], dtype=np.int32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(net.forward)(p, ids)),
+                                  np.asarray(net.forward(p, ids)))
+    v = jnp.arange(3.0)
+    got = jax.jit(nn.permute_vector)(v, jnp.asarray(np.array([2, 0, 1], dtype=np.int32)))
+    np.testing.assert_array_equal(np.asarray(got), [2.0, 0.0, 1.0])
