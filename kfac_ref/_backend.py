@@ -83,6 +83,7 @@ __all__ = [
     "check_option",
     "check_bool",
     "check_int",
+    "check_shape",
     "check_rng",
     "eye_like",
     "zeros_like_shape",
@@ -732,6 +733,16 @@ def check_int(func: str, name: str, value: Any, *, minimum: int | None = None):
     if minimum is not None and value < minimum:
         _fail(func, name, f"an integer >= {minimum}", describe(value))
     return int(value)
+
+
+def check_shape(func: str, name: str, shape: Any, *, min_ndim: int = 0):
+    """Validate an array shape given as a tuple or list of at least ``min_ndim``
+    non-negative integers (not bools); return it as a tuple of ints."""
+    if not isinstance(shape, (tuple, list)) or len(shape) < min_ndim:
+        _fail(func, name, f"a tuple of at least {min_ndim} non-negative integers",
+              describe(shape), KFACTypeError if not isinstance(shape, (tuple, list))
+              else KFACValueError)
+    return tuple(check_int(func, name, s, minimum=0) for s in shape)
 
 
 def check_option(func: str, name: str, value: Any, allowed: Sequence[str]):

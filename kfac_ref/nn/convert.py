@@ -21,7 +21,18 @@ import math
 
 import numpy as np  # host-side index arithmetic only (permutations)
 
-from .._backend import check_array, device_of, namespace_of
+from .._backend import (
+    KFACTypeError,
+    KFACValueError,
+    any_true,
+    check_array,
+    check_square,
+    checks_values,
+    describe,
+    device_of,
+    is_array,
+    namespace_of,
+)
 from .network import Sequential
 
 __all__ = [
@@ -121,11 +132,15 @@ def permute_vector(vec, perm):
     .. math::
 
         w_i = v_{\pi(i)} .
+
+    ``perm`` is a permutation of ``range(vec.shape[-1])``: a sequence or NumPy array of
+    integers (as :func:`torch_permutation` returns), or an integer array of ``vec``'s
+    namespace and device.
     """
     func = "permute_vector"
     xp = namespace_of(func, vec=vec)
     check_array(func, "vec", vec, min_ndim=1)
-    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=device_of(vec))
+    idx = _check_perm(func, xp, perm, vec.shape[-1], "vec", vec)
     return xp.take(vec, idx, axis=vec.ndim - 1)
 
 
@@ -135,12 +150,54 @@ def permute_matrix(mat, perm):
     .. math::
 
         M'_{ij} = M_{\pi(i)\pi(j)} \quad (M' = \Pi M \Pi^\top).
+
+    ``mat`` is square ``[n, n]``; ``perm`` a permutation of ``range(n)``, given as for
+    :func:`permute_vector`.
     """
     func = "permute_matrix"
     xp = namespace_of(func, mat=mat)
-    check_array(func, "mat", mat, ndim=2)
-    idx = xp.asarray(np.asarray(perm, dtype=np.int64), device=device_of(mat))
+    check_square(func, "mat", mat)
+    idx = _check_perm(func, xp, perm, mat.shape[0], "mat", mat)
     return xp.take(xp.take(mat, idx, axis=0), idx, axis=1)
+
+
+def _check_perm(func, xp, perm, n, like_name, like):
+    """``perm`` as an index array on ``like``'s device, after checking that it is a
+    permutation of ``range(n)``: a host sequence or NumPy array of integers (checked on the
+    host, where the permutations of this module are made), or an integer array of
+    ``like``'s namespace and device (the check is then a value check)."""
+    want = f"a permutation of range({n}) (each of 0, ..., {n - 1} once)"
+    if is_array(perm) and not isinstance(perm, np.ndarray):
+        namespace_of(func, **{like_name: like}, perm=perm)
+        check_array(func, "perm", perm, shape=(n,), dtype="integral", layout=f"[{n}]")
+        if n and checks_values(perm):
+            ref = xp.arange(n, dtype=perm.dtype, device=device_of(perm))
+            if any_true(xp, xp.sort(perm) != ref):
+                raise KFACValueError(f"{func}: perm must be {want}; got an integer array "
+                                     f"with repeated or out-of-range entries.")
+        return perm
+    if not isinstance(perm, (np.ndarray, list, tuple, range)):
+        raise KFACTypeError(f"{func}: perm must be a sequence or an array of integers "
+                            f"({want}); got {describe(perm)}.")
+    try:
+        host = np.asarray(perm) if len(perm) else np.zeros(0, dtype=np.int64)
+    except ValueError:  # ragged nesting
+        host = None
+    if host is None or host.ndim != 1 or host.shape[0] != n:
+        got = describe(perm) if host is None else f"shape {host.shape}"
+        raise KFACValueError(f"{func}: perm must be {want}, of length {n}; got {got}.")
+    if not np.issubdtype(host.dtype, np.integer):  # bools and floats are refused
+        raise KFACTypeError(f"{func}: perm must hold integers ({want}); got dtype "
+                            f"{host.dtype}.")
+    # a value check like any other (switched off by value_checks(False)), on the host
+    if checks_values() and not np.array_equal(np.sort(host), np.arange(n)):
+        bad = sorted(set(host[(host < 0) | (host >= n)].tolist()))
+        values, counts = np.unique(host, return_counts=True)
+        dup = values[counts > 1].tolist()
+        raise KFACValueError(f"{func}: perm must be {want}; got "
+                             + (f"out-of-range entries {bad[:5]}" if bad
+                                else f"repeated entries {dup[:5]}") + ".")
+    return xp.asarray(host.astype(np.int64), device=device_of(like))
 
 
 def to_torch_parameters(net, params):

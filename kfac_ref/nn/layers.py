@@ -16,6 +16,13 @@ and no arrays.  Parameters are passed explicitly as a tuple of arrays, in the or
   :math:`\dot\theta, \dot x, \dot g` (``rg``).  This is the second-order piece that turns a
   backward pass into an exact Hessian-vector product.
 
+Each public map validates its arguments once (structure and shapes of ``params``, ``x``,
+tangents and cotangents; real floating arrays, integer ids for :class:`Embedding`; one
+namespace, device and precision; finite values while value checks are on and the arrays
+are eager), then runs the layer's unchecked kernel.  Code that has validated already — a
+:class:`~kfac_ref.nn.Sequential` network at its own door — calls the kernels through
+:attr:`Layer.kernel`, so no array is scanned twice.
+
 Conventions (see the docs page *Conventions*): batch axis first; dense kernels ``W`` are
 ``[d_in, d_out]`` with ``y = x W + b``; convolution kernels are HWIO; the bias is the last
 parameter of a layer.  A ``None`` tangent or cotangent stands for zero.
@@ -32,11 +39,16 @@ from __future__ import annotations
 import math
 
 from .._backend import (
+    KFACTypeError,
     KFACValueError,
     check_array,
     check_bool,
     check_int,
     check_option,
+    check_rng,
+    check_shape,
+    checks_values,
+    describe,
     device_of,
     kernel_of,
     namespace_of,
@@ -63,6 +75,8 @@ __all__ = [
     "Flatten",
     "ACTIVATIONS",
 ]
+
+_ABSENT = object()  # an argument the validated method does not take
 
 ACTIVATIONS = ("identity", "tanh", "sigmoid", "relu", "softplus")
 """Names of the elementwise activations of :class:`Activation`."""
@@ -125,13 +139,28 @@ class Layer:
         r"""Random parameters drawn on the host with ``rng`` and placed like ``like``.
 
         .. math:: W \sim \mathcal N(0, 1/\text{fan\_in}),\quad b \sim \mathcal N(0, 1/4)
+
+        ``rng`` is a ``numpy.random.Generator``; ``like`` a real floating array whose
+        namespace, device and dtype the parameters take (its values are not read).
         """
+        func = self._name("init_params")
+        check_rng(func, "rng", rng)
+        check_array(func, "like", like, finite=False)
+        return self._init_params(rng, like)
+
+    def _init_params(self, rng, like):
         return ()
 
-    def check_params(self, func: str, params) -> tuple:
-        r"""Validate a parameter tuple against :meth:`param_shapes` (shapes, dtype, finite).
+    def check_params(self, func: str, params, label: str = "params",
+                     owner: str | None = None) -> tuple:
+        r"""Validate a parameter tuple against :meth:`param_shapes` (shapes, real floating
+        dtype, one namespace, device and precision, finite values).
 
         .. math:: \theta_{l,i}.\text{shape} = \text{shape}_i
+
+        ``label`` names the tuple in messages; its arrays are named by :meth:`param_names`
+        (``label[i] (name)`` unless ``label`` is ``"params"``; ``label[i] (owner.name)``
+        when the layer's ``owner`` name in a network is given).
 
         Raises
         ------
@@ -140,19 +169,37 @@ class Layer:
         shapes = self.param_shapes()
         if not isinstance(params, (tuple, list)) or len(params) != len(shapes):
             raise KFACValueError(
-                f"{func}: params of a {type(self).__name__} layer must be a tuple of "
-                f"{len(shapes)} arrays {self.param_names()}; got {params!r:.80}."
+                f"{func}: {label} of a {type(self).__name__} layer must be a tuple of "
+                f"{len(shapes)} arrays {self.param_names()}; got {describe(params)}."
             )
-        for name, p, s in zip(self.param_names(), params, shapes, strict=True):
+        names = self._arg_names(label, owner)
+        if params:  # one namespace, device and precision (static: metadata only)
+            namespace_of(func, **dict(zip(names, params, strict=True)))
+        for name, p, s in zip(names, params, shapes, strict=True):
             check_array(func, name, p, shape=s)
         return tuple(params)
+
+    def _arg_names(self, label, owner=None):
+        """Message names of the arrays of a parameter-shaped tuple called ``label``."""
+        if label == "params" and owner is None:
+            return self.param_names()
+        prefix = "" if owner is None else f"{owner}."
+        return tuple(f"{label}[{j}] ({prefix}{n})" for j, n in enumerate(self.param_names()))
 
     # -- shapes -----------------------------------------------------------------------
     def output_shape(self, input_shape: tuple[int, ...]) -> tuple[int, ...]:
         r"""Output shape for an input shape (both include the batch axis ``N``).
 
         .. math:: y = f(\theta, x) \in \mathbb R^{\text{output\_shape}}
+
+        ``input_shape`` is a sequence of non-negative integers: the batch axis and, but for
+        the ids of an :class:`Embedding`, at least one more.
         """
+        rank = 2 if self.input_dtype == "real floating" else 1
+        return self._output_shape(check_shape(self._name("output_shape"), "input_shape",
+                                              input_shape, min_ndim=rank))
+
+    def _output_shape(self, input_shape):
         return tuple(input_shape)
 
     def check_input(self, func: str, x) -> None:
@@ -166,13 +213,88 @@ class Layer:
         """
         check_array(func, "x", x, min_ndim=2)
 
-    # -- maps ---------------------------------------------------------------------------
-    def forward(self, params, x):  # pragma: no cover - abstract
+    # -- validation of the public maps ---------------------------------------------------
+    input_dtype = "real floating"
+    """dtype kind of the layer's input: real floating (``"integral"`` for ids)."""
+
+    has_vjp_cache = False
+    """Whether :meth:`vjp_cache` returns an array (``cache`` of :meth:`vjp_input`)."""
+
+    def _tangent_arrays(self, label, tangent):
+        """``{message name: array}`` of a parameter-shaped tuple, for the namespace check
+        (a malformed one is reported by :meth:`check_params`)."""
+        if tangent is None or not isinstance(tangent, (tuple, list)):
+            return {} if tangent is None else {label: tangent}
+        return dict(zip(self._arg_names(label), tangent, strict=False))
+
+    def _check_call(self, func, params, x, *, dparams=None, dx=None, g=_ABSENT, rg=None,
+                    cache=None, stacked=False, per_example=None):
+        """Validate a call of a public map once: one namespace, device and precision for
+        every array, the parameters (:meth:`check_params`), the input (:meth:`check_input`),
+        and the tangents and cotangents on the shapes the input implies.  Returns the
+        parameters and ``dparams`` as tuples."""
+        for label, tup in (("params", params), ("dparams", dparams)):
+            if tup is not None and (not isinstance(tup, (tuple, list))
+                                    or len(tup) != len(self.param_shapes())):
+                self.check_params(func, tup, label)  # raises, naming the structure wanted
+        differentiable = self.input_dtype == "real floating"
+        if dx is not None and not differentiable:
+            raise KFACValueError(f"{func}: dx must be None for a {type(self).__name__} layer "
+                                 f"(its integer input has no tangent); got {describe(dx)}.")
+        if cache is not None and not self.has_vjp_cache:
+            raise KFACValueError(f"{func}: cache must be None for a {type(self).__name__} "
+                                 f"layer (it keeps no vjp_cache); got {describe(cache)}.")
+        xname = "x" if differentiable else "ids"
+        namespace_of(func, **self._tangent_arrays("params", params), **{xname: x},
+                     **self._tangent_arrays("dparams", dparams), dx=dx,
+                     g=None if g is _ABSENT else g, rg=rg, cache=cache)
+        params = self.check_params(func, params)
+        self.check_input(func, x)
+        if dparams is not None:
+            dparams = self.check_params(func, dparams, "dparams")
+        if dx is not None:
+            check_array(func, "dx", dx, shape=tuple(x.shape), layout="[*x.shape]")
+        if cache is not None:
+            check_array(func, "cache", cache, shape=tuple(x.shape), layout="[*x.shape]")
+        if g is not _ABSENT or rg is not None:
+            out = tuple(self._output_shape(tuple(x.shape)))
+            if g is not _ABSENT:  # required where given: None is refused
+                check_array(func, "g", g, shape=(None, *out) if stacked else out,
+                            layout="[C, *output_shape]" if stacked else "[*output_shape]")
+            if rg is not None:
+                check_array(func, "rg", rg, shape=out, layout="[*output_shape]")
+        if per_example is not None:
+            check_bool(func, "per_example", per_example)
+        return params, dparams
+
+    def _name(self, method):
+        return f"{type(self).__name__}.{method}"
+
+    @property
+    def kernel(self):
+        """The unchecked maps of this layer (``forward``, ``forward_with_tap``, ``jvp``,
+        ``vjp_input``, ``vjp_input_stacked``, ``vjp_cache``, ``param_grads``, ``rvjp``,
+        ``init_params``, ``output_shape``; ``patches`` for :class:`Conv2D`), for code that
+        has validated their arguments already: :class:`kfac_ref.nn.Sequential` validates a
+        call once at its door and runs every layer through its kernel, so no array is
+        checked twice.  Same arguments and results as the public methods, no checks."""
+        return _LayerKernel(self)
+
+    # -- maps (public: validate, then run the unchecked kernel) ------------------------------
+    def forward(self, params, x):
         r"""The layer map, batched over examples.
 
         .. math:: y_n = f(\theta, x_n)
+
+        Raises
+        ------
+        KFACValueError, KFACTypeError
+            Parameters or input of the wrong structure, shape, dtype (real floating arrays
+            only; integer ids for :class:`Embedding`), mixed namespaces, devices or
+            precisions, or non-finite entries (a value check).
         """
-        raise NotImplementedError
+        params, _ = self._check_call(self._name("forward"), params, x)
+        return self._forward(params, x)
 
     def forward_with_tap(self, params, x, tap):
         r"""The layer map and a caller's statistic of what the layer's weight multiplies,
@@ -192,21 +314,38 @@ class Layer:
         (:meth:`kfac_ref.blocks.kfac_jax.CurvatureBlock.layer_tap`) so the patches are
         extracted once per update.
         """
-        return self.forward(params, x), (None if tap is None else tap(x))
+        func = self._name("forward_with_tap")
+        params, _ = self._check_call(func, params, x)
+        if tap is not None and not callable(tap):
+            raise KFACTypeError(f"{func}: tap must be None or a callable; got {describe(tap)}.")
+        return self._forward_with_tap(params, x, tap)
 
-    def jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
+    def _forward_with_tap(self, params, x, tap):
+        return self._forward(params, x), (None if tap is None else tap(x))
+
+    def jvp(self, params, x, dparams, dx):
         r"""Forward-mode tangent (``None`` tangents are zero; returns ``None`` if both are).
 
         .. math:: \dot y = \partial_\theta f\,\dot\theta + \partial_x f\,\dot x
-        """
-        raise NotImplementedError
 
-    def vjp_input(self, params, x, g):  # pragma: no cover - abstract
+        ``dparams`` is ``None`` or a tuple shaped like ``params``; ``dx`` is ``None`` or an
+        array of ``x``'s shape (``None`` for the integer ids of an :class:`Embedding`).
+        """
+        params, dparams = self._check_call(self._name("jvp"), params, x, dparams=dparams,
+                                           dx=dx)
+        return self._jvp(params, x, dparams, dx)
+
+    def vjp_input(self, params, x, g, cache=None):
         r"""Input cotangent (``None`` for integer inputs).
 
         .. math:: \bar x = (\partial_x f)^\top g
+
+        ``g`` has the layer's output shape; ``cache`` is :meth:`vjp_cache`'s result where
+        the layer has one (``None`` otherwise).
         """
-        raise NotImplementedError
+        params, _ = self._check_call(self._name("vjp_input"), params, x, g=g, cache=cache)
+        return (self._vjp_input(params, x, g) if cache is None
+                else self._vjp_input(params, x, g, cache=cache))
 
     def vjp_input_stacked(self, params, x, g, cache=None):
         r"""Input cotangents of :math:`C` output cotangents stacked on a leading axis.
@@ -220,9 +359,14 @@ class Layer:
         one pass, :class:`kfac_ref.curvature.BlockDiagonalCurvature`).  ``cache`` is the
         layer's :meth:`vjp_cache`, where it has one.
         """
+        params, _ = self._check_call(self._name("vjp_input_stacked"), params, x, g=g,
+                                     cache=cache, stacked=True)
+        return self._vjp_input_stacked(params, x, g, cache)
+
+    def _vjp_input_stacked(self, params, x, g, cache=None):
         xp = namespace_of(f"{type(self).__name__}.vjp_input_stacked", x=x, g=g)
         kw = {} if cache is None else {"cache": cache}
-        outs = [self.vjp_input(params, x, g[c, ...], **kw) for c in range(g.shape[0])]
+        outs = [self._vjp_input(params, x, g[c, ...], **kw) for c in range(g.shape[0])]
         return None if outs[0] is None else xp.stack(outs, axis=0)
 
     def vjp_cache(self, params, x):
@@ -234,6 +378,10 @@ class Layer:
         forms ``c`` once; a layer that returns a cache takes it as ``vjp_input``'s ``cache``
         keyword.  The base class has none.
         """
+        params, _ = self._check_call(self._name("vjp_cache"), params, x)
+        return self._vjp_cache(params, x)
+
+    def _vjp_cache(self, params, x):
         return None
 
     def param_grads(self, params, x, g, per_example=False):
@@ -242,11 +390,16 @@ class Layer:
         .. math:: \bar\theta = \sum_n (\partial_\theta f_n)^\top g_n
             \quad\text{or}\quad \big[(\partial_\theta f_n)^\top g_n\big]_n
 
-        Empty for parameter-free layers.
+        Empty for parameter-free layers.  ``g`` has the layer's output shape.
         """
+        params, _ = self._check_call(self._name("param_grads"), params, x, g=g,
+                                     per_example=per_example)
+        return self._param_grads(params, x, g, per_example)
+
+    def _param_grads(self, params, x, g, per_example=False):
         return ()
 
-    def rvjp(self, params, x, dparams, dx, g, rg):  # pragma: no cover - abstract
+    def rvjp(self, params, x, dparams, dx, g, rg):
         r"""R-operator of the backward pass: ``(R{param_grads}, R{vjp_input})``.
 
         .. math::
@@ -254,11 +407,40 @@ class Layer:
             R\{\bar\theta\} = \frac{d}{d\epsilon}\sum_n (\partial_\theta f_n)^\top g_n
             \Big|_{(\theta, x, g) + \epsilon(\dot\theta, \dot x, \dot g)},\quad
             R\{\bar x\} = \frac{d}{d\epsilon}(\partial_x f)^\top g\Big|_{\dots}
+
+        ``dparams``, ``dx`` and ``rg`` may be ``None`` (zero); ``g`` and ``rg`` have the
+        layer's output shape.
         """
+        params, dparams = self._check_call(self._name("rvjp"), params, x, dparams=dparams,
+                                           dx=dx, g=g, rg=rg)
+        return self._rvjp(params, x, dparams, dx, g, rg)
+
+    def _forward(self, params, x):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _jvp(self, params, x, dparams, dx):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _vjp_input(self, params, x, g):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _rvjp(self, params, x, dparams, dx, g, rg):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+class _LayerKernel:
+    """The unchecked maps of one layer (:attr:`Layer.kernel`), bound to it."""
+
+    __slots__ = ("forward", "forward_with_tap", "jvp", "vjp_input", "vjp_input_stacked",
+                 "vjp_cache", "param_grads", "rvjp", "init_params", "output_shape", "patches")
+
+    def __init__(self, layer):
+        for name in self.__slots__:
+            if hasattr(layer, "_" + name):  # patches: convolutions only
+                setattr(self, name, getattr(layer, "_" + name))
 
 
 def _normal_init(rng, like, shape, scale):
@@ -311,13 +493,13 @@ class Dense(Layer):
         w = (self.d_in, self.d_out)
         return (w, (self.d_out,)) if self.use_bias else (w,)
 
-    def init_params(self, rng, like):
+    def _init_params(self, rng, like):
         w = _normal_init(rng, like, (self.d_in, self.d_out), 1.0 / math.sqrt(self.d_in))
         if not self.use_bias:
             return (w,)
         return (w, _normal_init(rng, like, (self.d_out,), 0.5))
 
-    def output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         return (*input_shape[:-1], self.d_out)
 
     def check_input(self, func, x):
@@ -327,11 +509,11 @@ class Dense(Layer):
                 f"{func}: x must have last axis d_in = {self.d_in}; got shape {tuple(x.shape)}."
             )
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         y = x @ params[0]
         return y + params[1] if self.use_bias else y
 
-    def jvp(self, params, x, dparams, dx):
+    def _jvp(self, params, x, dparams, dx):
         out = None
         if dparams is not None:
             out = x @ dparams[0]
@@ -341,16 +523,16 @@ class Dense(Layer):
             out = _add(out, dx @ params[0])
         return out
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         return g @ params[0].T
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
+    def _vjp_input_stacked(self, params, x, g, cache=None):
         # one 2-D GEMM over every leading axis (a stacked matmul runs one GEMM per vector)
         xp = namespace_of("Dense.vjp_input_stacked", x=x, g=g)
         out = xp.reshape(g, (-1, g.shape[-1])) @ params[0].T
         return xp.reshape(out, (*g.shape[:-1], out.shape[-1]))
 
-    def param_grads(self, params, x, g, per_example=False):
+    def _param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Dense.param_grads", x=x, g=g)
         if per_example:
             if x.ndim == 2:
@@ -366,11 +548,11 @@ class Dense(Layer):
             gb = xp.sum(g2, axis=0)
         return (gw, gb) if self.use_bias else (gw,)
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
+    def _rvjp(self, params, x, dparams, dx, g, rg):
         # R{x^T g} = dx^T g + x^T rg ; R{sum g} = sum rg ; R{g W^T} = rg W^T + g dW^T
         xp = namespace_of("Dense.rvjp", x=x, g=g)
         rg = _zeros_if_none(xp, rg, g)
-        r_params = self.param_grads(params, x, rg)
+        r_params = self._param_grads(params, x, rg)
         if dx is not None:
             r_w = r_params[0] + xp.reshape(dx, (-1, self.d_in)).T @ xp.reshape(g, (-1, self.d_out))
             r_params = (r_w, *r_params[1:])
@@ -522,7 +704,7 @@ class Conv2D(Layer):
         """
         return self.geometry(input_shape).output_spatial_shape
 
-    def output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         ho, wo = self.spatial_output(input_shape)
         n = input_shape[0]
         return (n, ho, wo, self.c_out) if self.data_format == "NHWC" else (n, self.c_out, ho, wo)
@@ -552,7 +734,7 @@ class Conv2D(Layer):
         w = (*self.kernel_size, self.c_in, self.c_out)
         return (w, (self.c_out,)) if self.use_bias else (w,)
 
-    def init_params(self, rng, like):
+    def _init_params(self, rng, like):
         w = _normal_init(rng, like, self.param_shapes()[0], 1.0 / math.sqrt(self.patch_size))
         if not self.use_bias:
             return (w,)
@@ -574,11 +756,18 @@ class Conv2D(Layer):
             \big]_{(a, b, c)}, \quad c \text{ fastest}.
 
         The kernel of :func:`kfac_ref.patches.extract_convolution_patches` on the layer's
-        :meth:`geometry` (``x`` is not validated again: the network's public passes did).
+        :meth:`geometry`; ``x`` is validated as :meth:`forward` validates it (code that has
+        validated ``x`` already calls ``layer.kernel.patches``, :attr:`Layer.kernel`).
         """
+        func = "Conv2D.patches"
+        namespace_of(func, x=x)
+        self.check_input(func, x)
+        return self._patches(x)
+
+    def _patches(self, x):
         xp = namespace_of("Conv2D.patches", x=x)
         p = extract_convolution_patches.kernel(xp, x, self.geometry(tuple(x.shape)))
-        return xp.reshape(p, (*p.shape[:3], -1))
+        return xp.reshape(p, (*p.shape[:3], self.patch_size))
 
     def _kernel_matrix(self, xp, w):
         return xp.reshape(w, (self.patch_size, self.c_out))
@@ -587,6 +776,8 @@ class Conv2D(Layer):
         """``(start, stop)`` chunks of examples whose patch temporaries
         (:meth:`kfac_ref.conv_geometry.ConvGeometry.temporary_entries_per_example` entries
         per example) fit in :attr:`max_temporary_bytes`."""
+        if like.shape[0] == 0:  # an empty batch is one empty chunk: empty outputs, zero sums
+            return [(0, 0)]
         entries = self.geometry(tuple(spatial_in)).temporary_entries_per_example(extra_columns)
         return example_chunks(like.shape[0], entries, xp.finfo(like.dtype).bits // 8,
                               temporary_bytes_bound(like, self.max_temporary_bytes))
@@ -666,17 +857,17 @@ class Conv2D(Layer):
         k = self._kernel_matrix(xp, w)
 
         def conv(xc):
-            y = self.patches(xc) @ k
+            y = self._patches(xc) @ k
             return y if b is None else y + b
 
         return self._from_nhwc(xp, self._concat_chunks(xp, conv, self._chunks(xp, x, x.shape),
                                                       x))
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         xp = namespace_of("Conv2D.forward", x=x)
         return self._conv(xp, x, params[0], params[1] if self.use_bias else None)
 
-    def forward_with_tap(self, params, x, tap):
+    def _forward_with_tap(self, params, x, tap):
         r"""The output and ``tap`` summed over the patches of the chunks it was computed
         from.
 
@@ -693,13 +884,13 @@ class Conv2D(Layer):
         homogeneous column when the layer has a bias).
         """
         if tap is None:
-            return self.forward(params, x), None
+            return self._forward(params, x), None
         xp = namespace_of("Conv2D.forward_with_tap", x=x)
         k = self._kernel_matrix(xp, params[0])
         bias = params[1] if self.use_bias else None
         outs, total = [], None
         for lo, hi in self._chunks(xp, x, x.shape, int(self.use_bias)):
-            p = self.patches(x if (lo, hi) == (0, x.shape[0]) else x[lo:hi, ...])
+            p = self._patches(x if (lo, hi) == (0, x.shape[0]) else x[lo:hi, ...])
             y = p @ k
             outs.append(y if bias is None else y + bias)
             part = tap(p)
@@ -707,7 +898,7 @@ class Conv2D(Layer):
         y = outs[0] if len(outs) == 1 else xp.concat(outs, axis=0)
         return self._from_nhwc(xp, y), total
 
-    def jvp(self, params, x, dparams, dx):
+    def _jvp(self, params, x, dparams, dx):
         xp = namespace_of("Conv2D.jvp", x=x)
         out = None
         if dparams is not None:
@@ -716,11 +907,11 @@ class Conv2D(Layer):
             out = _add(out, self._conv(xp, dx, params[0], None))
         return out
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         xp = namespace_of("Conv2D.vjp_input", x=x, g=g)
         return self._vjp_input_rows(xp, params, tuple(x.shape), g)
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
+    def _vjp_input_stacked(self, params, x, g, cache=None):
         # the input cotangent does not read x: the C·N stacked cotangents are one batch
         xp = namespace_of("Conv2D.vjp_input_stacked", x=x, g=g)
         c = g.shape[0]
@@ -741,24 +932,23 @@ class Conv2D(Layer):
         return self._from_nhwc(xp, self._concat_chunks(xp, cotangent,
                                                       self._chunks(xp, g, x_shape), g))
 
-    def param_grads(self, params, x, g, per_example=False):
+    def _param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Conv2D.param_grads", x=x, g=g)
         kshape = self.param_shapes()[0]
         n = x.shape[0]
         bounds = self._chunks(xp, x, x.shape)
         if per_example:  # Σ_t p gᵀ per example, one batched GEMM per chunk
             def per_example_weight(xc, gc):
-                m = xc.shape[0]
-                p = xp.reshape(self.patches(xc), (m, -1, self.patch_size))
+                p = _location_rows(xp, self._patches(xc))
                 return per_example_patch_products(
-                    xp, p, xp.reshape(self._to_nhwc(xp, gc), (m, -1, self.c_out)))
+                    xp, p, _location_rows(xp, self._to_nhwc(xp, gc)))
 
             gw = xp.reshape(self._concat_chunks(xp, per_example_weight, bounds, x, g),
                             (n, *kshape))
-            gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (n, -1, self.c_out)), axis=1)
+            gb = xp.sum(_location_rows(xp, self._to_nhwc(xp, g)), axis=1)
         else:  # Σ over chunks of Pᵀ g: one GEMM per chunk
             def chunk_weight_grad(lo, hi):  # a chunk's patches die before the next's
-                p2 = xp.reshape(self.patches(x[lo:hi, ...]), (-1, self.patch_size))
+                p2 = xp.reshape(self._patches(x[lo:hi, ...]), (-1, self.patch_size))
                 g2 = xp.reshape(self._to_nhwc(xp, g[lo:hi, ...]), (-1, self.c_out))
                 return p2.T @ g2
 
@@ -770,22 +960,28 @@ class Conv2D(Layer):
             gb = xp.sum(xp.reshape(self._to_nhwc(xp, g), (-1, self.c_out)), axis=0)
         return (gw, gb) if self.use_bias else (gw,)
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
+    def _rvjp(self, params, x, dparams, dx, g, rg):
         xp = namespace_of("Conv2D.rvjp", x=x, g=g)
         rg = _zeros_if_none(xp, rg, g)
-        r_params = self.param_grads(params, x, rg)
+        r_params = self._param_grads(params, x, rg)
         if dx is not None:
-            r_w = r_params[0] + self.param_grads(params, dx, g)[0]
+            r_w = r_params[0] + self._param_grads(params, dx, g)[0]
             r_params = (r_w, *r_params[1:])
-        r_x = self.vjp_input(params, x, rg)
+        r_x = self._vjp_input(params, x, rg)
         if dparams is not None:
-            r_x = r_x + self.vjp_input(dparams, x, g)
+            r_x = r_x + self._vjp_input(dparams, x, g)
         return r_params, r_x
 
     def __repr__(self):
         return (f"Conv2D({self.c_in}, {self.c_out}, kernel_size={self.kernel_size}, "
                 f"stride={self.stride}, padding={self.padding!r}, dilation={self.dilation}, "
                 f"data_format={self.data_format!r}, use_bias={self.use_bias})")
+
+
+def _location_rows(xp, a):
+    """``[N, Ho, Wo, K]`` → ``[N, Ho·Wo, K]`` (sizes spelled out: an empty batch has no
+    ``-1`` to infer)."""
+    return xp.reshape(a, (a.shape[0], a.shape[1] * a.shape[2], a.shape[3]))
 
 
 def _pair(func, name, v):
@@ -837,7 +1033,7 @@ class ScaleAndShift(Layer):
     def param_shapes(self):
         return tuple((self.num_channels,) for _ in self.param_names())
 
-    def init_params(self, rng, like):
+    def _init_params(self, rng, like):
         out = []
         if self.has_scale:
             import numpy as np  # host-side random draws only
@@ -864,12 +1060,12 @@ class ScaleAndShift(Layer):
         t = params[-1] if self.has_shift else None
         return s, t
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         s, t = self._split(params)
         y = x * s if s is not None else x
         return y + t if t is not None else y
 
-    def jvp(self, params, x, dparams, dx):
+    def _jvp(self, params, x, dparams, dx):
         xp = namespace_of("ScaleAndShift.jvp", x=x)
         s, _ = self._split(params)
         out = None
@@ -881,23 +1077,23 @@ class ScaleAndShift(Layer):
             out = _add(out, dx * s if s is not None else dx)
         return out
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         s, _ = self._split(params)
         return g * s if s is not None else g
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
-        return self.vjp_input(params, x, g)  # the per-channel scale broadcasts
+    def _vjp_input_stacked(self, params, x, g, cache=None):
+        return self._vjp_input(params, x, g)  # the per-channel scale broadcasts
 
-    def param_grads(self, params, x, g, per_example=False):
+    def _param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("ScaleAndShift.param_grads", x=x, g=g)
-        n = x.shape[0]
+        n, s = x.shape[0], math.prod(x.shape[1:-1])  # no -1: an empty batch has none
         c = self.num_channels
         out = []
         if per_example:
             if self.has_scale:
-                out.append(xp.sum(xp.reshape(g * x, (n, -1, c)), axis=1))
+                out.append(xp.sum(xp.reshape(g * x, (n, s, c)), axis=1))
             if self.has_shift:
-                out.append(xp.sum(xp.reshape(g, (n, -1, c)), axis=1))
+                out.append(xp.sum(xp.reshape(g, (n, s, c)), axis=1))
         else:
             if self.has_scale:
                 out.append(xp.sum(xp.reshape(g * x, (-1, c)), axis=0))
@@ -905,14 +1101,14 @@ class ScaleAndShift(Layer):
                 out.append(xp.sum(xp.reshape(g, (-1, c)), axis=0))
         return tuple(out)
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
+    def _rvjp(self, params, x, dparams, dx, g, rg):
         xp = namespace_of("ScaleAndShift.rvjp", x=x, g=g)
         rg = _zeros_if_none(xp, rg, g)
-        r_params = self.param_grads(params, x, rg)
+        r_params = self._param_grads(params, x, rg)
         if dx is not None and self.has_scale:
             r_params = (r_params[0] + xp.sum(xp.reshape(g * dx, (-1, self.num_channels)),
                                              axis=0), *r_params[1:])
-        r_x = self.vjp_input(params, x, rg)
+        r_x = self._vjp_input(params, x, rg)
         if dparams is not None and self.has_scale:
             r_x = r_x + g * dparams[0]
         return r_params, r_x
@@ -943,6 +1139,7 @@ class Embedding(Layer):
     """
 
     kind = "embedding"
+    input_dtype = "integral"
 
     def __init__(self, vocab_size, dim):
         self.vocab_size = check_int("Embedding", "vocab_size", vocab_size, minimum=1)
@@ -954,16 +1151,18 @@ class Embedding(Layer):
     def param_shapes(self):
         return ((self.vocab_size, self.dim),)
 
-    def init_params(self, rng, like):
+    def _init_params(self, rng, like):
         return (_normal_init(rng, like, (self.vocab_size, self.dim), 1.0),)
 
-    def output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         return (*input_shape, self.dim)
 
     def check_input(self, func, x):
         check_array(func, "ids", x, ndim=(1, 2), dtype="integral", layout="[N] or [N, T]")
         xp = namespace_of(func, ids=x)
-        if x.size and (int(xp.min(x)) < 0 or int(xp.max(x)) >= self.vocab_size):
+        # a value check (it reads the ids): skipped for lazy ids and when checks are off
+        if (math.prod(x.shape) and checks_values(x)
+                and (int(xp.min(x)) < 0 or int(xp.max(x)) >= self.vocab_size)):
             raise KFACValueError(
                 f"{func}: ids must lie in [0, {self.vocab_size}); got range "
                 f"[{int(xp.min(x))}, {int(xp.max(x))}]."
@@ -978,21 +1177,21 @@ class Embedding(Layer):
         classes = xp.arange(self.vocab_size, dtype=ids.dtype, device=device_of(ids))
         return xp.astype(ids[..., None] == classes, dtype)
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         xp = namespace_of("Embedding.forward", ids=x, params=params[0])
         flat = xp.reshape(x, (-1,))
         y = xp.take(params[0], flat, axis=0)
         return xp.reshape(y, (*x.shape, self.dim))
 
-    def jvp(self, params, x, dparams, dx):
+    def _jvp(self, params, x, dparams, dx):
         if dparams is None:
             return None
-        return self.forward(dparams, x)
+        return self._forward(dparams, x)
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         return None
 
-    def param_grads(self, params, x, g, per_example=False):
+    def _param_grads(self, params, x, g, per_example=False):
         xp = namespace_of("Embedding.param_grads", g=g)
         oh = self.one_hot(x, g.dtype)
         if per_example:
@@ -1001,10 +1200,10 @@ class Embedding(Layer):
             return (xp.permute_dims(oh, (0, 2, 1)) @ g,)
         return (xp.reshape(oh, (-1, self.vocab_size)).T @ xp.reshape(g, (-1, self.dim)),)
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
+    def _rvjp(self, params, x, dparams, dx, g, rg):
         xp = namespace_of("Embedding.rvjp", g=g)
         rg = _zeros_if_none(xp, rg, g)
-        return self.param_grads(params, x, rg), None
+        return self._param_grads(params, x, rg), None
 
     def __repr__(self):
         return f"Embedding({self.vocab_size}, {self.dim})"
@@ -1099,6 +1298,7 @@ class Activation(Layer):
     """
 
     kind = "activation"
+    has_vjp_cache = True
 
     def __init__(self, kind):
         self.activation = check_option("Activation", "kind", kind, ACTIVATIONS)
@@ -1106,25 +1306,25 @@ class Activation(Layer):
     def _derivs(self, x, order):
         return _activation_kernel(namespace_of("Activation", x=x), self.activation, x, order)
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         return self._derivs(x, 0)[0]
 
-    def jvp(self, params, x, dparams, dx):
+    def _jvp(self, params, x, dparams, dx):
         if dx is None:
             return None
         return self._derivs(x, 1)[1] * dx
 
-    def vjp_cache(self, params, x):
+    def _vjp_cache(self, params, x):
         r"""The derivative :math:`\sigma'(x)`, formed once per forward pass."""
         return self._derivs(x, 1)[1]
 
-    def vjp_input(self, params, x, g, cache=None):
-        return (self.vjp_cache(params, x) if cache is None else cache) * g
+    def _vjp_input(self, params, x, g, cache=None):
+        return (self._vjp_cache(params, x) if cache is None else cache) * g
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
-        return self.vjp_input(params, x, g, cache)  # σ'(x) [N, ...] broadcasts over C
+    def _vjp_input_stacked(self, params, x, g, cache=None):
+        return self._vjp_input(params, x, g, cache)  # σ'(x) [N, ...] broadcasts over C
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
+    def _rvjp(self, params, x, dparams, dx, g, rg):
         _, d1, d2 = self._derivs(x, 2)
         out = None if rg is None else d1 * rg
         if dx is not None:
@@ -1151,33 +1351,34 @@ class MeanPool(Layer):
 
     kind = "pool"
 
-    def output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         return (input_shape[0], input_shape[-1])
 
     def check_input(self, func, x):
         check_array(func, "x", x, min_ndim=3, layout="[N, S..., C]")
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         xp = namespace_of("MeanPool.forward", x=x)
-        return xp.mean(xp.reshape(x, (x.shape[0], -1, x.shape[-1])), axis=1)
+        s = math.prod(x.shape[1:-1])  # spelled out: an empty batch has no -1 to infer
+        return xp.mean(xp.reshape(x, (x.shape[0], s, x.shape[-1])), axis=1)
 
-    def jvp(self, params, x, dparams, dx):
-        return None if dx is None else self.forward(params, dx)
+    def _jvp(self, params, x, dparams, dx):
+        return None if dx is None else self._forward(params, dx)
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         xp = namespace_of("MeanPool.vjp_input", x=x, g=g)
         s = math.prod(x.shape[1:-1])
         shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (x.shape[-1],)
         return xp.broadcast_to(xp.reshape(g / s, shape), x.shape)
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
+    def _vjp_input_stacked(self, params, x, g, cache=None):
         xp = namespace_of("MeanPool.vjp_input_stacked", x=x, g=g)
         s = math.prod(x.shape[1:-1])
         shape = (g.shape[0], x.shape[0]) + (1,) * (x.ndim - 2) + (x.shape[-1],)
         return xp.broadcast_to(xp.reshape(g / s, shape), (g.shape[0], *x.shape))
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
-        return (), None if rg is None else self.vjp_input(params, x, rg)
+    def _rvjp(self, params, x, dparams, dx, g, rg):
+        return (), None if rg is None else self._vjp_input(params, x, rg)
 
 
 class Flatten(Layer):
@@ -1190,23 +1391,23 @@ class Flatten(Layer):
 
     kind = "flatten"
 
-    def output_shape(self, input_shape):
+    def _output_shape(self, input_shape):
         return (input_shape[0], math.prod(input_shape[1:]))
 
-    def forward(self, params, x):
+    def _forward(self, params, x):
         xp = namespace_of("Flatten.forward", x=x)
-        return xp.reshape(x, (x.shape[0], -1))
+        return xp.reshape(x, (x.shape[0], math.prod(x.shape[1:])))
 
-    def jvp(self, params, x, dparams, dx):
-        return None if dx is None else self.forward(params, dx)
+    def _jvp(self, params, x, dparams, dx):
+        return None if dx is None else self._forward(params, dx)
 
-    def vjp_input(self, params, x, g):
+    def _vjp_input(self, params, x, g):
         xp = namespace_of("Flatten.vjp_input", g=g)
         return xp.reshape(g, x.shape)
 
-    def vjp_input_stacked(self, params, x, g, cache=None):
+    def _vjp_input_stacked(self, params, x, g, cache=None):
         xp = namespace_of("Flatten.vjp_input_stacked", g=g)
         return xp.reshape(g, (g.shape[0], *x.shape))
 
-    def rvjp(self, params, x, dparams, dx, g, rg):
-        return (), None if rg is None else self.vjp_input(params, x, rg)
+    def _rvjp(self, params, x, dparams, dx, g, rg):
+        return (), None if rg is None else self._vjp_input(params, x, rg)

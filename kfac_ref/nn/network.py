@@ -42,6 +42,7 @@ The network computes no curvature statistic: a tap is a function handed in by th
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from .._backend import (
     KFACTypeError,
@@ -49,6 +50,8 @@ from .._backend import (
     check_array,
     check_bool,
     check_rng,
+    check_shape,
+    describe,
     namespace_of,
     value_checks,
     zeros_like_shape,
@@ -127,6 +130,9 @@ class Sequential:
 
     def __init__(self, layers):
         func = "Sequential"
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+            raise KFACTypeError(f"{func}: layers must be a non-empty sequence of (name, layer) "
+                                f"pairs; got {describe(layers)}.")
         entries = list(layers)
         if not entries:
             raise KFACValueError(f"{func}: layers must be a non-empty sequence of (name, layer) "
@@ -144,7 +150,10 @@ class Sequential:
             objs.append(item[1])
         self.names = tuple(names)
         self.layers = tuple(objs)
+        # the layers' unchecked maps: a call is validated once, at the network's door
+        self._kernels = tuple(layer.kernel for layer in objs)
         self._layer_sizes = tuple(layer.num_params for layer in self.layers)
+        self._param_shapes = tuple(s for layer in objs for s in layer.param_shapes())
 
     # -- structure --------------------------------------------------------------------------
     def __len__(self):
@@ -198,18 +207,24 @@ class Sequential:
         Dense/conv kernels :math:`\mathcal N(0, 1/\text{fan\_in})`, biases
         :math:`\mathcal N(0, 0.25)`, scales :math:`1 + \mathcal N(0, 0.09)`.
         """
-        check_rng("Sequential.init_params", "rng", rng)
-        return tuple(layer.init_params(rng, like) for layer in self.layers)
+        func = "Sequential.init_params"
+        check_rng(func, "rng", rng)
+        check_array(func, "like", like, finite=False)  # only its namespace, device and dtype
+        return tuple(k.init_params(rng, like) for k in self._kernels)
 
     def output_shape(self, input_shape):
         r"""Output shape for an input shape (both with the batch axis).
 
         .. math:: f(\theta, x) \in \mathbb R^{\text{output\_shape}}
         """
-        shape = tuple(input_shape)
-        for layer in self.layers:
-            shape = layer.output_shape(shape)
+        shape = self._check_shape("Sequential.output_shape", input_shape)
+        for k in self._kernels:
+            shape = k.output_shape(shape)
         return shape
+
+    def _check_shape(self, func, input_shape):
+        rank = 2 if self.layers[0].input_dtype == "real floating" else 1
+        return check_shape(func, "input_shape", input_shape, min_ndim=rank)
 
     def input_shapes(self, input_shape):
         r"""Shape of every layer's input for a network input of shape ``input_shape`` (both
@@ -217,26 +232,56 @@ class Sequential:
 
         .. math:: (\operatorname{shape} x_0, \dots, \operatorname{shape} x_{L-1})
         """
-        shapes, shape = [], tuple(input_shape)
-        for layer in self.layers:
+        shapes, shape = [], self._check_shape("Sequential.input_shapes", input_shape)
+        for k in self._kernels:
             shapes.append(shape)
-            shape = layer.output_shape(shape)
+            shape = k.output_shape(shape)
         return tuple(shapes)
 
     # -- validation ---------------------------------------------------------------------------
-    def check_params(self, func, params):
-        r"""Validate the parameter structure (one tuple per layer, right shapes, finite).
+    def check_params(self, func, params, name="params"):
+        r"""Validate the parameter structure (one tuple per layer, right shapes, real
+        floating dtype, one namespace, device and precision, finite values).
 
         .. math:: \theta = (\theta_1, \dots, \theta_L)
+
+        ``name`` names the structure in messages (``params``, ``dparams``, ...); an array
+        is named ``name[l][i] (<layer name>.<parameter name>)``.
         """
+        return self._check_params(func, params, name)
+
+    def _check_params(self, func, params, name="params", arrays=None):
+        """:meth:`check_params`; ``arrays``, the structure's named arrays whose namespace
+        the caller has checked already (with others), skips the second namespace check."""
         if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
             raise KFACValueError(
-                f"{func}: params must be a tuple of {len(self.layers)} per-layer tuples; got "
-                f"{type(params).__name__} of length "
-                f"{len(params) if isinstance(params, (tuple, list)) else '?'}."
+                f"{func}: {name} must be a tuple of {len(self.layers)} per-layer tuples; got "
+                f"{describe(params)}."
             )
-        pairs = zip(self.layers, params, strict=True)
-        return tuple(layer.check_params(func, p) for layer, p in pairs)
+        for i, (lname, layer, p) in enumerate(zip(self.names, self.layers, params,
+                                                  strict=True)):
+            if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
+                layer.check_params(func, p, f"{name}[{i}]", lname)  # raises, naming arrays
+        if arrays is None:
+            arrays = self._named_arrays(name, params)
+            if arrays:
+                namespace_of(func, **arrays)
+        for (label, a), shape in zip(arrays.items(), self._param_shapes, strict=True):
+            check_array(func, label, a, shape=shape)
+        return tuple(tuple(p) for p in params)
+
+    def _named_arrays(self, name, params):
+        """``{message name: array}`` of a parameter structure (well-formed or not)."""
+        if not isinstance(params, (tuple, list)):
+            return {}
+        out = {}
+        for i, (lname, layer, p) in enumerate(zip(self.names, self.layers, params,
+                                                  strict=False)):
+            if isinstance(p, (tuple, list)):
+                pnames = layer.param_names()  # the names Layer.check_params gives them
+                out.update({f"{name}[{i}][{j}]" + (f" ({lname}.{pnames[j]})" if j < len(pnames)
+                                                   else ""): a for j, a in enumerate(p)})
+        return out
 
     def check_input(self, func, x, like=None):
         r"""Validate ``x`` against the first layer (rank, sizes, dtype, finite values) and the
@@ -254,8 +299,9 @@ class Sequential:
             return x
         from .._backend import KFACInputError
 
-        shape = self.layers[0].output_shape(tuple(x.shape))
-        for name, layer in zip(self.names[1:], self.layers[1:], strict=True):
+        shape = self._kernels[0].output_shape(tuple(x.shape))
+        later = zip(self.names[1:], self.layers[1:], self._kernels[1:], strict=True)
+        for name, layer, kernel in later:
             probe = zeros_like_shape(like, (1, *shape[1:]))
             try:
                 with value_checks(False):  # a zero probe: only its shape is checked
@@ -265,13 +311,14 @@ class Sequential:
                     f"{func}: layer {name!r} must receive the shape its predecessor produces "
                     f"(per example {tuple(shape[1:])}); {exc}"
                 ) from None
-            shape = layer.output_shape(shape)
+            shape = kernel.output_shape(shape)
         return x
 
     def check_params_and_input(self, func, params, x, **others):
-        r"""Validate ``(params, x)`` of a call in the name of ``func``: one namespace and
-        device for the parameters, ``x`` and the named ``others`` arrays (``None`` entries
-        are skipped), the parameter structure (:meth:`check_params`) and ``x`` with the shape
+        r"""Validate ``(params, x)`` of a call in the name of ``func``: one namespace,
+        device and floating precision for the parameters, ``x`` and the named ``others``
+        (arrays or parameter structures; ``None`` entries are skipped), the parameter
+        structure (:meth:`check_params`) and ``x`` with the shape
         every layer receives (:meth:`check_input`, probed in the parameters' dtype).
 
         .. math:: \theta = (\theta_1, \dots, \theta_L), \qquad x_0 = x
@@ -281,11 +328,13 @@ class Sequential:
         tuple
             The validated parameters, one tuple per layer.
         """
-        layers = params if isinstance(params, (tuple, list)) else ()
-        arrays = {f"p{i}_{j}": a for i, p in enumerate(layers) if isinstance(p, (tuple, list))
-                  for j, a in enumerate(p)}
-        namespace_of(func, **arrays, x=x, **others)
-        params = self.check_params(func, params)
+        arrays = self._named_arrays("params", params)
+        named = dict(arrays)
+        for name, v in others.items():
+            named.update(self._named_arrays(name, v) if isinstance(v, (tuple, list))
+                         else {name: v})
+        namespace_of(func, **named, x=x)
+        params = self._check_params(func, params, arrays=arrays)
         like = next((p[0] for p in params if p), None)
         self.check_input(func, x, like)
         return params
@@ -301,7 +350,7 @@ class Sequential:
         if v is None:
             return None
         if isinstance(v, (tuple, list)):
-            return self.check_params(func, v)
+            return self.check_params(func, v, name)
         check_array(func, name, v, shape=(self.num_params,), layout="[P]")
         return self._unflatten(namespace_of(func, **{name: v}), v)
 
@@ -316,16 +365,32 @@ class Sequential:
         With ``per_example=True`` every array has a leading batch axis and the result is
         ``[N, P]``.
         """
-        xp = None
-        pieces = []
-        for layer_params in params:
-            for a in layer_params:
-                if xp is None:
-                    xp = namespace_of("Sequential.flatten", a=a)
-                pieces.append(xp.reshape(a, (a.shape[0], -1)) if per_example
-                              else xp.reshape(a, (-1,)))
-        if xp is None:
-            raise KFACValueError("Sequential.flatten: the network has no parameters; got none.")
+        func = "Sequential.flatten"
+        per_example = check_bool(func, "per_example", per_example)
+        self._check_has_params(func)
+        if not isinstance(params, (tuple, list)) or len(params) != len(self.layers):
+            raise KFACValueError(f"{func}: params must be a tuple of {len(self.layers)} "
+                                 f"per-layer tuples; got {describe(params)}.")
+        for i, (layer, p) in enumerate(zip(self.layers, params, strict=True)):
+            if not isinstance(p, (tuple, list)) or len(p) != len(layer.param_shapes()):
+                layer.check_params(func, p, f"params[{i}]", self.names[i])  # raises
+        arrays = self._named_arrays("params", params)
+        xp = namespace_of(func, **arrays)
+        # static checks only: a reshape and a concatenation pass NaN through unchanged, and
+        # the library flattens gradients it computed (no scan of its own results)
+        for (name, a), shape in zip(arrays.items(), self._param_shapes, strict=True):
+            check_array(func, name, a, shape=(None, *shape) if per_example else shape,
+                        finite=False)
+        if per_example and len({a.shape[0] for a in arrays.values()}) > 1:
+            raise KFACValueError(f"{func}: params must share one leading batch axis N with "
+                                 f"per_example=True; got sizes "
+                                 f"{sorted({a.shape[0] for a in arrays.values()})}.")
+        return self._flatten(xp, params, per_example)
+
+    def _flatten(self, xp, params, per_example=False):
+        # sizes spelled out: an empty batch (N = 0) has no -1 to infer
+        pieces = [xp.reshape(a, (a.shape[0], math.prod(a.shape[1:]))) if per_example
+                  else xp.reshape(a, (-1,)) for layer_params in params for a in layer_params]
         return xp.concat(pieces, axis=-1)
 
     def unflatten(self, vec):
@@ -353,10 +418,11 @@ class Sequential:
     def _forward(self, params, x, taps=None):
         """``(output, inputs of every layer, tap values)``: each layer given a tap (``taps``,
         one entry per layer, ``None`` for none) runs
-        :meth:`~kfac_ref.nn.Layer.forward_with_tap`, the others :meth:`Layer.forward`."""
+        :meth:`~kfac_ref.nn.Layer.forward_with_tap`, the others :meth:`Layer.forward` (the
+        layers' unchecked kernels, :attr:`~kfac_ref.nn.Layer.kernel`)."""
         inputs, kept = [], []
         h = x
-        for j, (layer, p) in enumerate(zip(self.layers, params, strict=False)):
+        for j, (layer, p) in enumerate(zip(self._kernels, params, strict=False)):
             inputs.append(h)
             tap = None if taps is None else taps[j]
             if tap is not None:
@@ -369,7 +435,7 @@ class Sequential:
     def _jvp(self, params, inputs, dparams, dx=None):
         dins = []
         dh = dx
-        for i, (layer, p, xin) in enumerate(zip(self.layers, params, inputs, strict=True)):
+        for i, (layer, p, xin) in enumerate(zip(self._kernels, params, inputs, strict=True)):
             dins.append(dh)
             dp = None if dparams is None or not p else dparams[i]
             dh = layer.jvp(p, xin, dp, dh)
@@ -377,14 +443,14 @@ class Sequential:
 
     def _vjp_caches(self, params, inputs):
         return tuple(layer.vjp_cache(p, xin)
-                     for layer, p, xin in zip(self.layers, params, inputs, strict=True))
+                     for layer, p, xin in zip(self._kernels, params, inputs, strict=True))
 
     def _backward(self, params, inputs, g, per_example=False, param_grads=True, caches=None):
         n = len(self.layers)
         grads = [None] * n
         cots = [None] * n
         for i in range(n - 1, -1, -1):
-            layer, p, xin = self.layers[i], params[i], inputs[i]
+            layer, p, xin = self._kernels[i], params[i], inputs[i]
             cots[i] = g
             grads[i] = layer.param_grads(p, xin, g, per_example) if p and param_grads else ()
             if i > 0:
@@ -399,14 +465,14 @@ class Sequential:
             cots[i] = g
             if i > 0:
                 cache = None if caches is None else caches[i]
-                g = self.layers[i].vjp_input_stacked(params[i], inputs[i], g, cache)
+                g = self._kernels[i].vjp_input_stacked(params[i], inputs[i], g, cache)
         return cots
 
     def _r_backward(self, params, inputs, dparams, dins, g, rg):
         n = len(self.layers)
         rgrads = [None] * n
         for i in range(n - 1, -1, -1):
-            layer, p, xin = self.layers[i], params[i], inputs[i]
+            layer, p, xin = self._kernels[i], params[i], inputs[i]
             dp = dparams[i] if p else None
             r_p, r_x = layer.rvjp(p, xin, dp, dins[i], g, rg)
             rgrads[i] = r_p
@@ -456,6 +522,31 @@ class Sequential:
         out, inputs, values = self._forward(params, x, taps)
         return ForwardPass(self, params, out, inputs, values)
 
+    def _check_has_params(self, func):
+        """Derivatives with respect to the parameters need parameters: without them a
+        tangent would be ``None`` and a gradient an empty concatenation."""
+        if not self.num_params:
+            raise KFACValueError(f"{func}: the network must have parameters (P > 0) for a "
+                                 f"derivative with respect to them; got none (layers "
+                                 f"{', '.join(self.names)}).")
+
+    def _check_direction(self, func, forward, dparams):
+        """The direction of a pass: a flat ``[P]`` array or a parameter structure (never
+        ``None``) in the namespace, device and precision of ``forward``."""
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        arrays = (self._named_arrays("dparams", dparams) if isinstance(dparams, (tuple, list))
+                  else {"dparams": dparams})
+        namespace_of(func, output=forward.output, **arrays)
+        return self.check_param_tangent(func, "dparams", dparams)
+
+    def _output_shape(self, input_shape):
+        shape = tuple(input_shape)
+        for k in self._kernels:
+            shape = k.output_shape(shape)
+        return shape
+
     def _check_pass(self, func, forward):
         if not isinstance(forward, ForwardPass) or forward.network is not self:
             raise KFACTypeError(f"{func}: forward must be the ForwardPass of this network's "
@@ -469,11 +560,24 @@ class Sequential:
         check_array(func, name, g, shape=(None, *shape) if stacked else shape, layout=lay)
         return g
 
-    def _check_caches(self, func, caches):
-        if caches is not None and (not isinstance(caches, tuple)
-                                   or len(caches) != len(self.layers)):
+    def _check_caches(self, func, forward, caches):
+        if caches is None:
+            return None
+        if not isinstance(caches, tuple) or len(caches) != len(self.layers):
             raise KFACTypeError(f"{func}: caches must be None or the tuple of vjp_caches "
-                                f"({len(self.layers)} entries); got {caches!r:.80}.")
+                                f"({len(self.layers)} entries); got {describe(caches)}.")
+        # static checks only: vjp_caches computed them from the validated forward pass, and
+        # a scan here would be repeated by every backward pass that shares them
+        namespace_of(func, output=forward.output,
+                     **{f"caches[{i}]": c for i, c in enumerate(caches)})
+        for i, (c, layer, xin) in enumerate(zip(caches, self.layers, forward.inputs,
+                                                strict=True)):
+            if c is not None:
+                if not layer.has_vjp_cache:
+                    raise KFACValueError(f"{func}: caches[{i}] must be None (layer "
+                                         f"{self.names[i]!r} keeps no vjp_cache); got "
+                                         f"{describe(c)}.")
+                check_array(func, f"caches[{i}]", c, shape=tuple(xin.shape), finite=False)
         return caches
 
     def vjp_caches(self, forward):
@@ -512,10 +616,9 @@ class Sequential:
             x_{L-1})` (``None`` for zero), the tangents :meth:`r_backward_pass` reads.
         """
         func = "Sequential.jvp_pass"
+        self._check_has_params(func)
         forward = self._check_pass(func, forward)
-        if not isinstance(dparams, (tuple, list)):
-            namespace_of(func, output=forward.output, dparams=dparams)
-        dparams = self.check_param_tangent(func, "dparams", dparams)
+        dparams = self._check_direction(func, forward, dparams)
         out, dins = self._jvp(forward.params, forward.inputs, dparams)
         return out, tuple(dins)
 
@@ -554,7 +657,7 @@ class Sequential:
         self._check_cotangent(func, "g_out", forward, g_out)
         per_example = check_bool(func, "per_example", per_example)
         param_grads = check_bool(func, "param_grads", param_grads)
-        caches = self._check_caches(func, caches)
+        caches = self._check_caches(func, forward, caches)
         grads, cots = self._backward(forward.params, forward.inputs, g_out, per_example,
                                      param_grads, caches)
         return grads, tuple(cots)
@@ -585,7 +688,7 @@ class Sequential:
         func = "Sequential.stacked_backward_pass"
         forward = self._check_pass(func, forward)
         self._check_cotangent(func, "g_out", forward, g_out, stacked=True)
-        caches = self._check_caches(func, caches)
+        caches = self._check_caches(func, forward, caches)
         return tuple(self._backward_stacked(forward.params, forward.inputs, g_out, caches))
 
     def r_backward_pass(self, forward, dparams, input_tangents, g_out, rg_out):
@@ -617,14 +720,15 @@ class Sequential:
             Per layer, :math:`R\{\nabla_{\theta_l}\}` (``()`` without parameters).
         """
         func = "Sequential.r_backward_pass"
+        self._check_has_params(func)
         forward = self._check_pass(func, forward)
-        if not isinstance(dparams, (tuple, list)):
-            namespace_of(func, output=forward.output, dparams=dparams)
-        dparams = self.check_param_tangent(func, "dparams", dparams)
+        dparams = self._check_direction(func, forward, dparams)
         if not isinstance(input_tangents, (tuple, list)) or len(input_tangents) != len(
                 self.layers):
             raise KFACTypeError(f"{func}: input_tangents must be the {len(self.layers)} input "
-                                f"tangents of jvp_pass; got {input_tangents!r:.80}.")
+                                f"tangents of jvp_pass; got {describe(input_tangents)}.")
+        namespace_of(func, output=forward.output,
+                     **{f"input_tangents[{i}]": t for i, t in enumerate(input_tangents)})
         for i, (t, xin) in enumerate(zip(input_tangents, forward.inputs, strict=True)):
             if t is not None:
                 check_array(func, f"input_tangents[{i}]", t, shape=tuple(xin.shape))
@@ -668,8 +772,11 @@ class Sequential:
         array, the output's shape [N, ...]
         """
         func = "Sequential.jvp"
-        flat = None if isinstance(dparams, (tuple, list)) else dparams
-        params = self.check_params_and_input(func, params, x, dparams=flat)
+        self._check_has_params(func)
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        params = self.check_params_and_input(func, params, x, dparams=dparams)
         dparams = self.check_param_tangent(func, "dparams", dparams)
         _, inputs, _ = self._forward(params, x)
         return self._jvp(params, inputs, dparams)[0]
@@ -687,11 +794,14 @@ class Sequential:
         g_out : array of the output's shape [N, ...]
         """
         func = "Sequential.vjp"
+        self._check_has_params(func)
+        per_example = check_bool(func, "per_example", per_example)
         params = self.check_params_and_input(func, params, x, g_out=g_out)
-        out, inputs, _ = self._forward(params, x)
-        check_array(func, "g_out", g_out, shape=tuple(out.shape))
+        check_array(func, "g_out", g_out, shape=self._output_shape(x.shape),
+                    layout="[*output_shape]")
+        _, inputs, _ = self._forward(params, x)
         grads, _ = self._backward(params, inputs, g_out, per_example)
-        return self.flatten(grads, per_example=per_example)
+        return self._flatten(namespace_of(func, x=g_out), grads, per_example)
 
     def backward_with_cotangents(self, params, x, g_out):
         r"""Backward pass returning every layer's input and output cotangent.
@@ -711,8 +821,9 @@ class Sequential:
         """
         func = "Sequential.backward_with_cotangents"
         params = self.check_params_and_input(func, params, x, g_out=g_out)
-        out, inputs, _ = self._forward(params, x)
-        check_array(func, "g_out", g_out, shape=tuple(out.shape))
+        check_array(func, "g_out", g_out, shape=self._output_shape(x.shape),
+                    layout="[*output_shape]")
+        _, inputs, _ = self._forward(params, x)
         _, cots = self._backward(params, inputs, g_out, param_grads=False)
         return inputs, cots
 
@@ -742,10 +853,23 @@ class Sequential:
         array [P]
         """
         func = "Sequential.second_order_backward"
-        flat = None if isinstance(dparams, (tuple, list)) else dparams
-        params = self.check_params_and_input(func, params, x, dparams=flat)
+        self._check_has_params(func)
+        if dparams is None:
+            raise KFACTypeError(f"{func}: dparams must be a flat array [P] or a parameter "
+                                f"structure (the direction); got None.")
+        if not callable(output_cotangents):
+            raise KFACTypeError(f"{func}: output_cotangents must be a callable (f, f_dot) -> "
+                                f"(g, r_g); got {describe(output_cotangents)}.")
+        params = self.check_params_and_input(func, params, x, dparams=dparams)
         dparams = self.check_param_tangent(func, "dparams", dparams)
         out, inputs, _ = self._forward(params, x)
         f_dot, dins = self._jvp(params, inputs, dparams)
-        g, rg = output_cotangents(out, f_dot)
-        return self.flatten(self._r_backward(params, inputs, dparams, dins, g, rg))
+        cots = output_cotangents(out, f_dot)
+        if not isinstance(cots, (tuple, list)) or len(cots) != 2:
+            raise KFACTypeError(f"{func}: output_cotangents must return a pair (g, r_g); got "
+                                f"{describe(cots)}.")
+        g, rg = cots
+        xp = namespace_of(func, output=out, g=g, r_g=rg)
+        check_array(func, "g", g, shape=tuple(out.shape), layout="[*output_shape]")
+        check_array(func, "r_g", rg, shape=tuple(out.shape), layout="[*output_shape]")
+        return self._flatten(xp, self._r_backward(params, inputs, dparams, dins, g, rg))
