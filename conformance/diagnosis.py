@@ -211,6 +211,27 @@ PITFALLS = {
         "A ⊗ G (or its diagonal) instead of the exact per-example second moment of the "
         "layer's parameter gradients (kfac-jax DenseFull / NaiveFull, or their diagonal)",
         "kfac-jax `DenseFull`, `NaiveFull`, `NaiveDiagonal` (curvature_blocks)"),
+    "factored_instead_of_exact": (
+        "factored Kronecker posterior where the exact one is asked",
+        "log det of (√s A + √δ I) ⊗ (√s G + √δ I) (the prior added to each factor) instead of "
+        "the exact posterior precision s·A ⊗ G + δI, whose eigenvalues are s·a_i·γ_j + δ",
+        "Ritter, Botev & Barber (2018), eq. 7; laplace-torch `KronDecomposed(damping=True)`"),
+    "exact_instead_of_factored": (
+        "exact Kronecker posterior where the factored one is asked",
+        "the damping of the factored posterior (√s A + √δ I) ⊗ (√s G + √δ I) dropped: the "
+        "evidence of s·A ⊗ G + δI instead",
+        "laplace-torch 0.3 `KronDecomposed.__mul__`/`__add__` drop `damping` "
+        "(conformance/peers/LAPLACE_FINDINGS.md)"),
+    "log_likelihood_untempered": (
+        "log-likelihood not tempered",
+        "ℓ instead of ℓ/T in the Laplace evidence (the temperature applied to the curvature "
+        "only)", "laplace-torch `BaseLaplace.log_likelihood` leaves the Gaussian normaliser "
+        "(a part of ℓ) untempered"),
+    "curvature_untempered": (
+        "curvature not tempered",
+        "posterior precision H + P₀ instead of H/T + P₀ in the Laplace evidence or its "
+        "prior-precision gradient",
+        "Immer et al. (2021), eq. 4; laplace-torch `_H_factor` = 1/(σ²T)"),
     "fresh_instead_of_cached": (
         "cached product recomputed from the current statistics",
         "a cached product (use_cached=True) after a further update must use the inverse or "
@@ -378,6 +399,7 @@ DOCS_PAGES = {
     "theory/losses": "Losses: output curvature and its factors",
     "theory/estimation": "Estimation modes",
     "theory/damping": "Damping and the π split",
+    "theory/laplace": "Laplace evidence",
 }
 
 _VEC = ("conventions", "Vectorisation and the order of the Kronecker factors")
@@ -434,6 +456,10 @@ DOCS = {
     "padding_split": ("conventions", "Convolutions"),
     "stride_ignored": ("conventions", "Convolutions"),
     "spurious_damping_normalisation": _SHARED, "no_damping": _SPLIT,
+    "factored_instead_of_exact": ("theory/laplace", "Log-determinants by eigenvalues"),
+    "exact_instead_of_factored": ("theory/laplace", "Log-determinants by eigenvalues"),
+    "log_likelihood_untempered": ("theory/laplace", "Temperature and the normaliser"),
+    "curvature_untempered": ("theory/laplace", "Temperature and the normaliser"),
 }
 
 #: environment variable: where the built documentation lives (a URL or a directory); links in

@@ -17,7 +17,14 @@ PEERS = {
     "backpack": ("conformance.adapters.peer_backpack", "backpack"),
     "asdl": ("conformance.adapters.peer_asdl", "asdl"),
     "nngeometry": ("conformance.adapters.peer_nngeometry", "nngeometry"),
+    "laplace_torch": ("conformance.adapters.peer_laplace_torch", "laplace"),
 }
+
+#: adapter name -> (family, case id) of its smoke run: one small case the peer computes
+#: exactly (a network's K-FAC; for laplace-torch, whose curvature comes from a backend, the
+#: exact Kronecker Laplace evidence)
+SMOKE = {name: ("networks", "networks.kfac/mlp_tanh_n1_ce_ggn_exact") for name in PEERS}
+SMOKE["laplace_torch"] = ("laplace", "laplace.log_marginal_likelihood/kron_shared_T1")
 
 
 def _adapter(name):
@@ -45,6 +52,7 @@ def test_peer_adapter_is_registered_and_lazy(name):
         "backpack",
         "asdl",
         "nngeometry",
+        "laplace",
     ):
         assert not any(ln.split()[1].split(".")[0] == heavy for ln in top), (name, heavy)
     assert hasattr(mod, "ADAPTERS")
@@ -68,16 +76,17 @@ def test_peer_adapter_declares_and_explains(name):
 
 @pytest.mark.parametrize("name", sorted(PEERS))
 def test_peer_adapter_smoke(name):
-    """Where the peer is installed: its adapter reproduces one small exact network case."""
+    """Where the peer is installed: its adapter reproduces one small exact case."""
     if importlib.util.find_spec(PEERS[name][1]) is None:
         pytest.skip(f"{PEERS[name][1]} is not installed (peer venv: conformance/peers/*.txt)")
-    pytest.importorskip("kfac_ref.curvature")
+    family, case_id = SMOKE[name]
+    pytest.importorskip("kfac_ref.curvature" if family == "networks" else f"kfac_ref.{family}")
     from conformance.catalogue import build_catalogue, capabilities
     from conformance.runner import run_adapter
 
     ad = _adapter(name)
-    cases, _ = build_catalogue(["networks"])
-    case = [c for c in cases if c.id == "networks.kfac/mlp_tanh_n1_ce_ggn_exact"]
+    cases, _ = build_catalogue([family])
+    case = [c for c in cases if c.id == case_id]
     assert case
     report = run_adapter(ad, case, capabilities())
     statuses = {r.status for r in report.results}

@@ -333,6 +333,35 @@ class KfacRefAdapter(KfacRefNetworksMixin, KfacRefOptimizerMixin, Adapter):
                                     input_cov_dt1=a1, output_cov_dt1=g1)
         return series_apply(fb, inputs["x"], self.to_backend, self.to_numpy)
 
+    # -- laplace --------------------------------------------------------------------------
+    def _laplace_args(self, inputs, params):
+        from ..catalogue.laplace_cases import curvature_from_inputs
+
+        k = params["n_groups"]
+        conv = {name: self.to_backend(arr) for name, arr in inputs.items()}
+        curvature = curvature_from_inputs(params["structure"], conv, k)
+        theta = [conv[f"theta_{g}"] for g in range(k)]
+        mean = [conv[f"mu_{g}"] for g in range(k)]
+        kw = {"structure": params["structure"], "temperature": params["temperature"],
+              "prior_mean": mean}
+        return theta, curvature, conv["prior_precision"], kw
+
+    @implements("laplace.log_marginal_likelihood")
+    def laplace_lml(self, inputs, params):
+        from kfac_ref.laplace import laplace_log_marginal_likelihood
+
+        theta, curvature, prior, kw = self._laplace_args(inputs, params)
+        return self.to_numpy(laplace_log_marginal_likelihood(
+            params["log_likelihood"], theta, curvature, prior, **kw))
+
+    @implements("laplace.prior_precision_grad")
+    def laplace_grad(self, inputs, params):
+        from kfac_ref.laplace import laplace_log_marginal_likelihood_grad
+
+        theta, curvature, prior, kw = self._laplace_args(inputs, params)
+        return self.to_numpy(laplace_log_marginal_likelihood_grad(theta, curvature, prior,
+                                                                  **kw))
+
 
 class KfacRefStrictAdapter(KfacRefAdapter):
     name = "kfac_ref_strict"

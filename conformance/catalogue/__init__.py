@@ -26,6 +26,7 @@ FAMILY_MODULES = {
     "networks": ".networks_cases",
     "sampling": ".sampling_cases",
     "optimizer": ".optimizer_cases",
+    "laplace": ".laplace_cases",
 }
 
 
@@ -97,6 +98,10 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
     "sampling.kfac": (f"{_EST}.update_curvature_matrix_estimate", f"{_EST}.to_dense_matrix",
                       "sampling estimation modes"),
     "optimizer.kfac_steps": ("kfac_ref.optim.KFACOptimizer.step",),
+    "laplace.log_marginal_likelihood": ("kfac_ref.laplace.laplace_log_marginal_likelihood",
+                                        "five curvature structures"),
+    "laplace.prior_precision_grad": ("kfac_ref.laplace.laplace_log_marginal_likelihood_grad",
+                                     "five curvature structures"),
 }
 
 

@@ -6,7 +6,7 @@
 #       bash conformance/peers/rerun.sh
 #
 # Each *_PY is the python of the environment built from the recipe of the same name
-# (tf.txt, jax.txt, torchpeers.txt; laplace.txt for LAPLACE_PY, a reproduction only; REF_PY:
+# (tf.txt, jax.txt, torchpeers.txt; laplace.txt for LAPLACE_PY; REF_PY:
 # any environment with kfac_ref, torch for the kfac_ref_torch column).  A peer whose variable
 # is unset is not re-run and keeps its committed report.  Run from the repository root.
 set -euo pipefail
@@ -22,7 +22,7 @@ repro() {  # python peer
 }
 if [ -n "${TF_PY:-}" ]; then run "$TF_PY" tf_kfac; repro "$TF_PY" tf_kfac; fi
 if [ -n "${JAX_PY:-}" ]; then run "$JAX_PY" kfac_jax; repro "$JAX_PY" kfac_jax; fi
-if [ -n "${LAPLACE_PY:-}" ]; then repro "$LAPLACE_PY" laplace_torch; fi
+if [ -n "${LAPLACE_PY:-}" ]; then run "$LAPLACE_PY" laplace_torch; repro "$LAPLACE_PY" laplace_torch; fi
 if [ -n "${TORCHPEERS_PY:-}" ]; then
   for p in curvlinops backpack asdl nngeometry; do run "$TORCHPEERS_PY" "$p"; repro "$TORCHPEERS_PY" "$p"; done
 fi

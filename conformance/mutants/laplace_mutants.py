@@ -1,0 +1,109 @@
+"""Mutants of the Laplace-evidence capabilities (one pitfall each)."""
+
+from __future__ import annotations
+
+from ..adapter import implements
+from ..adapters.kfac_ref_adapter import KfacRefAdapter
+
+_M = "conformance.mutants.laplace_mutants"
+_LML = "laplace.log_marginal_likelihood"
+_GRAD = "laplace.prior_precision_grad"
+
+
+class _Mutant(KfacRefAdapter):
+    """Base: kfac_ref with one pitfall; ``EXPECTED`` = capability -> pitfall id."""
+
+    EXPECTED: dict = {}
+    pitfall = ""
+
+    @property
+    def description(self):
+        return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
+
+    def _evidence(self, inputs, params, loglik, **override):
+        from kfac_ref.laplace import laplace_log_marginal_likelihood
+
+        theta, curvature, prior, kw = self._laplace_args(inputs, params)
+        return self.to_numpy(laplace_log_marginal_likelihood(
+            loglik, theta, curvature, prior, **{**kw, **override}))
+
+    def _gradient(self, inputs, params, **override):
+        from kfac_ref.laplace import laplace_log_marginal_likelihood_grad
+
+        theta, curvature, prior, kw = self._laplace_args(inputs, params)
+        return self.to_numpy(laplace_log_marginal_likelihood_grad(
+            theta, curvature, prior, **{**kw, **override}))
+
+
+class LaplaceUntemperedLogLikelihood(_Mutant):
+    name = "mutant_laplace_untempered_loglik"
+    pitfall = "the temperature applied to the curvature only: ℓ in place of ℓ/T"
+    EXPECTED = {_LML: "log_likelihood_untempered"}
+
+    @implements(_LML)
+    def laplace_lml(self, inputs, params):
+        # ℓ·T divided by T inside is ℓ
+        return self._evidence(inputs, params, params["log_likelihood"] * params["temperature"])
+
+
+class LaplaceUntemperedCurvature(_Mutant):
+    name = "mutant_laplace_untempered_curvature"
+    pitfall = "posterior precision H + P₀: the 1/T left off the curvature"
+    EXPECTED = {_LML: "curvature_untempered", _GRAD: "curvature_untempered"}
+
+    @implements(_LML)
+    def laplace_lml(self, inputs, params):
+        t = params["temperature"]
+        return self._evidence(inputs, params, params["log_likelihood"] / t, temperature=1.0)
+
+    @implements(_GRAD)
+    def laplace_grad(self, inputs, params):
+        return self._gradient(inputs, params, temperature=1.0)
+
+
+class LaplaceDampingDropped(_Mutant):
+    name = "mutant_laplace_damping_dropped"
+    pitfall = ("the factored (damped) Kronecker posterior evaluated as the exact one "
+               "(a damping flag lost on the way)")
+    EXPECTED = {_LML: "exact_instead_of_factored", _GRAD: "exact_instead_of_factored"}
+    EXPECTED_CASES = {"laplace.*/kron_factored_*": "exact_instead_of_factored",
+                      "laplace.*": "pass"}
+
+    def _structure(self, params):
+        return "kron" if params["structure"] == "kron_factored" else params["structure"]
+
+    @implements(_LML)
+    def laplace_lml(self, inputs, params):
+        return self._evidence(inputs, params, params["log_likelihood"],
+                              structure=self._structure(params))
+
+    @implements(_GRAD)
+    def laplace_grad(self, inputs, params):
+        return self._gradient(inputs, params, structure=self._structure(params))
+
+
+class LaplaceFactoredForExact(_Mutant):
+    name = "mutant_laplace_factored_for_exact"
+    pitfall = ("the exact Kronecker posterior s·A⊗G + δI evaluated as the factored one "
+               "(√s A + √δ I)⊗(√s G + √δ I)")
+    EXPECTED = {_LML: "factored_instead_of_exact", _GRAD: "factored_instead_of_exact"}
+    EXPECTED_CASES = {"laplace.*/kron_shared_*": "factored_instead_of_exact",
+                      "laplace.*/kron_per_group_*": "factored_instead_of_exact",
+                      "laplace.*": "pass"}
+
+    def _structure(self, params):
+        return "kron_factored" if params["structure"] == "kron" else params["structure"]
+
+    @implements(_LML)
+    def laplace_lml(self, inputs, params):
+        return self._evidence(inputs, params, params["log_likelihood"],
+                              structure=self._structure(params))
+
+    @implements(_GRAD)
+    def laplace_grad(self, inputs, params):
+        return self._gradient(inputs, params, structure=self._structure(params))
+
+
+MUTANTS = [LaplaceUntemperedLogLikelihood, LaplaceUntemperedCurvature, LaplaceDampingDropped,
+           LaplaceFactoredForExact]
+ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
