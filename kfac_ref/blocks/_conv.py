@@ -37,7 +37,7 @@ def pooled_conv_data(layer, inputs, outputs_grad, batch_size):
     gradient summed over locations (``[N, kh·kw·C_in]``, ``[N, C_out]``)."""
     xp = namespace_of("pooled_conv_data", inputs=inputs, outputs_grad=outputs_grad)
     n = batch_size
-    p = layer.patches(inputs)  # [N, Ho, Wo, K]
+    p = layer.kernel.patches(inputs)  # [N, Ho, Wo, K]; checked by the caller
     g = to_channels_last(xp, outputs_grad, layer.data_format == "NHWC")
     return {"inputs": xp.mean(xp.reshape(p, (n, -1, layer.patch_size)), axis=1),
             "outputs_grad": xp.sum(xp.reshape(g, (n, -1, layer.c_out)), axis=1)}
