@@ -509,7 +509,7 @@ def block_diag(blocks):
     .. math:: \mathrm{diag}(B_1, \dots, B_L)
     """
     func = "block_diag"
-    xp = namespace_of(func, **{f"b{i}": b for i, b in enumerate(blocks)})
+    xp = namespace_of(func, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
     sizes = [int(b.shape[0]) for b in blocks]
     total = sum(sizes)
     rows, start = [], 0
