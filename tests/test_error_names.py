@@ -189,3 +189,230 @@ def test_support_state_unknown_column_names_the_known_columns():
         support.state("nmupy")
     # a known column that is not declared is still "untested", not an error
     assert all(support.state(c) in ("yes", "no", "untested", "n/a") for c in capabilities.COLUMNS)
+
+
+# ------------------------------------------------------------------------------------------
+# 5. estimator states and arguments
+# ------------------------------------------------------------------------------------------
+def strict(a, device="CPU_DEVICE"):
+    return array_api_strict.asarray(np.asarray(a), device=array_api_strict.Device(device))
+
+
+def strict_problem(problem, device="CPU_DEVICE"):
+    net, params, (x, y) = problem
+    sp = tuple(tuple(strict(a, device) for a in layer) for layer in params)
+    return net, sp, (strict(x, device), strict(y, device))
+
+
+def updated(est, params, batch, **init_kw):
+    state = est.init(None, (params, batch), **init_kw)
+    n = int(batch[0].shape[0])
+    return est.update_curvature_matrix_estimate(state, 0.0, 1.0, n, None, (params, batch),
+                                                "ggn_exact")
+
+
+def linear_net():
+    """No activation: the input's scale reaches every statistic (an overflow of x² is not
+    saturated away)."""
+    return nn.Sequential([("d1", nn.Dense(3, 4)), ("d2", nn.Dense(4, 2))])
+
+
+def test_overflowing_statistics_are_refused_where_they_enter_the_state():
+    rng = np.random.default_rng(2)
+    net = linear_net()
+    params = net.init_params(rng, np.zeros(1))
+    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    est = BlockDiagonalCurvature(net, sq)
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(
+            KFACValueError, match=r"update_curvature_matrix_estimate: the updated "
+                                  r"state\.blocks_states\[0\]\.statistics\[0\] \(layer 'd1'\) "
+                                  r"must be finite .* overflowed float64"):
+        updated(est, params, (x, y))
+
+
+def test_overflowing_explicit_estimate_is_refused_in_the_state_name():
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    rng = np.random.default_rng(2)
+    net = linear_net()
+    params = net.init_params(rng, np.zeros(1))
+    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    est = ExplicitExactCurvature(net, sq)
+    state = est.init(None, (params, (x, y)))
+    with np.errstate(over="ignore", invalid="ignore"), pytest.raises(
+            KFACValueError, match=r"the updated state\.matrix must be finite") as e:
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, (x, y)),
+                                             "ggn_exact")
+    assert "WeightedMovingAverage" not in str(e.value)
+
+
+def nan_state(est, state, block=1, statistic=0):
+    """``state`` with one NaN in a statistic, built with value checks off (the only way past
+    the scans of WeightedMovingAverage and of the estimator's update)."""
+    import kfac_ref
+
+    bs = state.blocks_states[block]
+    raw = np.array(bs.statistics[statistic].raw)
+    raw[0, 0] = np.nan
+    with kfac_ref.value_checks(False):
+        average = replace(bs.statistics[statistic], raw=raw)
+        stats = tuple(average if i == statistic else s for i, s in enumerate(bs.statistics))
+        blocks = tuple(replace(bs, statistics=stats) if k == block else b
+                       for k, b in enumerate(state.blocks_states))
+        return replace(state, blocks_states=blocks)
+
+
+@pytest.mark.parametrize("exact_power", [True, False])
+def test_nan_statistics_name_the_state_field_not_a_linalg_error(problem, exact_power):
+    net, params, batch = problem
+    est = BlockDiagonalCurvature(net, sq)
+    bad = nan_state(est, updated(est, params, batch, exact_powers_to_cache=-1.0,
+                                 approx_powers_to_cache=-1.0))
+    field = r"state\.blocks_states\[1\]\.statistics\[0\] must be finite"
+    v = np.ones(est.dim)
+    with pytest.raises(KFACValueError, match=r"multiply_matpower: " + field):
+        est.multiply_matpower(bad, v, 1e-3, -1.0, exact_power, False)
+    with pytest.raises(KFACValueError, match=r"update_cache: " + field):
+        est.update_cache(bad, 1e-3, -1.0 if exact_power else None,
+                         None if exact_power else -1.0, False)
+    with pytest.raises(KFACValueError, match=r"block_eigenvalues: " + field):
+        est.block_eigenvalues(bad)
+    # entering a state through an update, the statistic is scanned (and named) at once
+    with pytest.raises(KFACValueError, match=r"the updated state\.blocks_states\[1\]"
+                                             r"\.statistics\[0\] \(layer 'd2'\)"):
+        est.update_curvature_matrix_estimate(bad, 1.0, 1.0, 5, None, (params, batch),
+                                             "ggn_exact")
+
+
+def test_statistics_scan_respects_value_checks_off():
+    """With value checks off the update does not scan: the overflowed state is returned
+    (and a later product names the field instead of failing inside LAPACK)."""
+    import kfac_ref
+
+    rng = np.random.default_rng(2)
+    net = linear_net()
+    params = net.init_params(rng, np.zeros(1))
+    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    est = BlockDiagonalCurvature(net, sq)
+    with np.errstate(over="ignore", invalid="ignore"), kfac_ref.value_checks(False):
+        state = updated(est, params, (x, y))
+    assert not np.isfinite(np.asarray(state.blocks_states[0].statistics[0].raw)).all()
+    with pytest.raises(KFACValueError, match=r"state\.blocks_states\[0\]\.statistics\[0\] "
+                                             r"must be finite"):
+        est.multiply_matpower(state, np.ones(est.dim), 1e-3, -1.0, True, False)
+
+
+def test_products_of_finite_states_scan_only_the_vector(problem, monkeypatch):
+    """The statistics are scanned when they enter the state, never on a product."""
+    import kfac_ref._backend as backend
+
+    net, params, batch = problem
+    est = BlockDiagonalCurvature(net, sq)
+    state = updated(est, params, batch)
+    v = np.ones(est.dim)
+    scanned = []
+    real = backend.all_finite
+    monkeypatch.setattr(backend, "all_finite", lambda ns, x: scanned.append(x) or real(ns, x))
+    est.multiply_matpower(state, v, 1e-3, -1.0, True, False)
+    assert [x is v for x in scanned] == [True]
+
+
+@pytest.mark.parametrize("which", ["namespace", "device", "precision"])
+def test_init_refuses_inputs_unlike_the_params(problem, which):
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    net, params, (x, y) = problem
+    if which == "namespace":
+        x, match = strict(x), r"params\[0\]\[0\] is from .* but x is from array_api_strict"
+    elif which == "device":
+        net, params, (_, y) = strict_problem(problem)
+        x, match = strict(x, "device1"), r"params\[0\]\[0\] is on .* but x is on"
+    else:
+        x, match = x.astype(np.float32), r"x must have the floating dtype of params\[0\]\[0\]"
+    for est in (BlockDiagonalCurvature(net, sq), ExplicitExactCurvature(net, sq)):
+        with pytest.raises(KFACTypeError, match=r"\.init: .*" + match):
+            est.init(None, (params, (x, y)))
+
+
+@pytest.mark.parametrize("which", ["namespace", "precision", "device"])
+def test_structured_vector_members_must_match_each_other_and_the_state(problem, which):
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    net, params, batch = strict_problem(problem) if which == "device" else problem
+    for est in (BlockDiagonalCurvature(net, sq), ExplicitExactCurvature(net, sq)):
+        state = est.init(None, (params, batch))
+        ones = tuple(tuple(a * 0.0 + 1.0 for a in layer) for layer in params)
+        if which == "namespace":
+            bad = swap(ones, 2, 1, strict)
+            match = r"parameter_structured_vector\[2\]\[1\] is from array_api_strict"
+        elif which == "precision":
+            bad = swap(ones, 2, 1, lambda a: a.astype(np.float32))
+            match = r"parameter_structured_vector\[2\]\[1\] must have the floating dtype"
+        else:
+            bad = swap(ones, 0, 1, lambda a: array_api_strict.asarray(
+                a, device=array_api_strict.Device("device1")))
+            match = r"parameter_structured_vector\[0\]\[1\] is on"
+        with pytest.raises(KFACTypeError, match=r"multiply_matpower: .*" + match):
+            est.multiply_matpower(state, bad, 1e-3, 1.0, True, False)
+
+
+def test_vector_of_another_namespace_than_the_state_names_both(problem):
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    net, params, batch = strict_problem(problem)
+    for est, state_name in ((BlockDiagonalCurvature(net, sq), r"state\.blocks_states\[0\]"),
+                            (ExplicitExactCurvature(net, sq), r"state\.matrix")):
+        state = est.init(None, (params, batch))
+        host = tuple(tuple(np.ones(tuple(a.shape)) for a in layer) for layer in params)
+        with pytest.raises(KFACTypeError, match=r"parameter_structured_vector\[0\]\[0\] is "
+                                                r"from .* but " + state_name):
+            est.multiply_matpower(state, host, 1e-3, 1.0, True, False)
+        with pytest.raises(KFACTypeError, match=r"parameter_structured_vector is from .* "
+                                                r"but " + state_name):
+            est.multiply_matpower(state, np.ones(est.dim), 1e-3, 1.0, True, False)
+
+
+def test_explicit_estimator_without_inputs_is_a_clear_error(problem):
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    net, params, (x, y) = problem
+    est = ExplicitExactCurvature(net, sq)
+    with pytest.raises(KFACTypeError, match=r"ExplicitExactCurvature\.init: x must be an "
+                                            r"array; got None"):
+        est.init(None, (params, (None, y)))
+    state = est.init(None, (params, (x, y)))
+    with pytest.raises(KFACTypeError, match=r"update_curvature_matrix_estimate: x must be an "
+                                            r"array; got None"):
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, (None, y)))
+    with pytest.raises(KFACValueError, match=r"update_curvature_matrix_estimate: batch must "
+                                             r"be a pair"):
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, None))
+
+
+def test_empty_batch_is_refused_before_any_reshape(problem):
+    from kfac_ref import curvature as C
+
+    net, params, (x, y) = problem
+    with pytest.raises(KFACValueError, match=r"jacobian: x must hold at least one example"):
+        C.jacobian(net, params, x[:0])
+    with pytest.raises(KFACValueError, match=r"ggn_matrix: x must hold at least one example"):
+        C.ggn_matrix(net, sq, params, (x[:0], y[:0]))
+    est = BlockDiagonalCurvature(net, sq)
+    state = est.init(None, (params, (x, y)))
+    with pytest.raises(KFACValueError, match=r"update_curvature_matrix_estimate: x must hold "
+                                             r"at least one example"):
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 1, None,
+                                             (params, (x[:0], y[:0])), "ggn_exact")
+
+
+def test_update_refuses_a_state_of_another_namespace_in_the_users_names(problem):
+    net, params, batch = problem
+    est = BlockDiagonalCurvature(net, sq)
+    _, sp, sbatch = strict_problem(problem)
+    state = est.init(None, (sp, sbatch))
+    with pytest.raises(KFACTypeError, match=r"BlockDiagonalCurvature\.update_curvature_matrix_"
+                                            r"estimate: .*params\[0\]\[0\] is from .* but "
+                                            r"state\.blocks_states\[0\] is from "
+                                            r"array_api_strict"):
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, batch),
+                                             "ggn_exact")
