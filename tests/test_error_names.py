@@ -416,3 +416,48 @@ def test_update_refuses_a_state_of_another_namespace_in_the_users_names(problem)
                                             r"array_api_strict"):
         est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, batch),
                                              "ggn_exact")
+
+
+def test_nan_explicit_matrix_names_the_state_field():
+    import kfac_ref
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    rng = np.random.default_rng(3)
+    net = mlp()
+    params = net.init_params(rng, np.zeros(1))
+    batch = (rng.standard_normal((5, 3)), rng.standard_normal((5, 2)))
+    est = ExplicitExactCurvature(net, sq)
+    state = est.init(None, (params, batch))
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, batch))
+    raw = np.array(state.matrix.raw)
+    raw[0, 0] = np.nan
+    with kfac_ref.value_checks(False):
+        bad = replace(state, matrix=replace(state.matrix, raw=raw))
+    for call, name in ((lambda: est.update_cache(bad, 0.1, None, None, False), "update_cache"),
+                       (lambda: est.eigenvalues(bad), "eigenvalues"),
+                       (lambda: est.multiply_matpower(bad, np.ones(est.dim), 0.1, -1.0),
+                        "multiply_matpower")):
+        with pytest.raises(KFACValueError, match=rf"ExplicitExactCurvature\.{name}: "
+                                                 r"state\.matrix must be finite"):
+            call()
+
+
+def test_explicit_products_do_not_rescan_the_matrix(problem, monkeypatch):
+    """The matrix was scanned when it entered the state: a product scans only its
+    vector."""
+    import kfac_ref._backend as backend
+    from kfac_ref.curvature import ExplicitExactCurvature
+
+    net, params, batch = problem
+    est = ExplicitExactCurvature(net, sq)
+    state = est.init(None, (params, batch))
+    state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 5, None, (params, batch))
+    cached = est.update_cache(state, 0.1, None, None, False)
+    v = np.ones(est.dim)
+    scanned = []
+    real = backend.all_finite
+    monkeypatch.setattr(backend, "all_finite", lambda ns, x: scanned.append(x) or real(ns, x))
+    for st, use_cached in ((state, False), (cached, True)):
+        scanned.clear()
+        est.multiply_matpower(st, v, 0.1, -1.0, use_cached=use_cached)
+        assert [x is v for x in scanned] == [True]
