@@ -789,6 +789,12 @@ class KFACOptimizer:
         self.inverse_update_period = check_int(func, "inverse_update_period",
                                                inverse_update_period, minimum=1)
         self.exact_power = check_bool(func, "exact_power", exact_power)
+        if estimation_mode is not None:  # refused here, not at the first step in the
+            # estimator's name
+            from .curvature.exact import ESTIMATION_MODES
+
+            estimation_mode = check_option(func, "estimation_mode", estimation_mode,
+                                           ESTIMATION_MODES)
         self.estimation_mode = estimation_mode
         self._implicit = ImplicitExactCurvature(net, loss_fn)
 

@@ -461,3 +461,10 @@ def test_explicit_products_do_not_rescan_the_matrix(problem, monkeypatch):
         scanned.clear()
         est.multiply_matpower(st, v, 0.1, -1.0, use_cached=use_cached)
         assert [x is v for x in scanned] == [True]
+
+
+def test_optimizer_refuses_an_unknown_estimation_mode_at_construction(problem):
+    net, _, _ = problem
+    with pytest.raises(KFACValueError, match=r"^KFACOptimizer: estimation_mode must be one of"):
+        KFACOptimizer(net, sq, BlockDiagonalCurvature(net, sq), learning_rate=0.1,
+                      estimation_mode="bogus")
