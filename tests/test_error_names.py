@@ -24,6 +24,8 @@ from kfac_ref.losses import NormalMeanNegativeLogProbLoss
 from kfac_ref.optim import KFACOptimizer
 
 INTERNAL = re.compile(r"\bp\d+_\d+\b|params_0|curvature_\d")
+# a parameter's index may be followed by its layer and parameter name, "(d1.bias)"
+LAYER = r"(?: \([\w.]+\))?"
 
 
 def sq(f, y):
@@ -56,7 +58,8 @@ def swap(params, i, j, fn):
 def test_mixed_namespace_parameter_is_named_by_its_index(problem):
     net, params, batch = problem
     bad = swap(params, 2, 1, array_api_strict.asarray)
-    with pytest.raises(KFACTypeError, match=r"params\[2\]\[1\] is from array_api_strict") as e:
+    with pytest.raises(KFACTypeError,
+                       match=r"params\[2\]\[1\]" + LAYER + r" is from array_api_strict") as e:
         BlockDiagonalCurvature(net, sq).init(None, (bad, batch))
     assert not INTERNAL.search(str(e.value))
 
@@ -64,8 +67,9 @@ def test_mixed_namespace_parameter_is_named_by_its_index(problem):
 def test_mixed_precision_parameter_is_named_by_its_index(problem):
     net, params, batch = problem
     bad = swap(params, 0, 1, lambda a: a.astype(np.float32))
-    with pytest.raises(KFACTypeError, match=r"params\[0\]\[1\] must have the floating dtype "
-                                            r"of params\[0\]\[0\] \(float64\)") as e:
+    with pytest.raises(KFACTypeError, match=r"params\[0\]\[1\]" + LAYER + r" must have the "
+                                            r"floating dtype of params\[0\]\[0\]" + LAYER
+                                            + r" \(float64\)") as e:
         BlockDiagonalCurvature(net, sq).init(None, (bad, batch))
     assert not INTERNAL.search(str(e.value))
 
@@ -323,10 +327,11 @@ def test_init_refuses_inputs_unlike_the_params(problem, which):
 
     net, params, (x, y) = problem
     if which == "namespace":
-        x, match = strict(x), r"params\[0\]\[0\] is from .* but x is from array_api_strict"
+        x, match = strict(x), (r"params\[0\]\[0\]" + LAYER
+                                + r" is from .* but x is from array_api_strict")
     elif which == "device":
         net, params, (_, y) = strict_problem(problem)
-        x, match = strict(x, "device1"), r"params\[0\]\[0\] is on .* but x is on"
+        x, match = strict(x, "device1"), r"params\[0\]\[0\]" + LAYER + r" is on .* but x is on"
     else:
         x, match = x.astype(np.float32), r"x must have the floating dtype of params\[0\]\[0\]"
     for est in (BlockDiagonalCurvature(net, sq), ExplicitExactCurvature(net, sq)):
