@@ -282,10 +282,8 @@ class Sequential:
             The validated parameters, one tuple per layer.
         """
         layers = params if isinstance(params, (tuple, list)) else ()
-        # named as the caller wrote them, so a mixed namespace, device or precision is
-        # reported against the argument the user passed
-        arrays = {f"params[{i}][{j}]": a for i, p in enumerate(layers)
-                  if isinstance(p, (tuple, list)) for j, a in enumerate(p)}
+        arrays = {f"p{i}_{j}": a for i, p in enumerate(layers) if isinstance(p, (tuple, list))
+                  for j, a in enumerate(p)}
         namespace_of(func, **arrays, x=x, **others)
         params = self.check_params(func, params)
         like = next((p[0] for p in params if p), None)
