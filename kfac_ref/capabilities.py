@@ -37,6 +37,8 @@ import importlib
 import pkgutil
 from dataclasses import dataclass, field, replace
 
+from ._backend import KFACValueError, describe
+
 __all__ = ["COLUMNS", "EAGER_BACKENDS", "Support", "support_of", "support_table"]
 
 EAGER_BACKENDS = ("numpy", "array_api_strict", "torch", "jax", "cupy")
@@ -80,7 +82,17 @@ class Support:
                 raise ValueError(f"Support: a reason is given for {col!r}, which is not 'no'.")
 
     def state(self, column: str) -> str:
-        """The state of ``column`` (``"untested"`` when not declared)."""
+        """The state of ``column`` (``"untested"`` when not declared).
+
+        Raises
+        ------
+        KFACValueError
+            When ``column`` is not one of :data:`COLUMNS` (a misspelt backend would
+            otherwise read as "untested").
+        """
+        if column not in COLUMNS:
+            raise _unknown_name("Support.state", "column", column, COLUMNS,
+                                "a column of the support table (a backend or a transformation)")
         return self.states.get(column, "untested")
 
     def with_states(self, reasons=None, **states) -> Support:
@@ -236,11 +248,39 @@ def support_of(obj) -> Support:
     """
     table = support_table()
     if isinstance(obj, str):
+        if obj not in table:
+            raise _unknown_name("support_of", "obj", obj, tuple(table),
+                                "the dotted name of a public function or class of kfac_ref")
         return table[obj]
     entry = _canonical_names().get(id(obj))
     if entry is None:
-        raise KeyError(f"support_of: {obj!r} is not a public function or class of kfac_ref.")
+        raise KFACValueError(f"support_of: obj must be a public function or class of kfac_ref "
+                             f"or its dotted name; got {describe(obj)}.")
     return table[entry[0]]
+
+
+def _unknown_name(func, name, value, known, expected):
+    """The error for a name that is not in ``known``: the closest known names (by
+    ``difflib``'s similarity ratio; for a dotted name in a known module, the closest names
+    of that module) are suggested, and the known names are listed when they are few (for a
+    dotted name without a close match, those of its module)."""
+    import difflib
+
+    module, _, leaf = value.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if module and k.startswith(module + ".")}
+    if siblings:  # a known module: the closest names in it, compared by their last part
+        close = [siblings[c] for c in difflib.get_close_matches(leaf, siblings, n=3,
+                                                                 cutoff=0.6)]
+    else:
+        close = difflib.get_close_matches(value, known, n=3, cutoff=0.6)
+    hint = " Did you mean " + " or ".join(repr(c) for c in close) + "?" if close else ""
+    if len(known) <= 12:
+        hint += " The known names are " + ", ".join(repr(k) for k in known) + "."
+    elif siblings and not close:
+        hint += f" The names in {module} are " + ", ".join(sorted(siblings)) + "."
+    elif not close:
+        hint += " support_table() lists every name."
+    return KFACValueError(f"{func}: {name} must be {expected}; got {value!r}.{hint}")
 
 
 _SYMBOL = {"yes": "yes", "no": "no", "untested": "–", "n/a": "n/a"}

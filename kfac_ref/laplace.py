@@ -215,8 +215,9 @@ def _check_args(func, params, curvature, prior_precision, structure, temperature
     for g, (block, p) in enumerate(zip(curvature, params, strict=True)):
         _check_group(func, structure, f"curvature[{g}]", block, size_of(p))
         leaves = block if isinstance(block, (list, tuple)) else (block,)
-        namespace_of(func, params_0=params[0], **{f"curvature_{g}_{k}": f
-                                                  for k, f in enumerate(leaves)})
+        names = ([f"curvature[{g}][{k}]" for k in range(len(leaves))]
+                 if isinstance(block, (list, tuple)) else [f"curvature[{g}]"])
+        namespace_of(func, **{"params[0]": params[0]}, **dict(zip(names, leaves, strict=True)))
     prior_precision = _check_prior_precision(func, prior_precision, len(params))
     temperature = check_scalar(func, "temperature", temperature, positive=True)
     prior_mean = _check_prior_mean(func, prior_mean, params)
@@ -225,7 +226,7 @@ def _check_args(func, params, curvature, prior_precision, structure, temperature
     loss_arrays = ({f"log_likelihood.{k}": a for k, a in
                     enumerate(log_likelihood.parameter_dependants)}
                    if isinstance(log_likelihood, LossFunction) else {})
-    namespace_of(func, params_0=params[0], prior_precision=prior_precision,
+    namespace_of(func, **{"params[0]": params[0]}, prior_precision=prior_precision,
                  temperature=temperature, log_likelihood=_loglik_array(log_likelihood),
                  **loss_arrays)
     return xp, structure, prior_precision, temperature, prior_mean, log_likelihood

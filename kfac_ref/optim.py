@@ -422,21 +422,31 @@ def adapt_damping(damping, loss, new_loss, quad_change, omega, lower_threshold=0
     return adapt_damping.kernel(xp, asarray_like(lam, loss), loss, new_loss, quad_change, *opts)
 
 
-def _check_lm(func, omega, lower, upper, min_damping, max_damping, rule):
+_LM_NAMES = ("lower_threshold", "upper_threshold", "rule")
+"""The names of :func:`adapt_damping`'s threshold and rule arguments."""
+
+_OPTIMIZER_LM_NAMES = ("damping_lower_threshold", "damping_upper_threshold", "damping_rule")
+"""The same arguments as :class:`KFACOptimizer`'s constructor names them."""
+
+
+def _check_lm(func, omega, lower, upper, min_damping, max_damping, rule, names=_LM_NAMES):
+    # ``names``: the caller's own names of (lower, upper, rule), so that a message names
+    # the argument the user passed
+    lower_name, upper_name, rule_name = names
     omega = check_scalar(func, "omega", omega, positive=True)
     if omega > 1:
         raise KFACValueError(f"{func}: omega must be in (0, 1]; got {omega}.")
-    lower = check_scalar(func, "lower_threshold", lower)
-    upper = check_scalar(func, "upper_threshold", upper)
+    lower = check_scalar(func, lower_name, lower)
+    upper = check_scalar(func, upper_name, upper)
     if not lower <= upper:
-        raise KFACValueError(f"{func}: lower_threshold must not exceed upper_threshold "
+        raise KFACValueError(f"{func}: {lower_name} must not exceed {upper_name} "
                              f"({upper}); got {lower}.")
     min_damping = check_scalar(func, "min_damping", min_damping, nonnegative=True)
     max_damping = check_scalar(func, "max_damping", max_damping, positive=True, allow_none=True)
     if max_damping is not None and max_damping < min_damping:
         raise KFACValueError(f"{func}: max_damping must be at least min_damping "
                              f"({min_damping}); got {max_damping}.")
-    rule = check_option(func, "rule", rule, DAMPING_RULES)
+    rule = check_option(func, rule_name, rule, DAMPING_RULES)
     return omega, lower, upper, min_damping, max_damping, rule
 
 
@@ -789,7 +799,8 @@ class KFACOptimizer:
         self.damping_adaptation_decay = decay
         self.omega = decay ** self.damping_adaptation_interval
         self._lm = _check_lm(func, self.omega, damping_lower_threshold, damping_upper_threshold,
-                             min_damping, max_damping, self.damping_rule)
+                             min_damping, max_damping, self.damping_rule,
+                             names=_OPTIMIZER_LM_NAMES)
         self.include_damping_in_quad_change = check_bool(
             func, "include_damping_in_quad_change", include_damping_in_quad_change)
         self.damping_quad_model = check_option(func, "damping_quad_model", damping_quad_model,
@@ -818,6 +829,12 @@ class KFACOptimizer:
         self.inverse_update_period = check_int(func, "inverse_update_period",
                                                inverse_update_period, minimum=1)
         self.exact_power = check_bool(func, "exact_power", exact_power)
+        if estimation_mode is not None:  # refused here, not at the first step in the
+            # estimator's name
+            from .curvature.exact import ESTIMATION_MODES
+
+            estimation_mode = check_option(func, "estimation_mode", estimation_mode,
+                                           ESTIMATION_MODES)
         self.estimation_mode = estimation_mode
         self._implicit = ImplicitExactCurvature(net, loss_fn)
 
@@ -906,7 +923,12 @@ class KFACOptimizer:
         check_array(func, "state.velocity", state.velocity, shape=tuple(flat.shape),
                     layout="[P]")
         t = state.step
-        lam = state.damping
+        # checked here, in the state's name: the estimator would report it as its own
+        # identity_weight argument, which the user never passed
+        lam = check_scalar(func, "state.damping", state.damping, nonnegative=True)
+        if state.preconditioner_damping is not None:
+            check_scalar(func, "state.preconditioner_damping", state.preconditioner_damping,
+                         nonnegative=True)
         lam_p = lam * self.precon_damping_mult
         n = int(batch[0].shape[0])
 

@@ -3,16 +3,21 @@ r"""The block-diagonal K-FAC estimator (kfac-jax ``BlockDiagonalCurvature``); do
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._backend import (
+    KFACInputError,
     KFACTypeError,
     KFACValueError,
+    any_true,
+    check_array,
     check_int,
     check_option,
     check_scalar,
+    is_lazy,
     namespace_of,
     value_checks,
     zeros_like_shape,
@@ -263,6 +268,16 @@ class BlockDiagonalCurvature(EstimatorBase):
             raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
                                  f"got an uninitialised estimator.")
         self._check_state(func, state)
+        likes = {}
+        for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
+            bl.check_state_structure(func, st)
+            likes[f"state.blocks_states[{k}]"] = st.like
+        # the state against the parameters, in the user's names (the blocks would name their
+        # own internal arguments), before the forward pass
+        first = self.layer_indices[0]
+        if (isinstance(params, (tuple, list)) and len(params) > first
+                and isinstance(params[first], (tuple, list)) and params[first]):
+            namespace_of(func, **{f"params[{first}][0]": params[first][0]}, **likes)
         b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch,
                                  layer_taps=self._layer_taps if any(self._taps) else None)
         self._check_batch_size(func, batch_size, b.n)
@@ -290,7 +305,24 @@ class BlockDiagonalCurvature(EstimatorBase):
         with value_checks(False):  # the blocks' data come from the arrays checked above
             states = self._update_blocks(b, vectors, root, states, layers, stacked, need_grads,
                                          ema_old, ema_new)
+        # Finite inputs can still give non-finite statistics (their squares overflow), and a
+        # state may have been built with value checks off: the statistics are scanned here,
+        # where they enter the state, so that no product or cache refresh meets them later
+        self._check_statistics(func, states)
         return BlockDiagonalState(tuple(states))
+
+    def _check_statistics(self, func, states):
+        for k, st in enumerate(states):
+            for i, average in enumerate(st.statistics):
+                name = (f"the updated state.blocks_states[{k}].statistics[{i}] (layer "
+                        f"{self.net.names[self.layer_indices[k]]!r})")
+                try:
+                    check_array(func, name, average.raw)
+                except KFACValueError as exc:
+                    raise KFACValueError(
+                        f"{exc} The statistics of func_args overflowed "
+                        f"{average.raw.dtype}, or state held non-finite statistics."
+                    ) from None
 
     def _layer_taps(self, input_shapes):
         """The taps of a batch's forward pass: each marked layer's block's
@@ -371,10 +403,11 @@ class BlockDiagonalCurvature(EstimatorBase):
         func = "BlockDiagonalCurvature.update_cache"
         self._check_state(func, state)
         ws = self._weights(func, identity_weight)
-        return BlockDiagonalState(tuple(
-            bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
-                            norm_to_scale_identity_weight_per_block)
-            for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
+        with _statistics_named(func, state):
+            return BlockDiagonalState(tuple(
+                bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
+                                norm_to_scale_identity_weight_per_block)
+                for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
                           exact_power, use_cached, pmap_axis_name=None,
@@ -391,18 +424,23 @@ class BlockDiagonalCurvature(EstimatorBase):
         """
         func = "BlockDiagonalCurvature.multiply_matpower"
         self._check_state(func, state)
-        flat, back = flat_or_structured(func, self.net, parameter_structured_vector)
-        ws = self._weights(func, identity_weight)
-        options, likes = [], {}
+        likes = {}
         for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
             bl.check_state_structure(func, st)
             likes[f"state.blocks_states[{k}]"] = st.like
-            options.append(bl.check_product_options(func, power, exact_power, use_cached,
-                                                    norm_to_scale_identity_weight_per_block))
-        xp = namespace_of(func, vector=flat, **likes)
-        outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
-                for bl, st, sl, w, opts in zip(self.blocks, state.blocks_states,
-                                               self._block_slices, ws, options, strict=True)]
+        # the vector (every member of a structured one) against the states: one namespace,
+        # device and precision, before anything is concatenated
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **likes)
+        ws = self._weights(func, identity_weight)
+        options = [bl.check_product_options(func, power, exact_power, use_cached,
+                                            norm_to_scale_identity_weight_per_block)
+                   for bl in self.blocks]
+        xp = namespace_of(func, vector=flat)
+        with _statistics_named(func, state):
+            outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
+                    for bl, st, sl, w, opts in zip(self.blocks, state.blocks_states,
+                                                   self._block_slices, ws, options,
+                                                   strict=True)]
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):
@@ -410,9 +448,11 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         .. math:: (\operatorname{spec} C_l)_l
         """
-        self._check_state("BlockDiagonalCurvature.block_eigenvalues", state)
-        return tuple(bl.eigenvalues(st, use_cached)
-                     for bl, st in zip(self.blocks, state.blocks_states, strict=True))
+        func = "BlockDiagonalCurvature.block_eigenvalues"
+        self._check_state(func, state)
+        with _statistics_named(func, state):
+            return tuple(bl.eigenvalues(st, use_cached)
+                         for bl, st in zip(self.blocks, state.blocks_states, strict=True))
 
     def eigenvalues(self, state, use_cached=False):
         r"""All eigenvalues, block after block (not sorted globally).
@@ -503,13 +543,47 @@ class BlockDiagonalCurvature(EstimatorBase):
         return BlockDiagonalState(tuple(out))
 
 
+@contextlib.contextmanager
+def _statistics_named(func, state):
+    """Turn a failure of the blocks' kernels on a state with non-finite statistics (one
+    built with value checks off: the statistics are scanned when they enter a state, see
+    :meth:`BlockDiagonalCurvature.update_curvature_matrix_estimate`) into a
+    :class:`KFACValueError` naming the statistic, in place of the linear-algebra library's
+    own error ("Eigenvalues did not converge").  The scan runs only after a failure, and
+    kfac_ref's own errors pass unchanged."""
+    try:
+        yield
+    except KFACInputError:  # kfac_ref's own checks already name what they refuse
+        raise
+    except Exception as exc:
+        bad = _nonfinite_statistic(state)
+        if bad is None:
+            raise
+        raise KFACValueError(f"{func}: state.{bad} must be finite (no NaN or Inf); got "
+                             f"non-finite entries ({type(exc).__name__}: {exc}).") from exc
+
+
+def _nonfinite_statistic(state):
+    """The field name of the first statistic of ``state`` with a non-finite entry, or None
+    (also when the entries cannot be read now: a lazy array)."""
+    for k, st in enumerate(state.blocks_states):
+        for i, average in enumerate(st.statistics):
+            raw = average.raw
+            if is_lazy(raw):
+                continue
+            xp = namespace_of("BlockDiagonalCurvature", raw=raw)
+            if any_true(xp, ~xp.isfinite(raw)):
+                return f"blocks_states[{k}].statistics[{i}]"
+    return None
+
+
 def block_diag(blocks):
     r"""Block-diagonal matrix from square blocks (array-API concatenation, no mutation).
 
     .. math:: \mathrm{diag}(B_1, \dots, B_L)
     """
     func = "block_diag"
-    xp = namespace_of(func, **{f"b{i}": b for i, b in enumerate(blocks)})
+    xp = namespace_of(func, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
     sizes = [int(b.shape[0]) for b in blocks]
     total = sum(sizes)
     rows, start = [], 0

@@ -8,6 +8,7 @@ from .._backend import (
     check_int,
     check_option,
     check_scalar,
+    namespace_of,
 )
 from .exact import ESTIMATION_MODES
 
@@ -21,13 +22,26 @@ def unpack_func_args(func, func_args):
     return func_args[0], func_args[1]
 
 
-def flat_or_structured(func, net, vector):
-    """(flat vector, restore) for a flat [P] vector or a parameter structure."""
+VECTOR = "parameter_structured_vector"
+
+
+def flat_or_structured(func, net, vector, **others):
+    """(flat vector, restore) for a flat [P] vector or a parameter structure.
+
+    The members of a structure share one namespace, device and precision with each other
+    and with the named ``others`` arrays (``None`` skipped): they are concatenated, and a
+    concatenation would otherwise fail inside the array library or promote silently.
+    """
     if isinstance(vector, (tuple, list)):
+        members = {f"{VECTOR}[{i}][{j}]": a for i, layer in enumerate(vector)
+                   if isinstance(layer, (tuple, list)) for j, a in enumerate(layer)}
+        if members:
+            namespace_of(func, **members, **others)
         vector = net.check_params(func, vector)
         return net.flatten(vector), net.unflatten
-    check_array(func, "parameter_structured_vector", vector, shape=(net.num_params,),
-                layout="[P]")
+    check_array(func, VECTOR, vector, shape=(net.num_params,), layout="[P]")
+    if others:
+        namespace_of(func, **{VECTOR: vector}, **others)
     return vector, lambda v: v
 
 

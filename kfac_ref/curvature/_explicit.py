@@ -3,16 +3,24 @@ r"""The dense exact estimator (kfac-jax ``ExplicitExactCurvature``); documented 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .._backend import (
+    KFACTypeError,
     KFACValueError,
+    any_true,
+    check_array,
     check_int,
     check_option,
     check_scalar,
+    describe,
     device_of,
+    errors_named,
+    is_lazy,
     namespace_of,
+    value_checks,
     zeros_like_shape,
 )
 from .._pytrees import ensure_for, frozen, join, split, state_class
@@ -44,6 +52,24 @@ def _flatten_explicit(state):
 state_class(ExplicitState, _flatten_explicit,
             lambda skeleton, children: frozen(ExplicitState, matrix=children[0],
                                               cache=join(skeleton, children[1])))
+
+
+@contextlib.contextmanager
+def _matrix_named(func, state):
+    """A failure of a kernel on a non-finite ``state.matrix`` (a state built with value
+    checks off: the matrix is scanned when it enters the state) becomes a
+    :class:`KFACValueError` naming it, in place of the linear-algebra library's own error.
+    The matrix is read only after a failure.  The kernels run after every static check, so
+    a kfac_ref error inside is a value failure too (a NaN spectrum reads as singular)."""
+    try:
+        yield
+    except Exception as exc:
+        raw = state.matrix.raw
+        xp = namespace_of(func, **{"state.matrix": raw})
+        if is_lazy(raw) or not any_true(xp, ~xp.isfinite(raw)):
+            raise
+        raise KFACValueError(f"{func}: state.matrix must be finite (no NaN or Inf); got "
+                             f"non-finite entries ({type(exc).__name__}: {exc}).") from exc
 
 
 class ExplicitExactCurvature(EstimatorBase):
@@ -99,10 +125,15 @@ class ExplicitExactCurvature(EstimatorBase):
         r"""Zero state :math:`C_0 = 0` (``rng`` is unused: nothing is random at init).
 
         .. math:: C_0 = 0 \in \mathbb R^{P\times P}
+
+        ``func_args`` is checked as every later update will check it (the inputs ``x`` in
+        the parameters' namespace, device and precision, of the shape the layers receive),
+        so that a batch the state cannot be updated with is refused here.
         """
         func = "ExplicitExactCurvature.init"
-        params, _ = unpack_func_args(func, func_args)
-        params = self.net.check_params(func, params)
+        params, batch = unpack_func_args(func, func_args)
+        x, _ = exact.unpack_batch(func, batch)
+        params = self.net.check_params_and_input(func, params, x)
         like = params[self.net.parametric_layers[0]][0]
         ensure_for(like)  # a JAX state is a JAX pytree (kfac_ref.register_jax_pytrees)
         zero = zeros_like_shape(like, (self.dim, self.dim))
@@ -119,10 +150,28 @@ class ExplicitExactCurvature(EstimatorBase):
         mode = self._check_mode(func, estimation_mode)
         ema_old, ema_new = self._check_ema(func, ema_old, ema_new)
         params, batch = unpack_func_args(func, func_args)
-        self._check_batch_size(func, batch_size, int(batch[0].shape[0]))
+        x, _ = exact.unpack_batch(func, batch)
+        # the inputs' shape is read before the batch is evaluated: static checks only (the
+        # evaluation checks their values); integer inputs (ids) are allowed
+        check_array(func, "x", x, dtype=None, finite=False, min_ndim=1)
+        self._check_batch_size(func, batch_size, int(x.shape[0]))
+        if not isinstance(state, ExplicitState):
+            raise KFACTypeError(f"{func}: state must be an ExplicitState from init; got "
+                                f"{describe(state)}.")
+        namespace_of(func, **{"state.matrix": state.matrix.raw}, x=x)
         est = exact.estimated_matrix(self.net, self.loss_fn, params, batch, mode, rng,
-                                 self.num_samples, self.empirical_fisher_normalization)
-        return ExplicitState(state.matrix.update(est, ema_old, ema_new), {})
+                                     self.num_samples, self.empirical_fisher_normalization)
+        # the estimate has the parameters' precision, which x (integer ids) may not show
+        namespace_of(func, **{"state.matrix": state.matrix.raw, "params": est})
+        with value_checks(False):  # scanned below, in the state's name
+            matrix = state.matrix.update(est, ema_old, ema_new)
+        try:
+            check_array(func, "the updated state.matrix", matrix.raw)
+        except KFACValueError as exc:
+            raise KFACValueError(f"{exc} The estimate of func_args overflowed "
+                                 f"{matrix.raw.dtype}, or state held non-finite "
+                                 f"statistics.") from None
+        return ExplicitState(matrix, {})
 
     def to_dense_matrix(self, state):
         r"""The dense estimate ([P, P], canonical order).
@@ -145,7 +194,13 @@ class ExplicitExactCurvature(EstimatorBase):
 
         .. math:: C = Q\,\mathrm{diag}(\max(s, c))\,Q^\top
         """
-        s, q = clipped_eigh(state.matrix.value, self.eigenvalue_clipping_threshold)
+        func = "ExplicitExactCurvature.update_cache"
+        xp = self._check_state(func, state)
+        # a refresh, not a product: the one place after the update where the matrix is read
+        check_array(func, "state.matrix", state.matrix.raw)
+        with _matrix_named(func, state), errors_named(func):
+            s, q = clipped_eigh.kernel(xp, state.matrix.value,
+                                       self.eigenvalue_clipping_threshold)
         return ExplicitState(state.matrix, {"eigen": (s, q)})
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
@@ -170,27 +225,48 @@ class ExplicitExactCurvature(EstimatorBase):
         func = "ExplicitExactCurvature.multiply_matpower"
         lam = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
         p = check_scalar(func, "power", power)
-        flat, back = flat_or_structured(func, self.net, parameter_structured_vector)
+        self._check_state(func, state)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector,
+                                        **{"state.matrix": state.matrix.raw})
+        # the state's matrix was scanned when it entered the state (its update), so the
+        # products call the kernels: no scan of the [P, P] matrix per product
         if use_cached:
             if "eigen" not in state.cache:
                 raise KFACValueError(f"{func}: use_cached needs update_cache first; got an "
                                      f"empty cache.")
             s, q = state.cache["eigen"]
-            xp = namespace_of(func, vector=flat, q=q)
+            xp = namespace_of(func, **{"parameter_structured_vector": flat,
+                                       "state.cache": q})
             one = xp.ones((1,), dtype=s.dtype, device=device_of(s))
-            out = kron_eigenbasis_matpower(s, q, one, None, xp.reshape(flat, (-1, 1)), p, lam)
+            with errors_named(func):
+                out = kron_eigenbasis_matpower.kernel(xp, s, q, one, None,
+                                                      xp.reshape(flat, (-1, 1)), p, lam)
             return back(xp.reshape(out, (-1,)))
-        mat = damped_matpower(state.matrix.value, p, lam, self.eigenvalue_clipping_threshold)
+        xp = namespace_of(func, parameter_structured_vector=flat)
+        with _matrix_named(func, state), errors_named(func):
+            mat = damped_matpower.kernel(xp, state.matrix.value, p, lam,
+                                         self.eigenvalue_clipping_threshold)
         return back(mat @ flat)
+
+    def _check_state(self, func, state):
+        if not isinstance(state, ExplicitState):
+            raise KFACTypeError(f"{func}: state must be an ExplicitState from init; got "
+                                f"{describe(state)}.")
+        return namespace_of(func, **{"state.matrix": state.matrix.raw})
 
     def eigenvalues(self, state, use_cached=False):
         r"""Eigenvalues of :math:`C` (clipped, ascending).
 
         .. math:: \operatorname{spec}(C)
         """
+        func = "ExplicitExactCurvature.eigenvalues"
+        xp = self._check_state(func, state)
         if use_cached and "eigen" in state.cache:
             return state.cache["eigen"][0]
-        return clipped_eigh(state.matrix.value, self.eigenvalue_clipping_threshold)[0]
+        check_array(func, "state.matrix", state.matrix.raw)
+        with _matrix_named(func, state), errors_named(func):
+            return clipped_eigh.kernel(xp, state.matrix.value,
+                                       self.eigenvalue_clipping_threshold)[0]
 
     def block_eigenvalues(self, state, use_cached=False):
         r"""``(eigenvalues,)`` (one block).

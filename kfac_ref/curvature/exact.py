@@ -64,6 +64,7 @@ from .._backend import (
     check_int,
     check_option,
     checks_values,
+    describe,
     device_of,
     kernel_of,
     namespace_of,
@@ -119,6 +120,9 @@ class _Batch:
                                 f"{type(net).__name__}.")
         x, y = _unpack_batch(func, batch)
         params = net.check_params_and_input(func, params, x, targets=y)
+        if x.shape[0] == 0:  # every curvature is a mean over the examples
+            raise KFACValueError(f"{func}: x must hold at least one example (a batch axis of "
+                                 f"size N >= 1); got {describe(x)}.")
         self.xp = namespace_of(func, x=x, targets=y)
         self.net, self.params, self.x, self.targets = net, params, x, y
         # the taps that marked layers' forward passes compute for the blocks
