@@ -162,7 +162,7 @@ def matrix_figure(matrix: dict):
     order = column_order(impls)
     own = [impls[j].startswith("kfac_ref") for j in order]
     # x (in column widths) of each displayed column: a gap where the group changes.
-    gap = 0.35
+    gap = 0.25
     xs, x = [], 0.0
     for k in range(len(order)):
         if k and own[k] != own[k - 1]:
@@ -180,7 +180,7 @@ def matrix_figure(matrix: dict):
                  + [_text_width(v, 7, weight="bold") for v in verdicts])
     col_w = max(0.46, (widest + 0.04) / 0.92)  # 0.92 of a column is the cell
     row_h = 0.26
-    label_w = 0.2 + max(_text_width(c, 8, "DejaVu Sans Mono") for c in caps)
+    label_w = 0.2 + max(_text_width(c, 7.5, "DejaVu Sans Mono") for c in caps)
     # Column names at 40 degrees from the point 0.45 of a column in, above the verdicts.
     cos40, sin40 = 0.766, 0.643
     name_h = 0.16  # the height of a line of 9-point text, in inches
@@ -228,7 +228,7 @@ def matrix_figure(matrix: dict):
                             color=ink, fontsize=7.5 if len(mark) > 3 else 9,
                             fontweight="bold", gid=f"mark-{i}-{j}")
             ax.text(-0.12 * 0.48 / col_w, i + 0.5, cap, ha="right", va="center",
-                    family="DejaVu Sans Mono", fontsize=8, gid=f"capability-{i}")
+                    family="DejaVu Sans Mono", fontsize=7.5, gid=f"capability-{i}")
             family = cap.split(".")[0]
             if i and caps[i - 1].split(".")[0] != family:  # a rule between families
                 ax.plot([-(label_w - 0.05) / col_w, width], [i, i], color="#999999",
