@@ -69,6 +69,7 @@ __all__ = [
     "all_finite",
     "any_true",
     "check_eager",
+    "check_namespace_has",
     "kernel_of",
     "kernel_error",
     "errors_named",
@@ -368,6 +369,31 @@ def check_eager(func: str, why: str, **arrays: Any) -> None:
                 f"an eager array; got a lazy {describe(x)}.")
 
 
+_MISSING: dict[tuple[Any, str], bool] = {}
+
+
+def check_namespace_has(func: str, name: str, x: Any, needs: str, why: str) -> None:
+    """Reject, before any computation, an array whose namespace lacks a function the
+    computation needs: an optional extension of the array API standard that a library may
+    leave out (``linalg.eigh``, ``linalg.eigvalsh``, ``linalg.slogdet``).
+
+    Raises :class:`KFACTypeError` "``<func>: <name> must be an array whose namespace has
+    <needs> (<why>); got ... of <namespace>, which has no <needs>.``" — without the check
+    the call would fail part-way with the namespace's own ``AttributeError``.
+    """
+    xp = array_namespace(x)
+    try:
+        missing = _MISSING[xp, needs]
+    except KeyError:
+        obj = xp
+        for part in needs.split("."):
+            obj = getattr(obj, part, None)
+        missing = _MISSING[xp, needs] = obj is None
+    if missing:
+        _fail(func, name, f"an array whose namespace has {needs} ({why})",
+              f"{describe(x)} of {_namespace_name(xp)}, which has no {needs}", KFACTypeError)
+
+
 def kernel_of(public: Callable) -> Callable[[Callable], Callable]:
     """Register the decorated function as the unchecked kernel of ``public``.
 
@@ -460,7 +486,13 @@ def namespace_of(func: str, **arrays: Any):
 # --------------------------------------------------------------------------------------
 def _triangular_kernels(xp):
     """The backend's name for its triangular kernels: ``"scipy"``, ``"torch"``, ``"cupy"``,
-    ``"jax"`` or ``None`` (the array API has no triangular solve)."""
+    ``"jax"``, ``"blocks"`` or ``None`` (the array API has no triangular solve).
+
+    ``"blocks"`` is a lazy library that runs an eager library's kernels on the blocks of its
+    arrays (Dask): the factorisations run on the matrix as one block, through the eager
+    kernels of the block's own namespace (:func:`_on_one_block`)."""
+    if array_api_compat.is_dask_namespace(xp):
+        return "blocks"
     if array_api_compat.is_numpy_namespace(xp):
         try:
             import scipy.linalg  # noqa: F401
@@ -483,6 +515,31 @@ def gram_is_exactly_symmetric(xp):
     return array_api_compat.is_numpy_namespace(xp)
 
 
+def _on_one_block(kernel, matrix):
+    """``kernel(xp_block, block)`` applied lazily to ``matrix`` gathered into one block, for
+    a library whose arrays are graphs of blocks computed by an eager library (kind
+    ``"blocks"`` of :func:`_triangular_kernels`).
+
+    A factorisation's kernel signals a matrix that is not positive definite by raising, and
+    a lazy graph would raise it at compute time, far from kfac_ref's call and in the block
+    library's words.  The block kernel turns that failure into a block of NaN instead: the
+    lazy-array policy (value checks never run on lazy arrays; a bad value gives NaN, as a
+    Cholesky factor inside ``jax.jit`` does).  The matrices factored here are ``d × d``
+    curvature factors, results of a reduction over the batch, so one block holds them."""
+
+    def run(block):
+        bxp = array_namespace(block)
+        if size_of(block) == 0:  # the library probes the kernel with empty blocks
+            return block
+        try:
+            return kernel(bxp, block)
+        except (np.linalg.LinAlgError, ValueError):  # not positive definite, NaN input
+            return bxp.full(block.shape, math.nan, dtype=block.dtype)
+
+    whole = matrix.rechunk({0: -1, 1: -1})
+    return whole.map_blocks(run, dtype=matrix.dtype)
+
+
 def cholesky_lower(xp, matrix):
     """Lower Cholesky factor ``L`` (``L Lᵀ = matrix``; only the lower triangle is read).
 
@@ -490,8 +547,17 @@ def cholesky_lower(xp, matrix):
     inverse that usually follows (``potri``, :func:`cholesky_inverse`) run in one BLAS
     library: NumPy and SciPy ship separate OpenBLAS builds whose thread pools, used in
     alternation, spin against each other.  Raises :class:`numpy.linalg.LinAlgError` when the
-    matrix is not positive definite, as ``numpy.linalg.cholesky`` does."""
-    if _triangular_kernels(xp) == "scipy":
+    matrix is not positive definite, as ``numpy.linalg.cholesky`` does (on eager arrays; a
+    lazy blocked array gets NaN at compute time, see :func:`_on_one_block`).
+
+    A namespace may hand back the *upper* factor ``Lᵀ`` of the library it wraps instead of
+    the standard's lower one (array-api-compat's Dask wrapper does, as blocked Cholesky
+    codes often do); on namespaces without kernels of their own the result is folded into
+    ``L`` without reading values (:func:`_lower_of_either_factor`)."""
+    kind = _triangular_kernels(xp)
+    if kind == "blocks":
+        return _on_one_block(cholesky_lower, matrix)
+    if kind == "scipy":
         from scipy.linalg import lapack
 
         (potrf,) = lapack.get_lapack_funcs(("potrf",), (matrix,))
@@ -501,7 +567,21 @@ def cholesky_lower(xp, matrix):
         if info:
             raise np.linalg.LinAlgError(f"potrf: leading minor {info} is not positive")
         return xp.asarray(low)
-    return xp.linalg.cholesky((matrix + xp.matrix_transpose(matrix)) / 2.0)
+    factor = xp.linalg.cholesky((matrix + xp.matrix_transpose(matrix)) / 2.0)
+    if kind is None:
+        return _lower_of_either_factor(xp, factor)
+    return factor  # PyTorch, CuPy, JAX: the standard's lower factor (checked by the tests)
+
+
+def _lower_of_either_factor(xp, factor):
+    r"""``L`` from a triangular Cholesky factor that is either ``L`` or ``Lᵀ``.
+
+    .. math:: L = \operatorname{tril}(F) + \operatorname{triu}_{1}(F)^\top
+
+    For ``F = L`` the strictly upper part is zero and this is ``L``; for ``F = Lᵀ`` the
+    lower part is the diagonal and the transposed strictly upper part fills in the rest.
+    No value is read, so it holds for lazy arrays, and the sum adds exact zeros."""
+    return xp.tril(factor) + xp.matrix_transpose(xp.triu(factor, k=1))
 
 
 def lower_triangular_inverse(xp, l_factor):
@@ -509,6 +589,8 @@ def lower_triangular_inverse(xp, l_factor):
     triangular kernel where it has one (the array API has no triangular solve)."""
     n = l_factor.shape[0]
     kind = _triangular_kernels(xp)
+    if kind == "blocks":
+        return _on_one_block(lower_triangular_inverse, l_factor)
     if kind == "scipy":
         from scipy.linalg import lapack
 
@@ -538,6 +620,8 @@ def cholesky_inverse(xp, l_factor):
     kernel where it has one (LAPACK ``potri`` through SciPy, ``torch.cholesky_inverse``,
     ``jax.scipy.linalg.cho_solve``)."""
     kind = _triangular_kernels(xp)
+    if kind == "blocks":
+        return _on_one_block(cholesky_inverse, l_factor)
     if kind == "scipy":
         from scipy.linalg import lapack
 

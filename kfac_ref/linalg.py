@@ -83,6 +83,7 @@ from ._backend import (
     KFACValueError,
     _triangular_kernels,
     check_array,
+    check_namespace_has,
     check_option,
     check_scalar,
     check_square,
@@ -266,6 +267,7 @@ def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
     """
     func = "clipped_eigh"
     xp = namespace_of(func, matrix=matrix)
+    check_namespace_has(func, "matrix", matrix, "linalg.eigh", _EIGH_WHY)
     check_symmetric(func, "matrix", matrix)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     return _clipped_eigh(xp, matrix, c)
@@ -277,6 +279,9 @@ def _clipped_eigh(xp, matrix, threshold=0.0):
     # symmetric up to rounding.
     s, q = xp.linalg.eigh((matrix + matrix.T) / 2.0)
     return xp.clip(s, min=threshold), q
+
+
+_EIGH_WHY = "an eigendecomposition"
 
 
 def _check_exponent(func, power):
@@ -421,6 +426,8 @@ def damped_matpower(matrix, power, damping=0.0, eigenvalue_clipping_threshold=0.
     xp = namespace_of(func, matrix=matrix)
     check_symmetric(func, "matrix", matrix)
     power = _check_exponent(func, power)
+    if power != 1.0:  # p = 1 is M + λI; every other power may take the eigenvalues
+        check_namespace_has(func, "matrix", matrix, "linalg.eigh", _EIGH_WHY)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     with errors_named(func):
@@ -627,16 +634,20 @@ def factor_norm(matrix, norm_type="avg_diag"):
     func = "factor_norm"
     xp = namespace_of(func, matrix=matrix)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    check_norm_argument(func, "matrix", matrix)
+    check_norm_argument(func, "matrix", matrix, norm_type)
     return _factor_norm(xp, matrix, norm_type)
 
 
-def check_norm_argument(func, name, matrix):
-    """Validate a factor-norm argument: 0-, 1- or 2-D (square), not empty, finite
-    (internal API: the checks of :func:`factor_norm` and the π functions)."""
+def check_norm_argument(func, name, matrix, norm_type="avg_diag"):
+    """Validate a factor-norm argument: 0-, 1- or 2-D (square), not empty, finite, and a
+    namespace with ``linalg.eigvalsh`` for the ``"2_norm"`` of a matrix (internal API: the
+    checks of :func:`factor_norm` and the π functions)."""
     check_array(func, name, matrix, ndim=(0, 1, 2))
     if matrix.ndim == 2:
         check_square(func, name, matrix)
+        if norm_type == "2_norm":
+            check_namespace_has(func, name, matrix, "linalg.eigvalsh",
+                                "the largest eigenvalue of the 2_norm")
     if matrix.ndim and matrix.shape[0] == 0:
         raise KFACValueError(f"{func}: {name} must not be empty; got shape "
                              f"{tuple(matrix.shape)}.")
@@ -709,8 +720,8 @@ def pi_tracenorm(left_cov, right_cov):
 def _check_pi_args(func, left, right, norm_type):
     xp = namespace_of(func, left_cov=left, right_cov=right)
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
-    check_norm_argument(func, "left_cov", left)
-    check_norm_argument(func, "right_cov", right)
+    check_norm_argument(func, "left_cov", left, norm_type)
+    check_norm_argument(func, "right_cov", right, norm_type)
     return xp
 
 
@@ -1000,6 +1011,8 @@ def _checked_kron_damped_matpower_matvec(func, a, b, x, power, damping, damping_
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
     _check_kron_vector(func, x, order, (a.shape[0], b.shape[0]))
     power = _check_exponent(func, power)
+    if power != 1.0 or damping_method == "exact":  # factored p = 1 is A + δI, B + δI
+        check_namespace_has(func, "a", a, "linalg.eigh", _EIGH_WHY)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
     with errors_named(func):

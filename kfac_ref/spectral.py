@@ -39,6 +39,7 @@ from ._backend import (
     KFACValueError,
     check_array,
     check_bool,
+    check_namespace_has,
     check_option,
     check_scalar,
     check_symmetric,
@@ -60,23 +61,30 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # validation
 # --------------------------------------------------------------------------------------
-def _check_factor(func, name, f):
+def _check_factor(func, name, f, eigenvalues):
     check_array(func, name, f, ndim=(1, 2), layout="[n, n] or diagonal [n]")
     if f.ndim == 2:
         check_symmetric(func, name, f)
+        if eigenvalues:
+            check_namespace_has(func, name, f, "linalg.eigh", "the factor's eigenvalues")
     return f
 
 
 def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
-                     threshold):
+                     threshold, *, eigenvalues=True):
     xp = namespace_of(func, a=a, g=g)
-    _check_factor(func, "a", a)
-    _check_factor(func, "g", g)
+    _check_factor(func, "a", a, eigenvalues)
+    _check_factor(func, "g", g, eigenvalues)
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     scale = check_scalar(func, "scale", scale, positive=True)
     exact = check_bool(func, "exact", exact)
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
+    if norm_type == "2_norm" and not exact:
+        for name, f in (("a", a), ("g", g)):
+            if f.ndim == 2:
+                check_namespace_has(func, name, f, "linalg.eigvalsh",
+                                    "the largest eigenvalue of the 2_norm of the π split")
     threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold)
     return xp, damping, scale, exact, threshold
 
@@ -270,7 +278,8 @@ def kron_trace(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag"
     """
     func = "kron_trace"
     xp, damping, scale, exact, _ = _check_kron_args(
-        func, a, g, damping, scale, exact, norm_type, zero_factor_fallback, 0.0)
+        func, a, g, damping, scale, exact, norm_type, zero_factor_fallback, 0.0,
+        eigenvalues=False)
     return kron_trace_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback)
 
 

@@ -221,6 +221,37 @@ def test_cholesky_kernels_match_the_fallback(rng):
     assert K._backend._triangular_kernels(xs) is None
 
 
+class _UpperCholeskyNamespace:
+    """An array API namespace whose ``linalg.cholesky`` returns the upper factor ``Lᵀ``
+    (as array-api-compat's wrapper of a blocked-Cholesky library does); everything else is
+    array-api-strict's."""
+
+    def __init__(self, xs):
+        import types
+
+        self._xs = xs
+        self.linalg = types.SimpleNamespace(
+            cholesky=lambda m: xs.linalg.matrix_transpose(xs.linalg.cholesky(m)))
+
+    def __getattr__(self, name):
+        return getattr(self._xs, name)
+
+
+@pytest.mark.parametrize("upper", [False, True], ids=["lower-convention", "upper-convention"])
+def test_cholesky_glue_returns_the_lower_factor_for_either_convention(rng, upper):
+    """The generic Cholesky path gives the lower factor whichever triangle the namespace's
+    ``linalg.cholesky`` returns (oracle: numpy.linalg.cholesky)."""
+    import array_api_strict as xs
+
+    m = random_spd(rng, 7, 0.2, 4.0)
+    ns = _UpperCholeskyNamespace(xs) if upper else xs
+    if upper:  # the stand-in really returns the upper factor
+        raw = np.asarray(ns.linalg.cholesky(xs.asarray(m)))
+        assert np.allclose(np.tril(raw, -1), 0.0) and not np.allclose(np.triu(raw, 1), 0.0)
+    low = np.asarray(K._backend.cholesky_lower(ns, xs.asarray(m)))
+    assert_allclose_normwise(low, np.linalg.cholesky(m), 1e-12)
+
+
 # --------------------------------------------------------------------------------------
 # Norms and π
 # --------------------------------------------------------------------------------------
