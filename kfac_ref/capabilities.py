@@ -136,18 +136,37 @@ _ARRAY_FREE = (
     "kfac_ref.patches.num_subsampled_patches",
 )
 
+# Dask's array API namespace has no linalg.eigh: these raise KFACTypeError at the call
+_NO_EIGH = ("no", "eigendecompositions: the namespace of a Dask array has no linalg.eigh")
+
 _DECLARED: dict[str, dict] = {
     **{name: {b: "n/a" for b in EAGER_BACKENDS} for name in _ARRAY_FREE},
     "kfac_ref.linalg.compute_cov": {"jit": "yes", "vmap": "yes", "dask": "yes"},
-    "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes"},
-    "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes"},
-    "kfac_ref.linalg.kron_matmat": {"jit": "yes"},
-    "kfac_ref.linalg.damped_matpower": {"jit": "yes"},
-    "kfac_ref.linalg.damped_inverse": {"jit": "yes"},
-    "kfac_ref.linalg.pi_tracenorm": {"jit": "yes"},
-    "kfac_ref.linalg.pi_adjusted_damping": {"jit": "yes"},
-    "kfac_ref.linalg.factor_norm": {"jit": "yes"},
-    "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes"},
+    "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes", "dask": "yes"},
+    "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes", "dask": "yes"},
+    "kfac_ref.linalg.kron_matmat": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.linalg.damped_matpower": {"jit": "yes", "dask": _NO_EIGH},
+    "kfac_ref.linalg.damped_inverse": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.linalg.pi_tracenorm": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.linalg.pi_adjusted_damping": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.linalg.factor_norm": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes", "dask": _NO_EIGH},
+    # Dask: the linalg, spectral and factors modules are walked by tests/test_dask.py
+    **{f"kfac_ref.{name}": {"dask": "yes"} for name in (
+        "linalg.damped_cholesky", "linalg.damped_cholesky_inverse", "linalg.kron",
+        "linalg.kron_eigenbasis_matpower", "spectral.kron_trace", "spectral.hutchinson_trace",
+        "spectral.hutchpp_trace", "factors.dense.fully_connected_diagonal_factor",
+        "factors.conv_kfc.conv_patch_matrix", "factors.conv.conv_per_example_gradients",
+        "factors.conv_kfc.conv_diagonal_factor", "factors.conv_sua.conv_input_sua_statistics",
+        "factors.conv_sua.conv_input_sua_factor", "factors.conv_sua.conv_input_sua_inverse",
+        "factors.diagonal.params_grads_to_vector", "factors.diagonal.naive_diagonal_factor",
+        "factors.diagonal.full_factor", "factors.embedding.embedding_input_kronecker_factor",
+        "factors.embedding.diagonal_kronecker_factor", "factors.scale_shift.scale_and_shift_factor",
+        "factors.series.fully_connected_multi_kf_cov_dt1")},
+    **{f"kfac_ref.{name}": {"dask": _NO_EIGH} for name in (
+        "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
+        "spectral.kron_slogdet", "factors.series.series_option1_quantities",
+        "factors.series.series_option2_quantities")},
     "kfac_ref.averaging.weighted_accumulate": {"jit": "yes"},
     "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
     "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},

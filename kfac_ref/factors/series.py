@@ -21,6 +21,7 @@ from .._backend import (
     KFACValueError,
     check_array,
     check_int,
+    check_namespace_has,
     check_option,
     check_scalar,
     check_square,
@@ -121,6 +122,8 @@ def _check_pair(func, cov, cov_dt1, damping, threshold):
     if cov.shape != cov_dt1.shape:
         raise KFACValueError(f"{func}: cov and cov_dt1 must have the same shape; got "
                              f"{tuple(cov.shape)} and {tuple(cov_dt1.shape)}.")
+    check_namespace_has(func, "cov", cov, "linalg.eigh",
+                        "the inverse square root of the damped cov")
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold,
                              nonnegative=True)
