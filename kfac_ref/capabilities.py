@@ -162,7 +162,19 @@ _DECLARED: dict[str, dict] = {
         "factors.diagonal.params_grads_to_vector", "factors.diagonal.naive_diagonal_factor",
         "factors.diagonal.full_factor", "factors.embedding.embedding_input_kronecker_factor",
         "factors.embedding.diagonal_kronecker_factor", "factors.scale_shift.scale_and_shift_factor",
-        "factors.series.fully_connected_multi_kf_cov_dt1")},
+        "factors.series.fully_connected_multi_kf_cov_dt1", "factors.conv_kfc.conv_input_factor_tap",
+        # the factor classes: statistics, Cholesky inverses, diagonal powers (a dense
+        # factor's eigendecomposition raises: no linalg.eigh)
+        "factors.base.FisherFactor", "factors.base.DenseSquareMatrixFactor",
+        "factors.base.DiagonalFactor", "factors.dense.FullyConnectedKroneckerFactor",
+        "factors.dense.FullyConnectedDiagonalFactor", "factors.conv_kfc.ConvInputKroneckerFactor",
+        "factors.conv_kfc.ConvOutputKroneckerFactor", "factors.conv_kfc.ConvDiagonalFactor",
+        "factors.conv_kfc.ConvInputMultiKF", "factors.conv_kfc.ConvOutputMultiKF",
+        "factors.conv_sua.ConvInputSUAKroneckerFactor", "factors.diagonal.NaiveDiagonalFactor",
+        "factors.diagonal.NaiveFullFactor", "factors.embedding.EmbeddingInputKroneckerFactor",
+        "factors.embedding.DiagonalKroneckerFactor", "factors.embedding.DiagonalMultiKF",
+        "factors.scale_shift.ScaleAndShiftFullFactor",
+        "factors.scale_shift.ScaleAndShiftDiagonalFactor", "factors.series.FullyConnectedMultiKF")},
     **{f"kfac_ref.{name}": {"dask": _NO_EIGH} for name in (
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
         "spectral.kron_slogdet", "factors.series.series_option1_quantities",

@@ -34,7 +34,20 @@ eigenvalues; the Cholesky paths test the squared pivots :math:`L_{ii}^2`, which 
 eigenvalues too.  Under factored damping each damped Kronecker factor is tested (orders
 :math:`p` and :math:`q`); under exact damping :math:`A \otimes B + \lambda I` is tested as one
 matrix of order :math:`pq`.  This is a value check: it is skipped for lazy arrays and under
-``kfac_ref.value_checks(False)`` (the result is then whatever the arithmetic gives).
+``kfac_ref.value_checks(False)`` (the result is then whatever the arithmetic gives).  On a
+lazy array whose factorisation runs block by block at compute time (a Dask array) a
+Cholesky factorisation that fails, because :math:`S` is not positive definite, gives NaN
+entries when the graph is computed, not an exception from inside the graph.
+
+Missing linear algebra
+----------------------
+The eigendecompositions ``linalg.eigh`` and ``linalg.eigvalsh`` are an optional extension
+of the array API standard that a namespace may lack (Dask's has neither).  A function that
+would need one checks for it before any computation and raises
+:class:`~kfac_ref.KFACTypeError` naming the argument and what its namespace lacks: the
+eigenvalue paths (:func:`clipped_eigh`, :func:`damped_matpower` with :math:`p \ne 1`,
+:func:`kron_damped_matpower_matvec`) and the ``"2_norm"`` of :func:`factor_norm`.  The
+Cholesky functions need only the Cholesky factorisation.
 
 One inverse: Cholesky, not ``eigh``
 -----------------------------------

@@ -18,6 +18,7 @@ import pytest
 
 import kfac_ref as K
 from kfac_ref import compute_cov, factors, losses, spectral
+from kfac_ref.conv_geometry import ConvGeometry
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
@@ -42,7 +43,8 @@ def test_declarations_are_what_is_exercised():
     from kfac_ref import capabilities
 
     declared = {n for n, s in capabilities.support_table().items() if s.state("dask") == "yes"}
-    assert declared == DASK_EXERCISED | set(DASK_CALLS)
+    classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
+    assert declared == DASK_EXERCISED | set(DASK_CALLS) | classes
 
 
 class _LargestResult(Callback):
@@ -262,6 +264,9 @@ DASK_CALLS = {
         factors.diagonal_kronecker_factor(f(_X), has_bias=True),
     "kfac_ref.factors.scale_shift.scale_and_shift_factor": lambda f:
         factors.scale_and_shift_factor(f(_SEQ), f(_SEQ), (1,), (1,)),
+    "kfac_ref.factors.conv_kfc.conv_input_factor_tap": lambda f: factors.conv_input_factor_tap(
+        ConvGeometry.build("t", _IMG.shape, (3, 3, 2, 3), padding="SAME"), True)(
+        f(factors.conv_patch_matrix(_IMG, (3, 3, 2, 3), "SAME"))),
     "kfac_ref.factors.series.fully_connected_multi_kf_cov_dt1": lambda f:
         factors.fully_connected_multi_kf_cov_dt1(f(_X), 2, has_bias=True),
 }
@@ -286,20 +291,54 @@ DASK_REFUSED = {
         factors.series_option2_quantities(f(_B), f(_C), 0.1)),
 }
 
-# Modules whose "dask" column is complete: no entry of theirs is left "untested"...
+# Modules whose "dask" column is complete: no entry of theirs is left "untested".
 DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.")
-# ...but these, not walked yet (the stateful factor classes)
-DASK_NOT_WALKED = {f"kfac_ref.factors.{name}" for name in (
-    "base.DenseSquareMatrixFactor", "base.DiagonalFactor", "base.FisherFactor",
-    "conv_kfc.ConvDiagonalFactor", "conv_kfc.ConvInputKroneckerFactor",
-    "conv_kfc.ConvInputMultiKF", "conv_kfc.ConvOutputKroneckerFactor",
-    "conv_kfc.ConvOutputMultiKF", "conv_kfc.conv_input_factor_tap",
-    "conv_sua.ConvInputSUAKroneckerFactor", "dense.FullyConnectedDiagonalFactor",
-    "dense.FullyConnectedKroneckerFactor", "diagonal.NaiveDiagonalFactor",
-    "diagonal.NaiveFullFactor", "embedding.DiagonalKroneckerFactor",
-    "embedding.DiagonalMultiKF", "embedding.EmbeddingInputKroneckerFactor",
-    "scale_shift.ScaleAndShiftDiagonalFactor", "scale_shift.ScaleAndShiftFullFactor",
-    "series.FullyConnectedMultiKF")}
+
+# The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
+# diagonal factors) every power run lazily; a dense factor's eigendecomposition paths raise
+# at the call (tests below).  Each: constructor, update_cov's arguments, dense or diagonal.
+_SEQ8 = _W.standard_normal((8, 4, 3))
+DASK_FACTOR_CLASSES = {
+    "dense.FullyConnectedKroneckerFactor": (
+        lambda: factors.FullyConnectedKroneckerFactor(has_bias=True), lambda f: (f(_X),), True),
+    "dense.FullyConnectedDiagonalFactor": (
+        lambda: factors.FullyConnectedDiagonalFactor(has_bias=True),
+        lambda f: (f(_X), f(_G)), False),
+    "conv_kfc.ConvInputKroneckerFactor": (
+        lambda: factors.ConvInputKroneckerFactor((3, 3, 2, 3), "SAME"),
+        lambda f: (f(_IMG),), True),
+    "conv_kfc.ConvOutputKroneckerFactor": (
+        lambda: factors.ConvOutputKroneckerFactor(), lambda f: (f(_IMG_G),), True),
+    "conv_kfc.ConvDiagonalFactor": (
+        lambda: factors.ConvDiagonalFactor((3, 3, 2, 3), (1, 1), "SAME"),
+        lambda f: (f(_IMG), f(_IMG_G)), False),
+    "conv_kfc.ConvInputMultiKF": (  # uses folded into the batch axis
+        lambda: factors.ConvInputMultiKF((3, 3, 2, 3), "SAME", 2), lambda f: (f(_IMG),), True),
+    "conv_kfc.ConvOutputMultiKF": (
+        lambda: factors.ConvOutputMultiKF(2), lambda f: (f(_IMG_G),), True),
+    "conv_sua.ConvInputSUAKroneckerFactor": (
+        lambda: factors.ConvInputSUAKroneckerFactor((3, 3, 2, 3), has_bias=True),
+        lambda f: (f(_IMG),), "sua"),
+    "diagonal.NaiveDiagonalFactor": (
+        lambda: factors.NaiveDiagonalFactor(10), lambda f: (f(_X),), False),
+    "diagonal.NaiveFullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
+    "embedding.EmbeddingInputKroneckerFactor": (
+        lambda: factors.EmbeddingInputKroneckerFactor(6), lambda f: (f(_IDS),), False),
+    "embedding.DiagonalKroneckerFactor": (
+        lambda: factors.DiagonalKroneckerFactor(has_bias=True), lambda f: (f(_X),), False),
+    "embedding.DiagonalMultiKF": (
+        lambda: factors.DiagonalMultiKF(2, has_bias=True), lambda f: (f(_X),), False),
+    "scale_shift.ScaleAndShiftFullFactor": (
+        lambda: factors.ScaleAndShiftFullFactor((1,), (1,)), lambda f: (f(_SEQ8), f(_SEQ8)),
+        True),
+    "scale_shift.ScaleAndShiftDiagonalFactor": (
+        lambda: factors.ScaleAndShiftDiagonalFactor((1,), (1,)),
+        lambda f: (f(_SEQ8), f(_SEQ8)), False),
+    "series.FullyConnectedMultiKF": (
+        lambda: factors.FullyConnectedMultiKF(2, has_bias=True), lambda f: (f(_X),), True),
+}
+# the base classes' machinery (moving averages, registrations, caches) runs in every one
+_FACTOR_BASES = ("base.FisherFactor", "base.DenseSquareMatrixFactor", "base.DiagonalFactor")
 
 
 def _short(dotted):
@@ -313,8 +352,9 @@ def test_the_walked_modules_have_no_untested_dask_entry():
 
     table = capabilities.support_table()
     arrays = {n for n, s in table.items() if s.state("numpy") != "n/a"}
-    walked = {n for n in arrays if n.startswith(DASK_WALKED)} - DASK_NOT_WALKED
-    assert DASK_NOT_WALKED <= arrays
+    walked = {n for n in arrays if n.startswith(DASK_WALKED)}
+    classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
+    assert classes <= arrays
     left = sorted(n for n in walked if table[n].state("dask") == "untested")
     assert not left, f"'untested' Dask entries in {DASK_WALKED}: {left}"
     refused = {n for n, s in table.items() if s.state("dask") == "no"}
@@ -392,3 +432,50 @@ def test_dask_not_positive_definite_gives_nan_not_a_foreign_error(func):
         func(m, 0.0)
     got = func(da.from_array(m), 0.0).compute(scheduler="sync")
     assert np.isnan(got).any()
+
+
+def _factor_run(name, f):
+    """Two covariance updates, then every quantity a factor of this kind caches."""
+    make, data, dense = DASK_FACTOR_CLASSES[name]
+    fac = make()
+    for _ in range(2):
+        fac = fac.update_cov(*data(f), ema_decay=0.9)
+    fac = fac.register_inverse(0.1)
+    if dense is True:
+        fac = fac.register_cholesky(0.1).register_cholesky_inverse(0.1)
+    elif dense is False:
+        fac = fac.register_matpower(-0.5, 0.1)
+    fac = fac.update_inverses()
+    out = [fac.cov, fac.get_inverse(0.1), fac.get_matpower(1, 0.1)]
+    if dense is True:
+        out += [fac.get_cholesky(0.1), fac.get_cholesky_inverse(0.1)]
+    elif dense is False:
+        out.append(fac.get_matpower(-0.5, 0.1))
+    return out, fac
+
+
+@pytest.mark.parametrize("name", sorted(DASK_FACTOR_CLASSES))
+def test_dask_factor_class_agrees_with_numpy(name):
+    """A factor updated with Dask arrays holds lazy statistics and inverses that, computed,
+    agree with the same factor updated with NumPy arrays."""
+    expected, _ = _factor_run(name, np.asarray)
+    lazy, _ = _factor_run(name, _dask)
+    assert all(isinstance(r, da.Array) for r in lazy), [type(r) for r in lazy]
+    for g, e in zip(dask.compute(*lazy, scheduler="sync"), expected, strict=True):
+        _close(np.asarray(g), np.asarray(e, dtype=np.float64))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in DASK_FACTOR_CLASSES.items()
+                                        if c[2] is True))
+def test_dask_factor_eigen_paths_refused(name):
+    """A dense factor's eigendecomposition (a power other than -1, get_eigendecomp) on Dask
+    statistics raises kfac_ref's error naming the method and linalg.eigh."""
+    from kfac_ref import KFACTypeError
+
+    _, fac = _factor_run(name, _dask)
+    cls = type(fac).__name__  # NaiveFullFactor is FullFactor
+    with pytest.raises(KFACTypeError, match=f"^{cls}.update_inverses: cov must be an array "
+                       "whose namespace has linalg.eigh .*which has no linalg.eigh"):
+        fac.register_matpower(-0.5, 0.1).update_inverses()
+    with pytest.raises(KFACTypeError, match=f"^{cls}.get_eigendecomp: cov .*no linalg.eigh"):
+        fac.get_eigendecomp()

@@ -45,6 +45,7 @@ from .._backend import (
     KFACValueError,
     check_bool,
     check_int,
+    check_namespace_has,
     check_scalar,
     describe,
     errors_named,
@@ -323,6 +324,10 @@ class FisherFactor:
         return self._cov_avg is not None
 
 
+_EIGH_WHY = ("an eigendecomposition: a registered power other than -1, or at least "
+             "eigenvalue_decomposition_threshold inverses")
+
+
 class DenseSquareMatrixFactor(FisherFactor):
     r"""A factor stored as a dense symmetric PSD matrix, with cached damped functions of it.
 
@@ -429,6 +434,8 @@ class DenseSquareMatrixFactor(FisherFactor):
         func = f"{self.name}.update_inverses"
         cov = self.cov  # the factor's own statistic: already checked, kernels only
         xp = namespace_of(func, cov=cov)
+        if self.uses_eigendecomposition:
+            check_namespace_has(func, "cov", cov, "linalg.eigh", _EIGH_WHY)
         cache = {}
         with errors_named(func):
             self._fill_inverse_cache(xp, cov, cache, func)
@@ -508,9 +515,11 @@ class DenseSquareMatrixFactor(FisherFactor):
     def get_eigendecomp(self):
         r"""Fresh clipped eigendecomposition :math:`(\max(e, c), V)` of the current
         :attr:`cov` (TF computes it from the current covariance, never cached)."""
+        func = f"{self.name}.get_eigendecomp"
         cov = self.cov
-        return clipped_eigh.kernel(namespace_of(f"{self.name}.get_eigendecomp", cov=cov), cov,
-                                   self.eigenvalue_clipping_threshold)
+        xp = namespace_of(func, cov=cov)
+        check_namespace_has(func, "cov", cov, "linalg.eigh", "an eigendecomposition")
+        return clipped_eigh.kernel(xp, cov, self.eigenvalue_clipping_threshold)
 
 
 class DiagonalFactor(FisherFactor):
