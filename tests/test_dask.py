@@ -15,9 +15,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from array_api_compat import array_namespace
 
 import kfac_ref as K
-from kfac_ref import compute_cov, factors, losses, spectral
+from kfac_ref import (
+    averaging,
+    blocks,
+    compute_cov,
+    conv_geometry,
+    factors,
+    losses,
+    patches,
+    spectral,
+)
 from kfac_ref.conv_geometry import ConvGeometry
 
 da = pytest.importorskip("dask.array")
@@ -271,6 +281,54 @@ DASK_CALLS = {
         factors.fully_connected_multi_kf_cov_dt1(f(_X), 2, has_bias=True),
 }
 
+_V32 = _W.standard_normal((4, 3))
+_DIAG = _W.uniform(1.0, 2.0, 12)
+_EV_A, _EV_B = np.linalg.eigvalsh(_A) * 0.5, np.linalg.eigvalsh(_B) * 0.5
+_BLOCK_CALLS = {
+    "kfac_ref.averaging.MovingAverageVariable": lambda f: [
+        averaging.MovingAverageVariable.zeros_like(f(_A)).update(f(_A), 0.9).value,
+        averaging.MovingAverageVariable(f(_A), 1.0).update(f(_A * 2.0), 0.9, 0.5).value],
+    "kfac_ref.averaging.WeightedMovingAverage": lambda f:
+        averaging.WeightedMovingAverage(f(_A)).update(f(_A * 2.0), 0.9, 1.0).value,
+    "kfac_ref.averaging.sync_statistics": lambda f: averaging.sync_statistics(
+        [f(_A), f(_A * 2.0)]),
+    "kfac_ref.averaging.weighted_accumulate": lambda f: averaging.weighted_accumulate(
+        f(_A), f(_A * 2.0), 0.3, 0.7),
+    "kfac_ref.patches.extract_convolution_patches": lambda f:
+        patches.extract_convolution_patches(f(_IMG), (3, 3, 2, 3), "SAME"),
+    "kfac_ref.patches.extract_image_patches": lambda f: patches.extract_image_patches(
+        f(_IMG), (1, 3, 3, 1), (1, 1, 1, 1), (1, 1, 1, 1), "SAME"),
+    "kfac_ref.patches.extract_pointwise_conv2d_patches": lambda f:
+        patches.extract_pointwise_conv2d_patches(f(_IMG), (1, 1, 2, 3)),
+    "kfac_ref.patches.subsample_rows": lambda f: patches.subsample_rows(
+        f(_X), 4, np.random.default_rng(1)),
+    "kfac_ref.conv_geometry.to_channels_last": lambda f: conv_geometry.to_channels_last(
+        array_namespace(f(_IMG)), f(_IMG), False),
+    "kfac_ref.conv_geometry.from_channels_last": lambda f: conv_geometry.from_channels_last(
+        array_namespace(f(_IMG)), f(_IMG), False),
+    "kfac_ref.conv_geometry.ConvGeometry": lambda f: [
+        ConvGeometry.build("t", (4, 2, 5, 5), (3, 3, 2, 3), padding="SAME",
+                           data_format="NCHW").to_channels_last(array_namespace(f(_IMG)),
+                                                                f(_IMG.transpose(0, 3, 1, 2)))],
+    "kfac_ref.blocks.diagonal_block_matpower": lambda f: blocks.diagonal_block_matpower(
+        f(_DIAG), f(_V), -0.5, 0.1),
+    "kfac_ref.blocks.scaled_identity_matpower": lambda f: blocks.scaled_identity_matpower(
+        f(_V), -0.5, 0.1, scale=2.0),
+    "kfac_ref.blocks.kronecker_block_matpower": lambda f: [
+        blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), p, 0.1) for p in (1.0, -1.0)],
+    "kfac_ref.blocks.series_gamma": lambda f: blocks.series_gamma(f(np.array([0.3, 0.5])), 3),
+    "kfac_ref.blocks.series_option1_multiply_inverse": lambda f:
+        blocks.series_option1_multiply_inverse(f(_Q_A), f(_EV_A), f(_Q_B), f(_EV_B), 3,
+                                               f(_V32)),
+    "kfac_ref.blocks.series_option2_multiply_inverse": lambda f:
+        blocks.series_option2_multiply_inverse(f(_A * 0.1), f(_Q_A), f(_EV_A), f(_B * 0.1),
+                                               f(_Q_B), f(_EV_B), 3, f(_V32)),
+}
+DASK_CALLS.update(_BLOCK_CALLS)
+# a host-side answer from the array's metadata (a Python int), compared as such
+DASK_CALLS["kfac_ref.patches.temporary_bytes_bound"] = lambda f: patches.temporary_bytes_bound(
+    f(_IMG))
+
 # The public objects that need a function the Dask namespace lacks, each with a call that
 # must raise kfac_ref's error naming the function, the argument and what is missing.
 DASK_REFUSED = {
@@ -289,10 +347,31 @@ DASK_REFUSED = {
         factors.series_option1_quantities(f(_B), f(_C), 0.1)),
     "kfac_ref.factors.series.series_option2_quantities": ("linalg.eigh", lambda f:
         factors.series_option2_quantities(f(_B), f(_C), 0.1)),
+    "kfac_ref.blocks.full_block_matpower": ("linalg.eigh", lambda f:
+        blocks.full_block_matpower(f(_A), f(_X[0]), -0.5, 0.1)),
+    "kfac_ref.blocks.kronecker_block_eigenvalues": ("linalg.eigh", lambda f:
+        blocks.kronecker_block_eigenvalues(f(_A), f(_B))),
+    "kfac_ref.blocks.kronecker_difference_inverse": ("linalg.eigh", lambda f:
+        blocks.kronecker_difference_inverse(f(_A), f(_B), f(_A * 0.1), f(_B * 0.1), f(_V32))),
+    "kfac_ref.blocks.block_tridiagonal_multiply_inverse": ("linalg.eigh", lambda f:
+        blocks.block_tridiagonal_multiply_inverse(
+            [f(_A), f(_A)], [f(_B), f(_B)], [f(_A * 0.1)], [f(_B * 0.1)], [f(_V32), f(_V32)],
+            0.1)),
+}
+
+# what kronecker_block_matpower refuses on Dask (the eigen paths), tested below
+_KRON_BLOCK_REFUSED = {
+    "linalg.eigh": [lambda f: blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), -0.5, 0.1),
+                    lambda f: blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), -1.0, 0.1,
+                                                              exact=True)],
+    "linalg.eigvalsh": [lambda f: blocks.kronecker_block_matpower(
+        f(_A), f(_B), f(_V32), -1.0, 0.1, norm_type="2_norm")],
 }
 
 # Modules whose "dask" column is complete: no entry of theirs is left "untested".
-DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.")
+DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.",
+               "kfac_ref.averaging.", "kfac_ref.patches.", "kfac_ref.conv_geometry.",
+               *(f"kfac_ref.blocks.{name}" for name in blocks.__all__ if name[0].islower()))
 
 # The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
 # diagonal factors) every power run lazily; a dense factor's eigendecomposition paths raise
@@ -352,7 +431,8 @@ def test_the_walked_modules_have_no_untested_dask_entry():
 
     table = capabilities.support_table()
     arrays = {n for n, s in table.items() if s.state("numpy") != "n/a"}
-    walked = {n for n in arrays if n.startswith(DASK_WALKED)}
+    walked = {n for n in arrays if n.startswith(DASK_WALKED)
+              and not n.startswith(("kfac_ref.blocks.kfac_jax.", "kfac_ref.blocks.tf."))}
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
     assert classes <= arrays
     left = sorted(n for n in walked if table[n].state("dask") == "untested")
@@ -366,7 +446,11 @@ def test_dask_agrees_with_numpy(name):
     """Each call of DASK_CALLS on Dask arrays stays lazy and, computed, agrees with the same
     call on NumPy arrays."""
     call = DASK_CALLS[name]
-    expected = [np.asarray(e, dtype=np.float64) for e in _flat(call(np.asarray))]
+    eager = _flat(call(np.asarray))
+    if all(isinstance(e, int) for e in eager):
+        assert _flat(call(_dask)) == eager
+        return
+    expected = [np.asarray(e, dtype=np.float64) for e in eager]
     lazy = _flat(call(_dask))
     assert all(isinstance(r, da.Array) for r in lazy), [type(r) for r in lazy]
     got = dask.compute(*lazy, scheduler="sync")
@@ -385,7 +469,7 @@ def test_dask_refused_before_computing(name):
     missing, call = DASK_REFUSED[name]
     call(np.asarray)  # the same call works on NumPy
     with pytest.raises(KFACTypeError, match=(
-            f"^{_short(name)}: \\w+ must be an array whose namespace has {missing} .*"
+            f"^{_short(name)}: [\\w\\[\\]]+ must be an array whose namespace has {missing} .*"
             f"array_api_compat.dask.array, which has no {missing}")):
         call(_dask)
 
@@ -479,3 +563,16 @@ def test_dask_factor_eigen_paths_refused(name):
         fac.register_matpower(-0.5, 0.1).update_inverses()
     with pytest.raises(KFACTypeError, match=f"^{cls}.get_eigendecomp: cov .*no linalg.eigh"):
         fac.get_eigendecomp()
+
+
+@pytest.mark.parametrize("missing", sorted(_KRON_BLOCK_REFUSED))
+def test_dask_kronecker_block_eigen_paths_refused(missing):
+    """kronecker_block_matpower on Dask factors: the factored p = 1 and Cholesky inverse run
+    (DASK_CALLS); the paths that need an eigendecomposition raise at the call."""
+    from kfac_ref import KFACTypeError
+
+    for call in _KRON_BLOCK_REFUSED[missing]:
+        call(np.asarray)
+        with pytest.raises(KFACTypeError, match=f"^kronecker_block_matpower: a must be an "
+                           f"array whose namespace has {missing} .*which has no {missing}"):
+            call(_dask)

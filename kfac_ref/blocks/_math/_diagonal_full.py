@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..._backend import (
     KFACValueError,
     check_array,
+    check_namespace_has,
     check_scalar,
     check_symmetric,
     errors_named,
@@ -106,6 +107,8 @@ def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
     check_array(func, "x", x, ndim=1, shape=(n,), layout=f"[{n}]")
     power, damping, scale, c = check_common(func, power, damping, scale,
                                              eigenvalue_clipping_threshold)
+    if power != 1.0:
+        check_namespace_has(func, "matrix", matrix, "linalg.eigh", "an eigendecomposition")
     eig = None if power == 1.0 else prepare_full(xp, matrix, c)
     with errors_named(func):
         return apply_full(xp, matrix, eig, x, power, damping, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..._backend import (
     check_array,
+    check_namespace_has,
     check_option,
     check_scalar,
     errors_named,
@@ -67,6 +68,22 @@ def prepare_kron(path, xp, a, g, power, damping, scale, norm_type, zero_factor_f
     return kron_factored_powers(xp, a, g, power, damping, scale, norm_type,
                                 zero_factor_fallback, threshold, second_moment=True,
                                 norms=norms, zero=zero)
+
+
+def check_kron_linalg(func, path, a, g, power, threshold, norm_type):
+    """Reject, before computing, factors whose namespace lacks the eigendecomposition that
+    ``path`` would take: the eigen path, and a factored power other than 1 and other than
+    the Cholesky inverse of a second moment (:math:`p = -1`, no clipping); ``"2_norm"`` π
+    takes the largest eigenvalue."""
+    cholesky_only = power == 1.0 or (power == -1.0 and threshold <= 0.0)
+    for name, f in (("a", a), ("g", g)):
+        if f.ndim != 2:
+            continue
+        if path == "eigen" or (path == "factored" and not cholesky_only):
+            check_namespace_has(func, name, f, "linalg.eigh", "an eigendecomposition")
+        if path == "factored" and norm_type == "2_norm":
+            check_namespace_has(func, name, f, "linalg.eigvalsh",
+                                "the largest eigenvalue of the 2_norm of the π split")
 
 
 def apply_kron(path, xp, a, g, prepared, x, power, damping, scale):
@@ -165,6 +182,7 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
     path = kron_product_path(power, exact)
+    check_kron_linalg(func, path, a, g, power, c, norm_type)
     with errors_named(func):
         prepared = prepare_kron(path, xp, a, g, power, damping, scale, norm_type,
                                 zero_factor_fallback, c)
@@ -187,6 +205,7 @@ def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshol
     check_factor(func, "g", g)
     scale = check_scalar(func, "scale", scale, positive=True)
     c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    check_kron_linalg(func, "eigen", a, g, 0.0, c, "avg_diag")
     s_a, _, s_g, _ = kron_eigen(xp, a, g, c)
     return kron_spectrum(xp, s_a, s_g, scale)
 

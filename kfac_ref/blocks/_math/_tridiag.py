@@ -6,6 +6,7 @@ from ..._backend import (
     KFACTypeError,
     KFACValueError,
     check_array,
+    check_namespace_has,
     check_scalar,
     check_symmetric,
     describe,
@@ -57,6 +58,7 @@ def kronecker_difference_inverse(a, b, c, d, x):
     check_array(func, "c", c, shape=(p, p))
     check_array(func, "d", d, shape=(q, q))
     check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}]")
+    check_namespace_has(func, "a", a, "linalg.eigh", "an eigendecomposition")
     with errors_named(func):
         return _kron_difference_inverse(xp, a, b, c, d, x)
 
@@ -156,6 +158,7 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
         if i < n - 1:
             check_array(func, f"a_off[{i}]", a_off[i], shape=(p, a_diag[i + 1].shape[0]))
             check_array(func, f"g_off[{i}]", g_off[i], shape=(q, g_diag[i + 1].shape[0]))
+    check_namespace_has(func, "a_diag[0]", a_diag[0], "linalg.eigh", "an eigendecomposition")
     with errors_named(func):
         return _block_tridiagonal_multiply_inverse(xp, a_diag, g_diag, a_off, g_off, xs,
                                                    damping)
