@@ -196,13 +196,13 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},
     "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor": {"dask": "yes"},
     "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
     "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
     "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
     "kfac_ref.losses.AutodiffLoss": {b: ("no", "differentiated by the outputs' own library: "
                                          "pass torch tensors or JAX arrays")
-                                     for b in ("numpy", "array_api_strict", "cupy")},
+                                     for b in ("numpy", "array_api_strict", "cupy", "dask")},
     "kfac_ref.curvature.exact.ggn_vector_product": {"jit": "yes"},
     "kfac_ref.curvature.exact.fisher_vector_product": {"jit": "yes"},
     "kfac_ref.curvature.exact.ggn_matrix": {"jit": "yes"},

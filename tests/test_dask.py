@@ -325,6 +325,25 @@ _BLOCK_CALLS = {
                                                f(_Q_B), f(_EV_B), 3, f(_V32)),
 }
 DASK_CALLS.update(_BLOCK_CALLS)
+_LABELS = np.eye(3)[_W.integers(0, 3, 10)]
+_VAR = _W.uniform(0.5, 1.5, (10, 3))
+
+
+def _loss_quantities(loss):
+    """What a K-FAC step reads from a loss: value, gradient, the Fisher and its factor
+    applied to the replicated one-hot vectors, and a sample."""
+    return [loss.evaluate(), loss.grad_of_evaluate(), loss.fisher_matrix(),
+            [loss.multiply_fisher_factor_replicated_one_hot([k])
+             for k in range(loss.fisher_factor_inner_shape[-1])],
+            loss.sample(np.random.default_rng(3))]
+
+
+DASK_CALLS.update({
+    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": lambda f: _loss_quantities(
+        losses.OneHotCategoricalLogitsNegativeLogProbLoss(f(_G), f(_LABELS))),
+    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": lambda f: _loss_quantities(
+        losses.NormalMeanVarianceNegativeLogProbLoss(f(_G), f(_VAR), f(_G[::-1]))),
+})
 # a host-side answer from the array's metadata (a Python int), compared as such
 DASK_CALLS["kfac_ref.patches.temporary_bytes_bound"] = lambda f: patches.temporary_bytes_bound(
     f(_IMG))
@@ -347,6 +366,9 @@ DASK_REFUSED = {
         factors.series_option1_quantities(f(_B), f(_C), 0.1)),
     "kfac_ref.factors.series.series_option2_quantities": ("linalg.eigh", lambda f:
         factors.series_option2_quantities(f(_B), f(_C), 0.1)),
+    # differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
+    "kfac_ref.losses.AutodiffLoss": (None, lambda f: losses.AutodiffLoss(
+        f(_G), loss=lambda o, t: (o * o).sum())),
     "kfac_ref.blocks.full_block_matpower": ("linalg.eigh", lambda f:
         blocks.full_block_matpower(f(_A), f(_X[0]), -0.5, 0.1)),
     "kfac_ref.blocks.kronecker_block_eigenvalues": ("linalg.eigh", lambda f:
@@ -467,6 +489,14 @@ def test_dask_refused_before_computing(name):
     from kfac_ref import KFACTypeError
 
     missing, call = DASK_REFUSED[name]
+    if missing is None:  # refused on NumPy too: the declared reason
+        from kfac_ref.capabilities import support_table
+
+        reason = support_table()[name].reasons["dask"]
+        with pytest.raises(KFACTypeError, match=f"^{_short(name)}: .*must be"):
+            call(_dask)
+        assert reason == support_table()[name].reasons["numpy"]
+        return
     call(np.asarray)  # the same call works on NumPy
     with pytest.raises(KFACTypeError, match=(
             f"^{_short(name)}: [\\w\\[\\]]+ must be an array whose namespace has {missing} .*"
