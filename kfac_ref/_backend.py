@@ -70,6 +70,7 @@ __all__ = [
     "any_true",
     "check_eager",
     "check_namespace_has",
+    "optional_linalg",
     "kernel_of",
     "kernel_error",
     "errors_named",
@@ -126,10 +127,10 @@ def errors_named(func: str) -> Iterator[None]:
     function or method the user called (other errors pass unchanged)."""
     try:
         yield
-    except KFACValueError as exc:
+    except (KFACValueError, KFACTypeError) as exc:
         if not getattr(exc, "unnamed", False):
             raise
-        raise KFACValueError(f"{func}: {exc}") from None
+        raise type(exc)(f"{func}: {exc}") from None
 
 
 def _fail(func: str, name: str, expected: str, got: str, kind: type = KFACValueError):
@@ -392,6 +393,26 @@ def check_namespace_has(func: str, name: str, x: Any, needs: str, why: str) -> N
     if missing:
         _fail(func, name, f"an array whose namespace has {needs} ({why})",
               f"{describe(x)} of {_namespace_name(xp)}, which has no {needs}", KFACTypeError)
+
+
+def optional_linalg(xp: Any, name: str) -> Callable:
+    """``xp.linalg.<name>`` of a function that a namespace may lack (an optional extension
+    of the standard: ``eigh``, ``eigvalsh``, ``slogdet``), for a kernel.
+
+    Public functions reject such a namespace at their boundary
+    (:func:`check_namespace_has`); this is the guard of the paths that reach a kernel
+    without that check: a :class:`KFACTypeError` that says what is missing, worded like a
+    :func:`kernel_error` (the public boundary's :func:`errors_named` puts the function's name
+    in front), never the namespace's ``AttributeError``."""
+    fn = getattr(getattr(xp, "linalg", None), name, None)
+    if fn is None:
+        exc = KFACTypeError(
+            f"the array namespace {_namespace_name(xp)} has no linalg.{name}, which this "
+            f"computation needs; pass arrays of a library that has it (NumPy, PyTorch, JAX, "
+            f"CuPy).")
+        exc.unnamed = True
+        raise exc
+    return fn
 
 
 def kernel_of(public: Callable) -> Callable[[Callable], Callable]:

@@ -86,6 +86,7 @@ from ._backend import (
     kernel_of,
     namespace_of,
     ones_like_shape,
+    optional_linalg,
     size_of,
 )
 from .losses import LossFunction
@@ -269,7 +270,7 @@ def _group_logdet(xp, structure, block, s, delta):
     elif structure == "diagonal":
         ev = xp.reshape(block, (-1,))
     else:  # a full block: no clipping, P must be positive definite as the evidence needs
-        ev = xp.linalg.eigvalsh(block)
+        ev = optional_linalg(xp, "eigvalsh")(block)
     lam = s * ev + delta
     return xp.sum(xp.log(lam)), xp.sum(1.0 / lam)
 

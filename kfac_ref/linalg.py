@@ -114,6 +114,7 @@ from ._backend import (
     lower_triangular_inverse,
     namespace_of,
     ones_like_shape,
+    optional_linalg,
 )
 
 __all__ = [
@@ -290,7 +291,7 @@ def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
 def _clipped_eigh(xp, matrix, threshold=0.0):
     # Symmetrise before eigh: backends read different triangles, and the input is only
     # symmetric up to rounding.
-    s, q = xp.linalg.eigh((matrix + matrix.T) / 2.0)
+    s, q = optional_linalg(xp, "eigh")((matrix + matrix.T) / 2.0)
     return xp.clip(s, min=threshold), q
 
 
@@ -673,7 +674,7 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
     if norm_type == "2_norm":
         if matrix.ndim == 1:
             return xp.max(xp.abs(matrix))
-        return xp.max(xp.abs(xp.linalg.eigvalsh((matrix + matrix.T) / 2.0)))
+        return xp.max(xp.abs(optional_linalg(xp, "eigvalsh")((matrix + matrix.T) / 2.0)))
     n = matrix.shape[0]
     if norm_type == "avg_diag":  # only the diagonal is read: scale it by its own max
         diag = matrix if matrix.ndim == 1 else xp.linalg.diagonal(matrix)

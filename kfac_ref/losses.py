@@ -94,6 +94,7 @@ from ._backend import (
     eye_like,
     is_array,
     namespace_of,
+    optional_linalg,
     size_of,
 )
 from ._random import check_random_source, draw_noise
@@ -1891,7 +1892,7 @@ def _psd_sqrt(xp, h):
     r""":math:`B = V\sqrt{\max(\Lambda, 0)}` for :math:`H = V\Lambda V^\top` ``[N, D, D]``;
     a clearly negative eigenvalue (beyond rounding) is an error: the GGN needs a loss convex
     in the output."""
-    lam, v = xp.linalg.eigh(h)
+    lam, v = optional_linalg(xp, "eigh")(h)
     if checks_values(h):
         eps = float(xp.finfo(h.dtype).eps)
         scale = xp.max(xp.abs(lam), axis=-1, keepdims=True)

@@ -39,6 +39,7 @@ from ._backend import (
     eye_like,
     host_draw,
     namespace_of,
+    optional_linalg,
 )
 from .blocks.kfac_jax import (
     BlockState,
@@ -374,7 +375,7 @@ class CurvatureOperator:
         if not self._symmetric:
             raise KFACValueError("CurvatureOperator.eigenvalues: the operator must be "
                                  "symmetric for its eigenvalues; got symmetric=False.")
-        return xp.linalg.eigvalsh((dense + xp.matrix_transpose(dense)) / 2.0)
+        return optional_linalg(xp, "eigvalsh")((dense + xp.matrix_transpose(dense)) / 2.0)
 
     def _part_eigenvalues(self, p):
         xp, block, state = self._xp, p.block, p.state
@@ -478,7 +479,7 @@ class CurvatureOperator:
         if self._parts is None:
             dense = self.to_dense()
             if not self._symmetric:
-                return tuple(xp.linalg.slogdet(dense))
+                return tuple(optional_linalg(xp, "slogdet")(dense))
             return slogdet_of_eigenvalues(xp, self._dense_eigenvalues(dense))
         sign = logabs = None
         for p in self._parts:

@@ -606,3 +606,34 @@ def test_dask_kronecker_block_eigen_paths_refused(missing):
         with pytest.raises(KFACTypeError, match=f"^kronecker_block_matpower: a must be an "
                            f"array whose namespace has {missing} .*which has no {missing}"):
             call(_dask)
+
+
+def test_no_kernel_calls_an_optional_linalg_function_directly():
+    """Every call of an optional linear-algebra function (one a namespace may lack: Dask's
+    has no eigh, eigvalsh, slogdet) goes through _backend.optional_linalg, so a path the
+    boundary checks did not cover raises kfac_ref's error, not an AttributeError."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(K.__file__).parent
+    direct = re.compile(r"\.linalg\.(eigh|eigvalsh|slogdet|det|pinv)\(")
+    found = [f"{p.relative_to(root)}:{i}" for p in sorted(root.rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if direct.search(line) and "numpy.linalg" not in line and "np.linalg" not in line]
+    assert not found, f"direct calls of optional linalg functions: {found}"
+
+
+def test_an_unchecked_path_to_eigh_raises_kfac_error_on_dask():
+    """The kernel guard, reached without a boundary check (a kernel called directly), gives
+    kfac_ref's error naming what is missing; under errors_named the public name is put in
+    front."""
+    from kfac_ref import KFACTypeError
+    from kfac_ref._backend import errors_named
+
+    x = _dask(_A)
+    xp = array_namespace(x)
+    with pytest.raises(KFACTypeError, match="^the array namespace .*dask.* has no linalg.eigh"):
+        K.clipped_eigh.kernel(xp, x)
+    with pytest.raises(KFACTypeError, match="^some_function: the array namespace .*has no "
+                       "linalg.eigvalsh"), errors_named("some_function"):
+        K.factor_norm.kernel(xp, x, "2_norm")

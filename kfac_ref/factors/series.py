@@ -29,6 +29,7 @@ from .._backend import (
     errors_named,
     kernel_of,
     namespace_of,
+    optional_linalg,
 )
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_matpower
@@ -205,7 +206,7 @@ def _series_option1_quantities(xp, cov, cov_dt1, damping, eig_method="self_adjoi
     if eig_method == "svd":
         u, psi, _ = xp.linalg.svd(hpsi)
     else:
-        psi, u = xp.linalg.eigh((hpsi + hpsi.T) / 2.0)
+        psi, u = optional_linalg(xp, "eigh")((hpsi + hpsi.T) / 2.0)
         if eig_method == "self_adjoint":
             psi = xp.abs(psi)
     return inv_sqrt @ u, psi

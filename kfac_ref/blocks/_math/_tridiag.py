@@ -14,6 +14,7 @@ from ..._backend import (
     eye_like,
     kernel_error,
     namespace_of,
+    optional_linalg,
     size_of,
 )
 from ...linalg import (
@@ -72,8 +73,8 @@ def _kron_difference_inverse(xp, a, b, c, d, x):
             raise kernel_error(f"{name} must be positive definite; its inverse square root "
                                "does not exist.") from None
         m = r @ small @ r
-        s, e = xp.linalg.eigh((m + xp.matrix_transpose(m)) / 2.0)  # no clipping: C may be
-        # indefinite in general (Appendix B needs only symmetry)
+        # no clipping: C may be indefinite in general (Appendix B needs only symmetry)
+        s, e = optional_linalg(xp, "eigh")((m + xp.matrix_transpose(m)) / 2.0)
         ks.append(r @ e)
         ss.append(s)
     denom = 1.0 - ss[0][:, None] * ss[1][None, :]
