@@ -184,7 +184,9 @@ _DECLARED: dict[str, dict] = {
         "blocks.scaled_identity_matpower", "blocks.series_gamma",
         "blocks.series_option1_multiply_inverse", "blocks.series_option2_multiply_inverse",
         # the factored p = 1 and Cholesky inverse; the eigen paths raise (no linalg.eigh)
-        "blocks.kronecker_block_matpower")},
+        "blocks.kronecker_block_matpower", "losses.CustomLoss",
+        "losses.CustomNegativeLogProbLoss", "losses.LossFunction", "losses.NegativeLogProbLoss",
+        "losses.NaturalParamsNegativeLogProbLoss")},
     **{f"kfac_ref.{name}": {"dask": _NO_EIGH} for name in (
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
         "spectral.kron_slogdet", "factors.series.series_option1_quantities",

@@ -54,6 +54,7 @@ def test_declarations_are_what_is_exercised():
 
     declared = {n for n, s in capabilities.support_table().items() if s.state("dask") == "yes"}
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
+    classes |= {f"kfac_ref.losses.{c}" for c in _LOSS_BASES}
     assert declared == DASK_EXERCISED | set(DASK_CALLS) | classes
 
 
@@ -344,6 +345,49 @@ DASK_CALLS.update({
     "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": lambda f: _loss_quantities(
         losses.NormalMeanVarianceNegativeLogProbLoss(f(_G), f(_VAR), f(_G[::-1]))),
 })
+
+
+def _huber_parts():
+    """A Huber loss (δ = 0.5) by its value, gradient and Hessian square root."""
+    def value(f, y):
+        xp, r = array_namespace(f), f - y
+        a = xp.abs(r)
+        return xp.sum(xp.where(a <= 0.5, 0.5 * r * r, 0.5 * (a - 0.25)), axis=-1)
+
+    def gradient(f, y):
+        return array_namespace(f).clip(f - y, min=-0.5, max=0.5)
+
+    def hessian_sqrt(f, y):
+        xp = array_namespace(f)
+        inside = xp.astype(xp.abs(f - y) <= 0.5, f.dtype)
+        return inside[:, :, None] * xp.eye(f.shape[1], dtype=f.dtype)[None, :, :]
+
+    return {"value": value, "gradient": gradient, "hessian_sqrt": hessian_sqrt}
+
+
+def _custom_nll(f, y):
+    """The unit-variance normal negative log-likelihood as a CustomNegativeLogProbLoss."""
+    xp = array_namespace(f)
+    return losses.CustomNegativeLogProbLoss(
+        f, y, value=lambda o, t: xp.sum((o - t) ** 2, axis=-1) / 2.0,
+        gradient=lambda o, t: o - t,
+        hessian_sqrt=lambda o, t: xp.ones((o.shape[0], 1, 1), dtype=o.dtype) * xp.eye(
+            o.shape[1], dtype=o.dtype),
+        sample=lambda o, rng: o + xp.asarray(rng.standard_normal(tuple(o.shape)),
+                                             dtype=o.dtype))
+
+
+DASK_CALLS.update({
+    "kfac_ref.losses.CustomLoss": lambda f: (lambda loss: [
+        loss.evaluate(), loss.grad_of_evaluate(), loss.ggn_matrix(),
+        [loss.multiply_ggn_factor_replicated_one_hot([k]) for k in range(3)]])(
+        losses.CustomLoss(f(_G), f(_G[::-1] * 0.3), **_huber_parts())),
+    "kfac_ref.losses.CustomNegativeLogProbLoss": lambda f: _loss_quantities(
+        _custom_nll(f(_G), f(_G[::-1]))),
+})
+# the base classes' machinery runs in every loss above
+_LOSS_BASES = ("LossFunction", "NegativeLogProbLoss", "NaturalParamsNegativeLogProbLoss")
+
 # a host-side answer from the array's metadata (a Python int), compared as such
 DASK_CALLS["kfac_ref.patches.temporary_bytes_bound"] = lambda f: patches.temporary_bytes_bound(
     f(_IMG))
@@ -393,6 +437,7 @@ _KRON_BLOCK_REFUSED = {
 # Modules whose "dask" column is complete: no entry of theirs is left "untested".
 DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.",
                "kfac_ref.averaging.", "kfac_ref.patches.", "kfac_ref.conv_geometry.",
+               "kfac_ref.losses.",
                *(f"kfac_ref.blocks.{name}" for name in blocks.__all__ if name[0].islower()))
 
 # The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
