@@ -136,23 +136,60 @@ _ARRAY_FREE = (
     "kfac_ref.patches.num_subsampled_patches",
 )
 
-# Dask's array API namespace has no linalg.eigh: these raise KFACTypeError at the call
-_NO_EIGH = ("no", "eigendecompositions: the namespace of a Dask array has no linalg.eigh")
-
 _DECLARED: dict[str, dict] = {
     **{name: {b: "n/a" for b in EAGER_BACKENDS} for name in _ARRAY_FREE},
     "kfac_ref.linalg.compute_cov": {"jit": "yes", "vmap": "yes", "dask": "yes"},
-    "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes", "dask": "yes"},
-    "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes", "dask": "yes"},
-    "kfac_ref.linalg.kron_matmat": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.linalg.damped_matpower": {"jit": "yes", "dask": _NO_EIGH},
-    "kfac_ref.linalg.damped_inverse": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.linalg.pi_tracenorm": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.linalg.pi_adjusted_damping": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.linalg.factor_norm": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes", "dask": _NO_EIGH},
-    # Dask: the linalg, spectral and factors modules are walked by tests/test_dask.py
-    **{f"kfac_ref.{name}": {"dask": "yes"} for name in (
+    "kfac_ref.linalg.append_homog": {"jit": "yes", "vmap": "yes"},
+    "kfac_ref.linalg.kron_matvec": {"jit": "yes", "vmap": "yes"},
+    "kfac_ref.linalg.kron_matmat": {"jit": "yes"},
+    "kfac_ref.linalg.damped_matpower": {"jit": "yes"},
+    "kfac_ref.linalg.damped_inverse": {"jit": "yes"},
+    "kfac_ref.linalg.pi_tracenorm": {"jit": "yes"},
+    "kfac_ref.linalg.pi_adjusted_damping": {"jit": "yes"},
+    "kfac_ref.linalg.factor_norm": {"jit": "yes"},
+    "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes"},
+    "kfac_ref.averaging.weighted_accumulate": {"jit": "yes"},
+    "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": {"jit": "yes"},
+    "kfac_ref.losses.AutodiffLoss": {b: ("no", "differentiated by the outputs' own library: "
+                                         "pass torch tensors or JAX arrays")
+                                     for b in ("numpy", "array_api_strict", "cupy")},
+    "kfac_ref.curvature.exact.ggn_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.fisher_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.ggn_matrix": {"jit": "yes"},
+    "kfac_ref.curvature.exact.fisher_factor_transpose_product": {"jit": "yes"},
+    "kfac_ref.curvature.exact.hessian_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.report.relative_frobenius_error": {"jit": "yes"},
+    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
+        "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
+        "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
+    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
+        "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")},
+    # states cross the jit boundary (JAX pytrees): tests/test_jit_states.py
+    "kfac_ref.blocks.kfac_jax.BlockState": {"jit": "yes"},
+    "kfac_ref.curvature.estimators.BlockDiagonalCurvature": {"jit": "yes"},
+    "kfac_ref.curvature.estimators.ExplicitExactCurvature": {"jit": "yes"},
+    "kfac_ref.curvature.report.approximation_report": {
+        "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
+}
+
+# The "dask" column (tests/test_dask.py walks it: each "yes" against NumPy, each "no" raising
+# at the call), merged into the declarations above.  Dask's array API namespace has no
+# linalg.eigh: what needs an eigendecomposition raises KFACTypeError naming it.
+_NO_EIGH = ("no", "eigendecompositions: the namespace of a Dask array has no linalg.eigh")
+_DASK: dict[str, object] = {
+    **{f"kfac_ref.{name}": "yes" for name in (
+        "linalg.append_homog", "linalg.kron_matvec", "linalg.kron_matmat",
+        "linalg.damped_inverse", "linalg.pi_tracenorm", "linalg.pi_adjusted_damping",
+        "linalg.factor_norm", "averaging.weighted_accumulate",
+        "losses.OneHotCategoricalLogitsNegativeLogProbLoss",
+        "losses.NormalMeanVarianceNegativeLogProbLoss",
         "linalg.damped_cholesky", "linalg.damped_cholesky_inverse", "linalg.kron",
         "linalg.kron_eigenbasis_matpower", "spectral.kron_trace", "spectral.hutchinson_trace",
         "spectral.hutchpp_trace", "factors.dense.fully_connected_diagonal_factor",
@@ -186,43 +223,28 @@ _DECLARED: dict[str, dict] = {
         # the factored p = 1 and Cholesky inverse; the eigen paths raise (no linalg.eigh)
         "blocks.kronecker_block_matpower", "losses.CustomLoss",
         "losses.CustomNegativeLogProbLoss", "losses.LossFunction", "losses.NegativeLogProbLoss",
-        "losses.NaturalParamsNegativeLogProbLoss")},
-    **{f"kfac_ref.{name}": {"dask": _NO_EIGH} for name in (
+        "losses.NaturalParamsNegativeLogProbLoss",
+        # kfac-jax blocks: products and factored inverses; exact inverses and eigenvalues
+        # raise (no linalg.eigh)
+        *(f"blocks.kfac_jax.{b}" for b in (
+            "ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
+            "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
+            "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")))},
+    **{f"kfac_ref.{name}": _NO_EIGH for name in (
+        "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
         "spectral.kron_slogdet", "factors.series.series_option1_quantities",
         "factors.series.series_option2_quantities", "blocks.full_block_matpower",
         "blocks.kronecker_block_eigenvalues", "blocks.kronecker_difference_inverse",
-        "blocks.block_tridiagonal_multiply_inverse")},
-    "kfac_ref.averaging.weighted_accumulate": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},
-    "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor": {"dask": "yes"},
-    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.losses.AutodiffLoss": {b: ("no", "differentiated by the outputs' own library: "
-                                         "pass torch tensors or JAX arrays")
-                                     for b in ("numpy", "array_api_strict", "cupy", "dask")},
-    "kfac_ref.curvature.exact.ggn_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.fisher_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.ggn_matrix": {"jit": "yes"},
-    "kfac_ref.curvature.exact.fisher_factor_transpose_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.hessian_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.report.relative_frobenius_error": {"jit": "yes"},
-    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
-        "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
-        "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
-    **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
-        "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")},
-    # states cross the jit boundary (JAX pytrees): tests/test_jit_states.py
-    "kfac_ref.blocks.kfac_jax.BlockState": {"jit": "yes"},
-    "kfac_ref.curvature.estimators.BlockDiagonalCurvature": {"jit": "yes"},
-    "kfac_ref.curvature.estimators.ExplicitExactCurvature": {"jit": "yes"},
-    "kfac_ref.curvature.report.approximation_report": {
-        "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
+        "blocks.block_tridiagonal_multiply_inverse",
+        # a full block's every inverse and its eigenvalues take an eigendecomposition
+        *(f"blocks.kfac_jax.{b}" for b in (
+            "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")))},
+    "kfac_ref.losses.AutodiffLoss": ("no", "differentiated by the outputs' own library: "
+                                     "pass torch tensors or JAX arrays"),
 }
+for _name, _state in _DASK.items():
+    _DECLARED[_name] = {**_DECLARED.get(_name, {}), "dask": _state}
 
 
 def _public_modules():

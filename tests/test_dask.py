@@ -55,6 +55,7 @@ def test_declarations_are_what_is_exercised():
     declared = {n for n, s in capabilities.support_table().items() if s.state("dask") == "yes"}
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
     classes |= {f"kfac_ref.losses.{c}" for c in _LOSS_BASES}
+    classes |= {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_BLOCKS if b not in _KJ_FULL}
     assert declared == DASK_EXERCISED | set(DASK_CALLS) | classes
 
 
@@ -505,7 +506,7 @@ def test_the_walked_modules_have_no_untested_dask_entry():
     left = sorted(n for n in walked if table[n].state("dask") == "untested")
     assert not left, f"'untested' Dask entries in {DASK_WALKED}: {left}"
     refused = {n for n, s in table.items() if s.state("dask") == "no"}
-    assert refused == set(DASK_REFUSED)
+    assert refused == set(DASK_REFUSED) | {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_FULL}
 
 
 @pytest.mark.parametrize("name", sorted(DASK_CALLS))
@@ -682,3 +683,62 @@ def test_an_unchecked_path_to_eigh_raises_kfac_error_on_dask():
     with pytest.raises(KFACTypeError, match="^some_function: the array namespace .*has no "
                        "linalg.eigvalsh"), errors_named("some_function"):
         K.factor_norm.kernel(xp, x, "2_norm")
+
+
+# kfac-jax's curvature blocks on Dask statistics, built as tests/test_blocks_kfac_jax.py
+# builds them: products and the factored (Cholesky) inverse run; what needs an
+# eigendecomposition (exact inverses, eigenvalues, every inverse of a full block) raises.
+_KJ_FULL = ("NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")
+_KJ_BLOCKS = ("ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
+              "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
+              "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD", *_KJ_FULL)
+_KJ_EIGEN_FREE = {"ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
+                  "ScaleAndShiftDiagonal"}
+
+
+class _DaskCell:
+    """The ``asarray`` the block tests' builders call, making Dask arrays."""
+
+    asarray = staticmethod(_dask)
+
+
+def _kj_products(name, cell):
+    import test_blocks_kfac_jax as shared
+
+    block, state, _, _ = shared.make_state(cell, np.random.default_rng(0), name)
+    vec = tuple(cell.asarray(np.random.default_rng(1).standard_normal(s))
+                for s in block.parameters_shapes)
+    calls = {
+        "multiply": lambda: block.multiply(state, vec, 0.1, exact_power=False,
+                                           use_cached=False),
+        "multiply_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=False,
+                                                           use_cached=False),
+        "exact_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=True,
+                                                        use_cached=False),
+        "eigenvalues": lambda: block.eigenvalues(state),
+        "to_dense_matrix": lambda: block.to_dense_matrix(state),
+    }
+    return {k: c for k, c in calls.items()}
+
+
+@pytest.mark.parametrize("name", _KJ_BLOCKS)
+def test_dask_kfac_jax_block_agrees_with_numpy_or_refuses(name):
+    """Each product of a block updated with Dask statistics either agrees with the same
+    block on NumPy, or — where it needs an eigendecomposition — raises kfac_ref's error
+    naming the method and linalg.eigh at the call."""
+    from kfac_ref import KFACTypeError
+
+    eager = {k: c() for k, c in _kj_products(name, np).items()}
+    eigen = {"exact_inverse", "eigenvalues"} | (
+        {"multiply_inverse"} if name in _KJ_FULL else set())
+    for what, call in _kj_products(name, _DaskCell).items():
+        if what in eigen and name not in _KJ_EIGEN_FREE:
+            method = "multiply_inverse" if what == "exact_inverse" else what
+            with pytest.raises(KFACTypeError, match=f"^{name}.{method}: the array namespace "
+                               ".*dask.* has no linalg.eigh"):
+                call()
+            continue
+        got = _flat(call())
+        assert all(isinstance(g, da.Array) for g in got), (what, [type(g) for g in got])
+        for g, e in zip(dask.compute(*got, scheduler="sync"), _flat(eager[what]), strict=True):
+            _close(np.asarray(g), np.asarray(e, dtype=np.float64))
