@@ -229,7 +229,8 @@ _DASK: dict[str, object] = {
         *(f"blocks.kfac_jax.{b}" for b in (
             "ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
             "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
-            "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")))},
+            "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD",
+            "nearest_kronecker_factors", "tnt_scale")))},
     **{f"kfac_ref.{name}": _NO_EIGH for name in (
         "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",

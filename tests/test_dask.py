@@ -28,6 +28,7 @@ from kfac_ref import (
     patches,
     spectral,
 )
+from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.conv_geometry import ConvGeometry
 
 da = pytest.importorskip("dask.array")
@@ -385,6 +386,11 @@ DASK_CALLS.update({
         losses.CustomLoss(f(_G), f(_G[::-1] * 0.3), **_huber_parts())),
     "kfac_ref.losses.CustomNegativeLogProbLoss": lambda f: _loss_quantities(
         _custom_nll(f(_G), f(_G[::-1]))),
+})
+DASK_CALLS.update({
+    "kfac_ref.blocks.kfac_jax.nearest_kronecker_factors": lambda f:
+        kj.nearest_kronecker_factors(f(_X), f(_G)),
+    "kfac_ref.blocks.kfac_jax.tnt_scale": lambda f: kj.tnt_scale(f(_A), f(_B)),
 })
 # the base classes' machinery runs in every loss above
 _LOSS_BASES = ("LossFunction", "NegativeLogProbLoss", "NaturalParamsNegativeLogProbLoss")
