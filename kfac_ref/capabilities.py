@@ -230,7 +230,12 @@ _DASK: dict[str, object] = {
             "ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
             "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
             "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD",
-            "nearest_kronecker_factors", "tnt_scale")))},
+            "nearest_kronecker_factors", "tnt_scale")),
+        # TF blocks: products, inverses, Cholesky products; another power raises
+        *(f"blocks.tf.{b}" for b in (
+            "FullyConnectedKFACBasicFB", "FullyConnectedMultiIndepFB", "ConvKFCBasicFB",
+            "ConvKFCBasicMultiIndepFB", "EmbeddingKFACFB", "FullyConnectedDiagonalFB",
+            "NaiveDiagonalFB")))},
     **{f"kfac_ref.{name}": _NO_EIGH for name in (
         "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
@@ -240,7 +245,7 @@ _DASK: dict[str, object] = {
         "blocks.block_tridiagonal_multiply_inverse",
         # a full block's every inverse and its eigenvalues take an eigendecomposition
         *(f"blocks.kfac_jax.{b}" for b in (
-            "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")))},
+            "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")), "blocks.tf.FullFB")},
     "kfac_ref.losses.AutodiffLoss": ("no", "differentiated by the outputs' own library: "
                                      "pass torch tensors or JAX arrays"),
 }

@@ -57,6 +57,8 @@ def test_declarations_are_what_is_exercised():
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
     classes |= {f"kfac_ref.losses.{c}" for c in _LOSS_BASES}
     classes |= {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_BLOCKS if b not in _KJ_FULL}
+    classes |= {f"kfac_ref.blocks.tf.{b}" for b in _TF_BLOCKS
+                if b != "FullFB" and not b.endswith("-diag-input")}
     assert declared == DASK_EXERCISED | set(DASK_CALLS) | classes
 
 
@@ -512,7 +514,8 @@ def test_the_walked_modules_have_no_untested_dask_entry():
     left = sorted(n for n in walked if table[n].state("dask") == "untested")
     assert not left, f"'untested' Dask entries in {DASK_WALKED}: {left}"
     refused = {n for n, s in table.items() if s.state("dask") == "no"}
-    assert refused == set(DASK_REFUSED) | {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_FULL}
+    assert refused == set(DASK_REFUSED) | {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_FULL} | {
+        "kfac_ref.blocks.tf.FullFB"}
 
 
 @pytest.mark.parametrize("name", sorted(DASK_CALLS))
@@ -747,4 +750,83 @@ def test_dask_kfac_jax_block_agrees_with_numpy_or_refuses(name):
         got = _flat(call())
         assert all(isinstance(g, da.Array) for g in got), (what, [type(g) for g in got])
         for g, e in zip(dask.compute(*got, scheduler="sync"), _flat(eager[what]), strict=True):
+            _close(np.asarray(g), np.asarray(e, dtype=np.float64))
+
+
+# TF K-FAC's Fisher blocks on Dask factors, built as tests/test_blocks_tf.py builds them:
+# products, inverses and Cholesky products agree with NumPy; another power raises.
+def _tf_products(block, vec):
+    return {"full_fisher_block": lambda: block.full_fisher_block(),
+            "multiply": lambda: block.multiply(vec),
+            "multiply_inverse": lambda: block.multiply_inverse(vec),
+            "multiply_cholesky": lambda: block.multiply_cholesky(vec),
+            "multiply_cholesky_inverse": lambda: block.multiply_cholesky_inverse(vec),
+            "multiply_matpower": lambda: block.multiply_matpower(vec, -0.5)}
+
+
+class _HostCell:
+    """The ``asarray``/``round_host`` the TF block tests' builders call (NumPy)."""
+
+    asarray = staticmethod(np.asarray)
+
+    @staticmethod
+    def round_host(host):
+        return np.asarray(host, dtype=np.float64)
+
+
+class _DaskTFCell(_HostCell):
+    asarray = staticmethod(_dask)
+
+
+def _tf_blocks(cell):
+    import test_blocks_tf as shared
+    from conftest import random_spd
+
+    from kfac_ref.blocks import tf
+
+    out = {}
+    for name, ctor, a, g, kshape, bias, _, _ in shared.kron_cases(np.random.default_rng(0)):
+        vec, _ = shared.make_vector(cell, np.random.default_rng(5), kshape, bias)
+        out[name] = (ctor(cell.asarray(a), cell.asarray(g), 0.3), vec)
+    rng = np.random.default_rng(1)  # the same draws for both cells
+    d = rng.uniform(0.5, 2.0, (4, 3))
+    vec = (cell.asarray(rng.standard_normal((3, 3))), cell.asarray(rng.standard_normal(3)))
+    out["FullyConnectedDiagonalFB"] = (tf.FullyConnectedDiagonalFB(cell.asarray(d), 0.3,
+                                                                   has_bias=True), vec)
+    out["NaiveDiagonalFB"] = (tf.NaiveDiagonalFB(cell.asarray(d.reshape(-1)), 0.3,
+                                                 [(3, 3), (3,)]), vec)
+    out["FullFB"] = (tf.FullFB(cell.asarray(random_spd(rng, 12, 0.5, 2.0)), 0.3,
+                               [(3, 3), (3,)]), vec)
+    return out
+
+
+_TF_BLOCKS = ("FullyConnectedKFACBasicFB", "FullyConnectedKFACBasicFB-diag-input",
+              "FullyConnectedMultiIndepFB", "ConvKFCBasicFB", "ConvKFCBasicMultiIndepFB",
+              "EmbeddingKFACFB", "FullyConnectedDiagonalFB", "NaiveDiagonalFB", "FullFB")
+_TF_DIAGONAL = {"FullyConnectedDiagonalFB", "NaiveDiagonalFB"}
+
+
+@pytest.mark.parametrize("name", _TF_BLOCKS)
+def test_dask_tf_block_agrees_with_numpy_or_refuses(name):
+    """A TF Fisher block of Dask factors: every product agrees with the same block on NumPy,
+    except those that need an eigendecomposition (a power other than ±1; every inverse of a
+    full block), which raise kfac_ref's error naming linalg.eigh."""
+    from kfac_ref import KFACTypeError
+
+    eager_block, eager_vec = _tf_blocks(_HostCell)[name]
+    lazy_block, lazy_vec = _tf_blocks(_DaskTFCell)[name]
+    eager = _tf_products(eager_block, eager_vec)
+    eigen = set() if name in _TF_DIAGONAL else {"multiply_matpower"} | (
+        {"multiply_inverse"} if name == "FullFB" else set())
+    for what, call in _tf_products(lazy_block, lazy_vec).items():
+        if what in eigen:
+            with pytest.raises(KFACTypeError, match=f"^{lazy_block.__class__.__name__}"
+                               r"\.multiply_\w+: the array namespace .*dask.* has no "
+                               "linalg.eigh"):
+                call()
+            continue
+        got = _flat(call())
+        assert all(isinstance(g, da.Array) for g in got), (what, [type(g) for g in got])
+        for g, e in zip(dask.compute(*got, scheduler="sync"), _flat(eager[what]()),
+                        strict=True):
             _close(np.asarray(g), np.asarray(e, dtype=np.float64))
