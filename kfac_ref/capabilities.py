@@ -235,7 +235,7 @@ _DASK: dict[str, object] = {
         *(f"blocks.tf.{b}" for b in (
             "FullyConnectedKFACBasicFB", "FullyConnectedMultiIndepFB", "ConvKFCBasicFB",
             "ConvKFCBasicMultiIndepFB", "EmbeddingKFACFB", "FullyConnectedDiagonalFB",
-            "NaiveDiagonalFB")))},
+            "NaiveDiagonalFB", "compute_pi_tracenorm", "compute_pi_adjusted_damping")))},
     **{f"kfac_ref.{name}": _NO_EIGH for name in (
         "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",

@@ -393,6 +393,10 @@ DASK_CALLS.update({
     "kfac_ref.blocks.kfac_jax.nearest_kronecker_factors": lambda f:
         kj.nearest_kronecker_factors(f(_X), f(_G)),
     "kfac_ref.blocks.kfac_jax.tnt_scale": lambda f: kj.tnt_scale(f(_A), f(_B)),
+    "kfac_ref.blocks.tf.compute_pi_tracenorm": lambda f: blocks.tf.compute_pi_tracenorm(
+        f(_A), f(_B)),
+    "kfac_ref.blocks.tf.compute_pi_adjusted_damping": lambda f:
+        blocks.tf.compute_pi_adjusted_damping(f(_A), f(_B), 0.5),
 })
 # the base classes' machinery runs in every loss above
 _LOSS_BASES = ("LossFunction", "NegativeLogProbLoss", "NaturalParamsNegativeLogProbLoss")
