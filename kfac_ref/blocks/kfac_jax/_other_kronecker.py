@@ -210,8 +210,8 @@ class DenseTNT(_TNTScale, _StackedRows, DenseTwoKroneckerFactored):
 
         \begin{aligned}
         A &= \frac1N\sum_n \nabla W_n\nabla W_n^\top = \frac1N\sum_n\|g_n\|^2\,
-            \bar a_n\bar a_n^\top,\qquad
-        G = \frac1N\sum_n \nabla W_n^\top\nabla W_n = \frac1N\sum_n\|\bar a_n\|^2\,
+            \bar a_n\bar a_n^\top,\\
+        G &= \frac1N\sum_n \nabla W_n^\top\nabla W_n = \frac1N\sum_n\|\bar a_n\|^2\,
             g_n g_n^\top,\\
         B &= s\,A\otimes G,\qquad s = (\operatorname{tr}A\,\operatorname{tr}G)^{-1/2}
         \end{aligned}
