@@ -214,7 +214,8 @@ def build_cases() -> list[Case]:
             mag = abs(loglik / t) + 0.5 * sum(
                 d * sc + float(np.sum(np.abs(np.log(lam)))) + ng * abs(np.log(d))
                 for d, sc, lam, ng in zip(deltas, scatters, lams, sizes, strict=True))
-            scale = max(mag, 1.0)
+            # a magnitude: 4 significant digits, so that BLAS rounding cannot change it
+            scale = float(f"{max(mag, 1.0):.4g}")
             logdet_work = sum(ng * ng * k for ng, k in zip(sizes, kappas, strict=True))
             tol = Tolerance(
                 SAFETY * (n + logdet_work),
@@ -255,8 +256,9 @@ def build_cases() -> list[Case]:
                         dlog.append(float(np.sum(1.0 / lam)))
             else:
                 dlog = [float(np.sum(1.0 / lam)) for lam in lams]
-            gscale = 0.5 * sum(sc + dl + ng / d for sc, dl, ng, d in
-                               zip(scatters, dlog, sizes, deltas, strict=True))
+            gmag = 0.5 * sum(sc + dl + ng / d for sc, dl, ng, d in
+                             zip(scatters, dlog, sizes, deltas, strict=True))
+            gscale = float(f"{gmag:.4g}")
             gwork = max(ng * k for ng, k in zip(sizes, kappas, strict=True))
             gtol = Tolerance(
                 SAFETY * (n + gwork),

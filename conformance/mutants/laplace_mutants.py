@@ -61,47 +61,44 @@ class LaplaceUntemperedCurvature(_Mutant):
         return self._gradient(inputs, params, temperature=1.0)
 
 
-class LaplaceDampingDropped(_Mutant):
+class _StructureSwap(_Mutant):
+    """Evaluates one Kronecker structure as the other: ``SWAP = (given, used)``."""
+
+    SWAP: tuple = ()
+
+    def _structure(self, params):
+        given, used = self.SWAP
+        return used if params["structure"] == given else params["structure"]
+
+    @implements(_LML)
+    def laplace_lml(self, inputs, params):
+        return self._evidence(inputs, params, params["log_likelihood"],
+                              structure=self._structure(params))
+
+    @implements(_GRAD)
+    def laplace_grad(self, inputs, params):
+        return self._gradient(inputs, params, structure=self._structure(params))
+
+
+class LaplaceDampingDropped(_StructureSwap):
     name = "mutant_laplace_damping_dropped"
     pitfall = ("the factored (damped) Kronecker posterior evaluated as the exact one "
                "(a damping flag lost on the way)")
+    SWAP = ("kron_factored", "kron")
     EXPECTED = {_LML: "exact_instead_of_factored", _GRAD: "exact_instead_of_factored"}
     EXPECTED_CASES = {"laplace.*/kron_factored_*": "exact_instead_of_factored",
                       "laplace.*": "pass"}
 
-    def _structure(self, params):
-        return "kron" if params["structure"] == "kron_factored" else params["structure"]
 
-    @implements(_LML)
-    def laplace_lml(self, inputs, params):
-        return self._evidence(inputs, params, params["log_likelihood"],
-                              structure=self._structure(params))
-
-    @implements(_GRAD)
-    def laplace_grad(self, inputs, params):
-        return self._gradient(inputs, params, structure=self._structure(params))
-
-
-class LaplaceFactoredForExact(_Mutant):
+class LaplaceFactoredForExact(_StructureSwap):
     name = "mutant_laplace_factored_for_exact"
     pitfall = ("the exact Kronecker posterior s·A⊗G + δI evaluated as the factored one "
                "(√s A + √δ I)⊗(√s G + √δ I)")
+    SWAP = ("kron", "kron_factored")
     EXPECTED = {_LML: "factored_instead_of_exact", _GRAD: "factored_instead_of_exact"}
     EXPECTED_CASES = {"laplace.*/kron_shared_*": "factored_instead_of_exact",
                       "laplace.*/kron_per_group_*": "factored_instead_of_exact",
                       "laplace.*": "pass"}
-
-    def _structure(self, params):
-        return "kron_factored" if params["structure"] == "kron" else params["structure"]
-
-    @implements(_LML)
-    def laplace_lml(self, inputs, params):
-        return self._evidence(inputs, params, params["log_likelihood"],
-                              structure=self._structure(params))
-
-    @implements(_GRAD)
-    def laplace_grad(self, inputs, params):
-        return self._gradient(inputs, params, structure=self._structure(params))
 
 
 MUTANTS = [LaplaceUntemperedLogLikelihood, LaplaceUntemperedCurvature, LaplaceDampingDropped,
