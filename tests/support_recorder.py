@@ -62,7 +62,10 @@ def _wrap_function(dotted, fn):
         b = _first_backend(args, kwargs)
         if b is not None:
             CALLS.add((dotted, b))
-        return fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
+        # a factory of a function of arrays (a forward-pass tap): the product's calls are
+        # the factory's evidence, since the factory itself takes no arrays
+        return _wrap_function(dotted, out) if inspect.isfunction(out) else out
 
     return recorded
 

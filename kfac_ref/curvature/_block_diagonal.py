@@ -20,6 +20,7 @@ from .._backend import (
     is_lazy,
     namespace_of,
     value_checks,
+    value_checks_enabled,
     zeros_like_shape,
 )
 from .._pytrees import frozen, state_class
@@ -316,8 +317,17 @@ class BlockDiagonalCurvature(EstimatorBase):
             for i, average in enumerate(st.statistics):
                 name = (f"the updated state.blocks_states[{k}].statistics[{i}] (layer "
                         f"{self.net.names[self.layer_indices[k]]!r})")
+                raw = average.raw
+                if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                    # a family may keep a scalar statistic (NumPy reductions give
+                    # numpy.float64, a float): only its finiteness is checked
+                    if value_checks_enabled() and not math.isfinite(raw):
+                        raise KFACValueError(f"{func}: {name} must be finite; got {raw!r}. "
+                                             f"The statistics of func_args overflowed, or "
+                                             f"state held non-finite statistics.")
+                    continue
                 try:
-                    check_array(func, name, average.raw)
+                    check_array(func, name, raw)
                 except KFACValueError as exc:
                     raise KFACValueError(
                         f"{exc} The statistics of func_args overflowed "
