@@ -149,6 +149,8 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.linalg.factor_norm": {"jit": "yes"},
     "kfac_ref.linalg.kron_damped_inverse_matvec": {"jit": "yes"},
     "kfac_ref.averaging.weighted_accumulate": {"jit": "yes"},
+    "kfac_ref.optim.quadratic_model": {"jit": "yes"},
+    "kfac_ref.optim.norm_constraint_coefficient": {"jit": "yes"},
     "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
     "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},
     "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor": {"dask": "yes"},

@@ -14,7 +14,7 @@ import test_jit as jit_tests
 import test_jit_states as jit_state_tests
 
 import kfac_ref
-from kfac_ref import averaging, capabilities, factors, linalg
+from kfac_ref import averaging, capabilities, factors, linalg, optim
 from kfac_ref.blocks import kfac_jax as kj
 
 jax = pytest.importorskip("jax")
@@ -60,6 +60,13 @@ JIT_CASES = {
     "kfac_ref.factors.dense.fully_connected_kronecker_factor": (
         lambda x: factors.fully_connected_kronecker_factor(x, has_bias=True),
         lambda r: (r.standard_normal((16, 4)),)),
+    # the optimiser's 2×2 model (coefficients) and norm constraint (ν) on traced arrays
+    "kfac_ref.optim.quadratic_model": (
+        lambda a, d, b: optim.quadratic_model(a, d, b, 0.1)[0],
+        lambda r: (_spd(r, 2), _spd(r, 2), r.standard_normal(2))),
+    "kfac_ref.optim.norm_constraint_coefficient": (
+        lambda p, g: optim.norm_constraint_coefficient(p, g, 0.5, 0.01)[0],
+        lambda r: (np.abs(r.standard_normal(5)), np.abs(r.standard_normal(5)))),
 }
 
 # Blocks: one update from a batch, then a damped inverse product, all in one jitted
