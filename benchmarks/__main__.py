@@ -21,7 +21,7 @@ import platform
 import sys
 import time
 
-from kfac_ref.curvature.exact import ESTIMATION_MODES
+from kfac_ref.curvature import ESTIMATION_MODES
 
 from . import suite
 

@@ -85,8 +85,8 @@ timeout "${BENCH_TIMEOUT:-150}" "$py" - > "$out/issue33.log" 2>&1 <<'EOF' || sta
 import os, statistics, time
 import numpy as np
 import kfac_ref.nn as nn
-from kfac_ref import factors
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+from kfac_ref import patches
+from kfac_ref.curvature import BlockDiagonalCurvature
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss as CE
 
 libs = os.environ.get("GPU_CHECK_LIBS", "cupy,torch").split(",")
@@ -153,13 +153,13 @@ for lib in libs:
         print(f"{lib}: no CUDA device, skipped")
         continue
     to, to_int, sync = b
-    print(f"{lib}: device-aware bound {factors.temporary_bytes_bound(to(np.zeros(1)))} bytes")
+    print(f"{lib}: device-aware bound {patches.temporary_bytes_bound(to(np.zeros(1)))} bytes")
     for mode in ("fisher_gradients", "ggn_exact"):
         row = {}
-        for label, bound in (("device-aware", None), ("64 MiB", factors.MAX_TEMPORARY_BYTES)):
-            factors.set_max_temporary_bytes(bound)
+        for label, bound in (("device-aware", None), ("64 MiB", patches.MAX_TEMPORARY_BYTES)):
+            patches.set_max_temporary_bytes(bound)
             row[label] = median_s(update(cnn, xc, yc, mode, to, to_int), sync)
-        factors.set_max_temporary_bytes(None)
+        patches.set_max_temporary_bytes(None)
         print(f"  CNN {mode:17s} device-aware {row['device-aware'] * 1e3:8.2f} ms   "
               f"64 MiB {row['64 MiB'] * 1e3:8.2f} ms   "
               f"speed-up {row['64 MiB'] / row['device-aware']:.2f}x")

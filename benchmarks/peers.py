@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+from kfac_ref.curvature import BlockDiagonalCurvature
 
 from .common import DAMPING, agreement, ce, host_problem, rel_err, time_pair
 

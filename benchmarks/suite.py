@@ -35,8 +35,7 @@ import numpy as np
 
 import kfac_ref
 import kfac_ref.nn as nn
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
-from kfac_ref.curvature.exact import ESTIMATION_MODES, estimation_output_vectors
+from kfac_ref.curvature import ESTIMATION_MODES, BlockDiagonalCurvature, estimation_output_vectors
 from kfac_ref.factors import conv_input_kronecker_factor
 
 from . import hand, peers

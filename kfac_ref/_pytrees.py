@@ -1,8 +1,8 @@
 r"""kfac_ref's state classes as JAX pytrees, registered without importing JAX at import time.
 
 A state (:class:`~kfac_ref.blocks.kfac_jax.BlockState`,
-:class:`~kfac_ref.curvature.estimators.BlockDiagonalState`,
-:class:`~kfac_ref.curvature.estimators.ExplicitState`,
+:class:`~kfac_ref.curvature.BlockDiagonalState`,
+:class:`~kfac_ref.curvature.ExplicitState`,
 :class:`~kfac_ref.averaging.WeightedMovingAverage`, :class:`~kfac_ref.optim.OptimizerState`
 and its :class:`~kfac_ref.optim.StepStats`) is a JAX pytree once
 :func:`register_jax_pytrees` has run, so it can be passed into, returned from and closed over

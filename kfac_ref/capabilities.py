@@ -121,12 +121,12 @@ _ARRAY_FREE = (
     "kfac_ref.blocks.kfac_jax.layer_block",
     "kfac_ref.blocks.kfac_jax.register_layer_block",
     "kfac_ref.blocks.kfac_jax.registered_layer_blocks",
-    "kfac_ref.blocks.tf.normalize_damping",
+    "kfac_ref.blocks.normalize_damping",
     "kfac_ref.blocks.tf.SeriesFBApproximation",
     "kfac_ref.conv_geometry.is_channels_last",
-    "kfac_ref.curvature.report.default_approximations",
-    "kfac_ref.nn.convert.kfac_jax_permutation",
-    "kfac_ref.nn.convert.torch_permutation",
+    "kfac_ref.curvature.default_approximations",
+    "kfac_ref.nn.kfac_jax_permutation",
+    "kfac_ref.nn.torch_permutation",
     "kfac_ref.optim.reduction_ratio",
     "kfac_ref.patches.conv_output_spatial_shape",
     "kfac_ref.patches.conv_padding_amounts",
@@ -151,9 +151,9 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.averaging.weighted_accumulate": {"jit": "yes"},
     "kfac_ref.optim.quadratic_model": {"jit": "yes"},
     "kfac_ref.optim.norm_constraint_coefficient": {"jit": "yes"},
-    "kfac_ref.factors.dense.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
-    "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor": {"dask": "yes"},
-    "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.factors.fully_connected_kronecker_factor": {"jit": "yes", "dask": "yes"},
+    "kfac_ref.factors.conv_input_kronecker_factor": {"dask": "yes"},
+    "kfac_ref.factors.conv_output_kronecker_factor": {"dask": "yes"},
     "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
     "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": {"jit": "yes"},
     "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": {"jit": "yes", "dask": "yes"},
@@ -162,12 +162,12 @@ _DECLARED: dict[str, dict] = {
     "kfac_ref.losses.AutodiffLoss": {b: ("no", "differentiated by the outputs' own library: "
                                          "pass torch tensors or JAX arrays")
                                      for b in ("numpy", "array_api_strict", "cupy")},
-    "kfac_ref.curvature.exact.ggn_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.fisher_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.ggn_matrix": {"jit": "yes"},
-    "kfac_ref.curvature.exact.fisher_factor_transpose_product": {"jit": "yes"},
-    "kfac_ref.curvature.exact.hessian_vector_product": {"jit": "yes"},
-    "kfac_ref.curvature.report.relative_frobenius_error": {"jit": "yes"},
+    "kfac_ref.curvature.ggn_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.fisher_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.ggn_matrix": {"jit": "yes"},
+    "kfac_ref.curvature.fisher_factor_transpose_product": {"jit": "yes"},
+    "kfac_ref.curvature.hessian_vector_product": {"jit": "yes"},
+    "kfac_ref.curvature.relative_frobenius_error": {"jit": "yes"},
     **{f"kfac_ref.blocks.kfac_jax.{name}": {"jit": "yes"} for name in (
         "DenseTwoKroneckerFactored", "DenseDiagonal", "DenseFull", "DenseEKFAC",
         "Conv2DTwoKroneckerFactored", "Conv2DDiagonal", "Conv2DFull")},
@@ -175,9 +175,9 @@ _DECLARED: dict[str, dict] = {
         "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD")},
     # states cross the jit boundary (JAX pytrees): tests/test_jit_states.py
     "kfac_ref.blocks.kfac_jax.BlockState": {"jit": "yes"},
-    "kfac_ref.curvature.estimators.BlockDiagonalCurvature": {"jit": "yes"},
-    "kfac_ref.curvature.estimators.ExplicitExactCurvature": {"jit": "yes"},
-    "kfac_ref.curvature.report.approximation_report": {
+    "kfac_ref.curvature.BlockDiagonalCurvature": {"jit": "yes"},
+    "kfac_ref.curvature.ExplicitExactCurvature": {"jit": "yes"},
+    "kfac_ref.curvature.approximation_report": {
         "jit": ("no", "it reads values to build its report; call it on concrete arrays")},
 }
 
@@ -194,26 +194,26 @@ _DASK: dict[str, object] = {
         "losses.NormalMeanVarianceNegativeLogProbLoss",
         "linalg.damped_cholesky", "linalg.damped_cholesky_inverse", "linalg.kron",
         "linalg.kron_eigenbasis_matpower", "spectral.kron_trace", "spectral.hutchinson_trace",
-        "spectral.hutchpp_trace", "factors.dense.fully_connected_diagonal_factor",
-        "factors.conv_kfc.conv_patch_matrix", "factors.conv.conv_per_example_gradients",
-        "factors.conv_kfc.conv_diagonal_factor", "factors.conv_sua.conv_input_sua_statistics",
-        "factors.conv_sua.conv_input_sua_factor", "factors.conv_sua.conv_input_sua_inverse",
-        "factors.diagonal.params_grads_to_vector", "factors.diagonal.naive_diagonal_factor",
-        "factors.diagonal.full_factor", "factors.embedding.embedding_input_kronecker_factor",
-        "factors.embedding.diagonal_kronecker_factor", "factors.scale_shift.scale_and_shift_factor",
-        "factors.series.fully_connected_multi_kf_cov_dt1", "factors.conv_kfc.conv_input_factor_tap",
+        "spectral.hutchpp_trace", "factors.fully_connected_diagonal_factor",
+        "factors.conv_patch_matrix", "factors.conv_per_example_gradients",
+        "factors.conv_diagonal_factor", "factors.conv_input_sua_statistics",
+        "factors.conv_input_sua_factor", "factors.conv_input_sua_inverse",
+        "factors.params_grads_to_vector", "factors.naive_diagonal_factor",
+        "factors.full_factor", "factors.embedding_input_kronecker_factor",
+        "factors.diagonal_kronecker_factor", "factors.scale_and_shift_factor",
+        "factors.fully_connected_multi_kf_cov_dt1", "factors.conv_input_factor_tap",
         # the factor classes: statistics, Cholesky inverses, diagonal powers (a dense
         # factor's eigendecomposition raises: no linalg.eigh)
-        "factors.base.FisherFactor", "factors.base.DenseSquareMatrixFactor",
-        "factors.base.DiagonalFactor", "factors.dense.FullyConnectedKroneckerFactor",
-        "factors.dense.FullyConnectedDiagonalFactor", "factors.conv_kfc.ConvInputKroneckerFactor",
-        "factors.conv_kfc.ConvOutputKroneckerFactor", "factors.conv_kfc.ConvDiagonalFactor",
-        "factors.conv_kfc.ConvInputMultiKF", "factors.conv_kfc.ConvOutputMultiKF",
-        "factors.conv_sua.ConvInputSUAKroneckerFactor", "factors.diagonal.NaiveDiagonalFactor",
-        "factors.diagonal.NaiveFullFactor", "factors.embedding.EmbeddingInputKroneckerFactor",
-        "factors.embedding.DiagonalKroneckerFactor", "factors.embedding.DiagonalMultiKF",
-        "factors.scale_shift.ScaleAndShiftFullFactor",
-        "factors.scale_shift.ScaleAndShiftDiagonalFactor", "factors.series.FullyConnectedMultiKF",
+        "factors.FisherFactor", "factors.DenseSquareMatrixFactor",
+        "factors.DiagonalFactor", "factors.FullyConnectedKroneckerFactor",
+        "factors.FullyConnectedDiagonalFactor", "factors.ConvInputKroneckerFactor",
+        "factors.ConvOutputKroneckerFactor", "factors.ConvDiagonalFactor",
+        "factors.ConvInputMultiKF", "factors.ConvOutputMultiKF",
+        "factors.ConvInputSUAKroneckerFactor", "factors.NaiveDiagonalFactor",
+        "factors.FullFactor", "factors.EmbeddingInputKroneckerFactor",
+        "factors.DiagonalKroneckerFactor", "factors.DiagonalMultiKF",
+        "factors.ScaleAndShiftFullFactor",
+        "factors.ScaleAndShiftDiagonalFactor", "factors.FullyConnectedMultiKF",
         "averaging.MovingAverageVariable", "averaging.WeightedMovingAverage",
         "averaging.sync_statistics", "patches.extract_convolution_patches",
         "patches.extract_image_patches", "patches.extract_pointwise_conv2d_patches",
@@ -241,8 +241,8 @@ _DASK: dict[str, object] = {
     **{f"kfac_ref.{name}": _NO_EIGH for name in (
         "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
-        "spectral.kron_slogdet", "factors.series.series_option1_quantities",
-        "factors.series.series_option2_quantities", "blocks.full_block_matpower",
+        "spectral.kron_slogdet", "factors.series_option1_quantities",
+        "factors.series_option2_quantities", "blocks.full_block_matpower",
         "blocks.kronecker_block_eigenvalues", "blocks.kronecker_difference_inverse",
         "blocks.block_tridiagonal_multiply_inverse",
         # a full block's every inverse and its eigenvalues take an eigendecomposition
@@ -265,8 +265,9 @@ def _public_modules():
 
 
 def _canonical_names() -> dict[int, tuple[str, object]]:
-    """id(object) → (dotted name in the most specific public module exporting it, object),
-    for every public function and class (the module its docs page lives in)."""
+    """id(object) → (dotted name in its home module, object), for every public function and
+    class: the one public module other than the top level whose ``__all__`` lists it (the
+    module its docs page lives in); the top level for what only the top level exports."""
     found: dict[int, tuple[str, object]] = {}
     for mod in _public_modules():
         for name in getattr(mod, "__all__", ()):
@@ -275,11 +276,11 @@ def _canonical_names() -> dict[int, tuple[str, object]]:
                 continue
             dotted = f"{mod.__name__}.{name}"
             old = found.get(id(obj))
-            # the module that defines it, else the most specific one that exports it
-            defined_here = getattr(obj, "__module__", None) == mod.__name__
-            if (old is None or defined_here
-                    or (old[1].__module__ != old[0].rsplit(".", 1)[0]
-                        and dotted.count(".") > old[0].count("."))):
+            # its home (a module other than the top level that exports it), under its own
+            # name where it also has an alias there
+            if (old is None or old[0].count(".") == 1 and dotted.count(".") > 1
+                    or old[0].rsplit(".", 1)[0] == mod.__name__
+                    and name == getattr(obj, "__name__", None)):
                 found[id(obj)] = (dotted, obj)
     return found
 

@@ -324,7 +324,7 @@ class ConvGeometry:
 
         Examples
         --------
-        >>> from kfac_ref.patches import ConvGeometry
+        >>> from kfac_ref.conv_geometry import ConvGeometry
         >>> g = ConvGeometry.from_shapes((2, 5, 5, 3), (3, 3, 3, 4), strides=2, padding="SAME")
         >>> g.output_spatial_shape, g.padding, g.num_locations
         ((3, 3), ((1, 1), (1, 1)), 9)

@@ -48,7 +48,7 @@ Conventions (shared by every class)
   (:math:`wC_nv_n`), ``_factor_vp`` (:math:`\sqrt w B_nu_n`), ``_factor_t_vp``
   (:math:`\sqrt w B_n^\top v_n`), ``_factor_column`` (:math:`\sqrt w B_ne_i`),
   ``_curvature_matrix``, ``_factor_matrix`` and ``_hessian_matrix``.
-  :mod:`kfac_ref.curvature.exact`, which has validated its vectors already, calls these
+  :mod:`kfac_ref.curvature`, which has validated its vectors already, calls these
   directly.  Nothing reads array values without a value check, so the products run under
   ``jax.jit``.
 * **One curvature per loss.**  :math:`C_n` is the GGN of a :class:`LossFunction`; for a
@@ -187,7 +187,7 @@ class LossFunction(abc.ABC):
     Every public method validates its arguments once and then calls the one private
     method that holds its formula (``multiply_ggn`` → ``_curvature_vp``, see the module
     docstring); the constructor validates the inputs once.  Code that has already
-    validated its vectors (the exact curvature of :mod:`kfac_ref.curvature.exact`) calls
+    validated its vectors (the exact curvature of :mod:`kfac_ref.curvature`) calls
     the private method directly.  A subclass implements those private methods.
 
     Parameters

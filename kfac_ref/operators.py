@@ -12,7 +12,7 @@ r"""Curvature as a linear operator on the array API, with a SciPy ``LinearOperat
 as :class:`CurvatureOperator`: ``shape``, ``dtype``, ``matvec``, ``rmatvec``, ``matmat``,
 ``to_dense``, ``to_scipy`` and the spectral quantities of :mod:`kfac_ref.spectral`.  The
 products are the blocks' own (:meth:`kfac_ref.blocks.kfac_jax.CurvatureBlock.multiply_matpower`)
-and the exact curvature's matrix-free products (:mod:`kfac_ref.curvature.exact`); this
+and the exact curvature's matrix-free products (:mod:`kfac_ref.curvature`); this
 module only arranges them.  Peers: curvlinops' ``KFACLinearOperator``, ``EKFACLinearOperator``,
 ``GGNLinearOperator``; laplace-torch's ``Kron``/``KronDecomposed``.
 """
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np  # host side only: Rademacher draws (host_draw) and the SciPy view
 
+from . import curvature as exact_curvature
 from ._backend import (
     KFACTypeError,
     KFACValueError,
@@ -50,8 +51,7 @@ from .blocks.kfac_jax import (
     ScaledIdentity,
     TwoKroneckerFactored,
 )
-from .curvature import exact as exact_curvature
-from .curvature.estimators import BlockDiagonalCurvature
+from .curvature import BlockDiagonalCurvature
 from .linalg import power_of_eigenvalues
 from .nn import Sequential
 from .spectral import (

@@ -831,7 +831,7 @@ class KFACOptimizer:
         self.exact_power = check_bool(func, "exact_power", exact_power)
         if estimation_mode is not None:  # refused here, not at the first step in the
             # estimator's name
-            from .curvature.exact import ESTIMATION_MODES
+            from .curvature._exact import ESTIMATION_MODES
 
             estimation_mode = check_option(func, "estimation_mode", estimation_mode,
                                            ESTIMATION_MODES)

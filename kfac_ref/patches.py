@@ -29,7 +29,7 @@ Conventions (the same in every function of this module)
   (``[1, s_1, ..., s_r, 1]`` channels-last, ``[1, 1, s_1, ..., s_r]`` channels-first).
 
 Geometry: every function here normalises its arguments once into a frozen
-:class:`ConvGeometry` (:mod:`kfac_ref.conv_geometry`, re-exported here) — padding amounts,
+:class:`~kfac_ref.conv_geometry.ConvGeometry` — padding amounts,
 strides, dilation, layout, output grid and :math:`|T|` — and the unchecked kernels
 (``extract_convolution_patches.kernel(xp, inputs, geometry)``) compute from it.
 
@@ -62,23 +62,12 @@ from ._backend import (
     zeros_like_shape,
 )
 from .conv_geometry import (
-    DATA_FORMATS,
-    PADDING_MODES,
-    PATCH_TEMPORARY_COPIES,
     ConvGeometry,
-    from_channels_last,
     is_channels_last,
     spatial_ints,
-    to_channels_last,
 )
 
 __all__ = [
-    "DATA_FORMATS",
-    "PADDING_MODES",
-    "ConvGeometry",
-    "is_channels_last",
-    "to_channels_last",
-    "from_channels_last",
     "conv_output_spatial_shape",
     "conv_padding_amounts",
     "num_conv_locations",
@@ -89,7 +78,6 @@ __all__ = [
     "num_subsampled_inputs",
     "num_subsampled_patches",
     "example_chunks",
-    "PATCH_TEMPORARY_COPIES",
     "MAX_TEMPORARY_BYTES",
     "DEVICE_MEMORY_SHARE",
     "set_max_temporary_bytes",

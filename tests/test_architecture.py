@@ -103,20 +103,20 @@ def test_no_reach_into_other_modules_privates(path):
 # -- private attributes across modules ---------------------------------------------------
 # (module, attribute) -> why the access is allowed.  Keep it short: fix instead of listing.
 _ATTRIBUTE_ALLOWED: dict[tuple[str, str], str] = {
-    ("kfac_ref.factors.series", "_evolve"): (
+    ("kfac_ref.factors._series", "_evolve"): (
         "FullyConnectedMultiKF.update_cov adds its C_1 average to the factor that the base "
         "class's update_cov returned, an object of its own class: the copy-with-changes of "
-        "the factor family (kfac_ref.factors.base), not another module's object"),
+        "the factor family (kfac_ref/factors/_base.py), not another module's object"),
 }
 
 # The exact curvature validates the network's output and targets once, at its public
 # entry point, then calls each loss formula's unchecked kernel (the loss's public methods
 # would scan the same arrays again per product; "validate once, one door").
 _LOSS_KERNEL_REASON = (
-    "kfac_ref.curvature.exact has validated the output and targets at its public entry "
-    "point and calls the loss formula's unchecked kernel (kfac_ref.losses)")
+    "the exact curvature (kfac_ref.curvature) has validated the output and targets at its "
+    "public entry point and calls the loss formula's unchecked kernel (kfac_ref.losses)")
 _ATTRIBUTE_ALLOWED.update({
-    ("kfac_ref.curvature.exact", name): _LOSS_KERNEL_REASON
+    ("kfac_ref.curvature._exact", name): _LOSS_KERNEL_REASON
     for name in ("_evaluate", "_grad", "_sample", "_factor_vp", "_factor_t_vp",
                  "_factor_matrix", "_hessian_matrix")})
 
@@ -184,7 +184,7 @@ def test_the_attribute_scan_catches_a_reach_into_another_module():
         found = _attribute_violations("kfac_ref.curvature._probe")
     finally:
         del _TREES["kfac_ref.curvature._probe"], _DEFINED["kfac_ref.curvature._probe"]
-    assert len(found) == 1 and "net._forward" in found[0] and "kfac_ref.nn.network" in found[0]
+    assert len(found) == 1 and "net._forward" in found[0] and "kfac_ref.nn._network" in found[0]
 
 
 def test_the_attribute_allow_list_is_current():
@@ -217,3 +217,70 @@ def test_layers_do_not_know_statistics_or_curvature(module):
     bad = sorted(m for m in _kfac_imports(module)
                  if any(m == b or m.startswith(b + ".") for b in _NN_MAY_NOT_IMPORT))
     assert bad == [], f"{module} imports {bad}"
+
+
+# -- one home per public object -----------------------------------------------------------
+# A public module is one with no dotted component starting with "_"; what it exports is its
+# __all__ (its documented API; its other attributes are its own imports).  The top level may
+# re-export; any other second public module exporting the same object is a second door.
+_NAME_MAP = Path(__file__).resolve().parents[1] / "docs" / "name_map_blocks.rst"
+
+
+def _public_exports():
+    import importlib
+    import pkgutil
+
+    import kfac_ref
+
+    modules = [kfac_ref] + [
+        importlib.import_module(info.name)
+        for info in pkgutil.walk_packages(kfac_ref.__path__, "kfac_ref.")
+        if not any(part.startswith("_") for part in info.name.split("."))]
+    exports: dict[int, list[str]] = {}
+    for mod in modules:
+        assert hasattr(mod, "__all__"), f"public module {mod.__name__} has no __all__"
+        for name in mod.__all__:
+            obj = getattr(mod, name)
+            if isinstance(obj, (bool, int, float, str)) or obj is None:
+                continue  # equal immutable scalars may share an id without being one object
+            exports.setdefault(id(obj), []).append(f"{mod.__name__}.{name}")
+    return exports
+
+
+def _documented_aliases() -> dict[str, str]:
+    text = _NAME_MAP.read_text(encoding="utf-8").split(".. _one-home:", 1)[1]
+    rows = [line.split("``") for line in text.splitlines() if line.lstrip().startswith(
+        ("* - ``", "- ``"))]
+    names = [r[1] for r in rows]
+    return dict(zip(names[0::2], names[1::2], strict=True))
+
+
+def test_every_public_object_has_one_home():
+    """No object is exported by two public modules (the top level aside)."""
+    doors = {tuple(sorted(names)) for names in _public_exports().values()
+             if len({n.rsplit(".", 1)[0] for n in names} - {"kfac_ref"}) > 1}
+    assert sorted(doors) == []
+
+
+def test_the_alias_table_lists_every_alias():
+    """Two names of one object in its home module are an alias, listed on the name map page
+    (docs/name_map_blocks.rst, "One home per name") with the object's name."""
+    found = {}
+    for names in _public_exports().values():
+        homes = sorted(n for n in names if n.rsplit(".", 1)[0] != "kfac_ref")
+        for alias in homes[1:] if len(homes) > 1 else ():
+            found[alias] = homes[0]
+    documented = _documented_aliases()
+    assert {frozenset(p) for p in found.items()} == {frozenset(p) for p in documented.items()}
+
+
+def test_the_one_home_check_can_fail(monkeypatch):
+    """A second public module exporting a factor class is caught."""
+    import kfac_ref.patches as patches
+    from kfac_ref.factors import FullyConnectedKroneckerFactor
+
+    monkeypatch.setattr(patches, "__all__", [*patches.__all__, "Dup"], raising=True)
+    monkeypatch.setattr(patches, "Dup", FullyConnectedKroneckerFactor, raising=False)
+    doors = [sorted(names) for names in _public_exports().values()
+             if len({n.rsplit(".", 1)[0] for n in names} - {"kfac_ref"}) > 1]
+    assert doors == [["kfac_ref.factors.FullyConnectedKroneckerFactor", "kfac_ref.patches.Dup"]]

@@ -38,7 +38,7 @@ def test_quick_run_writes_json_and_markdown(quick_run):
     rows = result["rows"]
     timed = [r for r in rows if r["op"] in TIMED_OPS]
     # every estimation mode, the inverses and the cached product, per workload and dtype
-    from kfac_ref.curvature.exact import ESTIMATION_MODES
+    from kfac_ref.curvature import ESTIMATION_MODES
 
     for wl in ("mlp", "cnn"):
         for dtype in ("float32", "float64"):

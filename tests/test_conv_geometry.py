@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from kfac_ref import KFACTypeError, KFACValueError, nn
+from kfac_ref import conv_geometry as G
 from kfac_ref import patches as P
-from kfac_ref.patches import ConvGeometry
+from kfac_ref.conv_geometry import ConvGeometry
 
 
 def test_fields_are_normalised_once():
@@ -52,10 +53,10 @@ def test_agrees_with_the_public_geometry_functions(rng):
 def test_layout_conversion_round_trips(xp, rng):
     host = rng.standard_normal((2, 3, 4, 5))
     x = xp.asarray(host)
-    y = P.to_channels_last(xp.xp, x, False)
+    y = G.to_channels_last(xp.xp, x, False)
     xp.assert_close(y, np.moveaxis(xp.round_host(host), 1, -1))
-    xp.assert_close(P.from_channels_last(xp.xp, y, False), xp.round_host(host))
-    assert P.to_channels_last(xp.xp, x, True) is x
+    xp.assert_close(G.from_channels_last(xp.xp, y, False), xp.round_host(host))
+    assert G.to_channels_last(xp.xp, x, True) is x
 
 
 def test_checks_name_the_function_and_argument():
@@ -65,9 +66,9 @@ def test_checks_name_the_function_and_argument():
     with pytest.raises(KFACTypeError, match="ConvGeometry.from_shapes: filter_shape must be"):
         ConvGeometry.from_shapes((1, 5, 5, 3), None)
     with pytest.raises(KFACValueError, match="data_format must be None or one of"):
-        P.is_channels_last("f", "NHCW")
+        G.is_channels_last("f", "NHCW")
     with pytest.raises(KFACValueError, match="describes 4-D arrays"):
-        P.is_channels_last("f", "NCHW", 3)
+        G.is_channels_last("f", "NCHW", 3)
     g = ConvGeometry.from_shapes((2, 5, 5, 3), (3, 3, 3, 4))
     g.check_output_grid("f", "g", (2, 3, 3, 4))
     for shape, match in [((2, 9, 4), "4-D array"), ((2, 3, 3, 5), "agree on out_channels"),

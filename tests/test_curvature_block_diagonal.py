@@ -21,7 +21,7 @@ import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.blocks import kfac_jax as B
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature, block_diag
+from kfac_ref.curvature import BlockDiagonalCurvature, block_diag
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
 
 

@@ -25,7 +25,7 @@ from conftest import assert_allclose_normwise
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
-from kfac_ref.curvature.estimators import ExplicitExactCurvature, ImplicitExactCurvature
+from kfac_ref.curvature import ExplicitExactCurvature, ImplicitExactCurvature
 from kfac_ref.losses import (
     CategoricalLogitsNegativeLogProbLoss,
     MultiBernoulliNegativeLogProbLoss,

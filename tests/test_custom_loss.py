@@ -20,11 +20,9 @@ import numpy as np
 import pytest
 
 import kfac_ref.nn as nn
-from kfac_ref import KFACTypeError, KFACValueError
+from kfac_ref import KFACTypeError, KFACValueError, curvature
 from kfac_ref import losses as L
-from kfac_ref.curvature import exact
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
-from kfac_ref.curvature.exact import ESTIMATION_MODES
+from kfac_ref.curvature import ESTIMATION_MODES, BlockDiagonalCurvature
 from kfac_ref.optim import KFACOptimizer
 
 VARIANCE, WEIGHT, DELTA = 0.7, 1.3, 0.5
@@ -157,7 +155,7 @@ def test_custom_normal_matches_builtin_in_every_estimation_mode(mode):
 
 def test_custom_normal_exact_curvature_and_optimiser_step_equal_the_builtin():
     net, params, batch = _problem(_NP)
-    for quantity in (exact.ggn_matrix, exact.fisher_matrix, exact.hessian_matrix):
+    for quantity in (curvature.ggn_matrix, curvature.fisher_matrix, curvature.hessian_matrix):
         np.testing.assert_allclose(quantity(net, _custom_normal, params, batch),
                                    quantity(net, _builtin_normal, params, batch),
                                    rtol=1e-12, atol=1e-14)
@@ -201,11 +199,11 @@ def test_huber_exact_ggn_matches_finite_differences():
     hess = np.stack([_central(lambda fn, yn=yn: _huber_gradient(fn, yn), fn, 1e-6)
                      for fn, yn in zip(f, y, strict=True)])  # [N, D, D]
     oracle = np.einsum("ndp,nde,neq->pq", jac, hess, jac) * 0.8 / 6
-    got = exact.ggn_matrix(net, lambda f, t: _huber(f, t, weight=0.8), params, (x, y))
+    got = curvature.ggn_matrix(net, lambda f, t: _huber(f, t, weight=0.8), params, (x, y))
     np.testing.assert_allclose(got, oracle, rtol=1e-7, atol=1e-9 * np.abs(oracle).max())
     vec = np.random.default_rng(1).standard_normal(theta.size)
     np.testing.assert_allclose(
-        exact.ggn_vector_product(net, lambda f, t: _huber(f, t, weight=0.8), params, (x, y),
+        curvature.ggn_vector_product(net, lambda f, t: _huber(f, t, weight=0.8), params, (x, y),
                                  vec), got @ vec, rtol=1e-10)
 
 
@@ -220,7 +218,7 @@ def test_huber_kfac_of_one_example_is_the_exact_ggn():
     st = est.init(None, (params, (x, y)))
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 1, None, (params, (x, y)),
                                               "ggn_exact")
-    want = exact.ggn_matrix(net, _huber, params, (x, y))
+    want = curvature.ggn_matrix(net, _huber, params, (x, y))
     assert np.abs(want).max() > 0.0
     np.testing.assert_allclose(np.asarray(est.to_dense_matrix(st)), want, rtol=1e-12,
                                atol=1e-14)
@@ -276,9 +274,9 @@ def test_autodiff_loss_in_the_exact_ggn():
         a = torch.abs(r)
         return torch.sum(torch.where(a <= DELTA, 0.5 * r * r, DELTA * (a - 0.5 * DELTA)))
 
-    got = exact.ggn_matrix(net, lambda f, t: L.AutodiffLoss(f, t, loss=huber), tparams,
+    got = curvature.ggn_matrix(net, lambda f, t: L.AutodiffLoss(f, t, loss=huber), tparams,
                            tbatch)
-    want = exact.ggn_matrix(net, _huber, params, (x, y))
+    want = curvature.ggn_matrix(net, _huber, params, (x, y))
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-15)
 
 
@@ -321,7 +319,7 @@ def test_bad_user_functions_give_clear_errors():
         L.CustomNegativeLogProbLoss(f, y, **_good(), sample=None)
     with pytest.raises(KFACTypeError, match="needs a NegativeLogProbLoss"):
         net, params, batch = _problem(_NP)
-        exact.fisher_matrix(net, _huber, params, batch)
+        curvature.fisher_matrix(net, _huber, params, batch)
 
 
 def test_autodiff_loss_rejects_a_nonconvex_loss_and_other_arrays():

@@ -41,9 +41,9 @@ RTOL = 1e-12
 # (with DASK_CALLS below, the declarations' "yes" of the "dask" column).
 DASK_EXERCISED = {
     "kfac_ref.linalg.compute_cov",
-    "kfac_ref.factors.dense.fully_connected_kronecker_factor",
-    "kfac_ref.factors.conv_kfc.conv_input_kronecker_factor",
-    "kfac_ref.factors.conv_kfc.conv_output_kronecker_factor",
+    "kfac_ref.factors.fully_connected_kronecker_factor",
+    "kfac_ref.factors.conv_input_kronecker_factor",
+    "kfac_ref.factors.conv_output_kronecker_factor",
     "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss",
     "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss",
     "kfac_ref.losses.NormalMeanNegativeLogProbLoss",
@@ -254,35 +254,35 @@ DASK_CALLS = {
         lambda v: f(_A) @ v, f(_PROBES)),
     "kfac_ref.spectral.hutchpp_trace": lambda f: spectral.hutchpp_trace(
         lambda v: f(_A) @ v, f(_SKETCH), f(_PROBES)),
-    "kfac_ref.factors.dense.fully_connected_diagonal_factor": lambda f:
+    "kfac_ref.factors.fully_connected_diagonal_factor": lambda f:
         factors.fully_connected_diagonal_factor(f(_X), f(_G), has_bias=True),
-    "kfac_ref.factors.conv_kfc.conv_patch_matrix": lambda f: factors.conv_patch_matrix(
+    "kfac_ref.factors.conv_patch_matrix": lambda f: factors.conv_patch_matrix(
         f(_IMG), (3, 3, 2, 3), "SAME"),
-    "kfac_ref.factors.conv.conv_per_example_gradients": lambda f:
+    "kfac_ref.factors.conv_per_example_gradients": lambda f:
         factors.conv_per_example_gradients(f(_IMG), f(_IMG_G), (3, 3, 2, 3), (1, 1), "SAME"),
-    "kfac_ref.factors.conv_kfc.conv_diagonal_factor": lambda f: factors.conv_diagonal_factor(
+    "kfac_ref.factors.conv_diagonal_factor": lambda f: factors.conv_diagonal_factor(
         f(_IMG), f(_IMG_G), (3, 3, 2, 3), (1, 1), "SAME"),
-    "kfac_ref.factors.conv_sua.conv_input_sua_statistics": lambda f:
+    "kfac_ref.factors.conv_input_sua_statistics": lambda f:
         factors.conv_input_sua_statistics(f(_IMG)),
-    "kfac_ref.factors.conv_sua.conv_input_sua_factor": lambda f: factors.conv_input_sua_factor(
+    "kfac_ref.factors.conv_input_sua_factor": lambda f: factors.conv_input_sua_factor(
         f(_B), f(_MU), 4, True, 0.1),
-    "kfac_ref.factors.conv_sua.conv_input_sua_inverse": lambda f:
+    "kfac_ref.factors.conv_input_sua_inverse": lambda f:
         factors.conv_input_sua_inverse(f(_B), f(_MU), 4, True, 0.1),
-    "kfac_ref.factors.diagonal.params_grads_to_vector": lambda f:
+    "kfac_ref.factors.params_grads_to_vector": lambda f:
         factors.params_grads_to_vector([f(_X), f(_G)]),
-    "kfac_ref.factors.diagonal.naive_diagonal_factor": lambda f:
+    "kfac_ref.factors.naive_diagonal_factor": lambda f:
         factors.naive_diagonal_factor([f(_X), f(_G)], 10),
-    "kfac_ref.factors.diagonal.full_factor": lambda f: factors.full_factor([f(_X), f(_G)], 10),
-    "kfac_ref.factors.embedding.embedding_input_kronecker_factor": lambda f:
+    "kfac_ref.factors.full_factor": lambda f: factors.full_factor([f(_X), f(_G)], 10),
+    "kfac_ref.factors.embedding_input_kronecker_factor": lambda f:
         factors.embedding_input_kronecker_factor(f(_IDS), 6),
-    "kfac_ref.factors.embedding.diagonal_kronecker_factor": lambda f:
+    "kfac_ref.factors.diagonal_kronecker_factor": lambda f:
         factors.diagonal_kronecker_factor(f(_X), has_bias=True),
-    "kfac_ref.factors.scale_shift.scale_and_shift_factor": lambda f:
+    "kfac_ref.factors.scale_and_shift_factor": lambda f:
         factors.scale_and_shift_factor(f(_SEQ), f(_SEQ), (1,), (1,)),
-    "kfac_ref.factors.conv_kfc.conv_input_factor_tap": lambda f: factors.conv_input_factor_tap(
+    "kfac_ref.factors.conv_input_factor_tap": lambda f: factors.conv_input_factor_tap(
         ConvGeometry.build("t", _IMG.shape, (3, 3, 2, 3), padding="SAME"), True)(
         f(factors.conv_patch_matrix(_IMG, (3, 3, 2, 3), "SAME"))),
-    "kfac_ref.factors.series.fully_connected_multi_kf_cov_dt1": lambda f:
+    "kfac_ref.factors.fully_connected_multi_kf_cov_dt1": lambda f:
         factors.fully_connected_multi_kf_cov_dt1(f(_X), 2, has_bias=True),
 }
 
@@ -419,9 +419,9 @@ DASK_REFUSED = {
         f(_A), f(_B), 0.1)),
     "kfac_ref.spectral.kron_slogdet": ("linalg.eigh", lambda f: spectral.kron_slogdet(
         f(_A), f(_B), 0.1)),
-    "kfac_ref.factors.series.series_option1_quantities": ("linalg.eigh", lambda f:
+    "kfac_ref.factors.series_option1_quantities": ("linalg.eigh", lambda f:
         factors.series_option1_quantities(f(_B), f(_C), 0.1)),
-    "kfac_ref.factors.series.series_option2_quantities": ("linalg.eigh", lambda f:
+    "kfac_ref.factors.series_option2_quantities": ("linalg.eigh", lambda f:
         factors.series_option2_quantities(f(_B), f(_C), 0.1)),
     # differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
     "kfac_ref.losses.AutodiffLoss": (None, lambda f: losses.AutodiffLoss(
@@ -458,46 +458,46 @@ DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.",
 # at the call (tests below).  Each: constructor, update_cov's arguments, dense or diagonal.
 _SEQ8 = _W.standard_normal((8, 4, 3))
 DASK_FACTOR_CLASSES = {
-    "dense.FullyConnectedKroneckerFactor": (
+    "FullyConnectedKroneckerFactor": (
         lambda: factors.FullyConnectedKroneckerFactor(has_bias=True), lambda f: (f(_X),), True),
-    "dense.FullyConnectedDiagonalFactor": (
+    "FullyConnectedDiagonalFactor": (
         lambda: factors.FullyConnectedDiagonalFactor(has_bias=True),
         lambda f: (f(_X), f(_G)), False),
-    "conv_kfc.ConvInputKroneckerFactor": (
+    "ConvInputKroneckerFactor": (
         lambda: factors.ConvInputKroneckerFactor((3, 3, 2, 3), "SAME"),
         lambda f: (f(_IMG),), True),
-    "conv_kfc.ConvOutputKroneckerFactor": (
+    "ConvOutputKroneckerFactor": (
         lambda: factors.ConvOutputKroneckerFactor(), lambda f: (f(_IMG_G),), True),
-    "conv_kfc.ConvDiagonalFactor": (
+    "ConvDiagonalFactor": (
         lambda: factors.ConvDiagonalFactor((3, 3, 2, 3), (1, 1), "SAME"),
         lambda f: (f(_IMG), f(_IMG_G)), False),
-    "conv_kfc.ConvInputMultiKF": (  # uses folded into the batch axis
+    "ConvInputMultiKF": (  # uses folded into the batch axis
         lambda: factors.ConvInputMultiKF((3, 3, 2, 3), "SAME", 2), lambda f: (f(_IMG),), True),
-    "conv_kfc.ConvOutputMultiKF": (
+    "ConvOutputMultiKF": (
         lambda: factors.ConvOutputMultiKF(2), lambda f: (f(_IMG_G),), True),
-    "conv_sua.ConvInputSUAKroneckerFactor": (
+    "ConvInputSUAKroneckerFactor": (
         lambda: factors.ConvInputSUAKroneckerFactor((3, 3, 2, 3), has_bias=True),
         lambda f: (f(_IMG),), "sua"),
-    "diagonal.NaiveDiagonalFactor": (
+    "NaiveDiagonalFactor": (
         lambda: factors.NaiveDiagonalFactor(10), lambda f: (f(_X),), False),
-    "diagonal.NaiveFullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
-    "embedding.EmbeddingInputKroneckerFactor": (
+    "FullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
+    "EmbeddingInputKroneckerFactor": (
         lambda: factors.EmbeddingInputKroneckerFactor(6), lambda f: (f(_IDS),), False),
-    "embedding.DiagonalKroneckerFactor": (
+    "DiagonalKroneckerFactor": (
         lambda: factors.DiagonalKroneckerFactor(has_bias=True), lambda f: (f(_X),), False),
-    "embedding.DiagonalMultiKF": (
+    "DiagonalMultiKF": (
         lambda: factors.DiagonalMultiKF(2, has_bias=True), lambda f: (f(_X),), False),
-    "scale_shift.ScaleAndShiftFullFactor": (
+    "ScaleAndShiftFullFactor": (
         lambda: factors.ScaleAndShiftFullFactor((1,), (1,)), lambda f: (f(_SEQ8), f(_SEQ8)),
         True),
-    "scale_shift.ScaleAndShiftDiagonalFactor": (
+    "ScaleAndShiftDiagonalFactor": (
         lambda: factors.ScaleAndShiftDiagonalFactor((1,), (1,)),
         lambda f: (f(_SEQ8), f(_SEQ8)), False),
-    "series.FullyConnectedMultiKF": (
+    "FullyConnectedMultiKF": (
         lambda: factors.FullyConnectedMultiKF(2, has_bias=True), lambda f: (f(_X),), True),
 }
 # the base classes' machinery (moving averages, registrations, caches) runs in every one
-_FACTOR_BASES = ("base.FisherFactor", "base.DenseSquareMatrixFactor", "base.DiagonalFactor")
+_FACTOR_BASES = ("FisherFactor", "DenseSquareMatrixFactor", "DiagonalFactor")
 
 
 def _short(dotted):

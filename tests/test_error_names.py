@@ -19,7 +19,7 @@ import pytest
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError, capabilities, laplace
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+from kfac_ref.curvature import BlockDiagonalCurvature
 from kfac_ref.losses import NormalMeanNegativeLogProbLoss
 from kfac_ref.optim import KFACOptimizer
 
@@ -83,7 +83,7 @@ def test_input_precision_names_the_parameter_it_disagrees_with(problem):
 
 
 def test_block_diag_names_blocks_by_index():
-    from kfac_ref.curvature.estimators import block_diag
+    from kfac_ref.curvature import block_diag
 
     with pytest.raises(KFACTypeError, match=r"blocks\[1\] is from array_api_strict"):
         block_diag([np.eye(2), array_api_strict.eye(3, dtype=array_api_strict.float64)])

@@ -42,7 +42,7 @@ def test_chunk_sizes_respect_the_bound():
     assert patches.example_chunks(100, 1000, 4, 64_000)[0] == (0, 16)  # float32: twice as many
     assert patches.example_chunks(3, 10**9, 8, 1) == [(0, 1), (1, 2), (2, 3)]  # >= 1 example
     assert patches.example_chunks(3, 1, 8, 2**40) == [(0, 3)]  # never more than N
-    assert factors.MAX_TEMPORARY_BYTES == 64 * 2**20
+    assert patches.MAX_TEMPORARY_BYTES == 64 * 2**20
 
 
 def _conv_layer_passes(layer, params, x, dparams, dx, g, rg):
@@ -144,7 +144,7 @@ def test_conv_peak_memory_is_bounded():
 def test_temporary_entries_per_example():
     """Three copies of an example's patches (bias column included) and two of its padded
     input: a 3×3 SAME conv of a 16×16×16 input, stride 2."""
-    from kfac_ref.patches import PATCH_TEMPORARY_COPIES, ConvGeometry
+    from kfac_ref.conv_geometry import PATCH_TEMPORARY_COPIES, ConvGeometry
 
     geo = ConvGeometry.from_shapes((4, 16, 16, 16), (3, 3, 16, 8), strides=2, padding="SAME")
     assert PATCH_TEMPORARY_COPIES == 3

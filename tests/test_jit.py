@@ -253,12 +253,12 @@ JIT_EXERCISED = {
     "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss",
     "kfac_ref.losses.NormalMeanNegativeLogProbLoss",
     "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss",
-    "kfac_ref.curvature.exact.ggn_vector_product",
-    "kfac_ref.curvature.exact.fisher_vector_product",
-    "kfac_ref.curvature.exact.ggn_matrix",
-    "kfac_ref.curvature.exact.fisher_factor_transpose_product",
-    "kfac_ref.curvature.exact.hessian_vector_product",
-    "kfac_ref.curvature.report.relative_frobenius_error",
+    "kfac_ref.curvature.ggn_vector_product",
+    "kfac_ref.curvature.fisher_vector_product",
+    "kfac_ref.curvature.ggn_matrix",
+    "kfac_ref.curvature.fisher_factor_transpose_product",
+    "kfac_ref.curvature.hessian_vector_product",
+    "kfac_ref.curvature.relative_frobenius_error",
 }
-JIT_REFUSED = {"kfac_ref.curvature.report.approximation_report"}
+JIT_REFUSED = {"kfac_ref.curvature.approximation_report"}
 

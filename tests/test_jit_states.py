@@ -30,7 +30,7 @@ import kfac_ref  # noqa: E402
 import kfac_ref.nn as nn  # noqa: E402
 from kfac_ref import KFACTypeError  # noqa: E402
 from kfac_ref.blocks import kfac_jax as kj  # noqa: E402
-from kfac_ref.curvature.estimators import (  # noqa: E402
+from kfac_ref.curvature import (  # noqa: E402
     BlockDiagonalCurvature,
     BlockDiagonalState,
     ExplicitExactCurvature,
@@ -78,8 +78,8 @@ BLOCKS = {
 # what tests/test_transforms.py checks against the jit column of kfac_ref.capabilities
 JIT_STATE_EXERCISED = {f"kfac_ref.blocks.kfac_jax.{n}" for n in BLOCKS} | {
     "kfac_ref.blocks.kfac_jax.BlockState",
-    "kfac_ref.curvature.estimators.BlockDiagonalCurvature",
-    "kfac_ref.curvature.estimators.ExplicitExactCurvature",
+    "kfac_ref.curvature.BlockDiagonalCurvature",
+    "kfac_ref.curvature.ExplicitExactCurvature",
 }
 
 

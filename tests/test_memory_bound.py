@@ -22,39 +22,39 @@ ONE_SHOT = 2**62
 @pytest.fixture
 def user_bound():
     """Restore the process-wide setting after the test."""
-    previous = factors.set_max_temporary_bytes(None)
+    previous = patches.set_max_temporary_bytes(None)
     yield
-    factors.set_max_temporary_bytes(previous)
+    patches.set_max_temporary_bytes(previous)
 
 
 def test_host_default_explicit_and_user_bound(xp, user_bound):
     x = xp.asarray(np.zeros((2, 3)))
-    bound = factors.temporary_bytes_bound(x)
+    bound = patches.temporary_bytes_bound(x)
     if xp.name.startswith(("cupy", "torch-cuda")):
-        assert bound >= factors.MAX_TEMPORARY_BYTES
+        assert bound >= patches.MAX_TEMPORARY_BYTES
     else:
-        assert bound == factors.MAX_TEMPORARY_BYTES == 64 * 2**20
-    assert factors.temporary_bytes_bound(x, 12345) == 12345
-    assert factors.set_max_temporary_bytes(4096) is None
-    assert factors.temporary_bytes_bound(x) == 4096
-    assert factors.temporary_bytes_bound(x, 12345) == 12345  # the argument wins
-    assert factors.set_max_temporary_bytes(None) == 4096
+        assert bound == patches.MAX_TEMPORARY_BYTES == 64 * 2**20
+    assert patches.temporary_bytes_bound(x, 12345) == 12345
+    assert patches.set_max_temporary_bytes(4096) is None
+    assert patches.temporary_bytes_bound(x) == 4096
+    assert patches.temporary_bytes_bound(x, 12345) == 12345  # the argument wins
+    assert patches.set_max_temporary_bytes(None) == 4096
 
 
 def test_gpu_share_of_free_memory(monkeypatch, user_bound):
     x = np.zeros(3)
     monkeypatch.setattr(patches, "_free_device_bytes", lambda like: 8 * 2**30)
-    assert factors.temporary_bytes_bound(x) == int(factors.DEVICE_MEMORY_SHARE * 8 * 2**30)
+    assert patches.temporary_bytes_bound(x) == int(patches.DEVICE_MEMORY_SHARE * 8 * 2**30)
     monkeypatch.setattr(patches, "_free_device_bytes", lambda like: 10 * 2**20)
-    assert factors.temporary_bytes_bound(x) == factors.MAX_TEMPORARY_BYTES  # never below
-    factors.set_max_temporary_bytes(999)
-    assert factors.temporary_bytes_bound(x) == 999
+    assert patches.temporary_bytes_bound(x) == patches.MAX_TEMPORARY_BYTES  # never below
+    patches.set_max_temporary_bytes(999)
+    assert patches.temporary_bytes_bound(x) == 999
 
 
 def test_set_bound_is_checked(user_bound):
     with pytest.raises(KFACValueError, match="set_max_temporary_bytes: nbytes must be an "
                                              "integer >= 1"):
-        factors.set_max_temporary_bytes(0)
+        patches.set_max_temporary_bytes(0)
 
 
 def test_statistics_and_layer_under_the_set_bound_equal_one_shot(xp, rng, user_bound):
@@ -68,7 +68,7 @@ def test_statistics_and_layer_under_the_set_bound_equal_one_shot(xp, rng, user_b
            factors.conv_output_kronecker_factor(g, max_temporary_bytes=ONE_SHOT),
            nn.Conv2D(3, 4, 3, stride=2, padding="SAME",
                      max_temporary_bytes=ONE_SHOT).forward(params, x)]
-    factors.set_max_temporary_bytes(1)  # one example per chunk
+    patches.set_max_temporary_bytes(1)  # one example per chunk
     chunked = [factors.conv_input_kronecker_factor(x, **conv, has_bias=True),
                factors.conv_output_kronecker_factor(g), layer.forward(params, x)]
     for c, o in zip(chunked, one, strict=True):

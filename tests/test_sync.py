@@ -21,7 +21,7 @@ import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.averaging import MovingAverageVariable, WeightedMovingAverage, sync_statistics
 from kfac_ref.blocks import kfac_jax as kj
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+from kfac_ref.curvature import BlockDiagonalCurvature
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 SIZES = (2, 3, 4)

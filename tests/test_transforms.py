@@ -57,7 +57,7 @@ JIT_CASES = {
     "kfac_ref.averaging.weighted_accumulate": (
         lambda old, new: averaging.weighted_accumulate(old, new, 0.9, 0.1),
         lambda r: (r.standard_normal((3, 3)), r.standard_normal((3, 3)))),
-    "kfac_ref.factors.dense.fully_connected_kronecker_factor": (
+    "kfac_ref.factors.fully_connected_kronecker_factor": (
         lambda x: factors.fully_connected_kronecker_factor(x, has_bias=True),
         lambda r: (r.standard_normal((16, 4)),)),
     # the optimiser's 2×2 model (coefficients) and norm constraint (ν) on traced arrays

@@ -102,7 +102,7 @@ MUTANTS = [
       "return xp.concat([tensor, ones * homog_value], axis=-1)",
       "return xp.concat([ones * homog_value, tensor], axis=-1)",
       "bias (homogeneous) coordinate first instead of last", ("tests/test_oracle_blocks.py",)),
-    M("conv-G-over-N-not-NT", "kfac_ref/factors/conv_kfc.py",
+    M("conv-G-over-N-not-NT", "kfac_ref/factors/_conv_kfc.py",
       "return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, rows)",
       "return compute_cov.kernel(xp, xp.reshape(g, (-1, g.shape[-1])), None, n)",
       "conv output factor normalised by N instead of N·|T|", ("tests/test_oracle_blocks.py",)),

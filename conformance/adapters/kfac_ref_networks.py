@@ -13,9 +13,9 @@ instead:
 * a block-diagonal estimate (``networks.kfac``, ``sampling.kfac`` with the case's draws,
   ``estimator.*``) is read
   column by column from the estimator's product
-  :meth:`~kfac_ref.curvature.estimators.BlockDiagonalCurvature.multiply_matpower` with power
+  :meth:`~kfac_ref.curvature.BlockDiagonalCurvature.multiply_matpower` with power
   1 and no damping, where the expected value is its dense
-  :meth:`~kfac_ref.curvature.estimators.BlockDiagonalCurvature.to_dense_matrix`;
+  :meth:`~kfac_ref.curvature.BlockDiagonalCurvature.to_dense_matrix`;
 * an exactly damped inverse product (``networks.kfac_inverse_matvec`` with ``exact``) is a
   dense solve with each block's matrix, where the expected value is the estimator's
   eigendecomposition route.
@@ -54,7 +54,7 @@ class KfacRefNetworksMixin:
     def _estimate(self, net, loss, theta, batches, mode, rng=None, decays=(0.0,),
                   **estimator_options):
         """An estimator and its state after one update per batch (EMA decays given)."""
-        from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+        from kfac_ref.curvature import BlockDiagonalCurvature
 
         est = BlockDiagonalCurvature(net, loss, **estimator_options)
         rng = np.random.default_rng(0) if rng is None else rng  # unused by exact modes

@@ -21,7 +21,7 @@ def kfac_optimizer_steps(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
                          **options):
     """[K, 2, P] directions and parameters of kfac_ref's ``KFACOptimizer`` (``options``
     override its keyword arguments, e.g. ``exact_power=True``)."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
     from kfac_ref.optim import KFACOptimizer
 
     spec = params["net"]

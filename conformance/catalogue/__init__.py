@@ -30,7 +30,7 @@ FAMILY_MODULES = {
 }
 
 
-_EST = "kfac_ref.curvature.estimators.BlockDiagonalCurvature"
+_EST = "kfac_ref.curvature.BlockDiagonalCurvature"
 _LOSS = "kfac_ref.losses.NegativeLogProbLoss"
 #: capability -> the public kfac_ref functions (or methods) whose numbers it checks: the
 #: reference computes each case's expected output with them, and an implementation passes
@@ -55,15 +55,15 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                                                'damping_method="factored"'),
     "linalg.factor_norm": ("kfac_ref.linalg.factor_norm",),
     "averaging.ema": ("kfac_ref.averaging.MovingAverageVariable.update",),
-    "factors.dense_input": ("kfac_ref.factors.dense.fully_connected_kronecker_factor",),
-    "factors.dense_output": ("kfac_ref.factors.dense.fully_connected_kronecker_factor",),
-    "factors.dense_diagonal": ("kfac_ref.factors.dense.fully_connected_diagonal_factor",),
-    "factors.conv_input": ("kfac_ref.factors.conv_kfc.conv_input_kronecker_factor",),
-    "factors.conv_output": ("kfac_ref.factors.conv_kfc.conv_output_kronecker_factor",),
-    "factors.conv_diagonal": ("kfac_ref.factors.conv_kfc.conv_diagonal_factor",),
-    "factors.embedding_input": ("kfac_ref.factors.embedding.embedding_input_kronecker_factor",),
-    "factors.naive_diagonal": ("kfac_ref.factors.diagonal.naive_diagonal_factor",),
-    "factors.series_cov_dt1": ("kfac_ref.factors.series.fully_connected_multi_kf_cov_dt1",),
+    "factors.dense_input": ("kfac_ref.factors.fully_connected_kronecker_factor",),
+    "factors.dense_output": ("kfac_ref.factors.fully_connected_kronecker_factor",),
+    "factors.dense_diagonal": ("kfac_ref.factors.fully_connected_diagonal_factor",),
+    "factors.conv_input": ("kfac_ref.factors.conv_input_kronecker_factor",),
+    "factors.conv_output": ("kfac_ref.factors.conv_output_kronecker_factor",),
+    "factors.conv_diagonal": ("kfac_ref.factors.conv_diagonal_factor",),
+    "factors.embedding_input": ("kfac_ref.factors.embedding_input_kronecker_factor",),
+    "factors.naive_diagonal": ("kfac_ref.factors.naive_diagonal_factor",),
+    "factors.series_cov_dt1": ("kfac_ref.factors.fully_connected_multi_kf_cov_dt1",),
     "losses.fisher": (f"{_LOSS}.fisher_matrix", "of the five losses"),
     "losses.gradient": ("kfac_ref.losses.LossFunction.grad_of_evaluate", "of the five losses"),
     "losses.hessian": (f"{_LOSS}.hessian_matrix", "of the five losses"),
@@ -87,8 +87,8 @@ FUNCTIONS: dict[str, tuple[str, ...]] = {
                               "kfac_ref.blocks.kfac_jax.NaiveFull",
                               "kfac_ref.blocks.kfac_jax.DenseDiagonal",
                               "kfac_ref.blocks.kfac_jax.NaiveDiagonal"),
-    "networks.ggn": ("kfac_ref.curvature.exact.ggn_matrix",),
-    "networks.empirical_fisher": ("kfac_ref.curvature.exact.empirical_fisher_matrix",),
+    "networks.ggn": ("kfac_ref.curvature.ggn_matrix",),
+    "networks.empirical_fisher": ("kfac_ref.curvature.empirical_fisher_matrix",),
     "networks.kfac": (f"{_EST}.update_curvature_matrix_estimate", f"{_EST}.to_dense_matrix"),
     "networks.kfac_input_factors": (f"{_EST}.update_curvature_matrix_estimate",
                                     "(the blocks' input factors)"),

@@ -34,7 +34,7 @@ REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses")
 
 def kfac_two_batches(params, inputs, to_backend=lambda v: v, to_numpy=to_np, decays=None):
     """K-FAC after the EMA updates with the batches of ``inputs`` (kfac_ref)."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)
@@ -58,7 +58,7 @@ def full_blocks_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, b
     """Block-diagonal curvature (dense [P, P]) with every dense layer's block of
     ``params["block"]`` after one update in ``params["mode"]`` (kfac_ref)."""
     from kfac_ref.blocks import kfac_jax as kj
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)

@@ -82,7 +82,7 @@ def loss_fn(params):
 def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                 sharing=None):
     """Block-diagonal K-FAC of the case's network (dense [P, P]) with kfac_ref."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)
@@ -101,7 +101,7 @@ def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
                         exact=None, damping=None):
     """(K + λI)⁻¹ v with the block-diagonal K-FAC K of one estimator update (kfac_ref):
     per block factored π damping of λ/s (``exact=False``) or exact damping."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)
@@ -131,7 +131,7 @@ def _block_diag_np(mats):
 def layer_factors(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                   sharing=None):
     """Every parametric layer's (A, G) after one update of kfac_ref's estimator."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)

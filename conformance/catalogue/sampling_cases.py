@@ -98,7 +98,7 @@ def kfac_given_draws(params, inputs, to_backend=lambda v: v, to_numpy=to_np):
     """Block-diagonal K-FAC (dense [P, P]) of one update in ``params["mode"]`` with the
     case's draws (kfac_ref): the empirical-Fisher K-FAC of ½‖f − y‖² at y = f − u."""
     from kfac_ref import losses
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     net, theta, f, u = output_vectors(params, inputs, to_backend)
     est = BlockDiagonalCurvature(
@@ -113,7 +113,7 @@ def kfac_given_draws(params, inputs, to_backend=lambda v: v, to_numpy=to_np):
 
 def kfac_own_draws(params, inputs, seed, to_backend=lambda v: v, to_numpy=to_np):
     """One estimate with kfac_ref's own sampling (``numpy.random.default_rng(seed)``)."""
-    from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+    from kfac_ref.curvature import BlockDiagonalCurvature
 
     net = build_net(params["net"])
     theta = params_from_inputs(params["net"], inputs, to_backend)

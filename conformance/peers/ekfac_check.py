@@ -26,7 +26,7 @@ import torch
 
 import kfac_ref.curvature as KC
 import kfac_ref.nn as knn
-from kfac_ref.curvature.estimators import BlockDiagonalCurvature
+from kfac_ref.curvature import BlockDiagonalCurvature
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 from . import common as C

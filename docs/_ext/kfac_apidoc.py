@@ -498,7 +498,7 @@ def _builder_inited(app):
 def _missing_reference(app, env, node, contnode):
     """Resolve references to re-exported, relative and private names.
 
-    ``kfac_ref.factors.X`` (a re-export) resolves to the page of ``kfac_ref.factors.dense.X``
+    ``kfac_ref.factors.X`` (a re-export) resolves to the page of ``kfac_ref.factors.X``
     where it is documented; ``Layer.rvjp`` resolves when exactly one documented object's
     full name ends with it.  A reference to a private object (a dotted component starting
     with ``_``), which the reference deliberately does not document, is rendered as plain
@@ -517,7 +517,7 @@ def _missing_reference(app, env, node, contnode):
     domain = env.get_domain("py")
     if canonical is None and target and not target.startswith("kfac_ref"):
         # A name relative to another module of the package (``Layer.rvjp`` written in
-        # kfac_ref.nn.network for kfac_ref.nn.layers.Layer.rvjp): resolve it when exactly
+        # kfac_ref.nn for kfac_ref.nn.Layer.rvjp): resolve it when exactly
         # one documented object ends with it.
         matches = [name for name in domain.objects if name.endswith("." + target)]
         if len(matches) == 1:

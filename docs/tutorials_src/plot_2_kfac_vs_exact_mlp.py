@@ -22,7 +22,7 @@ factors.  See :doc:`/theory/kfac_dense` for the derivation and
 # --------------------------------
 # Three dense layers with ``tanh`` in between, 4 inputs, 3 outputs, and a Gaussian
 # likelihood with variance :math:`v = 1` (the loss :math:`\frac12\|y - f\|^2` per example).
-# :func:`~kfac_ref.curvature.exact.ggn_matrix` returns the exact GGN of the *mean* loss,
+# :func:`~kfac_ref.curvature.ggn_matrix` returns the exact GGN of the *mean* loss,
 # :math:`\frac1N \sum_n J_n^\top H_n J_n`, in the canonical parameter order: layers in
 # forward order, each layer's :math:`[W; b]` flattened row-major.
 import matplotlib.pyplot as plt
@@ -60,9 +60,9 @@ print("parameters per layer:", [s.stop - s.start for s in net.layer_slices()])
 # K-FAC by hand
 # -------------
 # For every example the exact mode back-propagates the columns of a square root
-# :math:`B_n` of the loss Hessian (:func:`~kfac_ref.curvature.exact.estimation_output_vectors`
+# :math:`B_n` of the loss Hessian (:func:`~kfac_ref.curvature.estimation_output_vectors`
 # with ``"ggn_exact"``: one ``[N, 3]`` array per output coordinate).
-# :meth:`~kfac_ref.nn.network.Sequential.backward_with_cotangents` returns, for each layer,
+# :meth:`~kfac_ref.nn.Sequential.backward_with_cotangents` returns, for each layer,
 # its input :math:`x_{l-1}` and the back-propagated vector :math:`g_l = \partial\ell_n/\partial
 # s_l`.  The factors of a dense layer are then
 #

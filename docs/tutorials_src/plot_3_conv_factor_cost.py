@@ -7,7 +7,7 @@ reads (KFC, :doc:`/theory/kfc`).  The factor itself is small —
 :math:`(k_h k_w C_\text{in} + 1)^2` entries — but computing it means expanding every image
 into one patch per output location.  This tutorial
 
-1. checks :func:`~kfac_ref.factors.conv.conv_input_kronecker_factor` against an explicit
+1. checks :func:`~kfac_ref.factors.conv_input_kronecker_factor` against an explicit
    loop over examples and locations;
 2. counts what the factors, the exact block and the patch matrix cost for typical layers;
 3. shows how the patch matrix grows with the image size, the padding and the stride;
@@ -28,7 +28,7 @@ into one patch per output location.  This tutorial
 import matplotlib.pyplot as plt
 import numpy as np
 
-from kfac_ref.factors.conv import conv_input_kronecker_factor
+from kfac_ref.factors import conv_input_kronecker_factor
 from kfac_ref.patches import extract_convolution_patches, num_conv_locations
 
 rng = np.random.default_rng(0)

@@ -74,7 +74,7 @@ print("max |B Bᵀ − finite differences|:", np.abs(loss.ggn_matrix() - fd).max
 # %%
 # A small network, exact GGN and K-FAC
 # ------------------------------------
-# Two ``tanh`` layers, 4 inputs, 3 outputs.  :func:`~kfac_ref.curvature.exact.ggn_matrix`
+# Two ``tanh`` layers, 4 inputs, 3 outputs.  :func:`~kfac_ref.curvature.ggn_matrix`
 # forms :math:`\frac1N\sum_n J_n^\top B_nB_n^\top J_n` from the network's Jacobian and the
 # loss's square roots; the block-diagonal estimator's ``"ggn_exact"`` mode back-propagates
 # the columns of :math:`B_n` and builds the two Kronecker factors of every dense layer.

@@ -1,4 +1,4 @@
-"""Convolution geometry of the blocks: a :class:`kfac_ref.patches.ConvGeometry` built once
+"""Convolution geometry of the blocks: a :class:`kfac_ref.conv_geometry.ConvGeometry` built once
 per block (output grid, :math:`|T|`, layout, the output-gradient check), used by the conv
 mixin of the kfac-jax-named blocks (``ConvLayer`` in :mod:`kfac_ref.blocks.kfac_jax`) and by
 the TF-named conv blocks.
@@ -14,7 +14,7 @@ __all__ = ["conv_geometry", "check_conv_outputs_grad", "pooled_conv_data"]
 
 def conv_geometry(func, inputs_shape, kernel_shape, strides, padding, dilation_rate,
                   data_format, *, filter_name="kernel_shape"):
-    """The :class:`~kfac_ref.patches.ConvGeometry` of a block's convolution (errors name
+    """The :class:`~kfac_ref.conv_geometry.ConvGeometry` of a block's convolution (errors name
     ``func`` and the block's argument names)."""
     return ConvGeometry.build(func, tuple(inputs_shape), tuple(kernel_shape), strides=strides,
                               padding=padding, dilation=dilation_rate, data_format=data_format,

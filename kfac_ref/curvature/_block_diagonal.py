@@ -1,5 +1,5 @@
 r"""The block-diagonal K-FAC estimator (kfac-jax ``BlockDiagonalCurvature``); documented in
-:mod:`kfac_ref.curvature.estimators`."""
+:mod:`kfac_ref.curvature`."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from .._backend import (
 )
 from .._pytrees import frozen, state_class
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
-from . import exact
+from . import _exact as exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
 __all__ = ["WEIGHT_SHARING_MODES", "BlockDiagonalState", "BlockDiagonalCurvature", "block_diag"]
@@ -39,7 +39,19 @@ WEIGHT_SHARING_MODES = ("expand", "reduce")
 # ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class BlockDiagonalState:
-    """State of :class:`BlockDiagonalCurvature`: one block state per parametric layer."""
+    r"""Immutable state of :class:`BlockDiagonalCurvature`: one block state per parametric
+    layer, in the network's layer order (a JAX pytree whose children are the block states).
+
+    .. math::
+
+        \text{state} = (s_1, \dots, s_L), \qquad
+        \hat C = \operatorname{blockdiag}(\hat C_1(s_1), \dots, \hat C_L(s_L))
+
+    Attributes
+    ----------
+    blocks_states : tuple of BlockState
+        The state of each layer's block (:class:`kfac_ref.blocks.kfac_jax.BlockState`).
+    """
 
     blocks_states: tuple
 
@@ -61,7 +73,7 @@ class BlockDiagonalCurvature(EstimatorBase):
 
     where :math:`x_{l-1}` is layer :math:`l`'s input, :math:`s_l` its output and
     :math:`u_{c,n}` the output vectors of the estimation mode
-    (:func:`kfac_ref.curvature.exact.estimation_output_vectors`).  When a mode has several
+    (:func:`kfac_ref.curvature.estimation_output_vectors`).  When a mode has several
     vectors (``*_exact``: one per output coordinate; ``num_samples > 1``) every block is
     updated once per vector with the vectors scaled by :math:`\sqrt C` and the weight
     ``ema_new / C`` (``ema_old`` only on the first), as kfac-jax does for its exact modes:

@@ -10,7 +10,7 @@ from .._backend import (
     check_scalar,
     namespace_of,
 )
-from .exact import ESTIMATION_MODES
+from ._exact import ESTIMATION_MODES
 
 __all__ = ["EstimatorBase", "unpack_func_args", "flat_or_structured"]
 

@@ -1,5 +1,5 @@
 r"""The dense exact estimator (kfac-jax ``ExplicitExactCurvature``); documented in
-:mod:`kfac_ref.curvature.estimators`."""
+:mod:`kfac_ref.curvature`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .._backend import (
 from .._pytrees import ensure_for, frozen, join, split, state_class
 from ..averaging import WeightedMovingAverage
 from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
-from . import exact
+from . import _exact as exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
 __all__ = ["ExplicitState", "ExplicitExactCurvature"]
@@ -81,7 +81,7 @@ class ExplicitExactCurvature(EstimatorBase):
         (J_n^\top u_{c,n})^\top\Big),
 
     with the vectors of the estimation mode
-    (:func:`kfac_ref.curvature.exact.estimation_output_vectors`); ``fisher_exact`` (the
+    (:func:`kfac_ref.curvature.estimation_output_vectors`); ``fisher_exact`` (the
     default, as kfac-jax) and ``ggn_exact`` give the exact Fisher / GGN.  kfac-jax loops over
     examples; here the per-example Jacobian products are batched (same numbers).
 
@@ -94,7 +94,7 @@ class ExplicitExactCurvature(EstimatorBase):
     num_samples : int
         Samples per example for the stochastic modes.
     empirical_fisher_normalization : {"mean", "kfac_jax"}
-        See :data:`kfac_ref.curvature.exact.EMPIRICAL_FISHER_NORMALIZATIONS`.
+        See :data:`kfac_ref.curvature.EMPIRICAL_FISHER_NORMALIZATIONS`.
     eigenvalue_clipping_threshold : float
     """
 

@@ -1,10 +1,10 @@
 r"""The matrix-free exact estimator (kfac-jax ``ImplicitExactCurvature``); documented in
-:mod:`kfac_ref.curvature.estimators`."""
+:mod:`kfac_ref.curvature`."""
 
 from __future__ import annotations
 
 from .._backend import KFACValueError, check_array, check_option, namespace_of
-from . import exact
+from . import _exact as exact
 from ._estimator_args import flat_or_structured, unpack_func_args
 
 __all__ = ["ImplicitExactCurvature"]
@@ -24,7 +24,7 @@ class ImplicitExactCurvature:
         &\mathcal B u = \tfrac{1}{\sqrt N}\textstyle\sum_n J_n^\top B_n u_n,\quad
         \mathcal B^\top v = [\tfrac{1}{\sqrt N} B_n^\top J_n v]_n .
 
-    A thin class over :mod:`kfac_ref.curvature.exact`.
+    A thin class over the exact curvature products of :mod:`kfac_ref.curvature`.
 
     Parameters
     ----------

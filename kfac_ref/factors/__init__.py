@@ -12,55 +12,47 @@ object.
     \Omega = \frac{1}{N|T|}[[A]]_H^\top[[A]]_H, \quad
     \Gamma = \frac{1}{N|T|} DS^\top DS .
 
-Modules: :mod:`~kfac_ref.factors.base` (state machinery), :mod:`~kfac_ref.factors.dense`,
-:mod:`~kfac_ref.factors.conv` (re-exporting :mod:`~kfac_ref.factors.conv_kfc` and
-:mod:`~kfac_ref.factors.conv_sua`), :mod:`~kfac_ref.factors.diagonal`,
-:mod:`~kfac_ref.factors.embedding`, :mod:`~kfac_ref.factors.series`,
-:mod:`~kfac_ref.factors.scale_shift`.
+Every factor lives here, one name each: the state machinery (``FisherFactor``,
+``DenseSquareMatrixFactor``, ``DiagonalFactor``), the fully connected, convolution (KFC and
+SUA), diagonal and full, embedding, series (multi-use) and scale-and-shift factors.  The chunk
+bound on convolution temporaries is :mod:`kfac_ref.patches`'s.
 """
 
-# the chunk bound's one home is kfac_ref.patches; its names stay importable here, where
-# they were documented first
-from ..patches import (
-    DEVICE_MEMORY_SHARE,
-    MAX_TEMPORARY_BYTES,
-    num_conv_locations,
-    set_max_temporary_bytes,
-    temporary_bytes_bound,
-)
-from .base import (
+from ._base import (
     EIGENVALUE_CLIPPING_THRESHOLD,
     EIGENVALUE_DECOMPOSITION_THRESHOLD,
     DenseSquareMatrixFactor,
     DiagonalFactor,
     FisherFactor,
 )
-from .conv import (
+from ._conv_kfc import (
     EXTRACT_PATCHES_FNS,
-    SUA_ORDERS,
     ConvDiagonalFactor,
     ConvInputKroneckerFactor,
     ConvInputMultiKF,
-    ConvInputSUAKroneckerFactor,
     ConvOutputKroneckerFactor,
     ConvOutputMultiKF,
     conv_diagonal_factor,
     conv_input_factor_tap,
     conv_input_kronecker_factor,
-    conv_input_sua_factor,
-    conv_input_sua_inverse,
-    conv_input_sua_statistics,
     conv_output_kronecker_factor,
     conv_patch_matrix,
     conv_per_example_gradients,
 )
-from .dense import (
+from ._conv_sua import (
+    SUA_ORDERS,
+    ConvInputSUAKroneckerFactor,
+    conv_input_sua_factor,
+    conv_input_sua_inverse,
+    conv_input_sua_statistics,
+)
+from ._dense import (
     FullyConnectedDiagonalFactor,
     FullyConnectedKroneckerFactor,
     fully_connected_diagonal_factor,
     fully_connected_kronecker_factor,
 )
-from .diagonal import (
+from ._diagonal import (
     FullFactor,
     NaiveDiagonalFactor,
     NaiveFullFactor,
@@ -68,20 +60,20 @@ from .diagonal import (
     naive_diagonal_factor,
     params_grads_to_vector,
 )
-from .embedding import (
+from ._embedding import (
     DiagonalKroneckerFactor,
     DiagonalMultiKF,
     EmbeddingInputKroneckerFactor,
     diagonal_kronecker_factor,
     embedding_input_kronecker_factor,
 )
-from .scale_shift import (
+from ._scale_shift import (
     SCALE_AND_SHIFT_APPROX,
     ScaleAndShiftDiagonalFactor,
     ScaleAndShiftFullFactor,
     scale_and_shift_factor,
 )
-from .series import (
+from ._series import (
     OPTION1_EIG_METHODS,
     FullyConnectedMultiKF,
     fully_connected_multi_kf_cov_dt1,
@@ -93,10 +85,6 @@ __all__ = [
     "EIGENVALUE_CLIPPING_THRESHOLD",
     "EIGENVALUE_DECOMPOSITION_THRESHOLD",
     "EXTRACT_PATCHES_FNS",
-    "MAX_TEMPORARY_BYTES",
-    "DEVICE_MEMORY_SHARE",
-    "set_max_temporary_bytes",
-    "temporary_bytes_bound",
     "OPTION1_EIG_METHODS",
     "FisherFactor",
     "DenseSquareMatrixFactor",
@@ -111,7 +99,6 @@ __all__ = [
     "conv_input_factor_tap",
     "conv_output_kronecker_factor",
     "conv_diagonal_factor",
-    "num_conv_locations",
     "ConvInputKroneckerFactor",
     "ConvOutputKroneckerFactor",
     "ConvDiagonalFactor",

@@ -5,10 +5,11 @@ r"""Reference layers and sequential networks with explicit forward, JVP, VJP and
     f(\theta, x) = f_L(\theta_L, \dots f_1(\theta_1, x)), \qquad
     \theta = [\mathrm{vec}_r\theta_1; \dots; \mathrm{vec}_r\theta_L] \ (\text{bias last per layer}).
 
-See :mod:`kfac_ref.nn.layers`, :mod:`kfac_ref.nn.network` and :mod:`kfac_ref.nn.convert`.
+Layers, the sequential network with its tap protocol (the passes the estimator reads), and the
+parameter conversions to kfac-jax's and PyTorch's layouts.
 """
 
-from .convert import (
+from ._convert import (
     HAIKU_NAMES,
     kfac_jax_permutation,
     permute_matrix,
@@ -17,7 +18,7 @@ from .convert import (
     to_torch_parameters,
     torch_permutation,
 )
-from .layers import (
+from ._layers import (
     ACTIVATIONS,
     Activation,
     Conv2D,
@@ -29,7 +30,7 @@ from .layers import (
     ScaleAndShift,
     activation_derivatives,
 )
-from .network import ForwardPass, Sequential
+from ._network import ForwardPass, Sequential
 
 __all__ = [
     "ACTIVATIONS",

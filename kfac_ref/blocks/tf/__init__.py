@@ -29,7 +29,6 @@ trace is zero (``zero_factor_fallback="pi_one"``).  Each is an argument here ins
 module global.
 """
 
-from .._math import normalize_damping
 from . import _base
 from ._base import FisherBlock, compute_pi_adjusted_damping, compute_pi_tracenorm
 from ._depthwise import DepthwiseConvDiagonalFB, DepthwiseConvKFCBasicFB
@@ -61,7 +60,6 @@ __all__ = [
     "PI_TYPES",
     "compute_pi_tracenorm",
     "compute_pi_adjusted_damping",
-    "normalize_damping",
     "FisherBlock",
     "FullFB",
     "NaiveFullFB",

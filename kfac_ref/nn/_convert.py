@@ -1,7 +1,7 @@
 r"""Parameter-order conversions between kfac_ref, PyTorch and kfac-jax (Haiku) conventions.
 
 kfac_ref orders a network's parameters layer by layer in forward order, each layer's arrays in
-:meth:`~kfac_ref.nn.layers.Layer.param_names` order (bias last) and each array row-major in
+:meth:`~kfac_ref.nn.Layer.param_names` order (bias last) and each array row-major in
 kfac_ref's layout (dense ``W`` ``[d_in, d_out]``, conv kernels HWIO).
 
 * **PyTorch** keeps forward order and ``weight`` before ``bias`` but stores dense weights as
@@ -33,7 +33,7 @@ from .._backend import (
     is_array,
     namespace_of,
 )
-from .network import Sequential
+from ._network import Sequential
 
 __all__ = [
     "torch_permutation",

@@ -42,7 +42,7 @@ validates the outputs and the targets); every product with the loss then runs th
 loss's one unchecked private method for it (``_curvature_vp``, ``_factor_vp``, ...; see
 :mod:`kfac_ref.losses`), and the second moments through
 ``kfac_ref.linalg.compute_cov.kernel``.  For modules that reuse the dense matrices
-(``kfac_ref.curvature.report``), ``evaluate_batch`` does the validation in the name of
+(the approximation report), ``evaluate_batch`` does the validation in the name of
 the caller and ``ggn_matrix.kernel(b)``, ``fisher_matrix.kernel(b)`` and
 ``empirical_fisher_matrix.kernel(b, normalization)`` compute from its result.
 
@@ -73,7 +73,7 @@ from .._backend import (
 from .._random import check_random_source, draw_noise, split_source
 from ..linalg import compute_cov
 from ..losses import LossFunction, NegativeLogProbLoss
-from ..nn.network import Sequential
+from ..nn._network import Sequential
 
 __all__ = [
     "ESTIMATION_MODES",

@@ -23,7 +23,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
-from .base import (
+from ._base import (
     DiagonalFactor,
     as_sources_towers,
     as_towers,

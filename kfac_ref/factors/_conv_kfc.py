@@ -9,10 +9,10 @@ by :math:`N|T|` (:math:`|T|` = number of output locations), so the KFC block is
 :math:`\lambda/|T|` (TF ``ConvKFCBasicFB``, kfac-jax ``Conv2DTwoKroneckerFactored``).
 
 Every public function validates its arguments once, builds one
-:class:`kfac_ref.patches.ConvGeometry`, and calls its unchecked kernel
+:class:`kfac_ref.conv_geometry.ConvGeometry`, and calls its unchecked kernel
 (``conv_per_example_gradients.kernel(xp, inputs, outputs_grad, geometry, has_bias)`` and so
 on); the classes validate each tower once and call the kernels.  The spatially uncorrelated
-(SUA) factors are in :mod:`kfac_ref.factors.conv_sua`.
+(SUA) factors are in :class:`~kfac_ref.factors.ConvInputSUAKroneckerFactor`.
 """
 
 from __future__ import annotations
@@ -31,22 +31,20 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from ..conv_geometry import ConvGeometry, is_channels_last, to_channels_last
 from ..linalg import append_homog, compute_cov
 from ..patches import (
-    ConvGeometry,
     check_subsample_factor,
     example_chunks,
     extract_convolution_patches,
     extract_pointwise_conv2d_patches,
-    is_channels_last,
     num_subsampled_inputs,
     num_subsampled_patches,
     per_example_patch_products,
     subsample_rows,
     temporary_bytes_bound,
-    to_channels_last,
 )
-from .base import (
+from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
@@ -210,7 +208,7 @@ def conv_input_factor_tap(geometry, has_bias=False):
 
     Parameters
     ----------
-    geometry : kfac_ref.patches.ConvGeometry
+    geometry : kfac_ref.conv_geometry.ConvGeometry
         The convolution on the whole batch (``geometry.input_shape[0]`` is :math:`N`), e.g.
         :meth:`kfac_ref.nn.Conv2D.geometry` of the layer's input shape.
     has_bias : bool
@@ -222,7 +220,7 @@ def conv_input_factor_tap(geometry, has_bias=False):
     """
     func = "conv_input_factor_tap"
     if not isinstance(geometry, ConvGeometry):
-        raise KFACTypeError(f"{func}: geometry must be a kfac_ref.patches.ConvGeometry; got "
+        raise KFACTypeError(f"{func}: geometry must be a kfac_ref.conv_geometry.ConvGeometry; got "
                             f"{type(geometry).__name__}.")
     has_bias = check_bool(func, "has_bias", has_bias)
     rows, size = geometry.input_shape[0] * geometry.num_locations, geometry.patch_size
@@ -622,7 +620,7 @@ class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
     extract_patches_fn, sub_sample_inputs, sub_sample_patches, patch_mask
         TF's options (subsampling off by default).
     zero_debias, eigenvalue_decomposition_threshold, eigenvalue_clipping_threshold
-        See :class:`~kfac_ref.factors.base.DenseSquareMatrixFactor`.
+        See :class:`~kfac_ref.factors.DenseSquareMatrixFactor`.
     """
 
     def __init__(self, filter_shape, padding, strides=None, dilation_rate=None,

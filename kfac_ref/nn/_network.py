@@ -1,7 +1,7 @@
 r"""A sequential network of named reference layers, with flattening and exact derivative passes.
 
 Parameter order (the docs page *Conventions*): layers in forward order; within a layer its
-parameter arrays in :meth:`~kfac_ref.nn.layers.Layer.param_names` order, each flattened
+parameter arrays in :meth:`~kfac_ref.nn.Layer.param_names` order, each flattened
 row-major.  For dense and convolution layers this is the row-major flattening of the combined
 ``[W; b]`` matrix (``[d_in + 1, d_out]``, resp. ``[kh·kw·C_in + 1, C_out]``), so the bias is the
 last ``d_out`` entries of the layer.
@@ -56,7 +56,7 @@ from .._backend import (
     value_checks,
     zeros_like_shape,
 )
-from .layers import Layer
+from ._layers import Layer
 
 __all__ = ["Sequential", "ForwardPass"]
 

@@ -10,7 +10,7 @@ spatial offsets as uncorrelated, each with the same channel covariance :math:`\S
     \qquad m = [\mathbf 1_{|\Delta|} \otimes \mu;\ 1_{\text{bias}}].
 
 TF K-FAC master's ``ConvInputSUAKroneckerFactor``; the KFC factors are in
-:mod:`kfac_ref.factors.conv_kfc`.
+:class:`~kfac_ref.factors.ConvInputKroneckerFactor`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from .._backend import (
     namespace_of,
 )
 from ..averaging import MovingAverageVariable
+from ..conv_geometry import ConvGeometry, is_channels_last, to_channels_last
 from ..linalg import append_homog, compute_cov, damped_inverse, kron
-from ..patches import ConvGeometry, is_channels_last, to_channels_last
-from .base import (
+from ._base import (
     DenseSquareMatrixFactor,
     as_towers,
     check_equal_batches,

@@ -21,7 +21,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
-from .base import (
+from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     is_array,

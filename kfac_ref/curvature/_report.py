@@ -5,8 +5,8 @@ r"""How far each block approximation is from the exact block: per-layer relative
     e_{l,a} = \frac{\|\hat C^{(a)}_{l} - C_{ll}\|_F}{\|C_{ll}\|_F},
 
 where :math:`C_{ll}` is layer :math:`l`'s diagonal block of the exact dense curvature (GGN,
-Fisher or empirical Fisher, :mod:`kfac_ref.curvature.exact`) and :math:`\hat C^{(a)}_l` the
-block that approximation :math:`a` (a :class:`~kfac_ref.curvature.estimators.BlockDiagonalCurvature`
+Fisher or empirical Fisher, :mod:`kfac_ref.curvature`) and :math:`\hat C^{(a)}_l` the
+block that approximation :math:`a` (a :class:`~kfac_ref.curvature.BlockDiagonalCurvature`
 configuration) estimates from the same batch with the matching exact estimation mode, so the
 error is the block structure's alone (no sampling noise).  For teaching and for the docs' plots.
 """
@@ -28,8 +28,8 @@ from .._backend import (
     size_of,
 )
 from ..blocks.kfac_jax import NaiveDiagonal, NaiveFull
-from .estimators import BlockDiagonalCurvature
-from .exact import (
+from ._block_diagonal import BlockDiagonalCurvature
+from ._exact import (
     empirical_fisher_matrix,
     evaluate_batch,
     fisher_matrix,

@@ -54,14 +54,12 @@ from .._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from ..conv_geometry import ConvGeometry, from_channels_last, to_channels_last
 from ..patches import (
-    ConvGeometry,
     example_chunks,
     extract_convolution_patches,
-    from_channels_last,
     per_example_patch_products,
     temporary_bytes_bound,
-    to_channels_last,
 )
 
 __all__ = [
@@ -602,7 +600,7 @@ class Conv2D(Layer):
     :math:`[HW, |T| k_h k_w]` selection matrix, nothing written in place).  Every
     pass runs over chunks of examples whose patch temporaries stay within
     ``max_temporary_bytes``.  Padding amounts, output grid and
-    layout come from one :class:`kfac_ref.patches.ConvGeometry` (:meth:`geometry`), the
+    layout come from one :class:`kfac_ref.conv_geometry.ConvGeometry` (:meth:`geometry`), the
     geometry the patch extractor and the conv factors use; the per-example weight gradient
     is the patches' per-example product (``kfac_ref.patches.per_example_patch_products``).
 
@@ -686,7 +684,7 @@ class Conv2D(Layer):
         return self.padding if isinstance(self.padding, str) else list(self.padding)
 
     def geometry(self, input_shape):
-        r"""The :class:`kfac_ref.patches.ConvGeometry` of this layer on inputs of shape
+        r"""The :class:`kfac_ref.conv_geometry.ConvGeometry` of this layer on inputs of shape
         ``input_shape`` (in the layer's ``data_format``).
 
         .. math:: o = \lfloor (n + p_{lo} + p_{hi} - (k-1)d - 1)/s \rfloor + 1

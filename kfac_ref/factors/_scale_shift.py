@@ -26,7 +26,7 @@ from .._backend import (
     namespace_of,
 )
 from ..linalg import compute_cov
-from .base import (
+from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     input_towers_and_sources,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .._backend import KFACValueError, check_array, check_bool, kernel_of, namespace_of
 from ..linalg import append_homog, compute_cov
-from .base import (
+from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
@@ -168,7 +168,7 @@ class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
     ----------
     has_bias : bool
     zero_debias, eigenvalue_decomposition_threshold, eigenvalue_clipping_threshold
-        See :class:`~kfac_ref.factors.base.DenseSquareMatrixFactor`.
+        See :class:`~kfac_ref.factors.DenseSquareMatrixFactor`.
 
     Raises
     ------

@@ -33,8 +33,8 @@ from .._backend import (
 )
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_matpower
-from .base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
-from .dense import FullyConnectedKroneckerFactor, fold_uses, fully_connected_kronecker_factor
+from ._base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
+from ._dense import FullyConnectedKroneckerFactor, fold_uses, fully_connected_kronecker_factor
 
 __all__ = [
     "OPTION1_EIG_METHODS",
