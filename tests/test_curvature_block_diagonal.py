@@ -425,7 +425,7 @@ def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
         est.multiply_matpower(st, xp.asarray(np.full(net.num_params, np.nan)), 0.1, -1.0, False,
                               True)
     states = st.blocks_states
-    swapped = C.estimators.BlockDiagonalState((states[1], states[0]) + states[2:])
+    swapped = C.BlockDiagonalState((states[1], states[0]) + states[2:])
     with pytest.raises(KFACValueError, match="statistics of shapes"):
         est.multiply_matpower(swapped, v, 0.1, -1.0, False, True)
     # another precision (float32 next to float64), or NumPy next to a float32-only device
@@ -434,7 +434,7 @@ def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
     odd = B.BlockState(states[1].statistics, states[1].cache, like)
     with pytest.raises(KFACTypeError, match=r"state\.blocks_states\[1\] (must have the "
                                             r"floating dtype|is from)"):
-        est.multiply_matpower(C.estimators.BlockDiagonalState(
+        est.multiply_matpower(C.BlockDiagonalState(
             (states[0], odd) + states[2:]), v, 0.1, -1.0, False, True)
     with pytest.raises(KFACValueError, match="power must be one of"):
         est.multiply_matpower(st, v, 0.1, 0.25, False, False)

@@ -279,7 +279,7 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     strides, dilation_rate : int, sequence or None
         Spatial or TF's full-rank form.
     data_format : str or None
-        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
+        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.conv_geometry.DATA_FORMATS`, or
         ``None`` (channels last, any rank).
     has_bias : bool
     extract_patches_fn, patch_mask
@@ -417,7 +417,7 @@ def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
     outputs_grad : array ``[N, *spatial, C_out]`` or ``[N, C_out, *spatial]``
         Per-example gradients of the summed loss w.r.t. the pre-activations.
     data_format : str or None
-        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.patches.DATA_FORMATS`, or
+        ``"NHWC"`` (default), ``"NCHW"``, other :data:`kfac_ref.conv_geometry.DATA_FORMATS`, or
         ``None`` (channels last, any rank ≥ 2).
     max_temporary_bytes : int, optional
         Bound on the temporaries of one chunk of examples (a channels-first input is
