@@ -33,7 +33,10 @@ records the matrix that reaches its output and maps it back through its kernel
 elementwise by the batch average :math:`\frac1N\sum_n \phi'(x_n)\phi'(x_n)^\top` of its own
 input's derivative (:math:`M \leftarrow M\odot E[\phi'\phi'^\top]`).  Two Dense layers in a
 row compose exactly; an Activation after the last Dense layer is one more Hadamard step
-before the first :math:`\tilde G`.
+before the first :math:`\tilde G`.  Botev et al. start from the Hessian with respect to the
+last pre-activation, an output nonlinearity folded into the loss (softmax into
+cross-entropy); with a loss of :mod:`kfac_ref.losses` on the logits that is
+:math:`\tilde G_L` here.
 
 Where it is exact (the tests check each):
 
