@@ -235,6 +235,20 @@ def test_results_stay_in_the_inputs_namespace_device_and_dtype(xp, rng):
         xp.check(g)
 
 
+def test_each_array_is_scanned_once(xp, rng, monkeypatch):
+    # validate once: the door checks the parameters and the batch; the recursion scans nothing
+    import kfac_ref._backend as B
+
+    seen = []
+    real = B.all_finite
+    monkeypatch.setattr(B, "all_finite", lambda ns, a: seen.append(id(a)) or real(ns, a))
+    net = mlp("tanh")
+    params, batch, _, _ = make_data(xp, rng, net, sq, 4)
+    C.kfra_factors(net, sq, params, batch)
+    arrays = [a for p in params for a in p] + list(batch)
+    assert [seen.count(id(a)) for a in arrays] == [1] * len(arrays)
+
+
 # -- errors ------------------------------------------------------------------------------------
 def _params(net):
     return net.init_params(np.random.default_rng(0), np.zeros(1))
