@@ -5,9 +5,10 @@ r"""Exact curvature of a network's mean loss and the block-diagonal K-FAC estima
     \mathcal L(\theta) = \frac1N\sum_n w\,\ell_n(f(\theta, x_n)), \qquad
     G = \frac1N\sum_n J_n^\top G_n J_n,\quad F = \frac1N\sum_n J_n^\top F_n J_n .
 
-Three groups, one name each: the exact curvature (dense matrices and matrix-free products of
-the GGN, Fisher, empirical Fisher and Hessian), the kfac-jax-named estimator classes, and the
-per-layer approximation report.
+Four groups, one name each: the exact curvature (dense matrices and matrix-free products of
+the GGN, Fisher, empirical Fisher and Hessian), the kfac-jax-named estimator classes, the
+per-layer approximation report, and KFRA's recursive Kronecker factors
+(:func:`kfra_factors`, Botev et al. 2017).
 
 The kfac-jax-named curvature estimators over a :class:`kfac_ref.nn.Sequential` network:
 
@@ -74,6 +75,7 @@ from ._exact import (
 )
 from ._explicit import ExplicitExactCurvature
 from ._implicit import ImplicitExactCurvature
+from ._kfra import kfra_factors
 from ._report import approximation_report, default_approximations, relative_frobenius_error
 
 __all__ = [
@@ -105,6 +107,7 @@ __all__ = [
     "jacobian",
     "jacobian_transpose_vector_product",
     "jacobian_vector_product",
+    "kfra_factors",
     "loss_value_and_grad",
     "monte_carlo_fisher_matrix",
 ]
