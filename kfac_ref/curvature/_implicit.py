@@ -50,7 +50,7 @@ class ImplicitExactCurvature:
         return int(batch[0].shape[0])
 
     def multiply_hessian(self, func_args, parameter_structured_vector):
-        r"""Exact Hessian product (R-operator; :func:`.exact.hessian_vector_product`).
+        r"""Exact Hessian product (R-operator; :func:`~kfac_ref.curvature.hessian_vector_product`).
 
         .. math:: \nabla^2_\theta\mathcal L\, v
         """
