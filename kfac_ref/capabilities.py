@@ -237,7 +237,43 @@ _DASK: dict[str, object] = {
         *(f"blocks.tf.{b}" for b in (
             "FullyConnectedKFACBasicFB", "FullyConnectedMultiIndepFB", "ConvKFCBasicFB",
             "ConvKFCBasicMultiIndepFB", "EmbeddingKFACFB", "FullyConnectedDiagonalFB",
-            "NaiveDiagonalFB", "compute_pi_tracenorm", "compute_pi_adjusted_damping")))},
+            "NaiveDiagonalFB", "compute_pi_tracenorm", "compute_pi_adjusted_damping")),
+        # ... and their bases, KFAC-reduce, the diagonal, embedding and depthwise TF blocks
+        *(f"blocks.kfac_jax.{b}" for b in (
+            "CurvatureBlock", "BlockState", "Diagonal", "TwoKroneckerFactored",
+            "ReducedConv2DTwoKroneckerFactored")),
+        *(f"blocks.tf.{b}" for b in (
+            "FisherBlock", "KroneckerProductFB", "DiagonalFB", "ScaleAndShiftDiagonalFB",
+            "ConvDiagonalFB", "EmbeddingKFACMultiIndepFB", "DepthwiseConvDiagonalFB",
+            "DepthwiseConvKFCBasicFB")),
+        # exact curvature products and matrices; the estimators' products at power 1 and
+        # the K-FAC estimator's factored inverse (exact inverses and eigenvalues raise: no
+        # linalg.eigh)
+        *(f"curvature.{name}" for name in (
+            "ggn_matrix", "fisher_matrix", "hessian_matrix", "empirical_fisher_matrix",
+            "monte_carlo_fisher_matrix", "estimated_matrix", "estimation_output_vectors",
+            "ggn_vector_product", "fisher_vector_product", "hessian_vector_product",
+            "empirical_fisher_vector_product", "ggn_factor_product", "fisher_factor_product",
+            "ggn_factor_transpose_product", "fisher_factor_transpose_product", "jacobian",
+            "jacobian_vector_product", "jacobian_transpose_vector_product",
+            "loss_value_and_grad", "block_diag", "relative_frobenius_error",
+            "BlockDiagonalCurvature", "BlockDiagonalState", "ExplicitExactCurvature",
+            "ImplicitExactCurvature")),
+        # layers and networks: forward, tangent, cotangent and second-order passes
+        *(f"nn.{name}" for name in (
+            "Layer", "Dense", "Conv2D", "Embedding", "ScaleAndShift", "Activation", "Flatten",
+            "MeanPool", "Sequential", "ForwardPass", "activation_derivatives", "permute_vector",
+            "permute_matrix", "to_torch_parameters", "to_kfac_jax_params")),
+        # the optimiser with exact_power=False (the factored inverse; exact_power=True raises)
+        *(f"optim.{name}" for name in (
+            "KFACOptimizer", "OptimizerState", "StepStats", "adapt_damping",
+            "norm_constraint_coefficient", "preconditioned_direction", "quadratic_model")),
+        # the "ekfac" and "diagonal" structures; "kron", "kron_factored" and "full" raise (no
+        # linalg.eigh / linalg.eigvalsh)
+        "laplace.laplace_log_marginal_likelihood", "laplace.laplace_log_marginal_likelihood_grad",
+        # products, dense matrix, trace; eigenvalues and log-determinants of blocks other than
+        # Kronecker ones raise (no linalg.eigvalsh)
+        "operators.CurvatureOperator")},
     **{f"kfac_ref.{name}": _NO_EIGH for name in (
         "linalg.damped_matpower", "linalg.kron_damped_inverse_matvec",
         "linalg.clipped_eigh", "linalg.kron_damped_matpower_matvec", "spectral.kron_eigenvalues",
@@ -247,7 +283,14 @@ _DASK: dict[str, object] = {
         "blocks.block_tridiagonal_multiply_inverse",
         # a full block's every inverse and its eigenvalues take an eigendecomposition
         *(f"blocks.kfac_jax.{b}" for b in (
-            "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")), "blocks.tf.FullFB")},
+            "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull", "Full")),
+        "blocks.tf.FullFB", "blocks.tf.NaiveFullFB", "blocks.tf.ScaleAndShiftFullFB",
+        # EKFAC's eigenbasis and the series inverses are eigendecompositions of the factors
+        *(f"blocks.kfac_jax.{b}" for b in (
+            "EigenbasisKroneckerFactored", "DenseEKFAC", "Conv2DEKFAC")),
+        "blocks.tf.FullyConnectedSeriesFB")},
+    "kfac_ref.curvature.approximation_report": (
+        "no", "it reads values to build its report; call it on concrete arrays"),
     "kfac_ref.losses.AutodiffLoss": ("no", "differentiated by the outputs' own library: "
                                      "pass torch tensors or JAX arrays"),
 }

@@ -77,6 +77,7 @@ from ._backend import (
     any_true,
     asarray_like,
     check_array,
+    check_namespace_has,
     check_option,
     check_scalar,
     check_symmetric,
@@ -219,6 +220,14 @@ def _check_args(func, params, curvature, prior_precision, structure, temperature
         names = ([f"curvature[{g}][{k}]" for k in range(len(leaves))]
                  if isinstance(block, (list, tuple)) else [f"curvature[{g}]"])
         namespace_of(func, **{"params[0]": params[0]}, **dict(zip(names, leaves, strict=True)))
+        # the eigenvalues the structure takes, asked of the namespace before any computation
+        # (a Dask array's has no linalg.eigh nor linalg.eigvalsh)
+        if structure in _KRON and not is_array(block):
+            check_namespace_has(func, names[0], leaves[0], "linalg.eigh",
+                                "the Kronecker factors' eigenvalues")
+        elif structure not in ("ekfac", "diagonal"):
+            check_namespace_has(func, names[0], leaves[0], "linalg.eigvalsh",
+                                "the eigenvalues of a full block")
     prior_precision = _check_prior_precision(func, prior_precision, len(params))
     temperature = check_scalar(func, "temperature", temperature, positive=True)
     prior_mean = _check_prior_mean(func, prior_mean, params)

@@ -421,9 +421,11 @@ class CurvatureOperator:
         operators (the exact curvature, a matvec function) from ``eigvalsh`` of
         :meth:`to_dense` (symmetric operators only).
         """
-        if self._parts is None:
-            return self._dense_eigenvalues(self.to_dense())
-        evs = [self._part_eigenvalues(p) for p in self._parts]
+        # a namespace without linalg.eigh/eigvalsh (Dask's) is refused in this method's name
+        with errors_named("CurvatureOperator.eigenvalues"):
+            if self._parts is None:
+                return self._dense_eigenvalues(self.to_dense())
+            evs = [self._part_eigenvalues(p) for p in self._parts]
         return evs[0] if len(evs) == 1 else self._xp.concat(evs)
 
     def trace(self):
@@ -441,6 +443,10 @@ class CurvatureOperator:
         :math:`\sum_i e_i^\top M e_i` (:math:`\dim` products; see
         :meth:`hutchinson_trace` and :meth:`hutchpp_trace` for estimates).
         """
+        with errors_named("CurvatureOperator.trace"):
+            return self._trace()
+
+    def _trace(self):
         xp = self._xp
         if self._parts is None:
             return xp.sum(xp.linalg.diagonal(self.to_dense()))
@@ -475,6 +481,10 @@ class CurvatureOperator:
         :meth:`to_dense` (``slogdet`` of it when not symmetric).  A singular :math:`M` gives
         sign 0 and :math:`-\infty`, as :func:`numpy.linalg.slogdet`.
         """
+        with errors_named("CurvatureOperator.slogdet"):
+            return self._slogdet()
+
+    def _slogdet(self):
         xp = self._xp
         if self._parts is None:
             dense = self.to_dense()

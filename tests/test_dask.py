@@ -13,23 +13,30 @@ These tests check three things against eager NumPy on the same data:
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from array_api_compat import array_namespace
 
 import kfac_ref as K
+import kfac_ref.curvature as curv
+import kfac_ref.nn as knn
 from kfac_ref import (
     averaging,
     blocks,
     compute_cov,
     conv_geometry,
     factors,
+    laplace,
     losses,
+    optim,
     patches,
     spectral,
 )
 from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.conv_geometry import ConvGeometry
+from kfac_ref.operators import CurvatureOperator
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
@@ -57,8 +64,11 @@ def test_declarations_are_what_is_exercised():
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
     classes |= {f"kfac_ref.losses.{c}" for c in _LOSS_BASES}
     classes |= {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_BLOCKS if b not in _KJ_FULL}
-    classes |= {f"kfac_ref.blocks.tf.{b}" for b in _TF_BLOCKS
-                if b != "FullFB" and not b.endswith("-diag-input")}
+    classes |= {f"kfac_ref.blocks.tf.{b}" for b in (*_TF_BLOCKS, *_TF_BASES)
+                if b not in _TF_FULL and not b.endswith("-diag-input")}
+    classes |= {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_BASES}
+    classes |= {f"kfac_ref.nn.{c}" for c in _NN_BASES}
+    classes |= {f"kfac_ref.optim.{c}" for c in _OPTIM_STATES}
     assert declared == DASK_EXERCISED | set(DASK_CALLS) | classes
 
 
@@ -447,11 +457,434 @@ _KRON_BLOCK_REFUSED = {
         f(_A), f(_B), f(_V32), -1.0, 0.1, norm_type="2_norm")],
 }
 
-# Modules whose "dask" column is complete: no entry of theirs is left "untested".
-DASK_WALKED = ("kfac_ref.linalg.", "kfac_ref.spectral.", "kfac_ref.factors.",
-               "kfac_ref.averaging.", "kfac_ref.patches.", "kfac_ref.conv_geometry.",
-               "kfac_ref.losses.",
-               *(f"kfac_ref.blocks.{name}" for name in blocks.__all__ if name[0].islower()))
+# --------------------------------------------------------------------------------------
+# Networks, exact curvature, estimators, the optimiser, the Laplace evidence and operators
+# on Dask arrays: parameters and a batch chunked along its first axis
+# --------------------------------------------------------------------------------------
+_N = np.random.default_rng(20261207)
+
+
+def _gauss(f, y):
+    return losses.NormalMeanNegativeLogProbLoss(f, y, variance=0.5)
+
+
+def _ce(f, y):
+    return losses.CategoricalLogitsNegativeLogProbLoss(f, targets=y)
+
+
+_NET = knn.Sequential([("d1", knn.Dense(3, 4)), ("a1", knn.Activation("tanh")),
+                       ("d2", knn.Dense(4, 2))])
+_NX, _NY = _N.standard_normal((8, 3)), _N.standard_normal((8, 2))
+_NP = _NET.init_params(_N, np.zeros(1))
+_NV = _N.standard_normal(_NET.num_params)
+_CONV = knn.Sequential([("c", knn.Conv2D(2, 2, (2, 2), padding="SAME")),
+                        ("p", knn.MeanPool()), ("d", knn.Dense(2, 3))])
+_CX, _CY = _N.standard_normal((4, 3, 3, 2)), _N.integers(0, 3, 4)
+_CP = _CONV.init_params(_N, np.zeros(1))
+_CV = _N.standard_normal(_CONV.num_params)
+
+
+def _params(f, params=_NP):
+    return tuple(tuple(f(a) for a in layer) for layer in params)
+
+
+def _problem(f):
+    """(net, loss, params, batch) of the MLP under a Gaussian loss."""
+    return _NET, _gauss, _params(f), (f(_NX), f(_NY))
+
+
+def _estimator(f, cls=curv.BlockDiagonalCurvature, mode="ggn_exact", **init_kw):
+    """An estimator of the MLP after two curvature updates (EMA 0.5) in ``mode``."""
+    est = cls(_NET, _gauss, default_estimation_mode=mode)
+    fa = (_params(f), (f(_NX), f(_NY)))
+    st = est.init(None, fa, **init_kw)
+    for _ in range(2):
+        st = est.update_curvature_matrix_estimate(st, 0.5, 1.0, 8, np.random.default_rng(3),
+                                                  fa)
+    return est, st
+
+
+def _estimator_products(f, cls=curv.BlockDiagonalCurvature, mode="ggn_exact"):
+    kfac = cls is curv.BlockDiagonalCurvature
+    est, st = _estimator(f, cls, mode, **({"approx_powers_to_cache": -1.0} if kfac else {}))
+    out = [est.to_dense_matrix(st), est.to_diagonal_block_dense_matrix(st),
+           est.multiply_matpower(st, f(_NV), 0.1, 1.0, False, False),
+           est.multiply_matpower(st, _NET.unflatten(f(_NV)), 0.1, 1.0, True, False)]
+    if kfac:  # the factored (Cholesky) inverse, fresh and cached
+        out.append(est.multiply_matpower(st, f(_NV), 0.1, -1.0, False, False))
+        cached = est.update_cache(st, 0.1, None, -1.0, False)
+        out.append(est.multiply_matpower(cached, f(_NV), 0.1, -1.0, False, True))
+        out.append(est.to_dense_matrix(est.sync(st, batch_sizes=[8])))
+    return out
+
+
+def _implicit(f):
+    est = curv.ImplicitExactCurvature(_NET, _gauss)
+    fa = (_params(f), (f(_NX), f(_NY)))
+    v = _NET.unflatten(f(_NV))
+    return [est.multiply_ggn(fa, v), est.multiply_fisher(fa, v), est.multiply_hessian(fa, v),
+            est.multiply_fisher_factor_transpose(fa, v), est.multiply_ggn_factor_transpose(fa, v),
+            est.multiply_fisher_factor(fa, f(_NY)), est.multiply_ggn_factor(fa, f(_NY)),
+            est.multiply_jacobian(fa, v), est.multiply_jacobian_transpose(fa, ((f(_NY),),))]
+
+
+def _reduced_conv(f):
+    """KFAC-reduce of a convolution (ReducedConv2DTwoKroneckerFactored) in an estimator."""
+    est = curv.BlockDiagonalCurvature(_CONV, _ce, weight_sharing="reduce")
+    fa = (_params(f, _CP), (f(_CX), f(_CY)))
+    st = est.update_curvature_matrix_estimate(est.init(None, fa), 0.0, 1.0, 4, None, fa,
+                                              "ggn_exact")
+    assert type(est.blocks[0]).__name__ == "ReducedConv2DTwoKroneckerFactored"
+    return [est.to_dense_matrix(st), est.multiply_matpower(st, f(_CV), 0.1, -1.0, False, False)]
+
+
+DASK_CALLS.update({
+    "kfac_ref.curvature.ggn_matrix": lambda f: curv.ggn_matrix(*_problem(f)),
+    "kfac_ref.curvature.fisher_matrix": lambda f: curv.fisher_matrix(*_problem(f)),
+    "kfac_ref.curvature.hessian_matrix": lambda f: curv.hessian_matrix(*_problem(f)),
+    "kfac_ref.curvature.empirical_fisher_matrix": lambda f: [
+        curv.empirical_fisher_matrix(*_problem(f), normalization=n)
+        for n in curv.EMPIRICAL_FISHER_NORMALIZATIONS],
+    "kfac_ref.curvature.ggn_vector_product": lambda f: curv.ggn_vector_product(
+        *_problem(f), f(_NV)),
+    "kfac_ref.curvature.fisher_vector_product": lambda f: curv.fisher_vector_product(
+        *_problem(f), f(_NV)),
+    "kfac_ref.curvature.hessian_vector_product": lambda f: curv.hessian_vector_product(
+        *_problem(f), f(_NV)),
+    "kfac_ref.curvature.empirical_fisher_vector_product": lambda f:
+        curv.empirical_fisher_vector_product(*_problem(f), f(_NV)),
+    "kfac_ref.curvature.loss_value_and_grad": lambda f: curv.loss_value_and_grad(*_problem(f)),
+    "kfac_ref.curvature.jacobian": lambda f: [
+        curv.jacobian(_NET, _params(f), f(_NX)),
+        curv.jacobian(_CONV, _params(f, _CP), f(_CX))],
+    "kfac_ref.curvature.jacobian_vector_product": lambda f: curv.jacobian_vector_product(
+        _NET, _params(f), f(_NX), f(_NV)),
+    "kfac_ref.curvature.jacobian_transpose_vector_product": lambda f:
+        curv.jacobian_transpose_vector_product(_NET, _params(f), f(_NX), f(_NY)),
+    "kfac_ref.curvature.ggn_factor_product": lambda f: curv.ggn_factor_product(
+        *_problem(f), f(_NY)),
+    "kfac_ref.curvature.fisher_factor_product": lambda f: curv.fisher_factor_product(
+        *_problem(f), f(_NY)),
+    "kfac_ref.curvature.ggn_factor_transpose_product": lambda f:
+        curv.ggn_factor_transpose_product(*_problem(f), f(_NV)),
+    "kfac_ref.curvature.fisher_factor_transpose_product": lambda f:
+        curv.fisher_factor_transpose_product(*_problem(f), f(_NV)),
+    "kfac_ref.curvature.monte_carlo_fisher_matrix": lambda f: curv.monte_carlo_fisher_matrix(
+        *_problem(f), np.random.default_rng(2), num_samples=2),
+    "kfac_ref.curvature.estimated_matrix": lambda f: [
+        curv.estimated_matrix(*_problem(f), m, rng=np.random.default_rng(2))
+        for m in curv.ESTIMATION_MODES],
+    "kfac_ref.curvature.estimation_output_vectors": lambda f: [
+        curv.estimation_output_vectors(*_problem(f), m, rng=np.random.default_rng(2))
+        for m in curv.ESTIMATION_MODES],
+    "kfac_ref.curvature.block_diag": lambda f: curv.block_diag([f(_A), f(_B)]),
+    "kfac_ref.curvature.relative_frobenius_error": lambda f: curv.relative_frobenius_error(
+        f(_A), f(_A * 1.1)),
+    # every estimation mode; products at power 1, the factored inverse, cache and sync
+    "kfac_ref.curvature.BlockDiagonalCurvature": lambda f: [
+        _estimator_products(f, mode=m) for m in curv.ESTIMATION_MODES],
+    "kfac_ref.curvature.BlockDiagonalState": lambda f: list(
+        _estimator(f)[1].blocks_states[0].statistics[0].value),
+    "kfac_ref.curvature.ExplicitExactCurvature": lambda f: _estimator_products(
+        f, curv.ExplicitExactCurvature),
+    "kfac_ref.curvature.ImplicitExactCurvature": _implicit,
+    "kfac_ref.blocks.kfac_jax.ReducedConv2DTwoKroneckerFactored": _reduced_conv,
+})
+
+
+def _layer_products(f, layer, shape, ids=False):
+    """A layer's forward pass, tangent, input cotangent, parameter gradients (summed and
+    per example) and second-order pass, as the network's passes call them."""
+    rng = np.random.default_rng(9)
+    x = rng.integers(0, 6, shape) if ids else rng.standard_normal(shape)
+    p = tuple(f(a) for a in layer.init_params(rng, np.zeros(1)))
+    y = layer.forward(p, f(x))
+    g = f(rng.standard_normal(tuple(y.shape)))
+    out = [y]
+    if p:
+        out += [layer.param_grads(p, f(x), g), layer.param_grads(p, f(x), g, per_example=True)]
+    if not ids:
+        dx = f(rng.standard_normal(shape))
+        t = tuple(f(rng.standard_normal(tuple(a.shape))) for a in p)
+        out += [layer.jvp(p, f(x), t, dx), layer.vjp_input(p, f(x), g),
+                layer.rvjp(p, f(x), t, dx, g, g)]
+    return out
+
+
+_LAYERS = {
+    "Dense": (lambda: knn.Dense(3, 2), (6, 3)),
+    "Conv2D": (lambda: knn.Conv2D(2, 3, (2, 2), padding="SAME"), (4, 3, 3, 2)),
+    "ScaleAndShift": (lambda: knn.ScaleAndShift(2), (4, 3, 2)),
+    "Activation": (lambda: knn.Activation("tanh"), (6, 3)),
+    "Flatten": (lambda: knn.Flatten(), (4, 3, 2)),
+    "MeanPool": (lambda: knn.MeanPool(), (4, 3, 3, 2)),
+}
+for _name, (_make, _shape) in _LAYERS.items():
+    DASK_CALLS[f"kfac_ref.nn.{_name}"] = (
+        lambda make, shape: lambda f: _layer_products(f, make(), shape))(_make, _shape)
+
+
+def _sequential(f):
+    p, x, g = _params(f), f(_NX), f(_NY)
+    v = _NET.unflatten(f(_NV))
+    fp = _NET.forward_pass(p, x)
+    return [_NET.forward(p, x), fp.output, list(fp.inputs), _NET.jvp(p, x, v),
+            _NET.vjp(p, x, g), _NET.vjp(p, x, g, per_example=True), _NET.flatten(p),
+            _NET.unflatten(f(_NV)), _NET.backward_with_cotangents(p, x, g),
+            _NET.second_order_backward(p, x, v, lambda fo, fd: (fo - g, fd)),
+            _NET.init_params(np.random.default_rng(1), f(np.zeros(1)))]
+
+
+_PERM = knn.torch_permutation(_NET)
+DASK_CALLS.update({
+    "kfac_ref.nn.Embedding": lambda f: _layer_products(f, knn.Embedding(6, 3), (8,), ids=True),
+    "kfac_ref.nn.Sequential": _sequential,
+    "kfac_ref.nn.ForwardPass": lambda f: (lambda fp: [fp.output, *fp.inputs])(
+        _NET.forward_pass(_params(f), f(_NX))),
+    "kfac_ref.nn.activation_derivatives": lambda f: [
+        knn.activation_derivatives(k, f(_NX)) for k in knn.ACTIVATIONS],
+    "kfac_ref.nn.permute_vector": lambda f: knn.permute_vector(f(_NV), _PERM),
+    "kfac_ref.nn.permute_matrix": lambda f: knn.permute_matrix(
+        f(np.outer(_NV, _NV[::-1])), _PERM),
+    "kfac_ref.nn.to_torch_parameters": lambda f: list(
+        knn.to_torch_parameters(_NET, _params(f)).values()),
+    "kfac_ref.nn.to_kfac_jax_params": lambda f: [
+        v for d in knn.to_kfac_jax_params(_NET, _params(f)).values() for v in d.values()],
+})
+# the base class's machinery runs in every layer above
+_NN_BASES = ("Layer",)
+
+_QV, _QC, _QG = _N.standard_normal((2, 5)), _spd(5), _N.standard_normal(5)
+_QA, _QD, _QB = _QV @ _QC @ _QV.T, _QV @ _QV.T, _QV @ _QG
+
+
+def _optimizer_run(f, **options):
+    """Two steps of K-FAC on the MLP: the parameters, the damping and the step's loss."""
+    est = curv.BlockDiagonalCurvature(_NET, _gauss, default_estimation_mode="ggn_exact")
+    opt = optim.KFACOptimizer(_NET, _gauss, est, exact_power=False, **options)
+    params, batch = _params(f), (f(_NX), f(_NY))
+    state = opt.init(params, batch)
+    for _ in range(2):
+        params, state = opt.step(state, params, batch)
+    return [params, state.damping, state.velocity, state.stats.loss, state.stats.damping]
+
+
+def _preconditioned(f):
+    est, st = _estimator(f)
+    g = curv.loss_value_and_grad(*_problem(f))[1]
+    return optim.preconditioned_direction(est, st, g, 0.2, exact_power=False)
+
+
+DASK_CALLS.update({
+    "kfac_ref.optim.quadratic_model": lambda f: [
+        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3),
+        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3, include_damping_in_change=True),
+        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3, fixed_coefficients=(None, 0.4))],
+    "kfac_ref.optim.norm_constraint_coefficient": lambda f: optim.norm_constraint_coefficient(
+        f(_QG), f(_QG * 2.0 + 0.1), 0.5, 0.01),
+    "kfac_ref.optim.adapt_damping": lambda f: [
+        optim.adapt_damping(1.0, f(np.array(1.0)), f(np.array(new)), f(np.array(-1.0)), 0.5,
+                            rule=rule)
+        for new in (0.9, 0.5, 0.1) for rule in optim.DAMPING_RULES],
+    "kfac_ref.optim.preconditioned_direction": _preconditioned,
+    # fixed learning rate and momentum; the quadratic model with damping adaptation; adam
+    # momentum with a norm constraint and weight decay (the factored inverse: exact_power
+    # needs an eigendecomposition, refused below)
+    "kfac_ref.optim.KFACOptimizer": lambda f: [
+        _optimizer_run(f, learning_rate=0.1, momentum=0.5),
+        _optimizer_run(f, momentum_type="qmodel", adapt_damping=True,
+                       damping_adaptation_interval=1),
+        _optimizer_run(f, momentum_type="adam", learning_rate=0.1, momentum=0.5,
+                       norm_constraint=0.01, weight_decay=0.01)],
+})
+# the optimiser's state and step statistics are read in every run above
+_OPTIM_STATES = ("OptimizerState", "StepStats")
+
+
+def _laplace_problem(f, structure):
+    import test_laplace
+
+    params, curvature, _ = test_laplace.problem(np.random.default_rng(12), structure)
+    return ([f(p) for p in params],
+            [tuple(f(a) for a in c) if isinstance(c, tuple) else f(c) for c in curvature])
+
+
+# the structures whose eigenvalues need no eigendecomposition; "kron", "kron_factored" and
+# "full" are refused (below)
+_LAPLACE_LAZY = ("ekfac", "diagonal")
+_PRIORS = np.array([0.7, 1.3])  # one prior precision per group
+DASK_CALLS.update({
+    "kfac_ref.laplace.laplace_log_marginal_likelihood": lambda f: [
+        laplace.laplace_log_marginal_likelihood(-7.25, *_laplace_problem(f, s), 0.7,
+                                                structure=s, temperature=0.9)
+        for s in _LAPLACE_LAZY],
+    "kfac_ref.laplace.laplace_log_marginal_likelihood_grad": lambda f: [
+        laplace.laplace_log_marginal_likelihood_grad(*_laplace_problem(f, s), f(_PRIORS),
+                                                     structure=s) for s in _LAPLACE_LAZY],
+})
+
+
+def _operators(f):
+    est, st = _estimator(f)
+    kfac = CurvatureOperator.from_estimator(est, st, 0.1)
+    exact = [CurvatureOperator.from_exact(*_problem(f), curvature=c)
+             for c in ("ggn", "fisher", "empirical_fisher", "hessian")]
+    m = f(_A)
+    dense = CurvatureOperator(lambda v: m @ v, m, 4)
+    two = f(np.stack([_NV, _NV * 2.0], axis=1))
+    return [kfac.matvec(f(_NV)), kfac.matmat(two), kfac.to_dense(), kfac.trace(),
+            [(op.matvec(f(_NV)), op.rmatmat(two)) for op in exact],
+            dense.matvec(f(np.ones(4))), dense.to_dense(), dense.trace(), dense @ f(_PROBES),
+            dense.hutchinson_trace(4, np.random.default_rng(1))]
+
+
+DASK_CALLS["kfac_ref.operators.CurvatureOperator"] = _operators
+
+
+def _ekfac_product(f, conv=False):
+    rng = np.random.default_rng(4)
+    if conv:
+        block = kj.Conv2DEKFAC(inputs_shape=(6, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
+                               padding="VALID")
+        data = {"inputs": rng.standard_normal((6, 3, 3, 1)),
+                "outputs_grad": rng.standard_normal((6, 2, 2, 2))}
+    else:
+        block = kj.DenseEKFAC(3, 2)
+        data = {"inputs": rng.standard_normal((6, 3)),
+                "outputs_grad": rng.standard_normal((6, 2))}
+    state = block.update_curvature_matrix_estimate(
+        block.init(f(np.zeros(1))), {k: f(v) for k, v in data.items()}, 0.0, 1.0, 6)
+    vec = tuple(f(rng.standard_normal(s)) for s in block.parameters_shapes)
+    return block.multiply(state, vec, 0.1, exact_power=False, use_cached=False)
+
+
+def _series_inverse(f):
+    a, g = _spd(4), _spd(3)
+    block = blocks.tf.FullyConnectedSeriesFB(f(a), f(g), 0.1, 3, True, input_cov_dt1=f(a * 0.1),
+                                             output_cov_dt1=f(g * 0.1))
+    return block.multiply_inverse((f(np.ones((3, 3))), f(np.ones(3))))
+
+
+def _dense_full_product(f):
+    import test_blocks_kfac_jax as shared
+
+    cell = _DaskCell if f is _dask else np
+    block, state, _, _ = shared.make_state(cell, np.random.default_rng(0), "DenseFull")
+    vec = tuple(f(np.ones(s)) for s in block.parameters_shapes)
+    return block.multiply_inverse(state, vec, 0.1, exact_power=False, use_cached=False)
+
+
+_NO_EIGH_AT = "the array namespace array_api_compat.dask.array has no {}"
+# Objects declared "no" for Dask whose refusal is raised by a method (not at a function's
+# boundary): the call, and the start of the error it must raise on Dask arrays.
+DASK_REFUSED_METHODS = {
+    "kfac_ref.blocks.kfac_jax.DenseEKFAC": (
+        "DenseEKFAC.multiply: " + _NO_EIGH_AT.format("linalg.eigh"), _ekfac_product),
+    "kfac_ref.blocks.kfac_jax.Conv2DEKFAC": (
+        "Conv2DEKFAC.multiply: " + _NO_EIGH_AT.format("linalg.eigh"),
+        lambda f: _ekfac_product(f, conv=True)),
+    "kfac_ref.blocks.kfac_jax.EigenbasisKroneckerFactored": (
+        "DenseEKFAC.multiply: " + _NO_EIGH_AT.format("linalg.eigh"), _ekfac_product),
+    "kfac_ref.blocks.kfac_jax.Full": (
+        "DenseFull.multiply_inverse: " + _NO_EIGH_AT.format("linalg.eigh"), _dense_full_product),
+    "kfac_ref.blocks.tf.FullyConnectedSeriesFB": (
+        "FullyConnectedSeriesFB.multiply_matpower: " + _NO_EIGH_AT.format("linalg.eigh"),
+        _series_inverse),
+    "kfac_ref.curvature.approximation_report": (
+        "approximation_report: cannot run under jax.jit or on lazy arrays",
+        lambda f: curv.approximation_report(*_problem(f))),
+}
+
+
+def _estimator_refusals(cls):
+    short = cls.__name__
+    eigh = _NO_EIGH_AT.format("linalg.eigh")
+    block = short if cls is curv.ExplicitExactCurvature else "DenseTwoKroneckerFactored"
+    return [
+        (f"{short}.multiply_matpower: {eigh}", lambda f: (lambda est, st: est.multiply_matpower(
+            st, f(_NV), 0.1, -1.0, True, False))(*_estimator(f, cls))),
+        (f"{short}.update_cache: {eigh}", lambda f: (lambda est, st: est.update_cache(
+            st, 0.1, -1.0, None, False))(*_estimator(f, cls, exact_powers_to_cache=-1.0))),
+        (f"{block}.eigenvalues: {eigh}", lambda f: (lambda est, st: est.eigenvalues(st))(
+            *_estimator(f, cls))),
+    ]
+
+
+def _operator_refusal(method):
+    def call(f):
+        m = f(_A)
+        return getattr(CurvatureOperator(lambda v: m @ v, m, 4), method)()
+    return (f"CurvatureOperator.{method}: " + _NO_EIGH_AT.format("linalg.eigvalsh"), call)
+
+
+def _laplace_refusals(func):
+    def call(structure):
+        def run(f):
+            params, curvature = _laplace_problem(f, structure)
+            if func is laplace.laplace_log_marginal_likelihood:
+                return func(-7.25, params, curvature, 0.7, structure=structure)
+            return func(params, curvature, 0.7, structure=structure)
+        return run
+
+    needs = {"kron": ("curvature[0][0]", "linalg.eigh"),
+             "kron_factored": ("curvature[0][0]", "linalg.eigh"),
+             "full": ("curvature[0]", "linalg.eigvalsh")}
+    return [(f"{func.__name__}: {re.escape(arg)} must be an array whose namespace has {what} "
+             f".*which has no {what}", call(s)) for s, (arg, what) in needs.items()]
+
+
+# The paths of objects declared "yes" that need what the Dask namespace lacks (an
+# eigendecomposition): each raises kfac_ref's error at the call, before computing.
+DASK_PARTIAL_REFUSALS = {
+    "kfac_ref.curvature.BlockDiagonalCurvature": _estimator_refusals(
+        curv.BlockDiagonalCurvature),
+    "kfac_ref.curvature.ExplicitExactCurvature": _estimator_refusals(
+        curv.ExplicitExactCurvature),
+    "kfac_ref.optim.KFACOptimizer": [
+        ("BlockDiagonalCurvature.update_cache: " + _NO_EIGH_AT.format("linalg.eigh"),
+         lambda f: (lambda opt, p, b: opt.step(opt.init(p, b), p, b))(
+             optim.KFACOptimizer(_NET, _gauss, curv.BlockDiagonalCurvature(
+                 _NET, _gauss, default_estimation_mode="ggn_exact"), learning_rate=0.1,
+                 momentum=0.5), _params(f), (f(_NX), f(_NY))))],
+    "kfac_ref.optim.preconditioned_direction": [
+        ("BlockDiagonalCurvature.multiply_matpower: " + _NO_EIGH_AT.format("linalg.eigh"),
+         lambda f: (lambda est, st: optim.preconditioned_direction(
+             est, st, f(_NV), 0.2, exact_power=True))(*_estimator(f)))],
+    "kfac_ref.laplace.laplace_log_marginal_likelihood": _laplace_refusals(
+        laplace.laplace_log_marginal_likelihood),
+    "kfac_ref.laplace.laplace_log_marginal_likelihood_grad": _laplace_refusals(
+        laplace.laplace_log_marginal_likelihood_grad),
+    "kfac_ref.operators.CurvatureOperator": [_operator_refusal("eigenvalues"),
+                                             _operator_refusal("slogdet")],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DASK_REFUSED_METHODS))
+def test_dask_refused_by_a_method(name):
+    """An object declared "no" for Dask: the same call works on NumPy and raises kfac_ref's
+    error naming the method and what is missing on Dask arrays, before computing."""
+    from kfac_ref import KFACTypeError
+
+    pattern, call = DASK_REFUSED_METHODS[name]
+    call(np.asarray)
+    with pytest.raises(KFACTypeError, match="^" + re.escape(pattern)):
+        call(_dask)
+
+
+@pytest.mark.parametrize("name", sorted(DASK_PARTIAL_REFUSALS))
+def test_dask_eigen_paths_of_supported_objects_refused(name):
+    """The paths of an object declared "yes" that need an eigendecomposition: each works on
+    NumPy and raises kfac_ref's error (naming the method or argument and linalg.eigh /
+    linalg.eigvalsh) on Dask arrays — never an AttributeError or a number."""
+    from kfac_ref import KFACTypeError
+
+    for pattern, call in DASK_PARTIAL_REFUSALS[name]:
+        call(np.asarray)
+        with pytest.raises(KFACTypeError, match="^" + (
+                pattern if "must be" in pattern else re.escape(pattern))):
+            call(_dask)
+
+
 
 # The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
 # diagonal factors) every power run lazily; a dense factor's eigendecomposition paths raise
@@ -504,22 +937,25 @@ def _short(dotted):
     return dotted.rsplit(".", 1)[-1]
 
 
-def test_the_walked_modules_have_no_untested_dask_entry():
-    """Every object of the walked modules is declared "yes" (with a call here or in the
-    chunked tests above) or "no" (with a call that raises) for Dask — none "untested"."""
+def test_no_public_object_is_untested_on_dask():
+    """Every public object that takes arrays, in every module, is declared "yes" (with a
+    call here or in the chunked tests above) or "no" (with a call that raises) for Dask —
+    none "untested"."""
     from kfac_ref import capabilities
 
     table = capabilities.support_table()
     arrays = {n for n, s in table.items() if s.state("numpy") != "n/a"}
-    walked = {n for n in arrays if n.startswith(DASK_WALKED)
-              and not n.startswith(("kfac_ref.blocks.kfac_jax.", "kfac_ref.blocks.tf."))}
     classes = {f"kfac_ref.factors.{c}" for c in (*DASK_FACTOR_CLASSES, *_FACTOR_BASES)}
     assert classes <= arrays
-    left = sorted(n for n in walked if table[n].state("dask") == "untested")
-    assert not left, f"'untested' Dask entries in {DASK_WALKED}: {left}"
+    modules = {n.rsplit(".", 1)[0] for n in arrays}
+    assert {"kfac_ref.curvature", "kfac_ref.nn", "kfac_ref.optim", "kfac_ref.laplace",
+            "kfac_ref.operators", "kfac_ref.blocks.kfac_jax", "kfac_ref.blocks.tf"} <= modules
+    left = sorted(n for n in arrays if table[n].state("dask") == "untested")
+    assert not left, f"'untested' Dask entries: {left}"
     refused = {n for n, s in table.items() if s.state("dask") == "no"}
-    assert refused == set(DASK_REFUSED) | {f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_FULL} | {
-        "kfac_ref.blocks.tf.FullFB"}
+    assert refused == set(DASK_REFUSED) | set(DASK_REFUSED_METHODS) | {
+        f"kfac_ref.blocks.kfac_jax.{b}" for b in _KJ_FULL} | {
+        f"kfac_ref.blocks.tf.{b}" for b in _TF_FULL}
 
 
 @pytest.mark.parametrize("name", sorted(DASK_CALLS))
@@ -705,6 +1141,8 @@ _KJ_FULL = ("NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")
 _KJ_BLOCKS = ("ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
               "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
               "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD", *_KJ_FULL)
+# the base classes' machinery runs in every block below
+_KJ_BASES = ("CurvatureBlock", "BlockState", "Diagonal", "TwoKroneckerFactored")
 _KJ_EIGEN_FREE = {"ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
                   "ScaleAndShiftDiagonal"}
 
@@ -801,13 +1239,42 @@ def _tf_blocks(cell):
                                                  [(3, 3), (3,)]), vec)
     out["FullFB"] = (tf.FullFB(cell.asarray(random_spd(rng, 12, 0.5, 2.0)), 0.3,
                                [(3, 3), (3,)]), vec)
+    out["NaiveFullFB"] = (tf.NaiveFullFB(cell.asarray(random_spd(rng, 12, 0.5, 2.0)), 0.3,
+                                         [(3, 3), (3,)]), vec)
+    out["DiagonalFB"] = (tf.DiagonalFB(cell.asarray(d.reshape(-1)), 0.3, [(3, 3), (3,)]), vec)
+    ss_vec = (cell.asarray(rng.standard_normal(3)), cell.asarray(rng.standard_normal(3)))
+    out["ScaleAndShiftFullFB"] = (tf.ScaleAndShiftFullFB(
+        cell.asarray(random_spd(rng, 6, 0.5, 2.0)), 0.3), ss_vec)
+    out["ScaleAndShiftDiagonalFB"] = (tf.ScaleAndShiftDiagonalFB(
+        cell.asarray(rng.uniform(0.5, 2.0, 6)), 0.3), ss_vec)
+    out["ConvDiagonalFB"] = (tf.ConvDiagonalFB(cell.asarray(d), 0.3, (1, 3, 1, 3),
+                                               has_bias=True, num_locations=4),
+                             (cell.asarray(rng.standard_normal((1, 3, 1, 3))), vec[1]))
+    out["EmbeddingKFACMultiIndepFB"] = (tf.EmbeddingKFACMultiIndepFB(
+        cell.asarray(rng.uniform(0.5, 2.0, 4)), cell.asarray(random_spd(rng, 3, 0.5, 2.0)),
+        0.3, 3), cell.asarray(rng.standard_normal((4, 3))))
+    # depthwise blocks from a batch (chunked on Dask): inputs [N, H, W, C], output
+    # gradients [N, H', W', C·M] of a VALID 2 × 3 depthwise kernel with multiplier 2
+    x, gy = rng.standard_normal((4, 5, 5, 2)), rng.standard_normal((4, 4, 3, 4))
+    dw_vec = cell.asarray(rng.standard_normal((2, 3, 2, 2)))
+    for name in ("DepthwiseConvDiagonalFB", "DepthwiseConvKFCBasicFB"):
+        out[name] = (getattr(tf, name).from_data(cell.asarray(x), cell.asarray(gy), 0.3,
+                                                 (2, 3, 2, 2), "VALID"), dw_vec)
     return out
 
 
 _TF_BLOCKS = ("FullyConnectedKFACBasicFB", "FullyConnectedKFACBasicFB-diag-input",
               "FullyConnectedMultiIndepFB", "ConvKFCBasicFB", "ConvKFCBasicMultiIndepFB",
-              "EmbeddingKFACFB", "FullyConnectedDiagonalFB", "NaiveDiagonalFB", "FullFB")
-_TF_DIAGONAL = {"FullyConnectedDiagonalFB", "NaiveDiagonalFB"}
+              "EmbeddingKFACFB", "FullyConnectedDiagonalFB", "NaiveDiagonalFB", "FullFB",
+              "NaiveFullFB", "DiagonalFB", "ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB",
+              "ConvDiagonalFB", "EmbeddingKFACMultiIndepFB", "DepthwiseConvDiagonalFB",
+              "DepthwiseConvKFCBasicFB")
+_TF_DIAGONAL = {"FullyConnectedDiagonalFB", "NaiveDiagonalFB", "DiagonalFB",
+                "ScaleAndShiftDiagonalFB", "ConvDiagonalFB", "DepthwiseConvDiagonalFB"}
+# the base classes' machinery runs in every block above
+_TF_BASES = ("FisherBlock", "KroneckerProductFB")
+# full blocks: every inverse and power takes an eigendecomposition (declared "no")
+_TF_FULL = ("FullFB", "NaiveFullFB", "ScaleAndShiftFullFB")
 
 
 @pytest.mark.parametrize("name", _TF_BLOCKS)
@@ -821,7 +1288,7 @@ def test_dask_tf_block_agrees_with_numpy_or_refuses(name):
     lazy_block, lazy_vec = _tf_blocks(_DaskTFCell)[name]
     eager = _tf_products(eager_block, eager_vec)
     eigen = set() if name in _TF_DIAGONAL else {"multiply_matpower"} | (
-        {"multiply_inverse"} if name == "FullFB" else set())
+        {"multiply_inverse"} if name in _TF_FULL else set())
     for what, call in _tf_products(lazy_block, lazy_vec).items():
         if what in eigen:
             with pytest.raises(KFACTypeError, match=f"^{lazy_block.__class__.__name__}"
@@ -834,3 +1301,4 @@ def test_dask_tf_block_agrees_with_numpy_or_refuses(name):
         for g, e in zip(dask.compute(*got, scheduler="sync"), _flat(eager[what]()),
                         strict=True):
             _close(np.asarray(g), np.asarray(e, dtype=np.float64))
+

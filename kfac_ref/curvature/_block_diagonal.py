@@ -17,6 +17,7 @@ from .._backend import (
     check_int,
     check_option,
     check_scalar,
+    errors_named,
     is_lazy,
     namespace_of,
     value_checks,
@@ -425,7 +426,8 @@ class BlockDiagonalCurvature(EstimatorBase):
         func = "BlockDiagonalCurvature.update_cache"
         self._check_state(func, state)
         ws = self._weights(func, identity_weight)
-        with _statistics_named(func, state):
+        # a kernel's unnamed error (a namespace without linalg.eigh) in this method's name
+        with errors_named(func), _statistics_named(func, state):
             return BlockDiagonalState(tuple(
                 bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
                                 norm_to_scale_identity_weight_per_block)
