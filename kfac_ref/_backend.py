@@ -367,7 +367,7 @@ def check_eager(func: str, why: str, **arrays: Any) -> None:
         if x is not None and is_array(x) and is_lazy(x):
             raise KFACTypeError(
                 f"{func}: cannot run under jax.jit or on lazy arrays ({why}); {name} must be "
-                f"an eager array; got a lazy {describe(x)}.")
+                f"an eager array; got {describe(x)} (lazy).")
 
 
 _MISSING: dict[tuple[Any, str], bool] = {}
