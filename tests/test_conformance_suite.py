@@ -1,12 +1,12 @@
-"""pytest entry point of the conformance suite: one test per catalogue case.
-
-Runs the implementation named by ``KFAC_CONFORMANCE_ADAPTER`` (default: kfac_ref) against
-every case (golden files plus live cases they lack), e.g.::
+"""The conformance suite as part of the test suite: the adapter named by
+``KFAC_CONFORMANCE_ADAPTER`` (default: kfac_ref) against every case (golden files plus live
+cases they lack), through the suite's one runner (the pytest plugin, run in this process by
+:func:`conformance.runner.run_adapter`), e.g.::
 
     KFAC_CONFORMANCE_ADAPTER=kfac_ref_strict python -m pytest tests/test_conformance_suite.py
 
-A failing case fails with the suite's diagnosis; an unsupported capability is a skip with the
-adapter's reason.  ``python -m conformance`` runs the same cases with reports.
+A failing case is listed with the suite's diagnosis.  ``python -m conformance`` runs the same
+cases with reports, and ``pytest --kfac-adapter=NAME`` as one pytest item per case.
 """
 
 from __future__ import annotations
@@ -15,39 +15,31 @@ import pytest
 
 from conformance.adapter import AdapterUnavailable, load_adapter
 from conformance.catalogue import capabilities
+from conformance.pytest_plugin import failure_text
 from conformance.runner import run_adapter
 from conformance.suite import select_cases
 
 _CASES, _ABSENT, _SOURCE = select_cases("auto")
 
 
-@pytest.fixture(scope="module")
-def adapter():
-    try:
-        ad = load_adapter()
-        ad.setup()
-    except AdapterUnavailable as exc:
-        pytest.skip(f"adapter unavailable: {exc}")
-    return ad
-
-
-@pytest.fixture(scope="module")
-def caps():
-    return capabilities()
-
-
 def test_catalogue_is_not_empty():
     assert _CASES, "the conformance catalogue is empty: nothing would be compared"
 
 
-@pytest.mark.parametrize("case", _CASES, ids=[c.id for c in _CASES])
-def test_case(adapter, caps, case):
-    report = run_adapter(adapter, [case], caps)
-    (res,) = report.results
-    if res.status == "skip":
-        pytest.skip(res.message)
-    if res.status == "xfail":
-        pytest.xfail(res.message)
-    assert res.status in ("pass", "convention"), f"{res.status}: {res.message}"
-    if caps[case.capability].statistic is not None:  # a sampler: many seeded calls
-        assert res.message.startswith("statistical route"), res.message
+def test_every_case():
+    try:
+        adapter = load_adapter()
+        adapter.setup()
+    except AdapterUnavailable as exc:
+        pytest.skip(f"adapter unavailable: {exc}")
+    caps = capabilities()
+    report = run_adapter(adapter, _CASES, caps, setup=False)
+    assert [r.case_id for r in report.results] == [c.id for c in _CASES]
+    by_id = {c.id: c for c in _CASES}
+    bad = [failure_text(r, by_id[r.case_id]) for r in report.results
+           if r.status not in ("pass", "convention", "skip", "xfail")]
+    assert not bad, "\n".join(bad)
+    assert report.ok
+    for r in report.results:
+        if caps[r.capability].statistic is not None and r.status != "skip":  # a sampler
+            assert r.message.startswith("statistical route"), r.message
