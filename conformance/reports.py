@@ -151,13 +151,11 @@ def pitfall_meanings(pitfalls) -> list[str]:
 
 
 def failure_text(result) -> str:
-    """One failing or erroring result in plain words: the numbers, then the pitfall's title
-    and the diagnosis's evidence (without the circular "matches what the reference computes
-    with the pitfall ..." when the title already says it)."""
-    message = getattr(result, "message", None)
-    diagnosis = getattr(result, "diagnosis", None)
-    if isinstance(result, dict):
-        message, diagnosis = result.get("message", ""), result.get("diagnosis")
+    """One failing or erroring :class:`~conformance.results.CaseResult` in plain words: the
+    numbers, then the pitfall's title and the diagnosis's evidence (without the circular
+    "matches what the reference computes with the pitfall ..." when the title already says
+    it)."""
+    message, diagnosis = result.message, result.diagnosis
     if not diagnosis:
         return message
     detail = message.split("; diagnosis: ", 1)[0]
