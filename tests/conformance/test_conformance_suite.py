@@ -3,7 +3,8 @@
 cases they lack), through the suite's one runner (the pytest plugin, run in this process by
 :func:`conformance.runner.run_adapter`), e.g.::
 
-    KFAC_CONFORMANCE_ADAPTER=kfac_ref_strict python -m pytest tests/test_conformance_suite.py
+    KFAC_CONFORMANCE_ADAPTER=kfac_ref_strict \
+        python -m pytest tests/conformance/test_conformance_suite.py
 
 A failing case is listed with the suite's diagnosis.  ``python -m conformance`` runs the same
 cases with reports, and ``pytest --kfac-adapter=NAME`` as one pytest item per case.
