@@ -315,6 +315,12 @@ def _is_reference(name) -> bool:
 
 
 def _cmd_run(args) -> int:
+    try:
+        import pytest  # noqa: F401 - the suite's runner (conformance/pytest_plugin.py)
+    except ImportError:
+        print('error: running the suite needs pytest, its runner: python -m pip install '
+              '"pytest>=8" (or kfac_ref[conformance])', file=sys.stderr)
+        return 2
     from .adapter import Adapter, AdapterUnavailable, load_adapter
     from .adapters import broken, external, mutants, shipped
     from .reports import Progress, legend, terminal_summary, write_matrix, write_reports
@@ -452,7 +458,7 @@ def _failure_hint(report, args, paths) -> None:
 def _cmd_golden(args) -> int:
     from .catalogue import build_catalogue, capabilities
     from .golden import GOLDEN_DIR, check_golden, write_golden
-    from .runner import environment
+    from .results import environment
 
     directory = Path(args.dir) if args.dir else GOLDEN_DIR
     cases, absent = build_catalogue()

@@ -19,6 +19,7 @@ from pathlib import Path
 from .diagnosis import DOCS, DOCS_URL_VAR, PITFALLS, docs_link
 from .figures import OUTCOMES
 from .reports import _CIRCULAR
+from .results import RunReport
 
 #: the docs sources of a source checkout (absent from an installed suite)
 _DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -94,8 +95,11 @@ details.formula pre{white-space:pre-wrap;background:#f8f8f8;border:1px solid #dd
 """
 
 
-def html_report(report: dict) -> str:
-    """The HTML page of one run (``report`` = ``RunReport.to_dict()``)."""
+def html_report(report) -> str:
+    """The HTML page of one run: a :class:`~conformance.results.RunReport` or its
+    ``report.json`` form (:meth:`~conformance.results.RunReport.to_dict`)."""
+    if isinstance(report, RunReport):
+        report = report.to_dict()
     a = report["adapter"]
     verdict = "PASSED" if report.get("ok") else "FAILED"
     c = report.get("counts", {})

@@ -1,6 +1,6 @@
-"""Reports: terminal progress and summary table, JSON, JUnit XML, Markdown, a self-contained
-HTML page (:mod:`conformance.html_report`), and the ecosystem matrix (implementation ×
-capability)."""
+"""Renderers of the result model (:mod:`conformance.results`): terminal progress and summary
+table, JSON, JUnit XML, Markdown, a self-contained HTML page (:mod:`conformance.html_report`),
+and the ecosystem matrix (implementation × capability) merged from runs' ``report.json``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from .diagnosis import PITFALLS
-from .runner import RunReport
+from .results import RunReport
 
 __all__ = ["Progress", "terminal_summary", "legend", "write_reports", "write_matrix",
            "matrix_cell", "failure_text", "failure_details", "pitfall_title",
@@ -151,13 +151,11 @@ def pitfall_meanings(pitfalls) -> list[str]:
 
 
 def failure_text(result) -> str:
-    """One failing or erroring result in plain words: the numbers, then the pitfall's title
-    and the diagnosis's evidence (without the circular "matches what the reference computes
-    with the pitfall ..." when the title already says it)."""
-    message = getattr(result, "message", None)
-    diagnosis = getattr(result, "diagnosis", None)
-    if isinstance(result, dict):
-        message, diagnosis = result.get("message", ""), result.get("diagnosis")
+    """One failing or erroring :class:`~conformance.results.CaseResult` in plain words: the
+    numbers, then the pitfall's title and the diagnosis's evidence (without the circular
+    "matches what the reference computes with the pitfall ..." when the title already says
+    it)."""
+    message, diagnosis = result.message, result.diagnosis
     if not diagnosis:
         return message
     detail = message.split("; diagnosis: ", 1)[0]
@@ -283,10 +281,9 @@ def write_reports(report: RunReport, out_dir) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     paths = {"json": d / "report.json", "junit": d / "junit.xml", "markdown": d / "report.md",
              "html": d / "report.html"}
-    data = report.to_dict()
-    paths["json"].write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n",
+    paths["json"].write_text(json.dumps(report.to_dict(), indent=1, ensure_ascii=False) + "\n",
                              encoding="utf-8")
-    paths["html"].write_text(html_report(data), encoding="utf-8")
+    paths["html"].write_text(html_report(report), encoding="utf-8")
     paths["junit"].write_bytes(_junit(report))
     paths["markdown"].write_text(_markdown(report), encoding="utf-8")
     return paths
@@ -327,9 +324,10 @@ def _md_cell(text) -> str:
     return str(text).replace("|", "\\|")
 
 
-def write_matrix(reports: list[dict], out_dir, date: str | None = None) -> dict:
-    """Write matrix.md and matrix.json from report dicts (``RunReport.to_dict()`` or loaded
-    report.json files)."""
+def write_matrix(reports: list, out_dir, date: str | None = None) -> dict:
+    """Write matrix.md and matrix.json from runs: :class:`~conformance.results.RunReport` s or
+    their ``report.json`` (:meth:`~conformance.results.RunReport.to_dict`, loaded)."""
+    reports = [r.to_dict() if isinstance(r, RunReport) else r for r in reports]
     caps = []
     for rep in reports:
         for c in rep["capabilities"]:

@@ -1,27 +1,29 @@
-"""Run the catalogue against one adapter and collect per-case results."""
+"""One case against one adapter: the evaluation behind every pytest item of the suite.
+
+:func:`run_case` calls the adapter on a case's inputs (isolated: a per-case time limit, and
+whatever the adapter raises becomes the case's result), compares with the expected value and
+diagnoses a disagreement; its :class:`~conformance.results.CaseResult` is the record every
+report renders.  Runs of many cases are pytest runs (:mod:`conformance.pytest_plugin`, the
+suite's one runner); :func:`run_adapter` is the programmatic door to it.
+"""
 
 from __future__ import annotations
 
 import contextvars
-import datetime as _dt
 import fnmatch
-import platform
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter import Adapter, AdapterUnavailable, CaseUnsupported
+from .adapter import Adapter, CaseUnsupported
 from .compare import compare
 from .diagnosis import Diagnosis, diagnose
 from .model import EPS32, EPS64, Case
+from .results import STATUSES, CaseResult, RunReport
 
-__all__ = ["Result", "RunReport", "run_adapter", "read_pattern_file", "STATUSES",
-           "DEFAULT_CASE_TIMEOUT", "CaseTimeout"]
-
-#: statuses in report order; "fail" and "error" make the run fail
-STATUSES = ("pass", "convention", "fail", "error", "xfail", "skip")
+__all__ = ["run_adapter", "run_case", "read_pattern_file", "match_pattern", "STATUSES",
+           "DEFAULT_CASE_TIMEOUT", "CaseTimeout", "raised_text", "case_eps"]
 
 #: seconds one case may take (every adapter call of the case, the statistical route's many
 #: seeded calls together); the slowest shipped cases take a few seconds
@@ -32,79 +34,9 @@ class CaseTimeout(Exception):
     """A case ran past the per-case time limit."""
 
 
-@dataclass
-class Result:
-    case_id: str
-    capability: str
-    status: str
-    message: str = ""
-    rel_err: float = float("nan")
-    rtol: float = float("nan")
-    diagnosis: dict | None = None
-    conventions: dict = field(default_factory=dict)  # declared non-canonical fields used
-    duration_s: float = 0.0
-    source: str = "live"
-    description: str = ""
-
-    def to_dict(self):
-        d = dict(self.__dict__)
-        for k in ("rel_err", "rtol"):
-            if d[k] != d[k]:  # NaN is not JSON
-                d[k] = None
-        return d
-
-
-@dataclass
-class RunReport:
-    adapter: dict
-    results: list
-    absent: dict  # families absent from the catalogue -> reason
-    source: str
-    environment: dict
-    started: str
-    duration_s: float
-    unavailable: str = ""  # the adapter could not be set up (whole run skipped)
-    #: the run was stopped (Ctrl-C) before every case ran: "" or how far it got
-    interrupted: str = ""
-
-    def counts(self, capability=None) -> dict:
-        out = dict.fromkeys(STATUSES, 0)
-        for r in self.results:
-            if capability is None or r.capability == capability:
-                out[r.status] += 1
-        return out
-
-    def capabilities(self) -> list:
-        seen = []
-        for r in self.results:
-            if r.capability not in seen:
-                seen.append(r.capability)
-        return seen
-
-    @property
-    def ok(self) -> bool:
-        """Passes when nothing failed or errored, at least one case was compared and the run
-        was not interrupted."""
-        c = self.counts()
-        return (not self.unavailable and not self.interrupted and c["fail"] == 0
-                and c["error"] == 0 and (c["pass"] + c["convention"]) > 0)
-
-    def to_dict(self):
-        return {
-            "schema": "kfac_ref.conformance.report/1",
-            "adapter": self.adapter,
-            "source": self.source,
-            "started": self.started,
-            "duration_s": self.duration_s,
-            "environment": self.environment,
-            "unavailable": self.unavailable,
-            "interrupted": self.interrupted,
-            "absent_families": self.absent,
-            "ok": self.ok,
-            "counts": self.counts(),
-            "capabilities": {c: self.counts(c) for c in self.capabilities()},
-            "results": [r.to_dict() for r in self.results],
-        }
+def case_eps(adapter) -> float:
+    """The machine epsilon of the adapter's dtype (tolerances scale with it)."""
+    return EPS32 if adapter.dtype == "float32" else EPS64
 
 
 def read_pattern_file(path) -> list[tuple[str, str]]:
@@ -120,7 +52,9 @@ def read_pattern_file(path) -> list[tuple[str, str]]:
     return out
 
 
-def _match(patterns, case: Case):
+def match_pattern(patterns, case: Case):
+    """The reason of the first ``(pattern, reason)`` whose fnmatch pattern matches the case's
+    id or capability, else ``None``."""
     for pattern, reason in patterns or ():
         if fnmatch.fnmatchcase(case.id, pattern) or fnmatch.fnmatchcase(case.capability,
                                                                           pattern):
@@ -128,27 +62,18 @@ def _match(patterns, case: Case):
     return None
 
 
-def environment() -> dict:
-    env = {"python": platform.python_version(), "platform": platform.platform(),
-           "numpy": np.__version__}
-    try:
-        import kfac_ref
-
-        env["kfac_ref"] = kfac_ref.__version__
-    except ImportError:
-        env["kfac_ref"] = None
-    return env
-
-
 def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="live",
                 skips=None, xfails=None, progress=None, setup=True,
                 case_timeout=DEFAULT_CASE_TIMEOUT) -> RunReport:
-    """Run ``cases`` against ``adapter``.
+    """Run ``cases`` against ``adapter`` as pytest items and return the :class:`RunReport`.
 
-    ``progress(case, result, index, total)`` is called after each case; ``setup=False`` when
-    the caller has already called ``adapter.setup()`` (the command line does, to report an
-    unavailable adapter before printing anything).  ``case_timeout``: seconds each case may
-    take (``None`` or 0: no limit; see :func:`_isolated`).
+    A thin wrapper: pytest runs the items of :class:`conformance.pytest_plugin.
+    ConformanceSession` (:func:`conformance.pytest_plugin.run_session`), the one runner of
+    the suite, in this process.  ``progress(case, result, index, total)`` is called after
+    each case; ``setup=False`` when the caller has already called ``adapter.setup()`` (the
+    command line does, to report an unavailable adapter before printing anything).
+    ``case_timeout``: seconds each case may take (``None`` or 0: no limit; see
+    :func:`_isolated`).
 
     Whatever the adapter raises is a result: an exception of its setup makes the run one
     error (``AdapterUnavailable``: the run is skipped as unavailable), any exception of a case
@@ -156,58 +81,14 @@ def run_adapter(adapter: Adapter, cases, capabilities, *, absent=None, source="l
     ``KeyboardInterrupt`` (Ctrl-C) stops the run: the report holds the cases run so far and
     says it was interrupted.
     """
-    started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    t0 = time.perf_counter()
-    setup_error = None
-    fallback = {"name": adapter.name, "description": adapter.description, "version": "",
-                "dtype": adapter.dtype, "conventions": adapter.conventions.to_dict(),
-                "non_canonical_conventions": adapter.conventions.differences()}
-    try:
-        if setup:
-            adapter.setup()
-        impl = adapter.implementations()
-        unavailable = ""
-    except KeyboardInterrupt:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - AdapterUnavailable, or a broken setup
-        impl, info = {}, fallback
-        unavailable = str(exc) if isinstance(exc, AdapterUnavailable) else ""
-        if not unavailable:
-            setup_error = Result(f"{adapter.name}/setup", "adapter.setup", "error",
-                                 f"the adapter could not be set up: {_raised(exc)}")
-    else:
-        try:
-            info = adapter.info()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - a version lookup is no reason to stop
-            info = dict(fallback, version=f"unknown (version() raised {_raised(exc)})")
-    eps = EPS32 if adapter.dtype == "float32" else EPS64
-    conv = adapter.conventions
-    results = [] if setup_error is None else [setup_error]
-    total = len(cases) if setup_error is None else 0
-    interrupted = ""
-    done = 0
-    for i, case in enumerate(cases[:total]):
-        try:
-            cap = capabilities.get(case.capability)
-            res = _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable,
-                           timeout=case_timeout)
-            res.source = case.source
-            res.description = case.description
-            results.append(res)
-            done += 1
-            if progress is not None:
-                progress(case, res, i + 1, total)
-        except KeyboardInterrupt:
-            interrupted = (f"interrupted (Ctrl-C) at case {case.id}: {done} of {total} cases "
-                           f"ran, {total - done} did not")
-            break
-    return RunReport(info, results, dict(absent or {}), source, environment(), started,
-                     time.perf_counter() - t0, unavailable, interrupted)
+    from .pytest_plugin import ConformanceSession, run_session
+
+    return run_session(ConformanceSession(
+        adapter, cases, capabilities, absent=absent, source=source, skips=skips,
+        xfails=xfails, progress=progress, setup=setup, case_timeout=case_timeout))
 
 
-def _raised(exc) -> str:
+def raised_text(exc) -> str:
     """An exception as a message; a ``BaseException`` that is not an ``Exception`` (an adapter
     calling ``sys.exit``, a stray ``GeneratorExit``) says that it would have ended the run."""
     text = f"{type(exc).__name__}: {exc}"
@@ -268,18 +149,25 @@ def _isolated(fn, timeout):
     return box["value"]
 
 
-def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable, *,
-             timeout=DEFAULT_CASE_TIMEOUT) -> Result:
-    r = Result(case.id, case.capability, "skip")
+def run_case(adapter, impl, cap, case, *, skips=None, xfails=None, unavailable="",
+             timeout=DEFAULT_CASE_TIMEOUT) -> CaseResult:
+    """The result of ``case`` against ``adapter`` (``impl``: its ``implementations()``;
+    ``cap``: the case's capability, ``None`` when this suite does not know it).  Skips
+    (``--skips``, the adapter's ``skip_cases``, unsupported capabilities) and expected
+    failures (``--xfails``) are applied here; the adapter's calls run under
+    :func:`_isolated` with ``timeout`` seconds.  Only a ``KeyboardInterrupt`` propagates."""
+    conv, eps = adapter.conventions, case_eps(adapter)
+    r = CaseResult(case.id, case.capability, "skip", source=case.source,
+                   description=case.description)
     if unavailable:
         r.message = f"adapter unavailable: {unavailable}"
         return r
     if cap is None:
         r.message = "capability unknown to this version of the suite"
         return r
-    reason = _match(skips, case)
+    reason = match_pattern(skips, case)
     if reason is None:
-        reason = _match(list(getattr(adapter, "skip_cases", {}).items()), case)
+        reason = match_pattern(list(getattr(adapter, "skip_cases", {}).items()), case)
     if reason is not None:
         r.message = f"skipped: {reason}"
         return r
@@ -294,7 +182,7 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable, *,
     r.rtol = rtol
     declared = conv.differences(cap.conventions)
     r.conventions = declared
-    xfail_reason = _match(xfails, case)
+    xfail_reason = match_pattern(xfails, case)
     try:
         inputs = cap.inputs_for(case, conv)
         expected = cap.expected_for(case, conv)
@@ -336,7 +224,7 @@ def _run_one(adapter, impl, conv, cap, case, eps, skips, xfails, unavailable, *,
     return r
 
 
-def _adapter_raised(r, exc, xfail_reason) -> Result:
+def _adapter_raised(r, exc, xfail_reason) -> CaseResult:
     """The result of a case whose adapter raised: a skip for :class:`CaseUnsupported`, else an
     error (an expected failure when the case is listed in the xfails)."""
     if isinstance(exc, CaseUnsupported):
@@ -344,14 +232,14 @@ def _adapter_raised(r, exc, xfail_reason) -> Result:
         r.message = f"unsupported: {exc}"
         return r
     r.status = "xfail" if xfail_reason else "error"
-    r.message = str(exc) if isinstance(exc, (CaseTimeout, _Unreadable)) else _raised(exc)
+    r.message = str(exc) if isinstance(exc, (CaseTimeout, _Unreadable)) else raised_text(exc)
     if xfail_reason:
         r.message = f"expected failure ({xfail_reason}); {r.message}"
     return r
 
 
 def _run_statistical(r, fn, inputs, case, cap, conv, rtol, xfail_reason,
-                     timeout=DEFAULT_CASE_TIMEOUT) -> Result:
+                     timeout=DEFAULT_CASE_TIMEOUT) -> CaseResult:
     """The own-draws route of a random capability (:mod:`conformance.sampling`): many seeded
     calls without the draws, a median-of-means test against the exact expectation.  A
     sampler's output (``cap.statistic`` set) must be draws: real numbers in the form the

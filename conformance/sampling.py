@@ -39,8 +39,8 @@ and the variance of the estimator the mode defines.
 within :math:`c\sigma'_e/\sqrt n` of :math:`\mu'_e` with that probability): with n = 64,
 an estimate scaled by 2 fails when some entry has :math:`|\mu_e| > 1.13\,\sigma_e`, the empirical
 Fisher (deterministic, :math:`\sigma' = 0`) when some entry has
-:math:`|\mathrm{EF}_e - \mu_e| > 0.375\,\sigma_e` (tests/test_conformance_sampling.py checks both
-on every case).
+:math:`|\mathrm{EF}_e - \mu_e| > 0.375\,\sigma_e`
+(tests/conformance/test_conformance_sampling.py checks both on every case).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""High-level entry points: select cases, run an adapter, run every adapter."""
+"""High-level entry points: select cases, run an adapter (through the pytest plugin, the
+suite's one runner: :func:`conformance.runner.run_adapter`)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ _LOSS = "kfac_ref.losses.NegativeLogProbLoss"
 #: reference computes each case's expected output with them, and an implementation passes
 #: when it agrees.  A capability's name is the suite's, not a kfac_ref function's
 #: (``linalg.homog_cov`` is ``compute_cov(append_homog(a))``); the last element may be a
-#: note on the arguments.  Every dotted name imports (tests/test_conformance_cli_help.py).
+#: note on the arguments.  Every dotted name imports
+#: (tests/conformance/test_conformance_cli_help.py).
 FUNCTIONS: dict[str, tuple[str, ...]] = {
     "linalg.compute_cov": ("kfac_ref.linalg.compute_cov",),
     "linalg.cross_cov": ("kfac_ref.linalg.compute_cov", "(x, y)"),

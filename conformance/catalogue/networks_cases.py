@@ -511,7 +511,7 @@ def build_cases() -> list[Case]:
             # exactness (docs pages *K-FAC for dense layers*, "When it is exact", and
             # *Convolutions*, "KFAC-expand and KFAC-reduce"): K-FAC equals the block diagonal of the
             # exact curvature; build_catalogue's finalize() then lists exact_block_diagonal
-            # in insensitive_to, which tests/test_conformance.py checks.
+            # in insensitive_to, which tests/conformance/test_conformance.py checks.
             m = dict(meta, exact=bool(exact and true_mode) or (
                 n == 1 and mode == "fisher_empirical"))
             cases.append(Case(f"networks.kfac/{name}_{mode}", "networks.kfac", inputs, params,

@@ -322,7 +322,7 @@ def build_cases() -> list[Case]:
         inputs = _make_inputs(cid, spec, x_shape, hyper["steps"], lossp["loss"], n_out)
         params = {"net": spec, **lossp, "mode": "ggn_exact", **hyper}
         # the expected trajectory is the NumPy loop (independent of KFACOptimizer, which
-        # tests/test_conformance_optimizer.py checks against it on every backend)
+        # tests/conformance/test_conformance_optimizer.py checks against it on every backend)
         expected, kappa = pitfall_steps(params, inputs, return_kappa=True)
         alts = {f: pitfall_steps(params, inputs, f) for f in PITFALLS}
         n = x_shape[0]

@@ -3,7 +3,7 @@ empirical Fisher (data targets) instead of the sampled one, and a fault no pitfa
 (every example's draw applied to another example), which must stay ``unexplained``.
 
 Each accepts the case's draws (the exact route, like kfac_ref); with ``accepts_draws = ()``
-the same code is tested by the statistical route (tests/test_conformance_sampling.py).
+the same code is tested by the statistical route (tests/conformance/test_conformance_sampling.py).
 """
 
 from __future__ import annotations

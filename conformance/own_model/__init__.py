@@ -71,12 +71,14 @@ their NHWC/HWIO patch order, then permuted into unfold's) from layer inputs and 
 gradients captured with hooks.  The loss is ``"cross_entropy"`` (logits ``[N, C]``, integer
 targets) or ``"mse"`` (:math:`\ell_n = \tfrac12\|f_n - y_n\|^2`); the model's output is
 ``[N, C]``.  torch is imported inside the functions: the suite does not depend on it.  The
-JAX version is :mod:`conformance.own_model_jax`.
+JAX version is :func:`check_jax_kfac` / :func:`reference_jax_kfac` (the same reference for a JAX
+function of parameters with per-layer taps; jax is imported inside them).
 """
 
 from __future__ import annotations
 
 from ._check import HINTS, LayerCheck, ModelCheck, check_factors, layer_alternatives
+from ._jax import check_jax_kfac, reference_jax_kfac
 from ._precond import check_torch_preconditioner
 from ._reference import (
     LOSSES,
@@ -99,6 +101,7 @@ from ._torch import reference_torch_kfac, torch_conv_padding, torch_conv_padding
 from ._torch_check import check_torch_kfac
 
 __all__ = ["reference_torch_kfac", "check_torch_kfac", "check_torch_preconditioner",
+           "reference_jax_kfac", "check_jax_kfac",
            "sample_targets", "output_vectors",
            "check_factors", "layer_alternatives", "torch_conv_padding",
            "conv_reference_factors", "dense_reference_factors", "check_mode_args", "as_rng",

@@ -21,7 +21,7 @@ kfac_jax = pytest.importorskip("kfac_jax")
 jnp = jax.numpy
 lax = jax.lax
 
-from conformance.own_model_jax import check_jax_kfac, reference_jax_kfac  # noqa: E402
+from conformance.own_model import check_jax_kfac, reference_jax_kfac  # noqa: E402
 
 N, H, W, C_IN, C_OUT, CLASSES = 3, 6, 5, 2, 3, 3
 PADS = ((1, 0), (2, 1))
@@ -52,7 +52,7 @@ def _setup(dil=(1, 1)):  # kfac-jax 0.0.8 and dilation: see the last test
         return lax.conv_general_dilated(x, k, STRIDES, PADS, rhs_dilation=dil,
                                         dimension_numbers=dn)
 
-    def model(th, x, eps):  # conformance.own_model_jax's form
+    def model(th, x, eps):  # conformance.own_model.check_jax_kfac's form
         s1 = conv(x, th[0][0]) + th[0][1] + eps.get("conv", 0.0)
         h = jnp.tanh(s1).reshape(x.shape[0], -1)
         s2 = h @ th[1][0] + eps.get("fc", 0.0)

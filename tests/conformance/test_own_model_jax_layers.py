@@ -12,7 +12,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from conformance.own_model_jax import check_jax_kfac, reference_jax_kfac  # noqa: E402
+from conformance.own_model import check_jax_kfac, reference_jax_kfac  # noqa: E402
 
 N, S, V, D, C = 4, 3, 7, 4, 3
 

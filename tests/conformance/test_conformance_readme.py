@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 CI = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
@@ -56,7 +56,8 @@ def test_ci_runs_the_quickstart_golden_kernels_lint_docs_and_oldest_python():
     for core in ("Haswell", "Sandybridge"):
         assert re.search(rf"for core in .*\b{core}:", CI)
     assert "python -m conformance golden --check" in CI
-    assert "tests/test_conformance.py::test_golden_files_are_intact_and_up_to_date" in CI
+    assert ("tests/conformance/test_conformance.py::"
+            "test_golden_files_are_intact_and_up_to_date") in CI
     assert "ruff check kfac_ref tests benchmarks noxfile.py conformance docs/_ext" in CI
     assert "bash docs/build.sh" in CI
     assert "python3.10" in CI and ".venv-ci310/bin/python -m pytest" in CI

@@ -60,7 +60,7 @@ def mutant_results(name, cases, caps):
     # the families it breaks, plus linalg and averaging to check that the rest still passes;
     # a sampler's statistical cases (thousands of seeded calls each) only where the mutant
     # runs its own code for them: elsewhere its numbers are the reference's, which pass in
-    # tests/test_conformance_suite.py
+    # tests/conformance/test_conformance_suite.py
     families = {c.split(".")[0] for c in adapter.EXPECTED} | {"linalg", "averaging"}
     cases = [c for c in cases if c.family in families
              and (caps[c.capability].statistic is None

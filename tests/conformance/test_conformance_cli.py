@@ -17,7 +17,7 @@ from conformance.adapter import load_adapter
 from conformance.adapters import shipped
 from conformance.reports import write_matrix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _help(capsys, *argv, prog=SCRIPT):

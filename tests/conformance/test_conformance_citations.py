@@ -10,7 +10,7 @@ import pytest
 
 from conformance.diagnosis import DOCS, DOCS_PAGES, PITFALLS, docs_link, section_id
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 UNSHIPPED = re.compile(r"FORMULAS|DESIGN\.md|PEERS\.md")
 
 

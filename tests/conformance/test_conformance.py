@@ -33,7 +33,7 @@ def deterministic(cases, caps):
     (about 95 % of the time of a catalogue run).  For the tests of the runner's bookkeeping
     (skips, xfails, errors), which is case by case and the same on every route; the samplers'
     cases themselves run in test_default_run_passes_and_writes_reports and
-    tests/test_conformance_suite.py."""
+    tests/conformance/test_conformance_suite.py."""
     return [c for c in cases if caps[c.capability].statistic is None]
 
 
@@ -556,7 +556,7 @@ def test_readme_tables_are_current():
 
     from conformance.__main__ import readme_tables
 
-    text = (Path(__file__).parents[1] / "conformance" / "README.md").read_text()
+    text = (Path(__file__).parents[2] / "conformance" / "README.md").read_text()
     for name, body in readme_tables().items():
         assert f"<!-- BEGIN {name} -->\n{body}\n<!-- END {name} -->" in text, (
             f"README section {name!r} is stale: run python -m conformance docs")

@@ -14,7 +14,7 @@ import pytest
 from conformance.figures import OUTCOMES, classify_cell, outcome_grid, write_matrix_figures
 from conformance.reports import matrix_cell, write_matrix
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _result(status, pitfall=None, conventions=None, message=""):

@@ -25,7 +25,7 @@ from conformance.catalogue import capabilities
 from conformance.conventions import FIELDS
 from conformance.skeleton import adapter_skeleton, check_name
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 ADAPTER_SRC = '''
 import numpy as np

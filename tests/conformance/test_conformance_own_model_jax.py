@@ -11,8 +11,7 @@ import pytest
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
-from conformance.own_model import sample_targets  # noqa: E402
-from conformance.own_model_jax import check_jax_kfac, reference_jax_kfac  # noqa: E402
+from conformance.own_model import check_jax_kfac, reference_jax_kfac, sample_targets  # noqa: E402
 
 N, H, W, C_IN, C_OUT, CLASSES, S = 3, 6, 5, 2, 3, 3, 4
 

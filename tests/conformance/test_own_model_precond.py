@@ -466,7 +466,7 @@ def test_reference_against_a_dense_solve_pins_the_kronecker_order():
 def _docs_section():
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "conformance" / "own_model.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "conformance" / "own_model.md"
     if not page.exists():
         pytest.skip("docs sources not present")
     text = page.read_text(encoding="utf-8")
@@ -479,7 +479,7 @@ def _run(tmp_path, code):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / "example.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(root))
     p = subprocess.run([sys.executable, "-W", "ignore", str(tmp_path / "example.py")],

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = "conformance.pytest_plugin"
 
 
@@ -151,3 +151,40 @@ def test_a_case_that_exits_or_hangs_fails_alone(tmp_path):
         in out
     assert "the adapter raised: timed out: the case ran longer than the per-case limit of 0.5 s" \
         in out
+
+
+# -- the plugin is the suite's one runner ----------------------------------------------------
+def test_the_command_line_and_run_adapter_run_the_plugins_items(monkeypatch):
+    """``run_adapter`` (behind ``python -m conformance run`` and ``conformance.run``) runs the
+    cases as this plugin's items with pytest.main, untouched by the caller's pytest settings:
+    ``PYTEST_ADDOPTS`` (an option no plugin knows), an ini file and other installed plugins
+    play no part, and the environment is restored afterwards."""
+    from conformance import pytest_plugin
+    from conformance.adapter import load_adapter
+    from conformance.catalogue import build_catalogue, capabilities
+    from conformance.runner import run_adapter
+
+    cases = [c for c in build_catalogue(["linalg"])[0] if c.capability == "linalg.kron"]
+    seen = []
+    real = pytest_plugin.ConformanceItem.runtest
+
+    def runtest(item):
+        seen.append(item.nodeid)
+        return real(item)
+
+    monkeypatch.setattr(pytest_plugin.ConformanceItem, "runtest", runtest)
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--no-such-option-anywhere")
+    autoload = os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD")
+    rep = run_adapter(load_adapter("kfac_ref"), cases, capabilities())
+    assert rep.ok and [r.case_id for r in rep.results] == [c.id for c in cases]
+    assert seen == [f"kfac_conformance[kfac_ref]::{c.id}" for c in cases]
+    assert os.environ["PYTEST_ADDOPTS"] == "--no-such-option-anywhere"
+    assert os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD") == autoload
+
+
+def test_no_second_runner_loop():
+    """Only the plugin's items evaluate cases: ``run_case`` has one caller."""
+    callers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "conformance").rglob("*.py")
+                     if "run_case(" in p.read_text(encoding="utf-8").replace(
+                         "def run_case(", ""))
+    assert callers == ["conformance/pytest_plugin.py"]

@@ -170,7 +170,7 @@ def _page_examples():
     import re
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "conformance" / "own_model.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "conformance" / "own_model.md"
     if not page.exists():
         pytest.skip("docs sources not present")
     text = page.read_text(encoding="utf-8")
@@ -186,7 +186,7 @@ def _run_example(tmp_path, code, name):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     (tmp_path / f"{name}.py").write_text(code)
     env = dict(os.environ, PYTHONPATH=str(root))
     # warnings are errors: the page's examples run without a warning

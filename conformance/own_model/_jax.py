@@ -37,7 +37,7 @@ layer is (JAX's layouts; the uses of a layer are more shared positions, KFAC-exp
   the per-example :math:`(γ, β)` gradient (or its diagonal ``"diag"``).
 
 The bias's homogeneous coordinate is last.  The reference is the one of
-:mod:`conformance.own_model` (KFAC-expand, curvlinops' normalisation):
+:mod:`conformance.own_model`'s PyTorch check (KFAC-expand, curvlinops' normalisation):
 
 .. math::
 
@@ -55,7 +55,7 @@ import numpy as np
 
 from kfac_ref.conv_geometry import ConvGeometry
 
-from .own_model import (
+from ._reference import (
     check_mode_args,
     conv_reference_factors,
     model_output_vectors,
@@ -195,7 +195,7 @@ def _entry(fn, name, spec, uses, gs, n, sharing):
     ``gs`` (``[K, N, ...]`` per use)."""
     from kfac_ref.factors import conv_patch_matrix
 
-    from .own_model import (
+    from ._reference import (
         embedding_reference_factors,
         grouped_reference_factors,
         scale_shift_reference_factors,
@@ -282,7 +282,7 @@ def check_jax_kfac(model, params, inputs, targets, layers, factors, *, loss="cro
     first; ``earlier``: the ``(inputs, targets)`` of earlier statistics updates, oldest
     first.
     """
-    from .own_model._check import check_batches
+    from ._check import check_batches
 
     fn = "check_jax_kfac"
     check_mode_args(fn, loss, mode, sharing, rng, samples)

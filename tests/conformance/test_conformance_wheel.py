@@ -22,7 +22,7 @@ import kfac_ref
 from conformance.adapter import AdapterUnavailable, load_adapter
 from conformance.adapters import shipped
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PATH = re.compile(r"conformance/[\w./-]*\w/?")
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from conformance.__main__ import LIST_WIDTH, PROG, SCRIPT, command, main
 from conformance.catalogue import FUNCTIONS, capabilities, describe_functions, functions_checked
 from conformance.diagnosis import PITFALLS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _resolve(dotted: str):

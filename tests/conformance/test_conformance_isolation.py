@@ -229,7 +229,7 @@ def test_a_real_ctrl_c_while_a_case_hangs(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "conformance", "--adapter", path,
                              "--out", str(out), *KRON[:-1]],
-                            cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:
