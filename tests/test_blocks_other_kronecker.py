@@ -359,6 +359,36 @@ def test_estimator_uses_the_registered_family(name, cls):
         start += blk.dim
 
 
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_estimator_conv_foof(sharing):
+    """layer_to_block={"conv2d": "foof"}: the conv block (its Ω from the layer's forward tap
+    with "expand") is |T| Ω ⊗ I, or the pooled patches' moment ⊗ I with "reduce"."""
+    from kfac_ref.curvature import BlockDiagonalCurvature
+    from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
+
+    rng = np.random.default_rng(5)
+    net = nn.Sequential([("c", nn.Conv2D(1, 2, (2, 2))), ("a", nn.Activation("tanh")),
+                         ("f", nn.Flatten()), ("d", nn.Dense(8, 3))])
+    x = rng.standard_normal((6, 3, 3, 1))
+    params = net.init_params(rng, x)
+    batch = (x, rng.integers(0, 3, size=6))
+    est = BlockDiagonalCurvature(
+        net, lambda f, y: CategoricalLogitsNegativeLogProbLoss(f, targets=y),
+        layer_to_block={"conv2d": "foof"}, weight_sharing=sharing)
+    st = est.init(None, (params, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 6, None, (params, batch),
+                                              "ggn_exact")
+    want = kj.Conv2DFOOF if sharing == "expand" else kj.ReducedConv2DFOOF
+    assert type(est.blocks[0]) is want
+    p = _homog(_patches(x, 2, 2).reshape(24, 4), True).reshape(6, 4, 5)
+    if sharing == "expand":
+        expected = np.kron(np.einsum("nti,ntj->ij", p, p) / 6, np.eye(2))
+    else:
+        expected = np.kron(p.mean(axis=1).T @ p.mean(axis=1) / 6, np.eye(2))
+    assert_allclose_normwise(np.asarray(est.blocks[0].to_dense_matrix(st.blocks_states[0])),
+                             expected, RTOL_FACTOR * np.finfo(np.float64).eps)
+
+
 @pytest.mark.parametrize("reduction", ["per_source", "summed"])
 def test_naive_tnt_vs_dense_definition(xp, rng, reduction):
     kern, bias = rng.standard_normal((3, 3, 2)), rng.standard_normal((3, 2))  # 3 sources
