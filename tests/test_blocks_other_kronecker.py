@@ -177,6 +177,44 @@ def test_foof_vs_dense_definition(xp, rng, has_bias):
                              xp.rtol)
 
 
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_conv_foof_vs_dense_definition(xp, rng, has_bias):
+    """|T| Ω ⊗ I from looped patches; the update (|T|Ω + λI)⁻¹ X on the kernel matrix."""
+    x, dy = rng.standard_normal((N, 3, 3, 1)), rng.standard_normal((N, 2, 2, 2))
+    block = kj.Conv2DFOOF((N, 3, 3, 1), (2, 2, 1, 2), has_bias=has_bias)
+    state = _fill(xp, block, {"inputs": x, "outputs_grad": dy})
+    p = _patches(xp.round_host(x), 2, 2).reshape(N * 4, 4)  # [N|T|, K]
+    p = _homog(p, has_bias)
+    omega = p.T @ p / (N * 4)
+    xp.assert_close(state.statistics[0].value, omega)
+    xp.assert_close(state.statistics[1].value, np.eye(2))
+    assert block.fixed_scale() == 4.0
+    _check_products(xp, rng, block, state, 4 * np.kron(omega, np.eye(2)), omega, np.eye(2),
+                    4.0)
+    vec, vh = _vector(xp, rng, block)
+    out = block.multiply_inverse(state, vec, LAM, True, False)
+    k = omega.shape[0]
+    assert_allclose_normwise(
+        _flat(xp, out),
+        np.linalg.solve(p.T @ p / N + LAM * np.eye(k), vh.reshape(k, 2)).reshape(-1), xp.rtol)
+
+
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_conv_foof_reduce_vs_dense_definition(xp, rng, has_bias):
+    """weight_sharing="reduce": (1/N Σ_n p̄̄ p̄̄ᵀ) ⊗ I of the location-averaged patches."""
+    layer = nn.Conv2D(1, 2, (2, 2), use_bias=has_bias)
+    block = kj.Conv2DFOOF.from_layer(layer, (N, 3, 3, 1), weight_sharing="reduce")
+    assert type(block) is kj.ReducedConv2DFOOF and block.fixed_scale() == 1.0
+    assert type(kj.ReducedConv2DFOOF.from_layer(layer, (N, 3, 3, 1))) is kj.ReducedConv2DFOOF
+    x, dy = rng.standard_normal((N, 3, 3, 1)), rng.standard_normal((N, 2, 2, 2))
+    data, rows = block.layer_estimation_data(layer, xp.asarray(x), xp.asarray(dy), None, N)
+    state = block.update_curvature_matrix_estimate(block.init(xp.asarray(np.zeros(1))), data,
+                                                   0.0, 1.0, rows)
+    pm = _homog(_patches(xp.round_host(x), 2, 2).mean(axis=1), has_bias)  # [N, K (+1)]
+    a = pm.T @ pm / N
+    _check_products(xp, rng, block, state, np.kron(a, np.eye(2)), a, np.eye(2), 1.0)
+
+
 # --------------------------------------------------------------------------------------
 # Nearest Kronecker product (KPSVD)
 # --------------------------------------------------------------------------------------
@@ -262,6 +300,7 @@ def test_registry_names_and_defaults_unchanged():
     assert kj.layer_block("dense", "tnt") is kj.DenseTNT
     assert kj.layer_block("conv2d", "tnt") is kj.Conv2DTNT
     assert kj.layer_block("dense", "foof") is kj.DenseFOOF
+    assert kj.layer_block("conv2d", "foof") is kj.Conv2DFOOF
     assert kj.layer_block("dense", "kpsvd") is kj.DenseKPSVD
     defaults = kj.default_layer_to_block()
     assert defaults["dense"] is kj.DenseTwoKroneckerFactored
@@ -318,6 +357,36 @@ def test_estimator_uses_the_registered_family(name, cls):
         assert_allclose_normwise(out[seg], np.linalg.solve(dense, v[seg]),
                                  RTOL_FACTOR * np.finfo(np.float64).eps)
         start += blk.dim
+
+
+@pytest.mark.parametrize("sharing", ["expand", "reduce"])
+def test_estimator_conv_foof(sharing):
+    """layer_to_block={"conv2d": "foof"}: the conv block (its Ω from the layer's forward tap
+    with "expand") is |T| Ω ⊗ I, or the pooled patches' moment ⊗ I with "reduce"."""
+    from kfac_ref.curvature import BlockDiagonalCurvature
+    from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
+
+    rng = np.random.default_rng(5)
+    net = nn.Sequential([("c", nn.Conv2D(1, 2, (2, 2))), ("a", nn.Activation("tanh")),
+                         ("f", nn.Flatten()), ("d", nn.Dense(8, 3))])
+    x = rng.standard_normal((6, 3, 3, 1))
+    params = net.init_params(rng, x)
+    batch = (x, rng.integers(0, 3, size=6))
+    est = BlockDiagonalCurvature(
+        net, lambda f, y: CategoricalLogitsNegativeLogProbLoss(f, targets=y),
+        layer_to_block={"conv2d": "foof"}, weight_sharing=sharing)
+    st = est.init(None, (params, batch))
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 6, None, (params, batch),
+                                              "ggn_exact")
+    want = kj.Conv2DFOOF if sharing == "expand" else kj.ReducedConv2DFOOF
+    assert type(est.blocks[0]) is want
+    p = _homog(_patches(x, 2, 2).reshape(24, 4), True).reshape(6, 4, 5)
+    if sharing == "expand":
+        expected = np.kron(np.einsum("nti,ntj->ij", p, p) / 6, np.eye(2))
+    else:
+        expected = np.kron(p.mean(axis=1).T @ p.mean(axis=1) / 6, np.eye(2))
+    assert_allclose_normwise(np.asarray(est.blocks[0].to_dense_matrix(st.blocks_states[0])),
+                             expected, RTOL_FACTOR * np.finfo(np.float64).eps)
 
 
 @pytest.mark.parametrize("reduction", ["per_source", "summed"])

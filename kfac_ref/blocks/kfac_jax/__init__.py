@@ -86,11 +86,13 @@ from ._kronecker import (
     TwoKroneckerFactored,
 )
 from ._other_kronecker import (
+    Conv2DFOOF,
     Conv2DTNT,
     DenseFOOF,
     DenseKPSVD,
     DenseTNT,
     NaiveTNT,
+    ReducedConv2DFOOF,
     nearest_kronecker_factors,
     tnt_scale,
 )
@@ -126,6 +128,8 @@ __all__ = [
     "DenseTNT",
     "Conv2DTNT",
     "DenseFOOF",
+    "Conv2DFOOF",
+    "ReducedConv2DFOOF",
     "DenseKPSVD",
     "tnt_scale",
     "nearest_kronecker_factors",

@@ -18,7 +18,9 @@ g_n` and the exact (empirical) block is
   :math:`A = E[\nabla W\,\nabla W^\top]`, :math:`G = E[\nabla W^\top\nabla W]`, and the block
   is scaled by :math:`(\operatorname{tr}A\,\operatorname{tr}G)^{-1/2}` (kfac-jax's
   ``tnt_scale``), which makes :math:`\operatorname{tr}(sA\otimes G) = \operatorname{tr}F`.
-* FOOF (Benzing 2022): :math:`A\otimes I`, the input factor only.
+* FOOF (Benzing 2022): :math:`A\otimes I`, the input factor only (``DenseFOOF``; for a
+  convolution ``Conv2DFOOF``, KFC's :math:`|T|\,\Omega\otimes I`, or KFAC-reduce's pooled
+  input factor :math:`\otimes I`).
 * KPSVD (Van Loan & Pitsianis 1993; Koroko et al. 2022): the pair minimising
   :math:`\|F - A\otimes G\|_F`, by power iteration on the rearranged :math:`\mathcal R(F)`
   built from the per-example factors (never :math:`F` or :math:`\mathcal R(F)` densely).
@@ -43,13 +45,14 @@ from ._base import CurvatureBlock
 from ._kronecker import (
     Conv2DTwoKroneckerFactored,
     DenseTwoKroneckerFactored,
+    ReducedConv2DTwoKroneckerFactored,
     TwoKroneckerFactored,
 )
-from ._layers import SOURCE_REDUCTIONS, ParamsGradsSources
+from ._layers import SOURCE_REDUCTIONS, ParamsGradsSources, check_layer_kind
 from ._registry import register_layer_block
 
-__all__ = ["NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "DenseKPSVD", "tnt_scale",
-           "nearest_kronecker_factors"]
+__all__ = ["NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "Conv2DFOOF", "ReducedConv2DFOOF",
+           "DenseKPSVD", "tnt_scale", "nearest_kronecker_factors"]
 
 
 def tnt_scale(a, g):
@@ -310,6 +313,67 @@ class DenseFOOF(DenseTwoKroneckerFactored):
         return stat, xp.eye(self.output_size, dtype=a.dtype, device=_device(a))
 
 
+class Conv2DFOOF(Conv2DTwoKroneckerFactored):
+    r"""FOOF for a 2-D convolution: KFC's input factor with the identity for the output
+    factor.
+
+    .. math::
+
+        B = |T|\,\Omega\otimes I = \Big(\frac1N\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top\Big)
+        \otimes I,\qquad \Omega = \frac{1}{N|T|}\sum_{n,t}\bar p_{n,t}\bar p_{n,t}^\top
+
+    on the row-major ``[kh·kw·C_in (+1), C_out]`` kernel-and-bias matrix :math:`X`, so
+    :math:`(B + \lambda I)^{-1}\mathrm{vec}_r X = \mathrm{vec}_r\big((|T|\Omega +
+    \lambda I)^{-1}X\big)`.  :math:`\Omega` is :class:`Conv2DTwoKroneckerFactored`'s
+    (:func:`kfac_ref.factors.conv_input_kronecker_factor`, or the layer's forward tap), and
+    ``fixed_scale() = |T|`` as there: the block is the KFAC-expand block with
+    :math:`\Gamma` replaced by :math:`I` (as :class:`DenseFOOF` on ``[N, T, d]`` inputs is
+    :math:`T\,A\otimes I`).  With ``weight_sharing="reduce"``, :meth:`from_layer` gives
+    :class:`DenseFOOF`'s block on the location-averaged patches :math:`\bar{\bar p}_n`,
+    :math:`B = \frac1N\sum_n\bar{\bar p}_n\bar{\bar p}_n^\top\otimes I`.  Layer
+    parameters and options as :class:`Conv2DTwoKroneckerFactored`; ``outputs_grad`` is
+    checked but not read.
+    """
+
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="expand", **kwargs):
+        r"""The FOOF block of a conv layer: KFC's :math:`\Omega` (``"expand"``) or the pooled
+        patches' second moment (``"reduce"``), each :math:`\otimes I`."""
+        if weight_sharing != "reduce":
+            return super().from_layer(layer, input_shape, **kwargs)
+        check_layer_kind(cls, layer, "conv2d")
+        return ReducedConv2DFOOF(layer.patch_size, layer.c_out, has_bias=layer.use_bias,
+                                 **kwargs)
+
+    def _batch_statistics(self, xp, data, batch_size):
+        x = data["inputs"]
+        tap = data.get("input_factor")
+        if self.symmetrize:
+            a = tap if tap is not None else factors.conv_input_kronecker_factor.kernel(
+                xp, x, self.geometry, self.has_bias)
+        else:
+            a = self._second_moment(xp, self._patches(x))
+        return a, xp.eye(self.output_size, dtype=a.dtype, device=_device(a))
+
+
+class ReducedConv2DFOOF(DenseFOOF, ReducedConv2DTwoKroneckerFactored):
+    r"""FOOF with KFAC-reduce for a convolution: :class:`DenseFOOF` on the
+    location-averaged patches :math:`\bar{\bar p}_n = \frac1{|T|}\sum_t\bar p_{n,t}`.
+
+    .. math::
+
+        B = \Big(\frac1N\sum_n\bar{\bar p}_n\bar{\bar p}_n^\top\Big)\otimes I
+
+    Built by :meth:`Conv2DFOOF.from_layer` with ``weight_sharing="reduce"``; parameters as
+    :class:`DenseTwoKroneckerFactored` with ``input_size = kh·kw·C_in``.
+    """
+
+    @classmethod
+    def from_layer(cls, layer, input_shape, *, weight_sharing="reduce", **kwargs):
+        """The KFAC-reduce FOOF block of a conv layer."""
+        return Conv2DFOOF.from_layer(layer, input_shape, weight_sharing="reduce", **kwargs)
+
+
 # --------------------------------------------------------------------------------------
 # Nearest Kronecker product (KPSVD)
 # --------------------------------------------------------------------------------------
@@ -408,4 +472,5 @@ class DenseKPSVD(_StackedRows, DenseTwoKroneckerFactored):
 register_layer_block("dense", "tnt", DenseTNT)
 register_layer_block("conv2d", "tnt", Conv2DTNT)
 register_layer_block("dense", "foof", DenseFOOF)
+register_layer_block("conv2d", "foof", Conv2DFOOF)
 register_layer_block("dense", "kpsvd", DenseKPSVD)
