@@ -13,8 +13,6 @@ curvature update with ``ema_old=0, ema_new=1``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 
 jax.config.update("jax_enable_x64", True)
@@ -468,15 +466,9 @@ def run_update_cache(rep):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report("kfac-jax", f"kfac-jax {kfac_jax.__version__}, jax {jax.__version__}")
-    run_mlp(rep)
-    run_conv(rep)
-    run_repeated_dense(rep)
-    run_update_cache(rep)
-    rep.dump(args.json)
+    version = f"kfac-jax {kfac_jax.__version__}, jax {jax.__version__}"
+    C.run_checks(argv, "kfac-jax", version, run_mlp, run_conv, run_repeated_dense,
+                 run_update_cache)
 
 
 if __name__ == "__main__":
