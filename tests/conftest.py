@@ -390,6 +390,17 @@ def xp(request) -> Backend:
 
 
 @pytest.fixture
+def jax_x64():
+    """JAX's float64 mode on for one test, the previous setting restored afterwards; a file
+    whose every test needs it says ``pytestmark = pytest.mark.usefixtures("jax_x64")``."""
+    jax = pytest.importorskip("jax")
+    previous = bool(jax.config.read("jax_enable_x64"))
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
 def rng():
     """A fresh, fixed-seed host generator for each test."""
     return np.random.default_rng(20261202)
