@@ -16,6 +16,7 @@ Damping is a float64 tensor (a Python float would pass through float32).  Error 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -224,26 +225,6 @@ def _expand_float64(filter, name=None):  # noqa: A002 - TF's argument name
     return tf.reshape(filter[:, :, :, None, :] * mask, [kh, kw, c, c * m])
 
 
-def case_depthwise_kfc(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvKFCBasicFB, T.DepthwiseConvKFCBasicFB,
-                           np.float64)
-
-
-def case_depthwise_diag(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvDiagonalFB, T.DepthwiseConvDiagonalFB,
-                           np.float64)
-
-
-def case_depthwise_kfc32(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvKFCBasicFB, T.DepthwiseConvKFCBasicFB,
-                           np.float32)
-
-
-def case_depthwise_diag32(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvDiagonalFB, T.DepthwiseConvDiagonalFB,
-                           np.float32)
-
-
 def case_fc_multi(rng):
     x = rng.standard_normal((T_USES, N, 4))
     g = rng.standard_normal((T_USES, N, 3))
@@ -404,10 +385,11 @@ CASES = {
     "FullyConnectedDiagonalFB": case_fc_diag,
     "ConvKFCBasicFB": case_conv_kfc,
     "ConvDiagonalFB": case_conv_diag,
-    "DepthwiseConvKFCBasicFB": case_depthwise_kfc,
-    "DepthwiseConvDiagonalFB": case_depthwise_diag,
-    "DepthwiseConvKFCBasicFB(float32, TF's own filter expansion)": case_depthwise_kfc32,
-    "DepthwiseConvDiagonalFB(float32, TF's own filter expansion)": case_depthwise_diag32,
+    **{f"{fb}{label}": functools.partial(_case_depthwise, tf_cls=getattr(tfb, fb),
+                                         ref_cls=getattr(T, fb), dtype=dtype)
+       for fb in ("DepthwiseConvKFCBasicFB", "DepthwiseConvDiagonalFB")
+       for label, dtype in (("", np.float64),
+                            ("(float32, TF's own filter expansion)", np.float32))},
     "FullyConnectedMultiIndepFB": case_fc_multi,
     "ConvKFCBasicMultiIndepFB": case_conv_multi,
     "ConvKFCBasicMultiIndepFB(TF as shipped: input factor from a random 20% of inputs)":
