@@ -401,6 +401,25 @@ def jax_x64():
 
 
 @pytest.fixture
+def finite_scans(monkeypatch):
+    """How often kfac_ref's finiteness check scans each array (a Counter by ``id``) while the
+    test runs."""
+    import collections
+
+    import kfac_ref._backend as backend
+
+    seen = collections.Counter()
+    original = backend.all_finite
+
+    def counting(xp, x):
+        seen[id(x)] += 1
+        return original(xp, x)
+
+    monkeypatch.setattr(backend, "all_finite", counting)
+    return seen
+
+
+@pytest.fixture
 def rng():
     """A fresh, fixed-seed host generator for each test."""
     return np.random.default_rng(20261202)
