@@ -50,10 +50,13 @@ def _mlp_loss_fn(loss, bias, mse_weight):
     return fn
 
 
-def _estimate(fn, params, batch, mode, n, seed=0):
-    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
+def _estimate(fn, params, batch, mode, n, seed=0, approx_powers=None, **estimator_kw):
+    """One curvature update (``ema_old=0, ema_new=1``, no damping) of a fresh
+    ``BlockDiagonalCurvature(fn, **estimator_kw)``: the estimator and its state."""
+    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False, **estimator_kw)
     rng = jax.random.PRNGKey(seed)
-    st = est.init(rng, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None)
+    st = est.init(rng, (params, batch), exact_powers_to_cache=None,
+                  approx_powers_to_cache=approx_powers)
     st = est.update_curvature_matrix_estimate(
         st,
         ema_old=0.0,
@@ -358,23 +361,8 @@ def run_repeated_dense(rep):
     for masking in (True, False):
         for mode in ("ggn_exact", "fisher_empirical"):
             ctor = functools.partial(RepeatedDenseKroneckerFactored, use_masking=masking)
-            est = kfac_jax.BlockDiagonalCurvature(
-                fn, auto_register_tags=False, layer_tag_to_block_ctor={"repeated_dense": ctor}
-            )
-            r = jax.random.PRNGKey(0)
-            st = est.init(
-                r, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None
-            )
-            st = est.update_curvature_matrix_estimate(
-                st,
-                ema_old=0.0,
-                ema_new=1.0,
-                identity_weight=0.0,
-                batch_size=n,
-                rng=r,
-                func_args=(params, batch),
-                estimation_mode=mode,
-            )
+            est, st = _estimate(fn, params, batch, mode, n,
+                                layer_tag_to_block_ctor={"repeated_dense": ctor})
             blk = np.asarray(est.to_diagonal_block_dense_matrix(st)[0])
             if mode == "ggn_exact":
                 rep.check(
@@ -404,19 +392,7 @@ def run_update_cache(rep):
     params = [jnp.asarray(p[k]) for k in ("W1", "b1", "W2", "b2")]
     batch = (jnp.asarray(p["x"]), jnp.asarray(p["y_cls"]))
     fn = _mlp_loss_fn("ce", True, 0.5)
-    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
-    r = jax.random.PRNGKey(0)
-    st = est.init(r, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=[-1])
-    st = est.update_curvature_matrix_estimate(
-        st,
-        ema_old=0.0,
-        ema_new=1.0,
-        identity_weight=0.0,
-        batch_size=4,
-        rng=r,
-        func_args=(params, batch),
-        estimation_mode="ggn_exact",
-    )
+    est, st = _estimate(fn, params, batch, "ggn_exact", 4, approx_powers=[-1])
     lam, norm = 0.1, "avg_diag"
     st = est.update_cache(
         st,
