@@ -57,9 +57,14 @@ def _estimate(fn, params, batch, mode, n, seed=0, approx_powers=None, **estimato
     rng = jax.random.PRNGKey(seed)
     st = est.init(rng, (params, batch), exact_powers_to_cache=None,
                   approx_powers_to_cache=approx_powers)
-    st = est.update_curvature_matrix_estimate(
+    return est, _update(est, st, params, batch, mode, n, rng)
+
+
+def _update(est, st, params, batch, mode, n, rng, ema_old=0.0):
+    """``est``'s curvature update of ``st`` on one batch (``ema_new=1``, no damping)."""
+    return est.update_curvature_matrix_estimate(
         st,
-        ema_old=0.0,
+        ema_old=ema_old,
         ema_new=1.0,
         identity_weight=0.0,
         batch_size=n,
@@ -67,7 +72,6 @@ def _estimate(fn, params, batch, mode, n, seed=0, approx_powers=None, **estimato
         func_args=(params, batch),
         estimation_mode=mode,
     )
-    return est, st
 
 
 def _factors(st, i):
@@ -209,18 +213,8 @@ def _check_mc(rep, tag, p, loss, bias, params, batch, n, draws=400):
     est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
     rng = jax.random.PRNGKey(11)
     st = est.init(rng, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None)
-    upd = jax.jit(
-        lambda s, r: est.update_curvature_matrix_estimate(
-            s,
-            ema_old=1.0,
-            ema_new=1.0,
-            identity_weight=0.0,
-            batch_size=n,
-            rng=r,
-            func_args=(params, batch),
-            estimation_mode="fisher_gradients",
-        )
-    )
+    upd = jax.jit(lambda s, r: _update(est, s, params, batch, "fisher_gradients", n, r,
+                                       ema_old=1.0))
     for k in range(draws):
         st = upd(st, jax.random.fold_in(rng, k))
     ref = C.mlp_reference(p, loss, "type2", bias)
