@@ -435,6 +435,18 @@ def random_spd(rng, n, low=0.1, high=10.0):
     return (m + m.T) / 2
 
 
+def davis_kahan(*factors):
+    """max over the symmetric ``factors`` of max|λ| / (smallest eigengap), at least 1: by
+    Davis–Kahan the factor by which a perturbation can move a factor's eigenvectors, so the
+    growth of rounding errors in anything built on their eigenbasis."""
+    ratio = 1.0
+    for m in factors:
+        ev = np.linalg.eigvalsh(m)
+        gap = np.min(np.diff(ev)) if ev.size > 1 else np.inf
+        ratio = max(ratio, np.max(np.abs(ev)) / gap)
+    return ratio
+
+
 def random_psd(rng, n, rank):
     """Symmetric PSD ``n × n`` matrix of the given rank."""
     x = rng.standard_normal((rank, n))

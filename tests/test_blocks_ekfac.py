@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_allclose_normwise
+from conftest import assert_allclose_normwise, davis_kahan
+from losses_helpers import ce
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.curvature import BlockDiagonalCurvature
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 N = 24
 CONV_KW = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 3), strides=1,
@@ -73,12 +73,7 @@ def oracle(grads, rows_a, rows_g):
 
 
 def basis_tol(xp, *factors):
-    ratio = 1.0
-    for m in factors:
-        ev = np.linalg.eigvalsh(m)
-        gap = np.min(np.diff(ev)) if ev.size > 1 else np.inf
-        ratio = max(ratio, np.max(np.abs(ev)) / gap)
-    return xp.rtol * ratio
+    return xp.rtol * davis_kahan(*factors)
 
 
 def make(xp, rng, kind, n=N, bias=True):
@@ -261,19 +256,11 @@ def test_moving_average_of_factors_and_second_moment(rng):
     f, a, g = (0.9 * per[0][i] + 0.1 * per[1][i] for i in range(3))
     q = np.kron(np.linalg.eigh(a)[1], np.linalg.eigh(g)[1])
     exp = (q * np.diag(q.T @ f @ q)) @ q.T
-    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * basis_tol_host(a, g))
+    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * davis_kahan(a, g))
     # an update with ema_old = 0 forgets the past: the EKFAC of that batch alone
     st2 = block.update_curvature_matrix_estimate(st, batches[1], 0.0, 1.0, N)
-    assert_allclose_normwise(block.to_dense_matrix(st2), per[1][4], 1e-12 * basis_tol_host(
+    assert_allclose_normwise(block.to_dense_matrix(st2), per[1][4], 1e-12 * davis_kahan(
         per[1][1], per[1][2]))
-
-
-def basis_tol_host(*factors):
-    ratio = 1.0
-    for m in factors:
-        ev = np.linalg.eigvalsh(m)
-        ratio = max(ratio, np.max(np.abs(ev)) / np.min(np.diff(ev)))
-    return ratio
 
 
 def test_no_bias_and_unsymmetrised_statistics(rng):
@@ -284,14 +271,10 @@ def test_no_bias_and_unsymmetrised_statistics(rng):
     grads, ab = dense_grads(a, g, bias=False)
     _, fa, fg, _, exp = oracle(grads, ab, g)
     assert block.parameters_shapes == ((3, 4),)
-    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * basis_tol_host(fa, fg))
+    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * davis_kahan(fa, fg))
 
 
 # -- through the estimator ------------------------------------------------------------------
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
 @pytest.mark.parametrize("mode,dense_fn", [("fisher_exact", C.fisher_matrix),
                                            ("fisher_empirical", C.empirical_fisher_matrix)])
 def test_estimator_builds_ekfac_by_name(xp, rng, mode, dense_fn):
