@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 import pytest
 from conftest import assert_allclose_normwise
+from losses_helpers import ce, sq
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
@@ -29,7 +30,6 @@ from kfac_ref.curvature import ExplicitExactCurvature, ImplicitExactCurvature
 from kfac_ref.losses import (
     CategoricalLogitsNegativeLogProbLoss,
     MultiBernoulliNegativeLogProbLoss,
-    NormalMeanNegativeLogProbLoss,
     NormalMeanVarianceNegativeLogProbLoss,
 )
 
@@ -40,14 +40,6 @@ FD_RTOL = 1e-6
 def rtol_for(xp, base=None):
     base = xp.rtol if base is None else base
     return base if xp.float64 else max(FD_RTOL, 16 * xp.rtol)
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
-def sq(f, y):
-    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
 
 
 def bern(f, y):
