@@ -73,19 +73,7 @@ def _tf_products(build, vector, methods):
         inv_ops = [op for f in facs for op in f.make_inverse_update_ops()]
         vec = tuple(tf.constant(v) for v in vector) if isinstance(vector, tuple) else \
             tf.constant(vector)
-        fetch = {}
-        if "multiply_matpower" in methods:
-            for p in POWERS:
-                fetch[f"multiply_matpower({p:g})"] = block.multiply_matpower(vec, p)
-        if "multiply_inverse" in methods:
-            fetch["multiply_inverse"] = block.multiply_inverse(vec)
-        if "multiply_cholesky" in methods:
-            for tr in (False, True):
-                fetch[f"multiply_cholesky(T={tr})"] = block.multiply_cholesky(vec, tr)
-                fetch[f"multiply_cholesky_inverse(T={tr})"] = \
-                    block.multiply_cholesky_inverse(vec, tr)
-        if "full_fisher_block" in methods:
-            fetch["full_fisher_block"] = block.full_fisher_block()
+        fetch = _products(block, vec, methods)
         with tf1.Session(graph=graph) as sess:
             sess.run(tf1.global_variables_initializer())
             sess.run(cov_ops)
@@ -93,9 +81,9 @@ def _tf_products(build, vector, methods):
             return sess.run(fetch)
 
 
-def _ref_products(block, vector, methods):
-    vector = tuple(np.asarray(v, np.float64) for v in vector) if isinstance(vector, tuple) \
-        else np.asarray(vector, np.float64)
+def _products(block, vector, methods):
+    """{label: product} of the ``methods`` asked, for a TF block (tensors to fetch) or a
+    kfac_ref block (arrays): both have the same method names and arguments."""
     out = {}
     if "multiply_matpower" in methods:
         for p in POWERS:
@@ -110,6 +98,12 @@ def _ref_products(block, vector, methods):
     if "full_fisher_block" in methods:
         out["full_fisher_block"] = block.full_fisher_block()
     return out
+
+
+def _ref_products(block, vector, methods):
+    vector = tuple(np.asarray(v, np.float64) for v in vector) if isinstance(vector, tuple) \
+        else np.asarray(vector, np.float64)
+    return _products(block, vector, methods)
 
 
 def _flat(v):
