@@ -160,36 +160,32 @@ def _conv_data(rng, c_out=3, uses=1):
     return x, g
 
 
-def case_conv_kfc(rng):
+def _case_conv(rng, tf_block, ref_cls):
+    """A 2×2 VALID conv layer with bias: ``tf_block(lc, (kernel, bias))`` builds TF's block,
+    ``ref_cls`` is kfac_ref's."""
     x, g = _conv_data(rng)
 
     def build(lc, lam):
         k = tf1.get_variable("k", initializer=tf.constant(np.zeros((2, 2, 2, 3))))
         bias = tf1.get_variable("b", initializer=tf.constant(np.zeros(3)))
-        b = tfb.ConvKFCBasicFB(lc, (k, bias), "VALID", strides=[1, 1, 1, 1])
+        b = tf_block(lc, (k, bias))
         b.register_additional_tower(tf.constant(x), tf.constant(np.zeros(g.shape)))
         b.instantiate_factors(((tf.constant(g),),), lam)
         return b
 
-    ref = T.ConvKFCBasicFB.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
+    ref = ref_cls.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
     vec = (rng.standard_normal((2, 2, 2, 3)), rng.standard_normal(3))
     return build, ref, vec, ALL
+
+
+def case_conv_kfc(rng):
+    return _case_conv(rng, lambda lc, p: tfb.ConvKFCBasicFB(lc, p, "VALID", strides=[1, 1, 1, 1]),
+                      T.ConvKFCBasicFB)
 
 
 def case_conv_diag(rng):
-    x, g = _conv_data(rng)
-
-    def build(lc, lam):
-        k = tf1.get_variable("k", initializer=tf.constant(np.zeros((2, 2, 2, 3))))
-        bias = tf1.get_variable("b", initializer=tf.constant(np.zeros(3)))
-        b = tfb.ConvDiagonalFB(lc, (k, bias), [1, 1, 1, 1], "VALID")
-        b.register_additional_tower(tf.constant(x), tf.constant(np.zeros(g.shape)))
-        b.instantiate_factors(((tf.constant(g),),), lam)
-        return b
-
-    ref = T.ConvDiagonalFB.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
-    vec = (rng.standard_normal((2, 2, 2, 3)), rng.standard_normal(3))
-    return build, ref, vec, ALL
+    return _case_conv(rng, lambda lc, p: tfb.ConvDiagonalFB(lc, p, [1, 1, 1, 1], "VALID"),
+                      T.ConvDiagonalFB)
 
 
 def _case_depthwise(rng, tf_cls, ref_cls, dtype):
