@@ -391,6 +391,36 @@ def xp(request) -> Backend:
 
 
 @pytest.fixture
+def jax_x64():
+    """JAX's float64 mode on for one test, the previous setting restored afterwards; a file
+    whose every test needs it says ``pytestmark = pytest.mark.usefixtures("jax_x64")``."""
+    jax = pytest.importorskip("jax")
+    previous = bool(jax.config.read("jax_enable_x64"))
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture
+def finite_scans(monkeypatch):
+    """How often kfac_ref's finiteness check scans each array (a Counter by ``id``) while the
+    test runs."""
+    import collections
+
+    import kfac_ref._backend as backend
+
+    seen = collections.Counter()
+    original = backend.all_finite
+
+    def counting(xp, x):
+        seen[id(x)] += 1
+        return original(xp, x)
+
+    monkeypatch.setattr(backend, "all_finite", counting)
+    return seen
+
+
+@pytest.fixture
 def rng():
     """A fresh, fixed-seed host generator for each test."""
     return np.random.default_rng(20261202)
@@ -404,6 +434,18 @@ def random_spd(rng, n, low=0.1, high=10.0):
     s = rng.uniform(low, high, size=n)
     m = (q * s) @ q.T
     return (m + m.T) / 2
+
+
+def davis_kahan(*factors):
+    """max over the symmetric ``factors`` of max|λ| / (smallest eigengap), at least 1: by
+    Davis–Kahan the factor by which a perturbation can move a factor's eigenvectors, so the
+    growth of rounding errors in anything built on their eigenbasis."""
+    ratio = 1.0
+    for m in factors:
+        ev = np.linalg.eigvalsh(m)
+        gap = np.min(np.diff(ev)) if ev.size > 1 else np.inf
+        ratio = max(ratio, np.max(np.abs(ev)) / gap)
+    return ratio
 
 
 def random_psd(rng, n, rank):

@@ -14,6 +14,16 @@ from kfac_ref import losses as L
 
 WEIGHT = 1.7
 
+
+def ce(f, y):
+    """Softmax cross-entropy of logits ``f`` with integer targets ``y`` (a curvature loss)."""
+    return L.CategoricalLogitsNegativeLogProbLoss(f, targets=y)
+
+
+def sq(f, y):
+    """Squared error ``‖f − y‖²``: the Gaussian NLL with variance ½ (a curvature loss)."""
+    return L.NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
+
 CASES = ("categorical", "categorical_masked", "onehot", "bernoulli", "normal_mean",
          "normal_mean_sq", "mean_variance")
 

@@ -22,19 +22,16 @@ bases adds the eigenvector perturbation :math:`\\|\\delta Q\\| \\lesssim \\varep
 
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 import pytest
-from conftest import assert_allclose_normwise
+from conftest import assert_allclose_normwise, davis_kahan
+from losses_helpers import ce
 
-import kfac_ref._backend as backend
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.curvature import BlockDiagonalCurvature
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 
 N = 24
 CONV_KW = dict(inputs_shape=(N, 3, 3, 1), kernel_shape=(2, 2, 1, 3), strides=1,
@@ -76,12 +73,7 @@ def oracle(grads, rows_a, rows_g):
 
 
 def basis_tol(xp, *factors):
-    ratio = 1.0
-    for m in factors:
-        ev = np.linalg.eigvalsh(m)
-        gap = np.min(np.diff(ev)) if ev.size > 1 else np.inf
-        ratio = max(ratio, np.max(np.abs(ev)) / gap)
-    return xp.rtol * ratio
+    return xp.rtol * davis_kahan(*factors)
 
 
 def make(xp, rng, kind, n=N, bias=True):
@@ -264,19 +256,11 @@ def test_moving_average_of_factors_and_second_moment(rng):
     f, a, g = (0.9 * per[0][i] + 0.1 * per[1][i] for i in range(3))
     q = np.kron(np.linalg.eigh(a)[1], np.linalg.eigh(g)[1])
     exp = (q * np.diag(q.T @ f @ q)) @ q.T
-    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * basis_tol_host(a, g))
+    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * davis_kahan(a, g))
     # an update with ema_old = 0 forgets the past: the EKFAC of that batch alone
     st2 = block.update_curvature_matrix_estimate(st, batches[1], 0.0, 1.0, N)
-    assert_allclose_normwise(block.to_dense_matrix(st2), per[1][4], 1e-12 * basis_tol_host(
+    assert_allclose_normwise(block.to_dense_matrix(st2), per[1][4], 1e-12 * davis_kahan(
         per[1][1], per[1][2]))
-
-
-def basis_tol_host(*factors):
-    ratio = 1.0
-    for m in factors:
-        ev = np.linalg.eigvalsh(m)
-        ratio = max(ratio, np.max(np.abs(ev)) / np.min(np.diff(ev)))
-    return ratio
 
 
 def test_no_bias_and_unsymmetrised_statistics(rng):
@@ -287,14 +271,10 @@ def test_no_bias_and_unsymmetrised_statistics(rng):
     grads, ab = dense_grads(a, g, bias=False)
     _, fa, fg, _, exp = oracle(grads, ab, g)
     assert block.parameters_shapes == ((3, 4),)
-    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * basis_tol_host(fa, fg))
+    assert_allclose_normwise(block.to_dense_matrix(st), exp, 1e-12 * davis_kahan(fa, fg))
 
 
 # -- through the estimator ------------------------------------------------------------------
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
 @pytest.mark.parametrize("mode,dense_fn", [("fisher_exact", C.fisher_matrix),
                                            ("fisher_empirical", C.empirical_fisher_matrix)])
 def test_estimator_builds_ekfac_by_name(xp, rng, mode, dense_fn):
@@ -331,25 +311,17 @@ def test_estimator_builds_ekfac_by_name(xp, rng, mode, dense_fn):
 
 
 # -- validation -----------------------------------------------------------------------------
-def test_update_scans_each_input_once(monkeypatch, rng):
-    seen = collections.Counter()
-    original = backend.all_finite
-
-    def counting(xp, x):
-        seen[id(x)] += 1
-        return original(xp, x)
-
-    monkeypatch.setattr(backend, "all_finite", counting)
+def test_update_scans_each_input_once(finite_scans, rng):
     for block, data in ((kj.DenseEKFAC(3, 2), {"inputs": rng.standard_normal((N, 3)),
                                                "outputs_grad": rng.standard_normal((N, 2))}),
                         (kj.Conv2DEKFAC(**CONV_KW),
                          {"inputs": rng.standard_normal((N, 3, 3, 1)),
                           "outputs_grad": rng.standard_normal((N, 2, 2, 3))})):
         state = block.init(np.zeros(()))
-        seen.clear()
+        finite_scans.clear()
         block.update_curvature_matrix_estimate(state, data, 0.0, 1.0, N)
-        assert seen[id(data["inputs"])] == 1 and seen[id(data["outputs_grad"])] == 1
-        assert sum(seen.values()) == 2
+        assert finite_scans[id(data["inputs"])] == 1 and finite_scans[id(data["outputs_grad"])] == 1
+        assert sum(finite_scans.values()) == 2
 
 
 def test_bad_inputs(rng):

@@ -247,6 +247,12 @@ def _series_stats(rng, n, T=5, B=40, rho=0.5):
     return c0, c1
 
 
+def _damped_series_stats(rng, T, p, q, delta):
+    """(C0 + δI, C1) of the inputs (size p), then of the output gradients (size q)."""
+    stats = [_series_stats(rng, p, T), _series_stats(rng, q, T)]
+    return [(c0 + delta * np.eye(c0.shape[0]), c1) for c0, c1 in stats]
+
+
 def test_series_gamma(xp):
     x = np.array([0.0, 0.3, -0.7, 1.0, 0.999])
     T = 4
@@ -257,11 +263,8 @@ def test_series_gamma(xp):
 @pytest.mark.parametrize("delta", [0.0, 0.1])
 def test_series_option1_vs_dense(xp, rng, delta):
     T, p, q = 5, 3, 2
-    a0, a1 = _series_stats(rng, p, T)
-    g0, g1 = _series_stats(rng, q, T)
     quants = []
-    for c0, c1 in ((a0, a1), (g0, g1)):
-        c0d = c0 + delta * np.eye(c0.shape[0])
+    for c0d, c1 in _damped_series_stats(rng, T, p, q, delta):
         c1s = (c1 + c1.T) / 2
         r = _sym_inv_sqrt(c0d)
         psi, u = np.linalg.eigh(r @ c1s @ r)
@@ -286,11 +289,8 @@ def test_series_option1_vs_dense(xp, rng, delta):
 @pytest.mark.parametrize("delta", [0.0, 0.1])
 def test_series_option2_vs_dense(xp, rng, delta):
     T, p, q = 6, 3, 2
-    a0, a1 = _series_stats(rng, p, T)
-    g0, g1 = _series_stats(rng, q, T)
     quants = []
-    for c0, c1 in ((a0, a1), (g0, g1)):
-        c0d = c0 + delta * np.eye(c0.shape[0])
+    for c0d, c1 in _damped_series_stats(rng, T, p, q, delta):
         r = _sym_inv_sqrt(c0d)
         psih = r @ c1 @ r
         mu, e = np.linalg.eigh(psih.T @ psih)

@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from losses_helpers import ce
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.curvature import BlockDiagonalCurvature
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
 
 
 class MeanSquaredGradientIdentity(kj.CurvatureBlock):

@@ -16,6 +16,7 @@ Damping is a float64 tensor (a Python float would pass through float32).  Error 
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -72,19 +73,7 @@ def _tf_products(build, vector, methods):
         inv_ops = [op for f in facs for op in f.make_inverse_update_ops()]
         vec = tuple(tf.constant(v) for v in vector) if isinstance(vector, tuple) else \
             tf.constant(vector)
-        fetch = {}
-        if "multiply_matpower" in methods:
-            for p in POWERS:
-                fetch[f"multiply_matpower({p:g})"] = block.multiply_matpower(vec, p)
-        if "multiply_inverse" in methods:
-            fetch["multiply_inverse"] = block.multiply_inverse(vec)
-        if "multiply_cholesky" in methods:
-            for tr in (False, True):
-                fetch[f"multiply_cholesky(T={tr})"] = block.multiply_cholesky(vec, tr)
-                fetch[f"multiply_cholesky_inverse(T={tr})"] = \
-                    block.multiply_cholesky_inverse(vec, tr)
-        if "full_fisher_block" in methods:
-            fetch["full_fisher_block"] = block.full_fisher_block()
+        fetch = _products(block, vec, methods)
         with tf1.Session(graph=graph) as sess:
             sess.run(tf1.global_variables_initializer())
             sess.run(cov_ops)
@@ -92,9 +81,9 @@ def _tf_products(build, vector, methods):
             return sess.run(fetch)
 
 
-def _ref_products(block, vector, methods):
-    vector = tuple(np.asarray(v, np.float64) for v in vector) if isinstance(vector, tuple) \
-        else np.asarray(vector, np.float64)
+def _products(block, vector, methods):
+    """{label: product} of the ``methods`` asked, for a TF block (tensors to fetch) or a
+    kfac_ref block (arrays): both have the same method names and arguments."""
     out = {}
     if "multiply_matpower" in methods:
         for p in POWERS:
@@ -109,6 +98,12 @@ def _ref_products(block, vector, methods):
     if "full_fisher_block" in methods:
         out["full_fisher_block"] = block.full_fisher_block()
     return out
+
+
+def _ref_products(block, vector, methods):
+    vector = tuple(np.asarray(v, np.float64) for v in vector) if isinstance(vector, tuple) \
+        else np.asarray(vector, np.float64)
+    return _products(block, vector, methods)
 
 
 def _flat(v):
@@ -165,36 +160,32 @@ def _conv_data(rng, c_out=3, uses=1):
     return x, g
 
 
-def case_conv_kfc(rng):
+def _case_conv(rng, tf_block, ref_cls):
+    """A 2×2 VALID conv layer with bias: ``tf_block(lc, (kernel, bias))`` builds TF's block,
+    ``ref_cls`` is kfac_ref's."""
     x, g = _conv_data(rng)
 
     def build(lc, lam):
         k = tf1.get_variable("k", initializer=tf.constant(np.zeros((2, 2, 2, 3))))
         bias = tf1.get_variable("b", initializer=tf.constant(np.zeros(3)))
-        b = tfb.ConvKFCBasicFB(lc, (k, bias), "VALID", strides=[1, 1, 1, 1])
+        b = tf_block(lc, (k, bias))
         b.register_additional_tower(tf.constant(x), tf.constant(np.zeros(g.shape)))
         b.instantiate_factors(((tf.constant(g),),), lam)
         return b
 
-    ref = T.ConvKFCBasicFB.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
+    ref = ref_cls.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
     vec = (rng.standard_normal((2, 2, 2, 3)), rng.standard_normal(3))
     return build, ref, vec, ALL
+
+
+def case_conv_kfc(rng):
+    return _case_conv(rng, lambda lc, p: tfb.ConvKFCBasicFB(lc, p, "VALID", strides=[1, 1, 1, 1]),
+                      T.ConvKFCBasicFB)
 
 
 def case_conv_diag(rng):
-    x, g = _conv_data(rng)
-
-    def build(lc, lam):
-        k = tf1.get_variable("k", initializer=tf.constant(np.zeros((2, 2, 2, 3))))
-        bias = tf1.get_variable("b", initializer=tf.constant(np.zeros(3)))
-        b = tfb.ConvDiagonalFB(lc, (k, bias), [1, 1, 1, 1], "VALID")
-        b.register_additional_tower(tf.constant(x), tf.constant(np.zeros(g.shape)))
-        b.instantiate_factors(((tf.constant(g),),), lam)
-        return b
-
-    ref = T.ConvDiagonalFB.from_data(x, g, LAM, (2, 2, 2, 3), "VALID", has_bias=True)
-    vec = (rng.standard_normal((2, 2, 2, 3)), rng.standard_normal(3))
-    return build, ref, vec, ALL
+    return _case_conv(rng, lambda lc, p: tfb.ConvDiagonalFB(lc, p, [1, 1, 1, 1], "VALID"),
+                      T.ConvDiagonalFB)
 
 
 def _case_depthwise(rng, tf_cls, ref_cls, dtype):
@@ -222,26 +213,6 @@ def _expand_float64(filter, name=None):  # noqa: A002 - TF's argument name
     kh, kw, c, m = filter.shape.as_list()
     mask = tf.eye(c, dtype=filter.dtype)[None, None, :, :, None]
     return tf.reshape(filter[:, :, :, None, :] * mask, [kh, kw, c, c * m])
-
-
-def case_depthwise_kfc(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvKFCBasicFB, T.DepthwiseConvKFCBasicFB,
-                           np.float64)
-
-
-def case_depthwise_diag(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvDiagonalFB, T.DepthwiseConvDiagonalFB,
-                           np.float64)
-
-
-def case_depthwise_kfc32(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvKFCBasicFB, T.DepthwiseConvKFCBasicFB,
-                           np.float32)
-
-
-def case_depthwise_diag32(rng):
-    return _case_depthwise(rng, tfb.DepthwiseConvDiagonalFB, T.DepthwiseConvDiagonalFB,
-                           np.float32)
 
 
 def case_fc_multi(rng):
@@ -404,10 +375,11 @@ CASES = {
     "FullyConnectedDiagonalFB": case_fc_diag,
     "ConvKFCBasicFB": case_conv_kfc,
     "ConvDiagonalFB": case_conv_diag,
-    "DepthwiseConvKFCBasicFB": case_depthwise_kfc,
-    "DepthwiseConvDiagonalFB": case_depthwise_diag,
-    "DepthwiseConvKFCBasicFB(float32, TF's own filter expansion)": case_depthwise_kfc32,
-    "DepthwiseConvDiagonalFB(float32, TF's own filter expansion)": case_depthwise_diag32,
+    **{f"{fb}{label}": functools.partial(_case_depthwise, tf_cls=getattr(tfb, fb),
+                                         ref_cls=getattr(T, fb), dtype=dtype)
+       for fb in ("DepthwiseConvKFCBasicFB", "DepthwiseConvDiagonalFB")
+       for label, dtype in (("", np.float64),
+                            ("(float32, TF's own filter expansion)", np.float32))},
     "FullyConnectedMultiIndepFB": case_fc_multi,
     "ConvKFCBasicMultiIndepFB": case_conv_multi,
     "ConvKFCBasicMultiIndepFB(TF as shipped: input factor from a random 20% of inputs)":

@@ -16,21 +16,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import assert_allclose_normwise
+from losses_helpers import ce, sq
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
 from kfac_ref.blocks import kfac_jax as B
 from kfac_ref.curvature import BlockDiagonalCurvature, block_diag
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
-def sq(f, y):
-    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
 
 
 def tol(xp):

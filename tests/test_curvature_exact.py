@@ -21,6 +21,7 @@ import itertools
 import numpy as np
 import pytest
 from conftest import assert_allclose_normwise
+from losses_helpers import ce, sq
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
@@ -29,7 +30,6 @@ from kfac_ref.curvature import ExplicitExactCurvature, ImplicitExactCurvature
 from kfac_ref.losses import (
     CategoricalLogitsNegativeLogProbLoss,
     MultiBernoulliNegativeLogProbLoss,
-    NormalMeanNegativeLogProbLoss,
     NormalMeanVarianceNegativeLogProbLoss,
 )
 
@@ -40,14 +40,6 @@ FD_RTOL = 1e-6
 def rtol_for(xp, base=None):
     base = xp.rtol if base is None else base
     return base if xp.float64 else max(FD_RTOL, 16 * xp.rtol)
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
-def sq(f, y):
-    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
 
 
 def bern(f, y):
@@ -102,19 +94,32 @@ CASES = [("mlp_ce", mlp, ce, (3,)), ("mlp_bern", lambda: mlp(("softplus", "tanh"
          ("conv_sq", convnet, sq, (3, 3, 2))]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_jacobian_and_products_against_fd(xp, rng, case):
+def fd_along(f, net, params, v):
+    """Central difference ``(f(θ + h v) − f(θ − h v)) / 2h`` (h = ``FD_H``) at the flat
+    parameters θ of ``params``, ``f`` a host function of (unflattened) parameters."""
+    th = np.asarray(net.flatten(params))
+    return (f(net.unflatten(th + FD_H * v)) - f(net.unflatten(th - FD_H * v))) / (2 * FD_H)
+
+
+def loss_gradient(net, loss, x, y):
+    """The host function params -> ∇_θ of the loss on (x, y)."""
+    return lambda p: np.asarray(C.loss_value_and_grad(net, loss, p, (x, y))[1])
+
+
+def setup_case(xp, rng, case):
+    """A case's net and loss, its data (``setup``), and a random parameter direction v with
+    its backend-rounded host copy."""
     _, make, loss, shape = case
     net = make()
-    (bp, bx, by), (rp, rx, ry) = setup(xp, rng, net, loss, in_shape=shape)
+    backend, host = setup(xp, rng, net, loss, in_shape=shape)
     v = rng.standard_normal(net.num_params)
-    rv = xp.round_host(v)
-    th = np.asarray(net.flatten(rp))
+    return net, loss, backend, host, v, xp.round_host(v)
 
-    def fwd(t):
-        return np.asarray(net.forward(net.unflatten(t), rx)).reshape(rx.shape[0], -1)
 
-    fd = (fwd(th + FD_H * rv) - fwd(th - FD_H * rv)) / (2 * FD_H)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_jacobian_and_products_against_fd(xp, rng, case):
+    net, loss, (bp, bx, by), (rp, rx, ry), v, rv = setup_case(xp, rng, case)
+    fd = fd_along(lambda p: np.asarray(net.forward(p, rx)).reshape(rx.shape[0], -1), net, rp, rv)
     jac = C.jacobian(net, bp, bx)
     xp.check(jac)
     jv = C.jacobian_vector_product(net, bp, bx, xp.asarray(v))
@@ -129,17 +134,8 @@ def test_jacobian_and_products_against_fd(xp, rng, case):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_hvp_against_fd_of_gradient(xp, rng, case):
-    _, make, loss, shape = case
-    net = make()
-    (bp, bx, by), (rp, rx, ry) = setup(xp, rng, net, loss, in_shape=shape)
-    v = rng.standard_normal(net.num_params)
-    rv = xp.round_host(v)
-    th = np.asarray(net.flatten(rp))
-
-    def grad(t):
-        return np.asarray(C.loss_value_and_grad(net, loss, net.unflatten(t), (rx, ry))[1])
-
-    fd = (grad(th + FD_H * rv) - grad(th - FD_H * rv)) / (2 * FD_H)
+    net, loss, (bp, bx, by), (rp, rx, ry), v, rv = setup_case(xp, rng, case)
+    fd = fd_along(loss_gradient(net, loss, rx, ry), net, rp, rv)
     hv = C.hessian_vector_product(net, loss, bp, (bx, by), xp.asarray(v))
     xp.assert_close(hv, fd, rtol=rtol_for(xp, FD_RTOL))
     if xp.name == "numpy":  # dense Hessian: P columns of the same pass; symmetric
@@ -234,13 +230,7 @@ def test_mean_variance_loss_hessian_and_fisher(xp, rng):
     rx, ry = xp.round_host(host_x), xp.round_host(host_y)
     batch = (xp.asarray(host_x), xp.asarray(host_y))
     v = rng.standard_normal(net.num_params)
-    rv = xp.round_host(v)
-    th = np.asarray(net.flatten(rp))
-
-    def grad(t):
-        return np.asarray(C.loss_value_and_grad(net, mv, net.unflatten(t), (rx, ry))[1])
-
-    fd = (grad(th + FD_H * rv) - grad(th - FD_H * rv)) / (2 * FD_H)
+    fd = fd_along(loss_gradient(net, mv, rx, ry), net, rp, xp.round_host(v))
     xp.assert_close(C.hessian_vector_product(net, mv, bp, batch, xp.asarray(v)), fd,
                     rtol=rtol_for(xp, FD_RTOL))
     # Fisher of N(μ, σ²) in (μ, σ²): diag(1/σ², 1/(2σ⁴))

@@ -10,19 +10,11 @@ import math
 
 import numpy as np
 import pytest
+from losses_helpers import ce, sq
 
 import kfac_ref.curvature as C
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
-from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
-
-
-def ce(f, y):
-    return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
-def sq(f, y):
-    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
 
 
 def tol(xp):

@@ -16,20 +16,16 @@ from dataclasses import replace
 import array_api_strict
 import numpy as np
 import pytest
+from losses_helpers import sq
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError, capabilities, laplace
 from kfac_ref.curvature import BlockDiagonalCurvature
-from kfac_ref.losses import NormalMeanNegativeLogProbLoss
 from kfac_ref.optim import KFACOptimizer
 
 INTERNAL = re.compile(r"\bp\d+_\d+\b|params_0|curvature_\d")
 # a parameter's index may be followed by its layer and parameter name, "(d1.bias)"
 LAYER = r"(?: \([\w.]+\))?"
-
-
-def sq(f, y):
-    return NormalMeanNegativeLogProbLoss(f, targets=y, variance=0.5)
 
 
 def mlp():
@@ -221,11 +217,16 @@ def linear_net():
     return nn.Sequential([("d1", nn.Dense(3, 4)), ("d2", nn.Dense(4, 2))])
 
 
-def test_overflowing_statistics_are_refused_where_they_enter_the_state():
+def overflowing_problem():
+    """The linear net, its parameters and a batch whose inputs are ~1e200 (x² overflows)."""
     rng = np.random.default_rng(2)
     net = linear_net()
     params = net.init_params(rng, np.zeros(1))
-    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    return net, params, (1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2)))
+
+
+def test_overflowing_statistics_are_refused_where_they_enter_the_state():
+    net, params, (x, y) = overflowing_problem()
     est = BlockDiagonalCurvature(net, sq)
     with np.errstate(over="ignore", invalid="ignore"), pytest.raises(
             KFACValueError, match=r"update_curvature_matrix_estimate: the updated "
@@ -237,10 +238,7 @@ def test_overflowing_statistics_are_refused_where_they_enter_the_state():
 def test_overflowing_explicit_estimate_is_refused_in_the_state_name():
     from kfac_ref.curvature import ExplicitExactCurvature
 
-    rng = np.random.default_rng(2)
-    net = linear_net()
-    params = net.init_params(rng, np.zeros(1))
-    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    net, params, (x, y) = overflowing_problem()
     est = ExplicitExactCurvature(net, sq)
     state = est.init(None, (params, (x, y)))
     with np.errstate(over="ignore", invalid="ignore"), pytest.raises(
@@ -293,10 +291,7 @@ def test_statistics_scan_respects_value_checks_off():
     (and a later product names the field instead of failing inside LAPACK)."""
     import kfac_ref
 
-    rng = np.random.default_rng(2)
-    net = linear_net()
-    params = net.init_params(rng, np.zeros(1))
-    x, y = 1e200 * rng.standard_normal((5, 3)), rng.standard_normal((5, 2))
+    net, params, (x, y) = overflowing_problem()
     est = BlockDiagonalCurvature(net, sq)
     with np.errstate(over="ignore", invalid="ignore"), kfac_ref.value_checks(False):
         state = updated(est, params, (x, y))

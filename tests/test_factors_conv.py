@@ -125,26 +125,31 @@ def test_conv_output_factor_matches_loops(xp, rng, data_format):
     xp.assert_close(F.conv_output_kronecker_factor(arr, data_format), acc / 60)
 
 
-@pytest.mark.parametrize("has_bias", [False, True])
-@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
-@pytest.mark.parametrize("geo", GEOMETRIES)
-def test_conv_diagonal_factor_matches_loops(xp, rng, geo, data_format, has_bias):
+def _loop_conv_case(xp, rng, geo, data_format, has_bias):
+    """Two examples of ``geo`` (3 → 4 channels): the inputs and output gradients in
+    ``data_format`` on the backend, the remaining arguments of the conv functions, and the
+    per-example gradients DW_n = Σ_t p̄_{n,t} g_{n,t}ᵀ summed one location at a time."""
     h, w, kh, kw, s, d, padding = geo
     x = xp.round_host(rng.standard_normal((2, h, w, 3)))
     p, t, (oh, ow) = loop_patches(x, kh, kw, s, d, padding)
     g = xp.round_host(rng.standard_normal((2, oh, ow, 4)))
-    expected = np.zeros((kh * kw * 3 + has_bias, 4))
-    for n in range(2):  # per-example gradient DW_n = Σ_t p̄ gᵀ, one location at a time
-        dw = np.zeros_like(expected)
+    dw = np.zeros((2, kh * kw * 3 + has_bias, 4))
+    for n in range(2):
         for loc in range(t):
             v = np.append(p[n, loc], 1.0) if has_bias else p[n, loc]
-            dw += np.outer(v, g[n].reshape(t, 4)[loc])
-        expected += dw**2
-    expected /= 2
+            dw[n] += np.outer(v, g[n].reshape(t, 4)[loc])
     cf = (lambda a: a) if data_format == "NHWC" else to_channels_first
-    got = F.conv_diagonal_factor(xp.asarray(cf(x)), xp.asarray(cf(g)), (kh, kw, 3, 4), s,
-                                 padding, data_format, d, has_bias)
-    xp.assert_close(got, expected)
+    args = ((kh, kw, 3, 4), s, padding, data_format, d, has_bias)
+    return xp.asarray(cf(x)), xp.asarray(cf(g)), args, dw
+
+
+@pytest.mark.parametrize("has_bias", [False, True])
+@pytest.mark.parametrize("data_format", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("geo", GEOMETRIES)
+def test_conv_diagonal_factor_matches_loops(xp, rng, geo, data_format, has_bias):
+    """The diagonal factor is the mean over examples of DW_n², DW_n from the loops."""
+    x, g, args, dw = _loop_conv_case(xp, rng, geo, data_format, has_bias)
+    xp.assert_close(F.conv_diagonal_factor(x, g, *args), (dw**2).mean(axis=0))
 
 
 @pytest.mark.parametrize("has_bias", [False, True])
@@ -152,23 +157,11 @@ def test_conv_diagonal_factor_matches_loops(xp, rng, geo, data_format, has_bias)
 @pytest.mark.parametrize("geo", GEOMETRIES)
 def test_conv_per_example_gradients_match_loops(xp, rng, geo, data_format, has_bias):
     """DW_n = Σ_t p̄_{n,t} g_{n,t}ᵀ for each example, one location at a time."""
-    h, w, kh, kw, s, d, padding = geo
-    x = xp.round_host(rng.standard_normal((2, h, w, 3)))
-    p, t, (oh, ow) = loop_patches(x, kh, kw, s, d, padding)
-    g = xp.round_host(rng.standard_normal((2, oh, ow, 4)))
-    expected = np.zeros((2, kh * kw * 3 + has_bias, 4))
-    for n in range(2):
-        for loc in range(t):
-            v = np.append(p[n, loc], 1.0) if has_bias else p[n, loc]
-            expected[n] += np.outer(v, g[n].reshape(t, 4)[loc])
-    cf = (lambda a: a) if data_format == "NHWC" else to_channels_first
-    got = F.conv_per_example_gradients(xp.asarray(cf(x)), xp.asarray(cf(g)), (kh, kw, 3, 4), s,
-                                       padding, data_format, d, has_bias)
-    xp.assert_close(got, expected)
+    x, g, args, dw = _loop_conv_case(xp, rng, geo, data_format, has_bias)
+    xp.assert_close(F.conv_per_example_gradients(x, g, *args), dw)
     with pytest.raises(KFACValueError, match="conv_per_example_gradients: inputs and "
                        "outputs_grad must have the same batch"):
-        F.conv_per_example_gradients(xp.asarray(cf(x)), xp.asarray(cf(g[:1])),
-                                     (kh, kw, 3, 4), s, padding, data_format, d, has_bias)
+        F.conv_per_example_gradients(x, g[:1, ...], *args)
 
 
 @given(seed=st.integers(0, 2**32 - 1), h=st.integers(2, 5), w=st.integers(2, 5),

@@ -30,13 +30,7 @@ from kfac_ref._backend import namespace_of  # noqa: E402
 RTOL = RTOL_FACTOR * float(np.finfo(np.float64).eps)
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    """float64 on for the test, the previous setting restored afterwards."""
-    previous = bool(jax.config.read("jax_enable_x64"))
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for every test
 
 
 def _spd(rng, n):

@@ -40,12 +40,7 @@ from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss as CE  # noqa: 
 RTOL = RTOL_FACTOR * float(np.finfo(np.float64).eps)
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    previous = bool(jax.config.read("jax_enable_x64"))
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for every test
 
 
 def _close(got, want):

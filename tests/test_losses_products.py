@@ -267,14 +267,19 @@ def test_normal_mean_default_variance_is_squared_error(xp, rng):
 
 
 # -- hypothesis: the identities over random shapes and logit scales ------------------------
+def _fisher_and_factor(xp, loss_cls, shape, scale, seed):
+    """Logits ``scale·z`` (z standard normal from ``seed``, backend-rounded), and the dense
+    Fisher and Fisher factor of ``loss_cls`` at them, on the host."""
+    z = xp.round_host(scale * np.random.default_rng(seed).standard_normal(shape))
+    loss = loss_cls(xp.asarray(z))
+    return z, xp.to_numpy(loss.fisher_matrix()), xp.to_numpy(loss.fisher_factor_matrix())
+
+
 @given(n=st.integers(1, 3), k=st.integers(1, 6), scale=st.floats(0.0, 40.0),
        seed=st.integers(0, 2**31 - 1))
 def test_categorical_factor_identities_property(xp, n, k, scale, seed):
-    r = np.random.default_rng(seed)
-    z = xp.round_host(scale * r.standard_normal((n, k)))
-    loss = L.CategoricalLogitsNegativeLogProbLoss(xp.asarray(z))
-    F = xp.to_numpy(loss.fisher_matrix())
-    B = xp.to_numpy(loss.fisher_factor_matrix())
+    z, F, B = _fisher_and_factor(xp, L.CategoricalLogitsNegativeLogProbLoss, (n, k), scale,
+                                 seed)
     p = np.exp(z - z.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     oracle = np.stack([np.diag(pi) - np.outer(pi, pi) for pi in p])
@@ -288,11 +293,7 @@ def test_categorical_factor_identities_property(xp, n, k, scale, seed):
 @given(n=st.integers(1, 3), d=st.integers(1, 4), scale=st.floats(0.0, 40.0),
        seed=st.integers(0, 2**31 - 1))
 def test_bernoulli_factor_identities_property(xp, n, d, scale, seed):
-    r = np.random.default_rng(seed)
-    z = xp.round_host(scale * r.standard_normal((n, d)))
-    loss = L.MultiBernoulliNegativeLogProbLoss(xp.asarray(z))
-    F = xp.to_numpy(loss.fisher_matrix())
-    B = xp.to_numpy(loss.fisher_factor_matrix())
+    z, F, B = _fisher_and_factor(xp, L.MultiBernoulliNegativeLogProbLoss, (n, d), scale, seed)
     p = 1.0 / (1.0 + np.exp(-z))
     oracle = np.stack([np.diag(pi * (1 - pi)) for pi in p])
     # p(1 - p) near 0 is computed relatively accurately by kfac_ref; the oracle's 1 - p

@@ -61,6 +61,15 @@ def same_pads(size, k, s, d):
     return (total // 2, total - total // 2)
 
 
+def case_pads(case):
+    """((top, bottom), (left, right)) of a CONV_CASES row: TF's SAME split, zero for VALID,
+    the explicit padding as given."""
+    h, w, _, _, k, s, pad, d, _ = case
+    if pad == "SAME":
+        return (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
+    return ((0, 0), (0, 0)) if pad == "VALID" else pad
+
+
 CONV_CASES = [
     # (H, W, c_in, c_out, kernel, stride, padding, dilation, fmt)
     (5, 4, 2, 3, (3, 2), (1, 1), "VALID", (1, 1), "NHWC"),
@@ -82,12 +91,7 @@ def test_conv_forward_matches_loop(xp, rng, case):
     x = rng.standard_normal((2, h, w, ci))
     kern = rng.standard_normal((*k, ci, co))
     b = rng.standard_normal(co)
-    if pad == "SAME":
-        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
-    elif pad == "VALID":
-        pads = ((0, 0), (0, 0))
-    else:
-        pads = pad
+    pads = case_pads(case)
     xin = x if fmt == "NHWC" else x.transpose(0, 3, 1, 2)
     out = layer.forward((xp.asarray(kern), xp.asarray(b)), xp.asarray(xin))
     exp = conv_oracle(xp.round_host(x), xp.round_host(kern), xp.round_host(b), s, pads, d)
@@ -127,10 +131,7 @@ def test_conv_forward_tap_is_the_kfc_input_factor_of_the_forwards_patches(xp, rn
     params = (xp.asarray(rng.standard_normal((*k, ci, co))),)
     if use_bias:
         params += (xp.asarray(rng.standard_normal(co)),)
-    if pad == "SAME":
-        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
-    else:
-        pads = ((0, 0), (0, 0)) if pad == "VALID" else pad
+    pads = case_pads(case)
     xin = xp.asarray(x if fmt == "NHWC" else x.transpose(0, 3, 1, 2))
     tap = conv_input_factor_tap(layer.geometry(tuple(xin.shape)), use_bias)
     out, omega = layer.forward_with_tap(params, xin, tap)
@@ -162,12 +163,7 @@ def test_conv_vjp_input_is_transpose_of_loop_convolution(xp, rng, case):
     h, w, ci, co, k, s, pad, d, fmt = case
     layer = nn.Conv2D(ci, co, k, stride=s, padding=pad, dilation=d, data_format=fmt,
                       use_bias=False)
-    if pad == "SAME":
-        pads = (same_pads(h, k[0], s[0], d[0]), same_pads(w, k[1], s[1], d[1]))
-    elif pad == "VALID":
-        pads = ((0, 0), (0, 0))
-    else:
-        pads = pad
+    pads = case_pads(case)
     kern = rng.standard_normal((*k, ci, co))
     rk = xp.round_host(kern)
     basis = np.eye(h * w * ci).reshape(-1, h, w, ci)  # NHWC unit images

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_allclose_normwise
+from conftest import assert_allclose_normwise, davis_kahan
 
 from kfac_ref.blocks import kfac_jax as kj
 
@@ -78,14 +78,6 @@ def definition(patches, outs):
 def power(m, p):
     s, q = np.linalg.eigh(m)
     return (q * s ** p) @ q.T
-
-
-def davis_kahan(*factors):
-    ratio = 1.0
-    for m in factors:
-        ev = np.linalg.eigvalsh(m)
-        ratio = max(ratio, np.max(np.abs(ev)) / np.min(np.diff(ev)))
-    return ratio
 
 
 def vector(xp, rng, block):

@@ -6,7 +6,7 @@ where the exact block is asked)."""
 from __future__ import annotations
 
 from ..adapter import implements
-from .linalg_mutants import _Mutant
+from ._base import Mutant
 
 _M = "conformance.mutants.cache_mutants"
 
@@ -15,7 +15,7 @@ def _args(inputs):
     return [inputs[k] for k in ("a0", "g0", "a1", "g1", "x")]
 
 
-class CacheFresh(_Mutant):
+class CacheFresh(Mutant):
     name = "mutant_cache_fresh"
     pitfall = "use_cached=True ignored: the product is recomputed from the current statistics"
     EXPECTED = {"blocks.kron_cached_inverse": "fresh_instead_of_cached"}
@@ -27,7 +27,7 @@ class CacheFresh(_Mutant):
         return cached_inverse_ref(*_args(inputs), params, fresh=True)
 
 
-class CacheCurrentDamping(_Mutant):
+class CacheCurrentDamping(Mutant):
     name = "mutant_cache_current_damping"
     pitfall = "cached factored inverse rebuilt with the identity weight of the product call"
     EXPECTED = {"blocks.kron_cached_inverse": "current_damping_in_cache"}
@@ -45,7 +45,7 @@ MUTANTS = [CacheFresh, CacheCurrentDamping]
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
 
 
-class FullBlocksKronecker(_Mutant):
+class FullBlocksKronecker(Mutant):
     name = "mutant_full_blocks_kronecker"
     pitfall = "DenseFull / NaiveFull (and the diagonal blocks) computed as K-FAC A ⊗ G (or its "\
         "diagonal)"

@@ -16,12 +16,13 @@ import numpy as np
 
 from ..adapter import implements
 from ..conventions import Conventions
-from .linalg_mutants import _inv_pow, _Mutant
+from ._base import Mutant
+from .linalg_mutants import _inv_pow, _WrongPi
 
 _M = "conformance.mutants.diagnosis_mutants"
 
 
-class KronSwappedDeclaredGA(_Mutant):
+class KronSwappedDeclaredGA(Mutant):
     name = "mutant_kron_swapped_ga"
     pitfall = ("code written for kron(A, G) on the [d_in+1, d_out] layout, declared as the "
                "PyTorch layout kron_order='GA' (p ≠ q)")
@@ -35,30 +36,16 @@ def _pi_eps(a, g, eps=1e-8):
     return math.sqrt(float(np.trace(a)) / float(np.trace(g)) + eps)
 
 
-class PiWithoutDimensionsEpsilon(_Mutant):
+class PiWithoutDimensionsEpsilon(_WrongPi):
     name = "mutant_pi_without_dimensions_eps"
     pitfall = "π = sqrt(tr A / tr G + 1e-8): no dimension normalisation, plus a safety epsilon"
     EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
                 "linalg.pi_adjusted_damping": "pi_without_dimensions",
                 "linalg.factored_damped_inverse_matvec": "pi_without_dimensions"}
-
-    @implements("linalg.pi_tracenorm")
-    def pi_tracenorm(self, inputs, params):
-        return np.asarray(_pi_eps(inputs["a"], inputs["g"]))
-
-    @implements("linalg.pi_adjusted_damping")
-    def pi_adjusted_damping(self, inputs, params):
-        pi, root = _pi_eps(inputs["a"], inputs["g"]), math.sqrt(params["damping"])
-        return np.array([pi * root, root / pi])
-
-    @implements("linalg.factored_damped_inverse_matvec")
-    def factored_inverse(self, inputs, params):
-        a, g, v = inputs["a"], inputs["g"], inputs["v"]
-        pi, root = _pi_eps(a, g), math.sqrt(params["damping"])
-        return np.kron(_inv_pow(a, -1.0, pi * root), _inv_pow(g, -1.0, root / pi)) @ v
+    _pi = staticmethod(_pi_eps)
 
 
-class ConvInputKernelAverage(_Mutant):
+class ConvInputKernelAverage(Mutant):
     name = "mutant_conv_input_kernel_average"
     pitfall = "conv input factor averaged over the kernel offsets (divided by k_h·k_w)"
     EXPECTED = {"factors.conv_input": "scale:1/kernel"}
@@ -77,7 +64,7 @@ def _kfac(self, inputs, params, mode=None):
         inputs, dict(params, mode=mode or params["mode"])))
 
 
-class EmpiricalMeanLoss(_Mutant):
+class EmpiricalMeanLoss(Mutant):
     name = "mutant_empirical_mean_loss"
     pitfall = ("K-FAC from the data labels with gradients of the mean loss as per-example "
                "gradients: empirical Fisher and 1/N² together")
@@ -93,7 +80,7 @@ class EmpiricalMeanLoss(_Mutant):
         return _kfac(self, inputs, params, "fisher_empirical") / n ** 2
 
 
-class EmpiricalMeanLossTorchLayout(_Mutant):
+class EmpiricalMeanLossTorchLayout(Mutant):
     name = "mutant_empirical_mean_loss_torch_layout"
     pitfall = ("empirical Fisher, 1/N² and the PyTorch parameter layout (kron(G, A)) while "
                "declaring the reference's: three pitfalls together")
@@ -112,7 +99,7 @@ class EmpiricalMeanLossTorchLayout(_Mutant):
         return k[np.ix_(idx, idx)]
 
 
-class PerLayerScales(_Mutant):
+class PerLayerScales(Mutant):
     name = "mutant_per_layer_scales"
     pitfall = ("true-Fisher K-FAC with per-example gradients of the mean loss (1/N²) in every "
                "block, and the conv block normalised by |T| once more: conv × 1/(N²·|T|) next "
@@ -144,7 +131,7 @@ class PerLayerScales(_Mutant):
         return k
 
 
-class PiWithoutDimensionsConvDamping(_Mutant):
+class PiWithoutDimensionsConvDamping(Mutant):
     name = "mutant_pi_without_dimensions_conv_damping"
     pitfall = ("a conv block's factored damped power with π = sqrt(tr A / tr G) (no dimension "
                "normalisation) and the damping λ not divided by |T| (λ for λ/|T|)")
@@ -166,7 +153,7 @@ class PiWithoutDimensionsConvDamping(_Mutant):
         return s ** p * _inv_pow(a, p, pi * root) @ x @ _inv_pow(g, p, root / pi)
 
 
-class UnexplainedFactor(_Mutant):
+class UnexplainedFactor(Mutant):
     name = "mutant_unexplained"
     pitfall = ("a wrong input factor (A + 0.01·E for a fixed E): no known pitfall explains it, "
                "so the diagnosis must not name one")
@@ -186,7 +173,7 @@ class UnexplainedFactor(_Mutant):
         return np.kron(self._bad(inputs["a"]), inputs["g"]) @ inputs["v"]
 
 
-class DampingPerFactor(_Mutant):
+class DampingPerFactor(Mutant):
     name = "mutant_damping_per_factor"
     pitfall = "the damping given is added to each factor (π·λ, λ/π) where √λ is declared"
     EXPECTED = {"linalg.pi_adjusted_damping": "damping_parameterisation",
@@ -217,7 +204,7 @@ def _running_average(xs, decay, weight, first):
     return np.stack(out)
 
 
-class EmaFirstStatistic(_Mutant):
+class EmaFirstStatistic(Mutant):
     name = "mutant_ema_first_statistic"
     pitfall = ("running average m₁ = X₁, m ← δm + (1 − δ)X (PyTorch style), declared as the "
                "zero-debiased average")
@@ -231,7 +218,7 @@ class EmaFirstStatistic(_Mutant):
         return _running_average(inputs["xs"], d, 1.0 - d, True)
 
 
-class EmaWeightTied(_Mutant):
+class EmaWeightTied(Mutant):
     name = "mutant_ema_weight_tied"
     pitfall = ("raw moving sum declared (ema_style='raw') but the new statistic weighted by "
                "1 − δ instead of the weight passed")

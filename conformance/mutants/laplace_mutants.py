@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 from ..adapter import implements
-from ..adapters.kfac_ref_adapter import KfacRefAdapter
+from ._base import Mutant
 
 _M = "conformance.mutants.laplace_mutants"
 _LML = "laplace.log_marginal_likelihood"
 _GRAD = "laplace.prior_precision_grad"
 
 
-class _Mutant(KfacRefAdapter):
-    """Base: kfac_ref with one pitfall; ``EXPECTED`` = capability -> pitfall id."""
-
-    EXPECTED: dict = {}
-    pitfall = ""
-
-    @property
-    def description(self):
-        return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
+class _Mutant(Mutant):
+    """A Laplace mutant: the evidence and its gradient with keyword overrides."""
 
     def _evidence(self, inputs, params, loglik, **override):
         from kfac_ref.laplace import laplace_log_marginal_likelihood

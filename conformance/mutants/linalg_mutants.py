@@ -7,20 +7,9 @@ import math
 import numpy as np
 
 from ..adapter import implements
-from ..adapters.kfac_ref_adapter import KfacRefAdapter
+from ._base import Mutant
 
 _M = "conformance.mutants.linalg_mutants"
-
-
-class _Mutant(KfacRefAdapter):
-    """Base: kfac_ref with one pitfall; ``EXPECTED`` = capability -> pitfall id."""
-
-    EXPECTED: dict = {}
-    pitfall = ""
-
-    @property
-    def description(self):
-        return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
 
 
 def _pi_no_dims(a, g):
@@ -33,7 +22,7 @@ def _inv_pow(m, exp, damping):
     return (q * (np.maximum(s, 0) + damping) ** exp) @ q.T
 
 
-class KronSwapped(_Mutant):
+class KronSwapped(Mutant):
     name = "mutant_kron_swapped"
     pitfall = "row-major vec of the [out, in] weight read as kron(A, G): returns kron(G, A)"
     EXPECTED = {"linalg.kron": "kron_order_swapped", "linalg.kron_matvec": "kron_order_swapped"}
@@ -47,7 +36,7 @@ class KronSwapped(_Mutant):
         return np.kron(inputs["g"], inputs["a"]) @ inputs["v"]
 
 
-class BiasFirst(_Mutant):
+class BiasFirst(Mutant):
     name = "mutant_bias_first"
     pitfall = "homogeneous coordinate prepended instead of appended"
     EXPECTED = {"linalg.homog_cov": "bias_position"}
@@ -59,7 +48,7 @@ class BiasFirst(_Mutant):
         return ab.T @ ab / a.shape[0]
 
 
-class MeanLossGradients(_Mutant):
+class MeanLossGradients(Mutant):
     name = "mutant_mean_loss_gradients"
     pitfall = ("rows are gradients of the mean loss (g/N), so the covariance carries 1/N² "
                "(wiseodd/natural-gradients#2)")
@@ -76,62 +65,75 @@ class MeanLossGradients(_Mutant):
         return (inputs["x"] / n).T @ (inputs["y"] / n) / n
 
 
-class PiWithoutDimensions(_Mutant):
+class _WrongSplit(Mutant):
+    """Factored damping ``(A + d_A I) ⊗ (G + d_G I)`` with the wrong split
+    ``(d_A, d_G) = _split(A, G, λ)``: the damping pair, the damped inverse and (where a
+    subclass declares it) the damped power all use it."""
+
+    def _split(self, a, g, damping):
+        raise NotImplementedError
+
+    @implements("linalg.pi_adjusted_damping")
+    def pi_adjusted_damping(self, inputs, params):
+        return np.array(self._split(inputs["a"], inputs["g"], params["damping"]))
+
+    def _apply(self, inputs, exp, damping):
+        a, g, v = inputs["a"], inputs["g"], inputs["v"]
+        d_a, d_g = self._split(a, g, damping)
+        return np.kron(_inv_pow(a, exp, d_a), _inv_pow(g, exp, d_g)) @ v
+
+    @implements("linalg.factored_damped_inverse_matvec")
+    def factored_inverse(self, inputs, params):
+        return self._apply(inputs, -1.0, params["damping"])
+
+
+class _WrongPi(_WrongSplit):
+    """The π-split ``(π√λ, √λ/π)`` with a wrong ``π = _pi(A, G)``, reported as the trace-norm
+    π too."""
+
+    @staticmethod
+    def _pi(a, g):
+        raise NotImplementedError
+
+    def _split(self, a, g, damping):
+        pi, root = self._pi(a, g), math.sqrt(damping)
+        return pi * root, root / pi
+
+    @implements("linalg.pi_tracenorm")
+    def pi_tracenorm(self, inputs, params):
+        return np.asarray(self._pi(inputs["a"], inputs["g"]))
+
+
+class PiWithoutDimensions(_WrongPi):
     name = "mutant_pi_without_dimensions"
     pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
     EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
                 "linalg.pi_adjusted_damping": "pi_without_dimensions",
                 "linalg.factored_damped_inverse_matvec": "pi_without_dimensions",
                 "linalg.factored_damped_matpower_matvec": "pi_without_dimensions"}
-
-    @implements("linalg.pi_tracenorm")
-    def pi_tracenorm(self, inputs, params):
-        return np.asarray(_pi_no_dims(inputs["a"], inputs["g"]))
-
-    @implements("linalg.pi_adjusted_damping")
-    def pi_adjusted_damping(self, inputs, params):
-        pi, root = _pi_no_dims(inputs["a"], inputs["g"]), math.sqrt(params["damping"])
-        return np.array([pi * root, root / pi])
-
-    def _apply(self, inputs, exp, damping):
-        a, g, v = inputs["a"], inputs["g"], inputs["v"]
-        pi, root = _pi_no_dims(a, g), math.sqrt(damping)
-        return np.kron(_inv_pow(a, exp, pi * root), _inv_pow(g, exp, root / pi)) @ v
-
-    @implements("linalg.factored_damped_inverse_matvec")
-    def factored_inverse(self, inputs, params):
-        return self._apply(inputs, -1.0, params["damping"])
+    _pi = staticmethod(_pi_no_dims)
 
     @implements("linalg.factored_damped_matpower_matvec")
     def factored_matpower(self, inputs, params):
         return self._apply(inputs, params["exp"], params["damping"])
 
 
-class UnsplitDamping(_Mutant):
+class UnsplitDamping(_WrongSplit):
     name = "mutant_unsplit_damping"
     pitfall = "the same λ added to both factors: (A + λI) ⊗ (G + λI)"
     EXPECTED = {"linalg.pi_adjusted_damping": "unsplit_damping",
                 "linalg.factored_damped_inverse_matvec": "unsplit_damping",
                 "linalg.factored_damped_matpower_matvec": "unsplit_damping"}
 
-    @implements("linalg.pi_adjusted_damping")
-    def pi_adjusted_damping(self, inputs, params):
-        return np.array([params["damping"], params["damping"]])
-
-    def _apply(self, inputs, exp, lam):
-        a, g, v = inputs["a"], inputs["g"], inputs["v"]
-        return np.kron(_inv_pow(a, exp, lam), _inv_pow(g, exp, lam)) @ v
-
-    @implements("linalg.factored_damped_inverse_matvec")
-    def factored_inverse(self, inputs, params):
-        return self._apply(inputs, -1.0, params["damping"])
+    def _split(self, a, g, damping):
+        return damping, damping
 
     @implements("linalg.factored_damped_matpower_matvec")
     def factored_matpower(self, inputs, params):
         return self._apply(inputs, params["exp"], params["damping"])
 
 
-class ExactForFactored(_Mutant):
+class ExactForFactored(Mutant):
     name = "mutant_exact_for_factored"
     pitfall = "exact damping (A⊗G + λI)⁻¹ where factored Tikhonov damping is asked for"
     EXPECTED = {"linalg.factored_damped_inverse_matvec": "exact_damping",
@@ -147,7 +149,7 @@ class ExactForFactored(_Mutant):
         return np.linalg.solve(np.kron(a, g) + params["damping"] * np.eye(v.size), v)
 
 
-class NoZeroDebias(_Mutant):
+class NoZeroDebias(Mutant):
     name = "mutant_no_zero_debias"
     pitfall = "moving average reported as the raw weighted sum (not zero-debiased)"
     EXPECTED = {"averaging.ema": "no_zero_debias"}
@@ -161,7 +163,7 @@ class NoZeroDebias(_Mutant):
         return np.stack(out)
 
 
-class SymmetrisedCross(_Mutant):
+class SymmetrisedCross(Mutant):
     name = "mutant_symmetrised_cross_cov"
     pitfall = "a cross moment XᵀY/n symmetrised as if it were a covariance"
     EXPECTED = {"linalg.cross_cov": "symmetrised"}
@@ -172,7 +174,7 @@ class SymmetrisedCross(_Mutant):
         return (c + c.T) / 2
 
 
-class NaNOutput(_Mutant):
+class NaNOutput(Mutant):
     name = "mutant_nan"
     pitfall = "returns NaN where a power of a singular matrix is taken without clipping"
     EXPECTED = {"linalg.damped_matpower": "non_finite"}
@@ -183,7 +185,7 @@ class NaNOutput(_Mutant):
         return np.where(np.eye(out.shape[0]) > 0, np.nan, out)
 
 
-class EmptyOutput(_Mutant):
+class EmptyOutput(Mutant):
     name = "mutant_empty"
     pitfall = "returns an empty array (an empty comparison must never pass)"
     EXPECTED = {"linalg.kron": "shape"}
@@ -199,7 +201,7 @@ ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
 
 
 # -- blocks ------------------------------------------------------------------------------------
-class MissingBlockScale(_Mutant):
+class MissingBlockScale(Mutant):
     name = "mutant_missing_block_scale"
     pitfall = "conv/multi-use block without its |T| (T) multiplier"
     EXPECTED = {"blocks.kron_matpower": "missing_block_scale",
@@ -219,7 +221,7 @@ class MissingBlockScale(_Mutant):
         return super().diagonal_matpower(inputs, dict(params, scale=1.0))
 
 
-class DampingNotNormalised(_Mutant):
+class DampingNotNormalised(Mutant):
     name = "mutant_damping_not_normalised"
     pitfall = "λ split between the factors of s·(A⊗G) without dividing it by s"
     EXPECTED = {"blocks.kron_matpower": "damping_not_normalised"}
@@ -230,7 +232,7 @@ class DampingNotNormalised(_Mutant):
                                                   damping=params["damping"] * params["scale"]))
 
 
-class SeriesSignedEigenvalues(_Mutant):
+class SeriesSignedEigenvalues(Mutant):
     name = "mutant_series_signed_eigenvalues"
     pitfall = "option-1 series inverse with signed ψ where TF's posdef_eig takes |ψ|"
     EXPECTED = {"blocks.series_inverse": "signed_eigenvalues"}

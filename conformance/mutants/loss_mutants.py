@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import implements
-from .linalg_mutants import _Mutant
+from ._base import Mutant
 
 _M = "conformance.mutants.loss_mutants"
 
 
-class FactorTransposed(_Mutant):
+class FactorTransposed(Mutant):
     name = "mutant_factor_transposed"
     pitfall = "B_nᵀ u applied for B_n u and B_n v for B_nᵀ v (the categorical factor is not "\
         "symmetric)"
@@ -28,7 +28,7 @@ class FactorTransposed(_Mutant):
         return super().loss_fisher_factor({**inputs, "u": inputs["v"]}, params)
 
 
-class FactorWeightW(_Mutant):
+class FactorWeightW(Mutant):
     name = "mutant_factor_weight_w"
     pitfall = "factor products scaled by the loss weight w instead of √w"
     EXPECTED = {"losses.fisher_factor": "factor_weight_w",
@@ -50,7 +50,7 @@ class FactorWeightW(_Mutant):
         return np.sqrt(params["weight"]) * super().loss_ggn_factor(inputs, params)
 
 
-class SampleMode(_Mutant):
+class SampleMode(Mutant):
     name = "mutant_sample_mode"
     pitfall = "sample() returns the mode (argmax class, logit > 0, the mean): no randomness"
     EXPECTED = {"losses.sample": "no_sampling"}
@@ -62,7 +62,7 @@ class SampleMode(_Mutant):
         return _mode(params["loss"], inputs, params)
 
 
-class SampleVarianceAsStd(_Mutant):
+class SampleVarianceAsStd(Mutant):
     name = "mutant_sample_variance_as_std"
     pitfall = "normal targets drawn as μ + v·ε (the variance used as the standard deviation)"
     EXPECTED = {"losses.sample": "variance_as_std"}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import implements
-from .linalg_mutants import _Mutant
+from ._base import Mutant
 
 _M = "conformance.mutants.model_mutants"
 
 
-class MeanLossFactor(_Mutant):
+class MeanLossFactor(Mutant):
     name = "mutant_mean_loss_factor"
     pitfall = ("output factors from gradients of the MEAN loss (g/N): G carries 1/N² "
                "(wiseodd/natural-gradients#2, curvlinops#107)")
@@ -26,7 +26,7 @@ class MeanLossFactor(_Mutant):
         return super().conv_output({"g": inputs["g"] / inputs["g"].shape[0]}, params)
 
 
-class ConvExpandUndeclared(_Mutant):
+class ConvExpandUndeclared(Mutant):
     name = "mutant_conv_expand_undeclared"
     pitfall = ("conv output factor summed over locations (curvlinops 'expand' G = Σ_t) while "
                "declaring TF's KFC normalisation")
@@ -39,7 +39,7 @@ class ConvExpandUndeclared(_Mutant):
         return t * np.asarray(super().conv_output(inputs, params))
 
 
-class PatchOrderCHW(_Mutant):
+class PatchOrderCHW(Mutant):
     name = "mutant_patch_order_chw"
     pitfall = "patch vectors in PyTorch unfold order (channel slowest) declared as (kh, kw, C)"
     EXPECTED = {"factors.conv_input": "patch_order"}
@@ -59,7 +59,7 @@ class PatchOrderCHW(_Mutant):
         return p.T @ p / p.shape[0]
 
 
-class MSEFactor2(_Mutant):
+class MSEFactor2(Mutant):
     name = "mutant_mse_factor_2"
     pitfall = "squared error ‖f − y‖² used for a unit-variance Gaussian NLL (curvature 2I)"
     EXPECTED = {"losses.fisher": "mse_factor_2", "losses.gradient": "mse_factor_2",
@@ -82,7 +82,7 @@ class MSEFactor2(_Mutant):
         return self._twice(super().loss_hessian, inputs, params)
 
 
-class EmpiricalForTrue(_Mutant):
+class EmpiricalForTrue(Mutant):
     name = "mutant_empirical_for_true_fisher"
     pitfall = ("K-FAC statistics from the data labels where the type-2/true Fisher is asked, "
                "and vice versa (gpauloski/kfac-pytorch#109)")
@@ -94,7 +94,7 @@ class EmpiricalForTrue(_Mutant):
         return super().net_kfac(inputs, dict(params, mode=swapped))
 
 
-class KfacJaxEmpiricalScale(_Mutant):
+class KfacJaxEmpiricalScale(Mutant):
     name = "mutant_kfac_jax_empirical_scale"
     pitfall = "empirical Fisher with kfac-jax's extra 1/N, declared as the per-example average"
     EXPECTED = {"networks.empirical_fisher": "empirical_fisher_scale"}
@@ -104,7 +104,7 @@ class KfacJaxEmpiricalScale(_Mutant):
         return np.asarray(super().net_ef(inputs, params)) / inputs["x"].shape[0]
 
 
-class ExactBlocksForKfac(_Mutant):
+class ExactBlocksForKfac(Mutant):
     name = "mutant_exact_blocks_for_kfac"
     pitfall = "returns the exact curvature's diagonal blocks instead of their K-FAC approximation"
     EXPECTED = {"networks.kfac": "exact_block_diagonal"}
@@ -122,7 +122,7 @@ MUTANTS = [MeanLossFactor, ConvExpandUndeclared, PatchOrderCHW, MSEFactor2, Empi
 ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
 
 
-class AverageOfProducts(_Mutant):
+class AverageOfProducts(Mutant):
     name = "mutant_average_of_products"
     pitfall = ("moving average over per-batch K-FAC matrices instead of over the factors "
                "(Kronecker products do not commute with averaging)")

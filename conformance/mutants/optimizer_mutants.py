@@ -12,21 +12,15 @@ fault; ``EXPECTED`` maps ``optimizer.kfac_steps`` to the pitfall name the diagno
 from __future__ import annotations
 
 from ..adapter import implements
-from ..adapters.kfac_ref_adapter import KfacRefAdapter
+from ._base import Mutant
 
 _M = "conformance.mutants.optimizer_mutants"
 
 
-class OptimizerMutant(KfacRefAdapter):
+class OptimizerMutant(Mutant):
     """kfac_ref with one optimiser fault (``fault``, a name of ``optimizer_cases.FAULTS``)."""
 
-    EXPECTED: dict = {}
     fault = ""
-    pitfall = ""
-
-    @property
-    def description(self):
-        return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
 
     @implements("optimizer.kfac_steps")
     def opt_kfac_steps(self, inputs, params):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import implements
-from .linalg_mutants import _Mutant
+from ._base import Mutant
 
 
 def _own(inputs, params):
@@ -23,7 +23,7 @@ def _own(inputs, params):
     return {**inputs, DRAWS_INPUT[params["mode"]]: draws_from(rng, params, inputs)}
 
 
-class SampledScaled2(_Mutant):
+class SampledScaled2(Mutant):
     name = "mutant_sampled_x2"
     pitfall = "sampled K-FAC estimate doubled (the square of a √2-scaled vector)"
     EXPECTED = {"sampling.kfac": "scale:2"}
@@ -38,7 +38,7 @@ class SampledScaled2(_Mutant):
         return 2.0 * kfac_given_draws(params, _own(inputs, params))
 
 
-class SampledEmpirical(_Mutant):
+class SampledEmpirical(Mutant):
     name = "mutant_sampled_empirical"
     pitfall = "gradients at the data targets instead of sampled targets / sign vectors"
     EXPECTED = {"sampling.kfac": "empirical_fisher"}
@@ -50,7 +50,7 @@ class SampledEmpirical(_Mutant):
         return kfac_matrix(params, inputs, mode="fisher_empirical")
 
 
-class SampledDrawsShifted(_Mutant):
+class SampledDrawsShifted(Mutant):
     name = "mutant_sampled_draws_shifted"
     pitfall = ("example n's draw applied to example n + 1 (a fault no pitfall explains; with "
                "sign vectors the estimate stays unbiased, so only the exact route sees it)")

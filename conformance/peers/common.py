@@ -18,6 +18,7 @@ block ``|T|·kron(A, G)``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -343,3 +344,15 @@ class Report:
             f" agree, {n_bad} disagree, {sum(r['verdict'] == 'skip' for r in self.rows)} skip"
         )
         return out
+
+
+def run_checks(argv, peer, version, *checks):
+    """A reproduction script's command line: run each ``check(report)`` in order on one
+    :class:`Report` and print its summary; ``--json PATH`` also writes the rows there."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    rep = Report(peer, version)
+    for check in checks:
+        check(rep)
+    return rep.dump(args.json)

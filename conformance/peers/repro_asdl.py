@@ -13,8 +13,6 @@ homogeneous coordinate (separate bias), ``B = Σ g gᵀ / N`` with unit-variance
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -278,14 +276,8 @@ def run_faults(rep):
 def main(argv=None):
     import importlib.metadata as md
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report("asdl", f"asdfghjkl {md.version('asdfghjkl')}, torch {torch.__version__}")
-    run_mlp(rep)
-    run_conv(rep)
-    run_faults(rep)
-    rep.dump(args.json)
+    version = f"asdfghjkl {md.version('asdfghjkl')}, torch {torch.__version__}"
+    C.run_checks(argv, "asdl", version, run_mlp, run_conv, run_faults)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ curvlinops: MSELoss is ‖f−y‖², mean also divides by C).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 from backpack import backpack, extend
@@ -206,17 +204,9 @@ def run_dtype_fault(rep):
 def main(argv=None):
     import backpack as bp
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report(
-        "backpack",
-        f"backpack-for-pytorch {getattr(bp, '__version__', '1.7.1')}, torch {torch.__version__}",
-    )
-    run_mlp(rep)
-    run_conv(rep)
-    run_dtype_fault(rep)
-    rep.dump(args.json)
+    version = (f"backpack-for-pytorch {getattr(bp, '__version__', '1.7.1')}, "
+               f"torch {torch.__version__}")
+    C.run_checks(argv, "backpack", version, run_mlp, run_conv, run_dtype_fault)
 
 
 if __name__ == "__main__":

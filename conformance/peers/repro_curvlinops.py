@@ -15,8 +15,6 @@ its Hessian is 2I; ``MSELoss(reduction='mean')`` also divides by C).
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 from curvlinops import (
@@ -404,18 +402,9 @@ def run_ef_per_term(rep):
 def main(argv=None):
     import curvlinops
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report(
-        "curvlinops",
-        f"curvlinops {getattr(curvlinops, '__version__', '3.0.1')}, torch {torch.__version__}",
-    )
-    run_mlp(rep)
-    run_conv(rep)
-    run_ekfac(rep)
-    run_ef_per_term(rep)
-    rep.dump(args.json)
+    version = (f"curvlinops {getattr(curvlinops, '__version__', '3.0.1')}, "
+               f"torch {torch.__version__}")
+    C.run_checks(argv, "curvlinops", version, run_mlp, run_conv, run_ekfac, run_ef_per_term)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ curvature update with ``ema_old=0, ema_new=1``.
 
 from __future__ import annotations
 
-import argparse
-
 import jax
 
 jax.config.update("jax_enable_x64", True)
@@ -52,13 +50,21 @@ def _mlp_loss_fn(loss, bias, mse_weight):
     return fn
 
 
-def _estimate(fn, params, batch, mode, n, seed=0):
-    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
+def _estimate(fn, params, batch, mode, n, seed=0, approx_powers=None, **estimator_kw):
+    """One curvature update (``ema_old=0, ema_new=1``, no damping) of a fresh
+    ``BlockDiagonalCurvature(fn, **estimator_kw)``: the estimator and its state."""
+    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False, **estimator_kw)
     rng = jax.random.PRNGKey(seed)
-    st = est.init(rng, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None)
-    st = est.update_curvature_matrix_estimate(
+    st = est.init(rng, (params, batch), exact_powers_to_cache=None,
+                  approx_powers_to_cache=approx_powers)
+    return est, _update(est, st, params, batch, mode, n, rng)
+
+
+def _update(est, st, params, batch, mode, n, rng, ema_old=0.0):
+    """``est``'s curvature update of ``st`` on one batch (``ema_new=1``, no damping)."""
+    return est.update_curvature_matrix_estimate(
         st,
-        ema_old=0.0,
+        ema_old=ema_old,
         ema_new=1.0,
         identity_weight=0.0,
         batch_size=n,
@@ -66,7 +72,6 @@ def _estimate(fn, params, batch, mode, n, seed=0):
         func_args=(params, batch),
         estimation_mode=mode,
     )
-    return est, st
 
 
 def _factors(st, i):
@@ -208,18 +213,8 @@ def _check_mc(rep, tag, p, loss, bias, params, batch, n, draws=400):
     est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
     rng = jax.random.PRNGKey(11)
     st = est.init(rng, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None)
-    upd = jax.jit(
-        lambda s, r: est.update_curvature_matrix_estimate(
-            s,
-            ema_old=1.0,
-            ema_new=1.0,
-            identity_weight=0.0,
-            batch_size=n,
-            rng=r,
-            func_args=(params, batch),
-            estimation_mode="fisher_gradients",
-        )
-    )
+    upd = jax.jit(lambda s, r: _update(est, s, params, batch, "fisher_gradients", n, r,
+                                       ema_old=1.0))
     for k in range(draws):
         st = upd(st, jax.random.fold_in(rng, k))
     ref = C.mlp_reference(p, loss, "type2", bias)
@@ -360,23 +355,8 @@ def run_repeated_dense(rep):
     for masking in (True, False):
         for mode in ("ggn_exact", "fisher_empirical"):
             ctor = functools.partial(RepeatedDenseKroneckerFactored, use_masking=masking)
-            est = kfac_jax.BlockDiagonalCurvature(
-                fn, auto_register_tags=False, layer_tag_to_block_ctor={"repeated_dense": ctor}
-            )
-            r = jax.random.PRNGKey(0)
-            st = est.init(
-                r, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=None
-            )
-            st = est.update_curvature_matrix_estimate(
-                st,
-                ema_old=0.0,
-                ema_new=1.0,
-                identity_weight=0.0,
-                batch_size=n,
-                rng=r,
-                func_args=(params, batch),
-                estimation_mode=mode,
-            )
+            est, st = _estimate(fn, params, batch, mode, n,
+                                layer_tag_to_block_ctor={"repeated_dense": ctor})
             blk = np.asarray(est.to_diagonal_block_dense_matrix(st)[0])
             if mode == "ggn_exact":
                 rep.check(
@@ -406,19 +386,7 @@ def run_update_cache(rep):
     params = [jnp.asarray(p[k]) for k in ("W1", "b1", "W2", "b2")]
     batch = (jnp.asarray(p["x"]), jnp.asarray(p["y_cls"]))
     fn = _mlp_loss_fn("ce", True, 0.5)
-    est = kfac_jax.BlockDiagonalCurvature(fn, auto_register_tags=False)
-    r = jax.random.PRNGKey(0)
-    st = est.init(r, (params, batch), exact_powers_to_cache=None, approx_powers_to_cache=[-1])
-    st = est.update_curvature_matrix_estimate(
-        st,
-        ema_old=0.0,
-        ema_new=1.0,
-        identity_weight=0.0,
-        batch_size=4,
-        rng=r,
-        func_args=(params, batch),
-        estimation_mode="ggn_exact",
-    )
+    est, st = _estimate(fn, params, batch, "ggn_exact", 4, approx_powers=[-1])
     lam, norm = 0.1, "avg_diag"
     st = est.update_cache(
         st,
@@ -468,15 +436,9 @@ def run_update_cache(rep):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report("kfac-jax", f"kfac-jax {kfac_jax.__version__}, jax {jax.__version__}")
-    run_mlp(rep)
-    run_conv(rep)
-    run_repeated_dense(rep)
-    run_update_cache(rep)
-    rep.dump(args.json)
+    version = f"kfac-jax {kfac_jax.__version__}, jax {jax.__version__}"
+    C.run_checks(argv, "kfac-jax", version, run_mlp, run_conv, run_repeated_dense,
+                 run_update_cache)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ Conventions applied to the reference before comparing (laplace-torch's ``baselap
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import numpy as np
@@ -266,17 +265,12 @@ def run(rep):
 def main(argv=None):
     import laplace
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
     version = getattr(laplace, "__version__", None)
     if version is None:
         from importlib.metadata import version as _v
 
         version = _v("laplace-torch")
-    rep = C.Report("laplace_torch", f"laplace-torch {version}, torch {torch.__version__}")
-    run(rep)
-    rep.dump(args.json)
+    C.run_checks(argv, "laplace_torch", f"laplace-torch {version}, torch {torch.__version__}", run)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ nngeometry: ``FIM(model, loader, PMatKFAC, variant="classif_logits" | "regressio
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 from nngeometry.metrics import FIM
@@ -215,16 +213,8 @@ def run_faults(rep):
 def main(argv=None):
     import importlib.metadata as md
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report(
-        "nngeometry", f"nngeometry {md.version('nngeometry')}, torch {torch.__version__}"
-    )
-    run_mlp(rep)
-    run_conv(rep)
-    run_faults(rep)
-    rep.dump(args.json)
+    version = f"nngeometry {md.version('nngeometry')}, torch {torch.__version__}"
+    C.run_checks(argv, "nngeometry", version, run_mlp, run_conv, run_faults)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ tensor (a Python float goes through float32).
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -320,14 +319,8 @@ def run_cov(rep):
 def main(argv=None):
     import importlib.metadata as md
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    rep = C.Report("tf_kfac", f"kfac {md.version('kfac')}, tensorflow {tf.__version__}")
-    run_cov(rep)
-    run_mlp(rep)
-    run_conv(rep)
-    rep.dump(args.json)
+    version = f"kfac {md.version('kfac')}, tensorflow {tf.__version__}"
+    C.run_checks(argv, "tf_kfac", version, run_cov, run_mlp, run_conv)
 
 
 if __name__ == "__main__":

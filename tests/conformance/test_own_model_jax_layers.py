@@ -17,12 +17,7 @@ from conformance.own_model import check_jax_kfac, reference_jax_kfac  # noqa: E4
 N, S, V, D, C = 4, 3, 7, 4, 3
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    previous = bool(jax.config.read("jax_enable_x64"))
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for every test
 
 
 def _token_model():

@@ -183,6 +183,23 @@ def test_a_slightly_wrong_preconditioner_fails(make):
     assert [c.ok for c in res.checks] == [c.layer != name for c in res.checks]
 
 
+def _check_mutant(problem, variant, layers, style, want, t=None):
+    """The preconditioner with ``variant`` on ``layers`` (None: all) and the other layers
+    right in the declared damping ``style``: exactly the changed layers are named ``want``."""
+    net, x, y, loss, mode = problem
+    factors = _kfac_factors(net, x, y, loss)
+    grads = _mean_loss_grads(net, x, y, loss)
+    wrong = layers if layers is not None else list(grads)
+    other = "exact" if style == "exact" else "correct"  # the layers left right
+    pre = _precondition(factors, grads, variant=other, t=t)
+    pre.update({k: v for k, v in _precondition(factors, grads, variant=variant, t=t,
+                                               layers=wrong).items() if k in wrong})
+    res = _check(net, x, y, loss, mode, pre, damping_style=style)
+    got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
+    assert got == {name: want for name in wrong}, str(res)
+    return res
+
+
 MLP_MUTANTS = [  # variant, layers it changes (None: all), declared style, expected id
     ("pi_off", None, "factored", "pi_off"),
     ("pi_without_dimensions", ["0", "4"], "factored", "pi_without_dimensions"),
@@ -202,17 +219,7 @@ MLP_MUTANTS = [  # variant, layers it changes (None: all), declared style, expec
 @pytest.mark.parametrize("variant,layers,style,want", MLP_MUTANTS,
                          ids=[m[0] + "_" + m[2] for m in MLP_MUTANTS])
 def test_mlp_mutants_are_named(variant, layers, style, want):
-    net, x, y, loss, mode = _mlp()
-    factors = _kfac_factors(net, x, y, loss)
-    grads = _mean_loss_grads(net, x, y, loss)
-    wrong = layers if layers is not None else list(grads)
-    pre = _precondition(factors, grads, variant="exact" if style == "exact" else "correct")
-    pre.update({k: v for k, v in _precondition(factors, grads, variant=variant,
-                                                layers=wrong).items()
-                if k in wrong})  # the other layers right in the declared style
-    res = _check(net, x, y, loss, mode, pre, damping_style=style)
-    got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
-    assert got == {name: want for name in wrong}, str(res)
+    res = _check_mutant(_mlp(), variant, layers, style, want)
     assert not res.ok and f"diagnosis: {want}:" in _flat(str(res))
 
 
@@ -234,16 +241,7 @@ CNN_MUTANTS = [  # variant, layers it changes, declared style, expected id
 @pytest.mark.parametrize("variant,layers,style,want", CNN_MUTANTS,
                          ids=[m[0] + "_" + m[2] for m in CNN_MUTANTS])
 def test_cnn_mutants_are_named(variant, layers, style, want):
-    net, x, y, loss, mode = _cnn()
-    factors = _kfac_factors(net, x, y, loss)
-    grads = _mean_loss_grads(net, x, y, loss)
-    other = "exact" if style == "exact" else "correct"  # the layers left right
-    pre = _precondition(factors, grads, variant=other, t=CNN_T)
-    pre.update({k: v for k, v in _precondition(factors, grads, variant=variant, t=CNN_T,
-                                               layers=layers).items() if k in layers})
-    res = _check(net, x, y, loss, mode, pre, damping_style=style)
-    got = {c.layer: c.diagnosis for c in res.checks if not c.ok}
-    assert got == {name: want for name in layers}, str(res)
+    _check_mutant(_cnn(), variant, layers, style, want, t=CNN_T)
 
 
 def _precondition_tf(factors, grads, lam=LAM, fault=None):
