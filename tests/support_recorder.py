@@ -12,6 +12,7 @@ compares the record with the declarations at the end of a full run.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -42,7 +43,9 @@ def _backend(x):
 
 def _first_backend(args, kwargs):
     stack = list(args) + list(kwargs.values())
-    for _ in range(3):  # arrays inside tuples, lists and dicts (params, vectors), 2 levels
+    # arrays inside tuples, lists and dicts (params, vectors) and inside states (frozen
+    # dataclasses: an estimator's state holds block states, which hold moving averages)
+    for _ in range(6):
         nested = []
         for a in stack:
             b = _backend(a)
@@ -52,6 +55,8 @@ def _first_backend(args, kwargs):
                 nested.extend(a)
             elif isinstance(a, dict):
                 nested.extend(a.values())
+            elif dataclasses.is_dataclass(a) and not isinstance(a, type):
+                nested.extend(getattr(a, f.name) for f in dataclasses.fields(a))
         stack = nested
     return None
 
