@@ -102,6 +102,4 @@ __all__ = [
     "pi_tracenorm",
 ]
 
-from . import capabilities  # noqa: E402  (reads the modules above)
-
-capabilities.annotate_docstrings()
+from . import capabilities  # noqa: E402, F401  (kfac_ref.capabilities reads the modules above)

@@ -57,6 +57,8 @@ from typing import Any
 import array_api_compat
 import numpy as np  # host-side random draws (see host_draw) and LAPACK's LinAlgError
 
+from ._support import capabilities
+
 __all__ = [
     "KFACInputError",
     "KFACValueError",
@@ -225,13 +227,10 @@ _VALUE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "kfac_ref_value_checks", default=True)
 
 
+@capabilities(array_free=True)
 @contextlib.contextmanager
 def value_checks(enabled: bool = True) -> Iterator[None]:
     r"""Switch kfac_ref's value checks on or off inside a ``with`` block.
-
-    .. math::
-
-        \text{check}(x) = \text{enabled} \wedge \neg\,\text{lazy}(x)
 
     Value checks read the data of an argument — every entry finite, a matrix symmetric, a
     damped matrix positive definite before a negative power — and cost one reduction and

@@ -32,6 +32,7 @@ import sys
 from collections.abc import Mapping
 from types import MappingProxyType
 
+from ._support import capabilities
 from .averaging import WeightedMovingAverage
 
 __all__ = ["register_jax_pytrees", "state_class", "ensure_for", "split", "join", "frozen"]
@@ -50,13 +51,9 @@ def state_class(cls, flatten, unflatten):
     return cls
 
 
+@capabilities(array_free=True)
 def register_jax_pytrees():
     r"""Register kfac_ref's state classes as JAX pytrees (idempotent; imports JAX).
-
-    .. math::
-
-        \text{state} \;\mapsto\; (\text{arrays}, \text{static data}),
-        \qquad \texttt{tree\_unflatten}(\texttt{tree\_flatten}(s)) = s
 
     After this call every block state, estimator state, optimiser state and weighted
     moving average can

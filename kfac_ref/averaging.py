@@ -36,6 +36,7 @@ from ._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from ._support import capabilities
 
 __all__ = [
     "weighted_accumulate",
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 
+@capabilities(jit="yes", dask="yes")
 def weighted_accumulate(old, new, old_weight, new_weight):
     r"""One step of a weighted moving sum.
 
@@ -131,6 +133,7 @@ def _unchecked(cls, **fields):
     return obj
 
 
+@capabilities(dask="yes")
 @dataclass(frozen=True)
 class MovingAverageVariable:
     r"""TF K-FAC's moving average with optional zero-debiasing.
@@ -214,6 +217,7 @@ class MovingAverageVariable:
         return self.raw
 
 
+@capabilities(dask="yes")
 @dataclass(frozen=True)
 class WeightedMovingAverage:
     r"""kfac-jax's weighted moving average (``ema_old``, ``ema_new``).
@@ -268,6 +272,7 @@ class WeightedMovingAverage:
         return self.raw
 
 
+@capabilities(dask="yes")
 def sync_statistics(values, batch_sizes=None):
     r"""The statistics of several shards combined exactly, weighted by their batch sizes.
 

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import numpy as np  # host-side integer arguments only (np.ndarray shapes are accepted)
 
 from ._backend import KFACTypeError, KFACValueError, describe
+from ._support import capabilities
 
 __all__ = [
     "DATA_FORMATS",
@@ -64,14 +65,10 @@ example's patches, plus two of its padded input (the padding copy and the first 
 # --------------------------------------------------------------------------------------
 # Layout: the one data_format check and the one layout conversion
 # --------------------------------------------------------------------------------------
+@capabilities(array_free=True)
 def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
     r"""Validate ``data_format`` (against an array rank ``ndim`` when given) and say whether
     it stores channels last.
-
-    .. math::
-
-        \text{channels\_last} = (\texttt{data\_format} = \text{None})
-        \vee (\texttt{data\_format} \text{ ends in } C)
 
     Raises
     ------
@@ -93,6 +90,7 @@ def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
     return data_format.endswith("C")
 
 
+@capabilities(dask="yes")
 def to_channels_last(xp, x, channels_last):
     r"""``[N, C, *spatial] -> [N, *spatial, C]`` unless ``x`` already stores channels last.
 
@@ -103,6 +101,7 @@ def to_channels_last(xp, x, channels_last):
     return xp.permute_dims(x, (0, *range(2, x.ndim), 1))
 
 
+@capabilities(dask="yes")
 def from_channels_last(xp, y, channels_last):
     r"""Inverse of :func:`to_channels_last`: ``[N, *spatial, C] -> [N, C, *spatial]`` for a
     channels-first layout.
@@ -237,6 +236,7 @@ def _input_shape(func, name, shape):
 # --------------------------------------------------------------------------------------
 # The geometry
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 @dataclasses.dataclass(frozen=True)
 class ConvGeometry:
     r"""The normalised geometry of one convolution (frozen; host integers only).

@@ -90,6 +90,7 @@ from ._backend import (
     optional_linalg,
     size_of,
 )
+from ._support import capabilities
 from .losses import LossFunction
 
 __all__ = [
@@ -311,6 +312,7 @@ def _log_likelihood_value(xp, log_likelihood, like):
     return -xp.sum(log_likelihood.evaluate(coefficient_mode="off"))
 
 
+@capabilities(dask="yes")
 def laplace_log_marginal_likelihood(log_likelihood, params, curvature, prior_precision=1.0,
                                     *, structure="kron", temperature=1.0, prior_mean=0.0):
     r"""Laplace approximation to the log marginal likelihood (evidence).
@@ -385,6 +387,7 @@ def _laplace_log_marginal_likelihood(xp, log_likelihood, params, curvature, prio
     return loglik / temperature - 0.5 * penalty
 
 
+@capabilities(dask="yes")
 def laplace_log_marginal_likelihood_grad(params, curvature, prior_precision=1.0, *,
                                          structure="kron", temperature=1.0, prior_mean=0.0):
     r"""Gradient of :func:`laplace_log_marginal_likelihood` in the prior precision.

@@ -116,6 +116,7 @@ from ._backend import (
     ones_like_shape,
     optional_linalg,
 )
+from ._support import DASK_NO_EIGH, capabilities
 
 __all__ = [
     "compute_cov",
@@ -146,6 +147,7 @@ _KRON_DAMPING = ("factored", "exact")
 # --------------------------------------------------------------------------------------
 # Covariances
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", vmap="yes", dask="yes")
 def compute_cov(tensor, tensor_right=None, normalizer=None):
     r"""Uncentred second moment of the rows of a 2-D array.
 
@@ -221,6 +223,7 @@ def _compute_cov(xp, tensor, tensor_right=None, normalizer=None):
     return (tensor.T @ tensor_right) / normalizer
 
 
+@capabilities(jit="yes", vmap="yes", dask="yes")
 def append_homog(tensor, homog_value=1.0):
     r"""Append a constant (homogeneous) coordinate to the last axis.
 
@@ -257,6 +260,7 @@ def _append_homog(xp, tensor, homog_value=1.0):
 # --------------------------------------------------------------------------------------
 # Matrix functions of symmetric PSD matrices
 # --------------------------------------------------------------------------------------
+@capabilities(dask=DASK_NO_EIGH)
 def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
     r"""Eigendecomposition of a symmetric matrix with eigenvalues clipped from below.
 
@@ -403,6 +407,7 @@ def power_of_eigenvalues(xp, s, power, *, order=None):
     return s**power
 
 
+@capabilities(jit="yes", dask=DASK_NO_EIGH)
 def damped_matpower(matrix, power, damping=0.0, eigenvalue_clipping_threshold=0.0):
     r"""Power of a damped symmetric PSD matrix.
 
@@ -510,6 +515,7 @@ def _clipping_is_void(xp, matrix, threshold):
     return _cholesky_succeeds(xp, (shifted + shifted.T) / 2.0)
 
 
+@capabilities(jit="yes", dask="yes")
 def damped_inverse(matrix, damping=0.0):
     r"""Inverse of a damped symmetric positive definite matrix through Cholesky.
 
@@ -539,6 +545,7 @@ def _check_cholesky_args(func, matrix, damping):
     return check_scalar(func, "damping", damping, nonnegative=True)
 
 
+@capabilities(dask="yes")
 def damped_cholesky(matrix, damping=0.0):
     r"""Lower Cholesky factor of a damped symmetric positive definite matrix.
 
@@ -593,6 +600,7 @@ def _damped_cholesky(xp, matrix, damping=0.0):
     return l_factor
 
 
+@capabilities(dask="yes")
 def damped_cholesky_inverse(matrix, damping=0.0):
     r"""Inverse of the lower Cholesky factor of a damped matrix (TF's ``cholesky_inverse``).
 
@@ -619,6 +627,7 @@ def _damped_cholesky_inverse(xp, matrix, damping=0.0):
 # --------------------------------------------------------------------------------------
 # Factor norms and the π damping split
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 def factor_norm(matrix, norm_type="avg_diag"):
     r"""Scale of a PSD Kronecker factor, normalised so that the identity has norm 1.
 
@@ -697,6 +706,7 @@ def _nonzero_peak(xp, x):
     return xp.where(peak > 0, peak, xp.ones_like(peak))
 
 
+@capabilities(jit="yes", dask="yes")
 def pi_tracenorm(left_cov, right_cov):
     r"""The trace-norm π that splits damping between two Kronecker factors.
 
@@ -752,6 +762,7 @@ def _pi(xp, left, right, norm_type="avg_diag", *, norms=None):
     return xp.where(zero, one, ratio)
 
 
+@capabilities(jit="yes", dask="yes")
 def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
     r"""Split a damping λ between two Kronecker factors with π.
 
@@ -792,6 +803,7 @@ def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norm
 # --------------------------------------------------------------------------------------
 # Kronecker products
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def kron(a, b):
     r"""Dense Kronecker product.
 
@@ -858,6 +870,7 @@ def _as_row_major_matrix(xp, x, order, in_shape):
     return xp.matrix_transpose(x), xp.matrix_transpose
 
 
+@capabilities(jit="yes", vmap="yes", dask="yes")
 def kron_matvec(a, b, x, order="C"):
     r"""Kronecker matrix–vector product without forming the Kronecker product.
 
@@ -915,6 +928,7 @@ def _kron_matvec(xp, a, b, x, order="C"):
     return back(a @ mat @ xp.matrix_transpose(b))
 
 
+@capabilities(jit="yes", dask="yes")
 def kron_matmat(a, b, x):
     r"""Kronecker product times a matrix of column vectors, without forming the product.
 
@@ -954,6 +968,7 @@ def _kron_matmat(xp, a, b, x):
     return xp.reshape(xp.permute_dims(out, (1, 2, 0)), (a.shape[0] * b.shape[0], k))
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def kron_damped_matpower_matvec(
     a,
     b,
@@ -1047,6 +1062,7 @@ def _kron_damped_matpower_matvec(xp, a, b, x, power, damping=0.0, damping_method
     return back(_kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, mat, power, damping, 1.0))
 
 
+@capabilities(dask="yes")
 def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.0):
     r"""Power of a damped, scaled Kronecker product given the factors' eigendecompositions.
 
@@ -1102,6 +1118,7 @@ def _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping=0.0, sca
     return y if q_b is None else y @ xp.matrix_transpose(q_b)
 
 
+@capabilities(jit="yes", dask=DASK_NO_EIGH)
 def kron_damped_inverse_matvec(
     a, b, x, damping=0.0, damping_method="factored", order="C", norm_type="avg_diag",
     eigenvalue_clipping_threshold=0.0,

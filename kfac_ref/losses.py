@@ -98,6 +98,7 @@ from ._backend import (
     size_of,
 )
 from ._random import check_random_source, draw_noise
+from ._support import capabilities
 
 __all__ = [
     "COEFFICIENT_MODES",
@@ -170,6 +171,7 @@ def _prod(shape):
 # --------------------------------------------------------------------------------------
 # Base classes
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class LossFunction(abc.ABC):
     r"""Abstract per-example loss :math:`w\,\ell_n(f_n)` with its GGN products.
 
@@ -576,6 +578,7 @@ class LossFunction(abc.ABC):
         """Dense :math:`\\sqrt w\\,B_n`, ``[N, D, K]``."""
 
 
+@capabilities(dask="yes")
 class NegativeLogProbLoss(LossFunction):
     r"""Negative log-likelihood :math:`\ell_n = -\log p(y_n \mid f_n)` with Fisher products.
 
@@ -792,6 +795,7 @@ class NegativeLogProbLoss(LossFunction):
         return self.fisher_factor_inner_shape
 
 
+@capabilities(dask="yes")
 class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
     r"""Negative log-likelihood of an exponential family in its natural parameters.
 
@@ -820,6 +824,7 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
 # --------------------------------------------------------------------------------------
 # Categorical
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     r"""Softmax cross-entropy: categorical distribution over :math:`k` classes given by logits.
 
@@ -1039,6 +1044,7 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         return self._masked(b) * self._sqrt_weight
 
 
+@capabilities(jit="yes", dask="yes")
 class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogProbLoss):
     r"""Softmax cross-entropy with one-hot targets (the OneHotCategorical distribution).
 
@@ -1101,6 +1107,7 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
 # --------------------------------------------------------------------------------------
 # Multi-Bernoulli
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     r"""Sigmoid cross-entropy: independent Bernoulli variables given by logits.
 
@@ -1249,6 +1256,7 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 # --------------------------------------------------------------------------------------
 # Normal with fixed variance
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     r"""Normal distribution with mean :math:`\mu` (the output) and fixed scalar variance :math:`v`.
 
@@ -1398,6 +1406,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
 # --------------------------------------------------------------------------------------
 # Normal with mean and variance
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
     r"""Normal distribution whose mean :math:`\mu` and variance :math:`v` are both outputs.
 
@@ -1590,6 +1599,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 # --------------------------------------------------------------------------------------
 # A user's own loss
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class CustomLoss(LossFunction):
     r"""A loss given by three functions of the network output: value, gradient and a square
     root of the Hessian.
@@ -1775,6 +1785,7 @@ class CustomLoss(LossFunction):
         return self._sqrt * self._sqrt_weight
 
 
+@capabilities(dask="yes")
 class CustomNegativeLogProbLoss(CustomLoss, NegativeLogProbLoss):
     r"""A :class:`CustomLoss` that is the negative log-likelihood of a predictive
     distribution in its natural parameters, with a function that samples it.
@@ -1905,6 +1916,12 @@ def _psd_sqrt(xp, h):
     return v * xp.sqrt(xp.clip(lam, min=0.0))[:, None, :]
 
 
+_NEEDS_AUTODIFF = ("no", "differentiated by the outputs' own library: pass torch tensors or "
+                   "JAX arrays")
+
+
+@capabilities(numpy=_NEEDS_AUTODIFF, array_api_strict=_NEEDS_AUTODIFF, cupy=_NEEDS_AUTODIFF,
+              dask=_NEEDS_AUTODIFF)
 class AutodiffLoss(CustomLoss):
     r"""A :class:`CustomLoss` whose gradient and Hessian square root come from automatic
     differentiation of a per-example loss written for PyTorch or JAX.

@@ -42,6 +42,7 @@ from ._backend import (
     namespace_of,
     optional_linalg,
 )
+from ._support import capabilities
 from .blocks.kfac_jax import (
     BlockState,
     CurvatureBlock,
@@ -84,6 +85,7 @@ class _BlockPart:
         self.start, self.stop = start, start + block.dim
 
 
+@capabilities(dask="yes")
 class CurvatureOperator:
     r"""A square curvature matrix :math:`M` (``[dim, dim]``) as a linear operator.
 

@@ -58,6 +58,7 @@ from ._backend import (
     zeros_like_shape,
 )
 from ._pytrees import frozen, join, split, state_class
+from ._support import capabilities
 
 __all__ = [
     "MOMENTUM_TYPES",
@@ -101,6 +102,7 @@ def _check_estimator(func, estimator):
 # ------------------------------------------------------------------------------------------
 # the preconditioned direction
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def preconditioned_direction(estimator, estimator_state, grad, damping, exact_power=True,
                              use_cached=False):
     r"""The K-FAC (or exact natural-gradient / Gauss–Newton) direction.
@@ -155,6 +157,7 @@ def _check_fixed(func, fixed, k):
                  for i, c in enumerate(fixed))
 
 
+@capabilities(jit="yes", dask="yes")
 def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coefficients=None,
                     include_damping_in_change=False):
     r"""Optimal coefficients of the update vectors under the damped quadratic model.
@@ -347,6 +350,7 @@ def _quadratic_model(xp, a, d, b, lam, fixed, include):
 # ------------------------------------------------------------------------------------------
 # Levenberg–Marquardt damping
 # ------------------------------------------------------------------------------------------
+@capabilities(array_free=True, formula=True)
 def reduction_ratio(loss, new_loss, quad_change):
     r"""Reduction ratio of the Levenberg–Marquardt rule.
 
@@ -369,6 +373,7 @@ def _reduction_ratio(xp, loss, new_loss, quad_change):
     return (new_loss - loss) / safe
 
 
+@capabilities(dask="yes")
 def adapt_damping(damping, loss, new_loss, quad_change, omega, lower_threshold=0.25,
                   upper_threshold=0.75, min_damping=1e-8, max_damping=None, rule="kfac_jax"):
     r"""One Levenberg–Marquardt update of the damping (Martens & Grosse 2015, §6.5).
@@ -470,6 +475,7 @@ def _adapt_damping(xp, lam, loss, new_loss, quad_change, omega, lower, upper, mi
 # ------------------------------------------------------------------------------------------
 # the norm (KL) constraint
 # ------------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 def norm_constraint_coefficient(preconditioned, grad, learning_rate, norm_constraint):
     r"""Rescaling of the preconditioned vector so that the update obeys the norm constraint.
 
@@ -529,6 +535,7 @@ def _norm_constraint_coefficient(xp, p, g, lr, c):
 # ------------------------------------------------------------------------------------------
 # optimiser state
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 @dataclass(frozen=True)
 class StepStats:
     r"""What one :meth:`KFACOptimizer.step` computed (kfac-jax's ``stats``).
@@ -559,13 +566,11 @@ class StepStats:
     updated_inverse: bool = False
 
 
+@capabilities(dask="yes", formula="a state container: the step count, damping, momentum and "
+                                  "curvature states")
 @dataclass(frozen=True)
 class OptimizerState:
     r"""Immutable state of :class:`KFACOptimizer`.
-
-    .. math::
-
-        (t,\ \lambda_t,\ v_t,\ \hat C_t,\ \hat C_{t_r} \text{ with its cache},\ \lambda_{t_r})
 
     ``step`` counts finished steps; ``velocity`` is the momentum vector ([P]: the sum of
     preconditioned gradients for ``"regular"``, of gradients for ``"adam"``, the previous
@@ -628,6 +633,7 @@ state_class(OptimizerState, _flatten_optimizer_state, _unflatten_optimizer_state
 # ------------------------------------------------------------------------------------------
 # the optimiser
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class KFACOptimizer:
     r"""The K-FAC optimiser step of kfac-jax and TF K-FAC, as options.
 

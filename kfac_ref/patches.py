@@ -61,6 +61,7 @@ from ._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from ._support import capabilities
 from .conv_geometry import (
     ConvGeometry,
     is_channels_last,
@@ -88,6 +89,7 @@ __all__ = [
 # --------------------------------------------------------------------------------------
 # Geometry (host integers; see kfac_ref.conv_geometry)
 # --------------------------------------------------------------------------------------
+@capabilities(array_free=True, formula=True)
 def conv_padding_amounts(input_shape, filter_shape, strides, padding, dilation_rate=None,
                          data_format=None):
     r"""Output size and the (low, high) zero padding of each spatial dimension.
@@ -136,6 +138,7 @@ def conv_padding_amounts(input_shape, filter_shape, strides, padding, dilation_r
                                                     strict=True))
 
 
+@capabilities(array_free=True, formula=True)
 def conv_output_spatial_shape(input_shape, filter_shape, strides, padding, dilation_rate=None,
                               data_format=None):
     r"""Spatial shape of a convolution's output.
@@ -154,6 +157,7 @@ def conv_output_spatial_shape(input_shape, filter_shape, strides, padding, dilat
                               check_channels=False).output_spatial_shape
 
 
+@capabilities(array_free=True, formula=True)
 def num_conv_locations(input_shape, filter_shape, strides, padding, dilation_rate=None,
                        data_format=None):
     r"""Number of output locations :math:`|T|` of a convolution.
@@ -219,6 +223,7 @@ def _patches_channels_last(xp, x, geo):
     return xp.reshape(stacked, (*stacked.shape[:1 + rank], *kernel, stacked.shape[-1]))
 
 
+@capabilities(dask="yes")
 def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dilation_rate=None,
                                 data_format=None):
     r"""The inputs each output location of a convolution reads (N-D, any padding).
@@ -290,6 +295,7 @@ def _four(func, name, value):
     return value
 
 
+@capabilities(dask="yes")
 def extract_image_patches(images, ksizes, strides, rates, padding, data_format=None):
     r"""TF's ``tf.image.extract_patches`` (2-D), flattened patches in (kh, kw, C) order.
 
@@ -339,6 +345,7 @@ def extract_image_patches(images, ksizes, strides, rates, padding, data_format=N
     return xp.reshape(patches, (n, oh, ow, geo.patch_size))
 
 
+@capabilities(dask="yes")
 def extract_pointwise_conv2d_patches(inputs, filter_shape, data_format=None):
     r"""Patches of a 1×1 convolution: every pixel is its own patch.
 
@@ -400,6 +407,7 @@ def check_subsample_factor(func, name, factor):
     return float(factor)
 
 
+@capabilities(array_free=True, formula=True)
 def num_subsampled_inputs(batch_size, factor=0.2):
     r"""Number of examples kept when inputs are subsampled before patch extraction.
 
@@ -423,6 +431,7 @@ def _num_subsampled_inputs(batch_size, factor):
     return int(math.ceil(batch_size * factor))
 
 
+@capabilities(array_free=True, formula=True)
 def num_subsampled_patches(total_patches, dimension, max_num_patches=10_000_000,
                            max_num_patches_per_dimension=3.0):
     r"""Number of patch rows kept when patches are subsampled (TF's ``_subsample_patches``).
@@ -455,6 +464,7 @@ def _num_subsampled_patches(total_patches, dimension, max_num_patches,
     return min(m, total_patches)
 
 
+@capabilities(dask="yes")
 def subsample_rows(array, num_rows, rng):
     r"""A uniformly random subset of rows (without replacement), in random order.
 
@@ -511,12 +521,11 @@ default (:func:`temporary_bytes_bound`)."""
 _USER_BOUND = {"bytes": None}
 
 
+@capabilities(array_free=True)
 def set_max_temporary_bytes(nbytes):
     r"""Set, once for the process, the bound on the patch temporaries of one chunk of
     examples that every convolution statistic and :class:`kfac_ref.nn.Conv2D` uses when
     its ``max_temporary_bytes`` is not given (``None`` restores the device-aware default).
-
-    .. math:: M \leftarrow \texttt{nbytes}
 
     Returns the previous setting (``None``: the device-aware default).
     """
@@ -526,6 +535,7 @@ def set_max_temporary_bytes(nbytes):
     return previous
 
 
+@capabilities(dask="yes")
 def temporary_bytes_bound(like, max_temporary_bytes=None):
     r"""The bound :math:`M` (bytes) on the patch temporaries of one chunk of examples for
     arrays like ``like``: the one place the chunk bound is decided.
@@ -569,6 +579,7 @@ def _free_device_bytes(like):
     return None
 
 
+@capabilities(array_free=True, formula=True)
 def example_chunks(num_examples, entries_per_example, itemsize, max_temporary_bytes):
     r"""Chunks of examples whose temporaries stay within a memory bound, as a list of
     ``(start, stop)`` pairs that cover every example in order.

@@ -46,6 +46,7 @@ from ._backend import (
     describe,
     namespace_of,
 )
+from ._support import DASK_NO_EIGH, capabilities
 from .blocks import PI_NORMS, ZERO_FACTOR_FALLBACKS
 from .linalg import clipped_eigh, kron_factor_dampings, kron_factor_norms
 
@@ -190,6 +191,7 @@ def kron_slogdet_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_
 # --------------------------------------------------------------------------------------
 # public formula functions: Kronecker blocks
 # --------------------------------------------------------------------------------------
+@capabilities(dask=DASK_NO_EIGH)
 def kron_eigenvalues(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag",
                      zero_factor_fallback="pi_one", eigenvalue_clipping_threshold=0.0):
     r"""Eigenvalues of a damped Kronecker-factored block, from the factors' eigenvalues.
@@ -238,6 +240,7 @@ def kron_eigenvalues(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg
                                    zero_factor_fallback, c)
 
 
+@capabilities(dask="yes")
 def kron_trace(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag",
                zero_factor_fallback="pi_one"):
     r"""Trace of a damped Kronecker-factored block, from the factors' traces.
@@ -283,6 +286,7 @@ def kron_trace(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag"
     return kron_trace_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def kron_slogdet(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag",
                  zero_factor_fallback="pi_one", eigenvalue_clipping_threshold=0.0):
     r"""Sign and log-absolute-determinant of a damped Kronecker-factored block.
@@ -376,6 +380,7 @@ def hutchpp_trace_kernel(xp, matmat, sketch, probes, func="hutchpp_trace"):
     return low_rank + xp.sum(residual * projected) / probes.shape[1]
 
 
+@capabilities(dask="yes")
 def hutchinson_trace(matmat, probes):
     r"""Hutchinson's trace estimate of a matrix-free operator :math:`M` (``d × d``).
 
@@ -411,6 +416,7 @@ def hutchinson_trace(matmat, probes):
     return hutchinson_trace_kernel(xp, matmat, probes, func)
 
 
+@capabilities(dask="yes")
 def hutchpp_trace(matmat, sketch, probes):
     r"""Hutch++ trace estimate (Meyer, Musco, Musco & Woodruff 2021, Algorithm 1).
 

@@ -84,7 +84,7 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """KFAC_REF_SUPPORT_DUMP=path writes what the run exercised (object, backend) as JSON,
-    the evidence for editing the declarations in kfac_ref/capabilities.py.
+    the evidence for editing the ``@capabilities`` declarations on the objects' definitions.
 
     Under pytest-xdist each worker hands its record to the controller, which merges them and
     compares the support claims with the merged record (what

@@ -1,5 +1,5 @@
 """Sphinx extension: API pages generated from ``__all__`` and a check that every public
-symbol is documented with a formula.
+symbol is documented (with a formula where it computes something).
 
 Configuration (``docs/conf.py``)
 --------------------------------
@@ -33,8 +33,10 @@ Checks (warnings, so ``sphinx -W`` turns them into a failed build)
 * every documented module imports and has ``__all__`` and a docstring, and every name of
   every ``__all__`` exists (with ``kfac_api_autodiscover = False`` also: every public
   module is listed);
-* every public function and class has a docstring that contains ``.. math::`` or
-  ``:math:`` (exception classes need a docstring, not a formula);
+* every public function and class has a docstring, and one that computes something
+  contains ``.. math::`` or ``:math:``: exception classes, and objects whose
+  ``@capabilities`` declaration says they compute nothing (``array_free=True`` unless
+  ``formula=True``, or ``formula="<why not>"``), need a docstring, not a formula;
 * with ``kfac_api_strict = True`` also: every public constant has a docstring (the string
   literal right after its assignment), and every public method and property that a public
   class defines has one (inherited docstrings count).  Without it these are reported as
@@ -270,6 +272,19 @@ def _has_formula(doc: str) -> bool:
     return any(marker in doc for marker in FORMULA_MARKERS)
 
 
+def _formula_required(obj) -> bool:
+    """Whether ``obj`` must show a formula: it computes something.  Its ``@capabilities``
+    declaration says so: objects that take no arrays (``array_free=True``: options,
+    registries, shape arithmetic) and objects declared ``formula="<why not>"`` (a state
+    container) are exempt, unless declared ``formula=True``.  Objects of packages without
+    such declarations always need one."""
+    try:
+        from kfac_ref.capabilities import formula_required
+    except ImportError:  # pragma: no cover - another package documented with this extension
+        return True
+    return formula_required(obj)
+
+
 def check_docstrings(model: ApiModel) -> tuple[list[str], list[str]]:
     """Return ``(problems, strict_problems)``.
 
@@ -293,9 +308,12 @@ def check_docstrings(model: ApiModel) -> tuple[list[str], list[str]]:
         if not doc.strip():
             problems.append(f"{full}: public {entry.kind} without a docstring")
             continue
-        if entry.kind in ("function", "class") and not _has_formula(doc):
+        if (entry.kind in ("function", "class") and not _has_formula(doc)
+                and _formula_required(entry.obj)):
             problems.append(
-                f"{full}: docstring has no formula (no '.. math::' block and no ':math:' role)"
+                f"{full}: docstring has no formula (no '.. math::' block and no ':math:' "
+                "role); an object that computes nothing says so in its @capabilities "
+                "declaration (array_free=True, or formula='<why not>')"
             )
         if entry.kind in ("class", "exception"):
             for attr, value in vars(entry.obj).items():

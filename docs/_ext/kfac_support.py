@@ -1,9 +1,12 @@
-"""Sphinx extension: the backend support table, generated from kfac_ref.capabilities.
+"""Sphinx extension: the backend support, generated from the ``@capabilities`` declarations
+(read through :mod:`kfac_ref.capabilities`).
 
 ``.. kfac-support-table::`` renders one table per module: every public function and class
 (linked to its API page) against the columns of :data:`kfac_ref.capabilities.COLUMNS`,
 each cell "yes", "no" (with the reason as a footnote-like note) or "–" (not tested).
-The page therefore cannot disagree with the declarations the tests check.
+Each object's API page ends with its own row, appended at ``autodoc-process-docstring``
+(nothing rewrites a docstring at import).  The pages therefore cannot disagree with the
+declarations the tests check.
 """
 
 from __future__ import annotations
@@ -50,34 +53,26 @@ class SupportTable(SphinxDirective):
         return container.children
 
 
-_RUBRIC = ".. rubric:: Backend support"
-_STASH: dict[str, list[str]] = {}
+def _append_support_row(app, what, name, obj, options, lines):
+    """The object's row of the support table, appended to its API page when the docs are
+    built (after numpydoc, as its own block after the rendered sections).  The docstrings
+    themselves carry no support row: the declarations live in the ``@capabilities``
+    decorators, and ``help(obj)`` does not show them."""
+    if what not in ("function", "class", "decorator"):
+        return
+    from kfac_ref import KFACValueError, capabilities
 
-
-def _lift_support_rows(app, what, name, obj, options, lines):
-    """Before numpydoc: take the backend-support rubric that
-    ``kfac_ref.capabilities.annotate_docstrings`` appends to every public docstring out of
-    the docstring, so that numpydoc does not read it as part of the last section (it would
-    show ``.. rubric:: Backend support`` as a parameter name)."""
-    for i, line in enumerate(lines):
-        if line.strip() == _RUBRIC:
-            _STASH[name] = list(lines[i:])
-            del lines[i:]
-            while lines and not lines[-1].strip():
-                lines.pop()
+    support = capabilities.support_table().get(name)
+    if support is None:  # an alias documented under its own name (NaiveFullFactor)
+        try:
+            support = capabilities.support_of(obj)
+        except KFACValueError:  # not a kfac_ref object
             return
-
-
-def _restore_support_rows(app, what, name, obj, options, lines):
-    """After numpydoc: put the rubric back, as its own block after the rendered sections."""
-    block = _STASH.pop(name, None)
-    if block:
-        lines += ["", *block]
+    lines += ["", *capabilities.support_row(support)]
 
 
 def setup(app):
     app.add_directive("kfac-support-table", SupportTable)
     # numpydoc rewrites docstrings at the default priority (500)
-    app.connect("autodoc-process-docstring", _lift_support_rows, priority=100)
-    app.connect("autodoc-process-docstring", _restore_support_rows, priority=900)
+    app.connect("autodoc-process-docstring", _append_support_row, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -25,6 +25,7 @@ from .._backend import (
     zeros_like_shape,
 )
 from .._pytrees import frozen, state_class
+from .._support import capabilities
 from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_blocks
 from . import _exact as exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
@@ -38,6 +39,7 @@ WEIGHT_SHARING_MODES = ("expand", "reduce")
 # ------------------------------------------------------------------------------------------
 # Block-diagonal curvature
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes", formula="a state container: one block state per layer")
 @dataclass(frozen=True)
 class BlockDiagonalState:
     r"""Immutable state of :class:`BlockDiagonalCurvature`: one block state per parametric
@@ -62,6 +64,7 @@ state_class(BlockDiagonalState, lambda st: ((st.blocks_states,), None),
             lambda aux, children: frozen(BlockDiagonalState, blocks_states=children[0]))
 
 
+@capabilities(jit="yes", dask="yes")
 class BlockDiagonalCurvature(EstimatorBase):
     r"""Block-diagonal curvature estimator (kfac-jax ``BlockDiagonalCurvature``).
 
@@ -601,6 +604,7 @@ def _nonfinite_statistic(state):
     return None
 
 
+@capabilities(dask="yes")
 def block_diag(blocks):
     r"""Block-diagonal matrix from square blocks (array-API concatenation, no mutation).
 

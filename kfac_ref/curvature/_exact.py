@@ -71,6 +71,7 @@ from .._backend import (
     value_checks,
 )
 from .._random import check_random_source, draw_noise, split_source
+from .._support import capabilities
 from ..linalg import compute_cov
 from ..losses import LossFunction, NegativeLogProbLoss
 from ..nn._network import Sequential
@@ -270,6 +271,7 @@ def _factor_columns(b, kind):
 # ------------------------------------------------------------------------------------------
 # Jacobian products
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def jacobian(net, params, x):
     r"""Per-example Jacobian of the network output with respect to the parameters.
 
@@ -289,6 +291,7 @@ def jacobian(net, params, x):
     return b.jacobian()
 
 
+@capabilities(dask="yes")
 def jacobian_vector_product(net, params, x, vector):
     r"""Jacobian-vector product :math:`J_n v` for every example.
 
@@ -310,6 +313,7 @@ def jacobian_vector_product(net, params, x, vector):
     return b.as_output(b.jvp_flat(vector))
 
 
+@capabilities(dask="yes")
 def jacobian_transpose_vector_product(net, params, x, output_vectors):
     r"""Transposed-Jacobian product summed over examples (backpropagation).
 
@@ -335,6 +339,7 @@ def jacobian_transpose_vector_product(net, params, x, output_vectors):
 # ------------------------------------------------------------------------------------------
 # loss, dense curvature matrices
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def loss_value_and_grad(net, loss_fn, params, batch):
     r"""Mean loss and its gradient.
 
@@ -372,6 +377,7 @@ def _factor_based(b, kind):
     return _second_moment(xp, c, b.n)
 
 
+@capabilities(jit="yes", dask="yes")
 def ggn_matrix(net, loss_fn, params, batch):
     r"""Dense generalised Gauss-Newton matrix of the mean loss.
 
@@ -402,6 +408,7 @@ def _ggn_matrix(b):
     return _factor_based(b, "ggn")
 
 
+@capabilities(dask="yes")
 def fisher_matrix(net, loss_fn, params, batch):
     r"""Dense (true, exact) Fisher of the mean loss, targets from the model's distribution.
 
@@ -429,6 +436,7 @@ def _fisher_matrix(b):
     return _factor_based(b, "fisher")
 
 
+@capabilities(dask="yes")
 def empirical_fisher_matrix(net, loss_fn, params, batch, normalization="mean"):
     r"""Dense empirical Fisher from the data targets.
 
@@ -461,6 +469,7 @@ def _empirical_fisher_matrix(b, normalization):
     return _second_moment(b.xp, g, scale)
 
 
+@capabilities(dask="yes")
 def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
     r"""Monte-Carlo Fisher from targets sampled from the model (unbiased, rank :math:`\le NM`).
 
@@ -492,6 +501,7 @@ def monte_carlo_fisher_matrix(net, loss_fn, params, batch, rng, num_samples=1):
     return _estimated(func, b, "fisher_gradients", rng, m, "mean")
 
 
+@capabilities(dask="yes")
 def hessian_matrix(net, loss_fn, params, batch):
     r"""Dense Hessian of the mean loss, column by column from exact Hessian-vector products.
 
@@ -533,6 +543,7 @@ def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
     return b.vjp(b.flat(prod)) / b.n
 
 
+@capabilities(jit="yes", dask="yes")
 def ggn_vector_product(net, loss_fn, params, batch, vector):
     r"""Matrix-free GGN product.
 
@@ -549,6 +560,7 @@ def ggn_vector_product(net, loss_fn, params, batch, vector):
     return _curvature_vp("ggn_vector_product", net, loss_fn, params, batch, vector, "ggn")
 
 
+@capabilities(jit="yes", dask="yes")
 def fisher_vector_product(net, loss_fn, params, batch, vector):
     r"""Matrix-free exact Fisher product.
 
@@ -564,6 +576,7 @@ def fisher_vector_product(net, loss_fn, params, batch, vector):
                          "fisher")
 
 
+@capabilities(dask="yes")
 def empirical_fisher_vector_product(net, loss_fn, params, batch, vector, normalization="mean"):
     r"""Matrix-free empirical-Fisher product from per-example gradients.
 
@@ -602,6 +615,7 @@ def _hvp(b, vector):
         return b.net.flatten(b.net.r_backward_pass(b.forward, vs, dins, g, rg))
 
 
+@capabilities(jit="yes", dask="yes")
 def hessian_vector_product(net, loss_fn, params, batch, vector):
     r"""Exact Hessian-vector product of the mean loss (Pearlmutter's R-operator).
 
@@ -649,6 +663,7 @@ def _factor(func, net, loss_fn, params, batch, inner, kind):
     return b.vjp(b.flat(out)) / math.sqrt(b.n)
 
 
+@capabilities(jit="yes", dask="yes")
 def fisher_factor_transpose_product(net, loss_fn, params, batch, vector):
     r"""Transposed Fisher factor times a parameter vector.
 
@@ -665,6 +680,7 @@ def fisher_factor_transpose_product(net, loss_fn, params, batch, vector):
                      "fisher")
 
 
+@capabilities(dask="yes")
 def fisher_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
     r"""Fisher factor times loss-inner vectors.
 
@@ -684,6 +700,7 @@ def fisher_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
                    "fisher")
 
 
+@capabilities(dask="yes")
 def ggn_factor_transpose_product(net, loss_fn, params, batch, vector):
     r"""Transposed GGN factor: :math:`[\tfrac{1}{\sqrt N} B_n^\top J_n v]_n` with
     :math:`B_nB_n^\top = G_n`.
@@ -695,6 +712,7 @@ def ggn_factor_transpose_product(net, loss_fn, params, batch, vector):
     return _factor_t("ggn_factor_transpose_product", net, loss_fn, params, batch, vector, "ggn")
 
 
+@capabilities(dask="yes")
 def ggn_factor_product(net, loss_fn, params, batch, loss_inner_vectors):
     r"""GGN factor times loss-inner vectors.
 
@@ -753,6 +771,7 @@ def draw_estimation_stack(func, b, mode, rng, num_samples, empirical_normalizati
     return out[0][None, ...] if num_samples == 1 else xp.stack(out, axis=0)
 
 
+@capabilities(dask="yes")
 def estimation_output_vectors(net, loss_fn, params, batch, estimation_mode, rng=None,
                               num_samples=1, empirical_fisher_normalization="mean"):
     r"""The per-example output cotangents each estimation mode back-propagates.
@@ -792,6 +811,7 @@ def estimation_output_vectors(net, loss_fn, params, batch, estimation_mode, rng=
     return draw_estimation_vectors(func, b, estimation_mode, rng, m, empirical_fisher_normalization)
 
 
+@capabilities(dask="yes")
 def estimated_matrix(net, loss_fn, params, batch, estimation_mode, rng=None, num_samples=1,
                      empirical_fisher_normalization="mean"):
     r"""Dense full curvature that an estimation mode estimates, from its output vectors.

@@ -24,6 +24,7 @@ from .._backend import (
     zeros_like_shape,
 )
 from .._pytrees import ensure_for, frozen, join, split, state_class
+from .._support import capabilities
 from ..averaging import WeightedMovingAverage
 from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
 from . import _exact as exact
@@ -72,6 +73,7 @@ def _matrix_named(func, state):
                              f"non-finite entries ({type(exc).__name__}: {exc}).") from exc
 
 
+@capabilities(jit="yes", dask="yes")
 class ExplicitExactCurvature(EstimatorBase):
     r"""Dense curvature over all parameters (kfac-jax ``ExplicitExactCurvature``).
 

@@ -4,6 +4,7 @@ r"""The matrix-free exact estimator (kfac-jax ``ImplicitExactCurvature``); docum
 from __future__ import annotations
 
 from .._backend import KFACValueError, check_array, check_option, namespace_of
+from .._support import capabilities
 from . import _exact as exact
 from ._estimator_args import flat_or_structured, unpack_func_args
 
@@ -13,6 +14,7 @@ __all__ = ["ImplicitExactCurvature"]
 # ------------------------------------------------------------------------------------------
 # Implicit exact curvature
 # ------------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class ImplicitExactCurvature:
     r"""Matrix-free exact curvature products (kfac-jax ``ImplicitExactCurvature``).
 

@@ -27,6 +27,7 @@ from .._backend import (
     namespace_of,
     size_of,
 )
+from .._support import capabilities
 from ..blocks.kfac_jax import NaiveDiagonal, NaiveFull
 from ._block_diagonal import BlockDiagonalCurvature
 from ._exact import (
@@ -44,6 +45,7 @@ _CURVATURES = {"ggn": ("ggn_exact", ggn_matrix),
                "empirical_fisher": ("fisher_empirical", empirical_fisher_matrix)}
 
 
+@capabilities(jit="yes", dask="yes")
 def relative_frobenius_error(approx, exact):
     r"""Relative Frobenius error, as a 0-D array.
 
@@ -86,6 +88,7 @@ def _relative_frobenius_error(xp, approx, exact):
     return xp.where(vanishes, only_exact, ratio)
 
 
+@capabilities(array_free=True)
 def default_approximations(net, input_shape):
     r"""The approximations compared by default.
 
@@ -115,6 +118,8 @@ def default_approximations(net, input_shape):
     return out
 
 
+@capabilities(jit=("no", "it reads values to build its report; call it on concrete arrays"),
+              dask=("no", "it reads values to build its report; call it on concrete arrays"))
 def approximation_report(net, loss_fn, params, batch, approximations=None, curvature="ggn"):
     r"""Per-layer relative Frobenius errors of block approximations against the exact blocks.
 

@@ -55,6 +55,7 @@ from .._backend import (
     ones_like_shape,
     zeros_like_shape,
 )
+from .._support import capabilities
 from ..averaging import MovingAverageVariable
 from ..linalg import (
     clipped_eigh,
@@ -182,6 +183,7 @@ def exp_value(func, exp):
 # --------------------------------------------------------------------------------------
 # Base classes
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class FisherFactor:
     r"""Base of every factor: the moving average of a batch statistic.
 
@@ -328,6 +330,7 @@ _EIGH_WHY = ("an eigendecomposition: a registered power other than -1, or at lea
              "eigenvalue_decomposition_threshold inverses")
 
 
+@capabilities(dask="yes")
 class DenseSquareMatrixFactor(FisherFactor):
     r"""A factor stored as a dense symmetric PSD matrix, with cached damped functions of it.
 
@@ -522,6 +525,7 @@ class DenseSquareMatrixFactor(FisherFactor):
         return clipped_eigh.kernel(xp, cov, self.eigenvalue_clipping_threshold)
 
 
+@capabilities(dask="yes")
 class DiagonalFactor(FisherFactor):
     r"""A factor stored by its diagonal (in the parameter's shape).
 

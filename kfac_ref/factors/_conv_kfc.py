@@ -31,6 +31,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from .._support import capabilities
 from ..conv_geometry import ConvGeometry, is_channels_last, to_channels_last
 from ..linalg import append_homog, compute_cov
 from ..patches import (
@@ -113,6 +114,7 @@ def _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, dat
                               dilation_name=dilation_name)
 
 
+@capabilities(dask="yes")
 def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate=None,
                       data_format="NHWC", has_bias=False, *, extract_patches_fn=None,
                       patch_mask=None):
@@ -189,6 +191,7 @@ def patch_rows(xp, patches, patch_size, has_bias=False, patch_mask=None):
     return rows
 
 
+@capabilities(dask="yes")
 def conv_input_factor_tap(geometry, has_bias=False):
     r"""The KFC input factor :math:`\Omega` as a tap of a convolution's forward pass: a
     function of the patches of a chunk of examples whose sum over the chunks of a batch is
@@ -232,6 +235,7 @@ def conv_input_factor_tap(geometry, has_bias=False):
     return tap
 
 
+@capabilities(dask="yes")
 def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dilation_rate=None,
                                 data_format="NHWC", has_bias=False, *, extract_patches_fn=None,
                                 patch_mask=None, sub_sample_inputs=False,
@@ -402,6 +406,7 @@ def _check_outputs_grad(func, outputs_grad, data_format, *, name="outputs_grad",
     return is_channels_last(func, data_format, outputs_grad.ndim)
 
 
+@capabilities(dask="yes")
 def conv_output_kronecker_factor(outputs_grad, data_format="NHWC", *,
                                  max_temporary_bytes=None):
     r"""KFC output factor :math:`\Gamma`: second moment of the back-propagated vectors over
@@ -464,6 +469,7 @@ def _conv_output_kronecker_factor(xp, outputs_grad, channels_last=True, *,
                                           outputs_grad), moment)
 
 
+@capabilities(dask="yes")
 def conv_per_example_gradients(inputs, outputs_grad, filter_shape, strides, padding,
                                data_format="NHWC", dilations=None, has_bias=False, *,
                                patch_mask=None):
@@ -520,6 +526,7 @@ def _conv_per_example_gradients(xp, inputs, outputs_grad, geo, has_bias=False, *
     return per_example_patch_products(xp, p, gg)  # [N, D(+1), C_out] = Σ_t p̄ gᵀ
 
 
+@capabilities(dask="yes")
 def conv_diagonal_factor(inputs, outputs_grad, filter_shape, strides, padding,
                          data_format="NHWC", dilations=None, has_bias=False, *,
                          patch_mask=None, max_temporary_bytes=None):
@@ -601,6 +608,7 @@ def _conv_diagonal_factor(xp, inputs, outputs_grad, geo, has_bias=False, *, patc
 # --------------------------------------------------------------------------------------
 # Stateful classes
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
     r"""TF K-FAC's ``ConvInputKroneckerFactor``: moving average of
     :func:`conv_input_kronecker_factor`.
@@ -659,6 +667,7 @@ class ConvInputKroneckerFactor(DenseSquareMatrixFactor):
         return (tuple(covs),)
 
 
+@capabilities(dask="yes")
 class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
     r"""TF K-FAC's ``ConvOutputKroneckerFactor``: moving average of
     :func:`conv_output_kronecker_factor`.
@@ -697,6 +706,7 @@ class ConvOutputKroneckerFactor(DenseSquareMatrixFactor):
         return tuple(out)
 
 
+@capabilities(dask="yes")
 class ConvDiagonalFactor(DiagonalFactor):
     r"""TF K-FAC's ``ConvDiagonalFactor``: moving average of :func:`conv_diagonal_factor`.
 
@@ -748,6 +758,7 @@ class ConvDiagonalFactor(DiagonalFactor):
         return tuple(out)
 
 
+@capabilities(dask="yes")
 class ConvInputMultiKF(ConvInputKroneckerFactor):
     r"""TF master's ``ConvInputMultiKF``: a conv input factor for a layer used ``num_uses``
     times, with the uses folded into the batch axis (``[num_uses·N, ...]``).
@@ -769,6 +780,7 @@ class ConvInputMultiKF(ConvInputKroneckerFactor):
         return as_towers(f"{self.name}.batch_size", "inputs", inputs)[0].shape[0] // self.num_uses
 
 
+@capabilities(dask="yes")
 class ConvOutputMultiKF(ConvOutputKroneckerFactor):
     r"""TF master's ``ConvOutputMultiKF``: :class:`ConvOutputKroneckerFactor` for a layer
     used ``num_uses`` times (uses folded into the batch axis).

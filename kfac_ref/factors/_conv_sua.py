@@ -30,6 +30,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from .._support import capabilities
 from ..averaging import MovingAverageVariable
 from ..conv_geometry import ConvGeometry, is_channels_last, to_channels_last
 from ..linalg import append_homog, compute_cov, damped_inverse, kron
@@ -60,6 +61,7 @@ SUA_ORDERS = ("channel_fastest", "tf")
 ``LinearOperatorKronecker([Σ, I_K])`` and ``tile(μ, [1, K])`` (channel slowest)."""
 
 
+@capabilities(dask="yes")
 def conv_input_sua_statistics(inputs, data_format="NHWC", subtract_mean=True):
     r"""Per-location channel statistics of a conv layer's inputs (SUA, KFC Theorem 4).
 
@@ -146,6 +148,7 @@ def _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order):
     return xp, num_offsets, damping
 
 
+@capabilities(dask="yes")
 def conv_input_sua_factor(sigma, mu, num_offsets, has_bias=False, damping=0.0,
                           order="channel_fastest"):
     r"""Dense SUA input factor (KFC Theorem 4), damped.
@@ -207,6 +210,7 @@ def _conv_input_sua_factor(xp, sigma, mu, k, has_bias=False, damping=0.0,
     return block + m[:, None] * m[None, :]
 
 
+@capabilities(dask="yes")
 def conv_input_sua_inverse(sigma, mu, num_offsets, has_bias=False, damping=0.0,
                            order="channel_fastest"):
     r"""Inverse of the damped SUA factor by Sherman–Morrison (TF master's formula).
@@ -263,6 +267,7 @@ def _sua_inverse_from_parts(xp, sigma_inv, mu, k, has_bias, damping, order):
     return b_inv - b_inv_m[:, None] * b_inv_m[None, :] / (1.0 + quad)
 
 
+@capabilities(dask="yes")
 class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
     r"""TF master's ``ConvInputSUAKroneckerFactor``: the SUA input factor from moving
     averages of the channel covariance :math:`\Sigma` and mean :math:`\mu`.

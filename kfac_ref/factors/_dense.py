@@ -8,6 +8,7 @@ homogeneous coordinate appended LAST to :math:`a`, statistics are averaged over 
 from __future__ import annotations
 
 from .._backend import KFACValueError, check_array, check_bool, kernel_of, namespace_of
+from .._support import capabilities
 from ..linalg import append_homog, compute_cov
 from ._base import (
     DenseSquareMatrixFactor,
@@ -32,6 +33,7 @@ def fold_uses(xp, tensor):
     return tensor
 
 
+@capabilities(jit="yes", dask="yes")
 def fully_connected_kronecker_factor(tensor, has_bias=False):
     r"""Kronecker factor of a dense layer: second moment of (homogeneous) rows.
 
@@ -90,6 +92,7 @@ def _fully_connected_kronecker_factor(xp, tensor, has_bias=False):
     return compute_cov.kernel(xp, x)
 
 
+@capabilities(dask="yes")
 def fully_connected_diagonal_factor(inputs, outputs_grad, has_bias=False):
     r"""Exact diagonal of the per-example second moment of a dense layer's gradient.
 
@@ -152,6 +155,7 @@ def _fully_connected_diagonal_factor(xp, inputs, outputs_grad, has_bias=False):
     return xp.matrix_transpose(a * a) @ (outputs_grad * outputs_grad) / float(n)
 
 
+@capabilities(dask="yes")
 class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
     r"""TF K-FAC's ``FullyConnectedKroneckerFactor``: moving average of
     :func:`fully_connected_kronecker_factor`.
@@ -196,6 +200,7 @@ class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
         return tuple(out)
 
 
+@capabilities(dask="yes")
 class FullyConnectedDiagonalFactor(DiagonalFactor):
     r"""TF K-FAC's ``FullyConnectedDiagonalFactor``: moving average of
     :func:`fully_connected_diagonal_factor`.

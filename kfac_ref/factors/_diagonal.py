@@ -21,6 +21,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from .._support import capabilities
 from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
@@ -49,6 +50,7 @@ def _as_param_list(func, params_grads):
     )
 
 
+@capabilities(dask="yes")
 def params_grads_to_vector(params_grads):
     r"""Concatenate parameter-shaped arrays into one vector (TF's ``tensors_to_column``).
 
@@ -82,6 +84,7 @@ def _batch_size(func, batch_size):
     return check_scalar(func, "batch_size", batch_size, positive=True)
 
 
+@capabilities(dask="yes")
 def naive_diagonal_factor(params_grads, batch_size):
     r"""Naive diagonal Fisher estimate from the gradient of the summed loss.
 
@@ -124,6 +127,7 @@ def _naive_diagonal_factor(xp, vector, batch_size):
     return vector * vector / batch_size
 
 
+@capabilities(dask="yes")
 def full_factor(params_grads, batch_size):
     r"""Naive full Fisher estimate (rank one) from the gradient of the summed loss.
 
@@ -177,6 +181,7 @@ def _sources(func, params_grads):
                         f"got {describe(params_grads)}.")
 
 
+@capabilities(dask="yes")
 class NaiveDiagonalFactor(DiagonalFactor):
     r"""TF K-FAC's ``NaiveDiagonalFactor``: moving average of :func:`naive_diagonal_factor`
     summed over sources.
@@ -206,6 +211,7 @@ class NaiveDiagonalFactor(DiagonalFactor):
                                              self.batch_size),) for v in vecs)
 
 
+@capabilities(dask="yes")
 class FullFactor(DenseSquareMatrixFactor):
     r"""TF K-FAC's ``FullFactor`` (``NaiveFullFactor`` in master): moving average of
     :func:`full_factor` summed over sources.

@@ -23,6 +23,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from .._support import capabilities
 from ._base import (
     DiagonalFactor,
     as_sources_towers,
@@ -82,6 +83,7 @@ def _check_ids(func, xp, input_ids, vocab_size, ndim):
             )
 
 
+@capabilities(dask="yes")
 def embedding_input_kronecker_factor(input_ids, vocab_size, dtype=None):
     r"""Diagonal input factor of an embedding layer: id frequencies.
 
@@ -139,6 +141,7 @@ def _embedding_input_kronecker_factor(xp, input_ids, vocab_size, dtype):
     return counts / float(input_ids.shape[0])
 
 
+@capabilities(dask="yes")
 def diagonal_kronecker_factor(tensor, has_bias=False):
     r"""Diagonal Kronecker factor of dense inputs (TF master's ``DiagonalKroneckerFactor``).
 
@@ -193,6 +196,7 @@ def _diagonal_kronecker_factor(xp, tensor, has_bias=False):
     return d
 
 
+@capabilities(dask="yes")
 class EmbeddingInputKroneckerFactor(DiagonalFactor):
     r"""TF K-FAC's ``EmbeddingInputKroneckerFactor``: moving average of
     :func:`embedding_input_kronecker_factor`, averaged over towers.
@@ -231,6 +235,7 @@ class EmbeddingInputKroneckerFactor(DiagonalFactor):
         return (tuple(out),)
 
 
+@capabilities(dask="yes")
 class DiagonalKroneckerFactor(DiagonalFactor):
     r"""TF master's ``DiagonalKroneckerFactor``: dense inputs or one-hot ids.
 
@@ -292,6 +297,7 @@ class DiagonalKroneckerFactor(DiagonalFactor):
         return tuple(tuple(self._one(func, self._fold(func, t)) for t in src) for src in st)
 
 
+@capabilities(dask="yes")
 class DiagonalMultiKF(DiagonalKroneckerFactor):
     r"""TF master's ``DiagonalMultiKF``: :class:`DiagonalKroneckerFactor` for a layer used
     ``num_uses`` times; ``[T, N, d]`` (dense) or ``[T, N]`` (ids) data are folded to

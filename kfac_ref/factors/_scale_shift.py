@@ -25,6 +25,7 @@ from .._backend import (
     kernel_of,
     namespace_of,
 )
+from .._support import capabilities
 from ..linalg import compute_cov
 from ._base import (
     DenseSquareMatrixFactor,
@@ -59,6 +60,7 @@ def _axes(func, name, dims, ndim):
     return dims
 
 
+@capabilities(dask="yes")
 def scale_and_shift_factor(inputs, outputs_grad, broadcast_dims_scale, broadcast_dims_shift=None,
                            has_shift=True, approx="full"):
     r"""Per-example second moment of a scale-and-shift layer's parameter gradient.
@@ -173,6 +175,7 @@ class _ScaleAndShiftMixin:
         return tuple(out)
 
 
+@capabilities(dask="yes")
 class ScaleAndShiftFullFactor(_ScaleAndShiftMixin, DenseSquareMatrixFactor):
     r"""TF master's ``ScaleAndShiftFullFactor``: moving average of the full
     :func:`scale_and_shift_factor` (sources summed, towers averaged).
@@ -191,6 +194,7 @@ class ScaleAndShiftFullFactor(_ScaleAndShiftMixin, DenseSquareMatrixFactor):
         self._init_ss(broadcast_dims_scale, broadcast_dims_shift, has_shift)
 
 
+@capabilities(dask="yes")
 class ScaleAndShiftDiagonalFactor(_ScaleAndShiftMixin, DiagonalFactor):
     r"""TF master's ``ScaleAndShiftDiagonalFactor``: moving average of the diagonal
     :func:`scale_and_shift_factor`.

@@ -31,6 +31,7 @@ from .._backend import (
     namespace_of,
     optional_linalg,
 )
+from .._support import DASK_NO_EIGH, capabilities
 from ..averaging import MovingAverageVariable
 from ..linalg import append_homog, compute_cov, damped_matpower
 from ._base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
@@ -63,6 +64,7 @@ def _check_uses(func, tensor, num_uses, name="tensor"):
         )
 
 
+@capabilities(dask="yes")
 def fully_connected_multi_kf_cov_dt1(tensor, num_uses, has_bias=False):
     r"""Lag-one cross moment of a multiply-used dense layer's rows.
 
@@ -138,6 +140,7 @@ def _inv_sqrt_c0(xp, cov, damping, threshold, func):
     return (m + m.T) / 2.0
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def series_option1_quantities(cov, cov_dt1, damping, eig_method="self_adjoint",
                               eigenvalue_clipping_threshold=0.0):
     r"""Option-1 quantities :math:`(L, \psi)` of one factor (TF ``register_option1quants``).
@@ -212,6 +215,7 @@ def _series_option1_quantities(xp, cov, cov_dt1, damping, eig_method="self_adjoi
     return inv_sqrt @ u, psi
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def series_option2_quantities(cov, cov_dt1, damping, eigenvalue_clipping_threshold=0.0):
     r"""Option-2 quantities :math:`(P, K, \mu)` of one factor (TF ``register_option2quants``).
 
@@ -270,6 +274,7 @@ def _series_option2_quantities(xp, cov, cov_dt1, damping, threshold=0.0, *,
     return p, k, mu
 
 
+@capabilities(dask="yes")
 class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     r"""TF K-FAC's ``FullyConnectedMultiKF``: a dense factor for ``num_uses`` uses, with the
     optional lag-one moment and the option-1/2 series quantities.

@@ -33,6 +33,7 @@ from .._backend import (
     is_array,
     namespace_of,
 )
+from .._support import capabilities
 from ._network import Sequential
 
 __all__ = [
@@ -70,6 +71,7 @@ def _check_net(func, net):
                             f"{type(net).__name__}.")
 
 
+@capabilities(array_free=True, formula=True)
 def torch_permutation(net):
     r"""Permutation from kfac_ref's parameter order to PyTorch's ``parameters()`` order.
 
@@ -97,6 +99,7 @@ def torch_permutation(net):
     return np.concatenate(perm) if perm else np.zeros(0, dtype=np.int64)
 
 
+@capabilities(array_free=True, formula=True)
 def kfac_jax_permutation(net):
     r"""Permutation from kfac_ref's order to kfac-jax's pytree order of Haiku-style params.
 
@@ -126,6 +129,7 @@ def kfac_jax_permutation(net):
     return np.concatenate([pieces[k] for k in order]) if order else np.zeros(0, dtype=np.int64)
 
 
+@capabilities(dask="yes")
 def permute_vector(vec, perm):
     r"""Reorder a vector (or the last axis of a batch of vectors).
 
@@ -144,6 +148,7 @@ def permute_vector(vec, perm):
     return xp.take(vec, idx, axis=vec.ndim - 1)
 
 
+@capabilities(dask="yes")
 def permute_matrix(mat, perm):
     r"""Reorder rows and columns of a square matrix.
 
@@ -200,6 +205,7 @@ def _check_perm(func, xp, perm, n, like_name, like):
     return xp.asarray(host.astype(np.int64), device=device_of(like))
 
 
+@capabilities(dask="yes")
 def to_torch_parameters(net, params):
     r"""Parameters in PyTorch layouts, as an ordered dict ``{"<layer>.<weight|bias>": array}``.
 
@@ -223,13 +229,10 @@ def to_torch_parameters(net, params):
     return out
 
 
+@capabilities(dask="yes",
+              formula="a re-arrangement: the same arrays in a nested dict, nothing computed")
 def to_kfac_jax_params(net, params):
     r"""Parameters as a Haiku-style nested dict ``{layer_name: {haiku_name: array}}``.
-
-    .. math::
-
-        \{\text{dense}: \{w: W, b: b\},\ \text{scale\_and\_shift}: \{\text{scale}: s,
-        \ \text{offset}: t\},\ \dots\}
 
     Arrays keep kfac_ref's layout; parameter-free layers are omitted.  The pytree leaf order
     of the result is :func:`kfac_jax_permutation`.

@@ -54,6 +54,7 @@ from .._backend import (
     namespace_of,
     zeros_like_shape,
 )
+from .._support import capabilities
 from ..conv_geometry import ConvGeometry, from_channels_last, to_channels_last
 from ..patches import (
     example_chunks,
@@ -93,6 +94,7 @@ def _zeros_if_none(xp, t, like):
     return xp.zeros_like(like) if t is None else t
 
 
+@capabilities(dask="yes")
 class Layer:
     r"""Base class of the reference layers.
 
@@ -452,6 +454,7 @@ def _normal_init(rng, like, shape, scale):
 # ----------------------------------------------------------------------------------------
 # Dense
 # ----------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class Dense(Layer):
     r"""Fully connected layer, optionally applied to every position of ``[N, T, d]`` inputs.
 
@@ -566,6 +569,7 @@ class Dense(Layer):
 # ----------------------------------------------------------------------------------------
 # Conv2D
 # ----------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class Conv2D(Layer):
     r"""2-D convolution computed as patch extraction followed by one GEMM.
 
@@ -996,6 +1000,7 @@ def _pair(func, name, v):
 # ----------------------------------------------------------------------------------------
 # Scale and shift
 # ----------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class ScaleAndShift(Layer):
     r"""Per-channel scale and shift on the last axis (the affine part of a normalisation layer).
 
@@ -1119,6 +1124,7 @@ class ScaleAndShift(Layer):
 # ----------------------------------------------------------------------------------------
 # Embedding
 # ----------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class Embedding(Layer):
     r"""Embedding lookup of integer ids, a dense layer on one-hot inputs without bias.
 
@@ -1215,6 +1221,7 @@ def _sigmoid(xp, x):
     return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
 
 
+@capabilities(dask="yes")
 def activation_derivatives(kind, x):
     r"""Value, first and second derivative of an elementwise activation.
 
@@ -1281,6 +1288,7 @@ def _activation_kernel(xp, kind, x, order):
     return out[:order + 1]
 
 
+@capabilities(dask="yes")
 class Activation(Layer):
     r"""Elementwise activation :math:`y = \sigma(x)`.
 
@@ -1336,6 +1344,7 @@ class Activation(Layer):
 # ----------------------------------------------------------------------------------------
 # Parameter-free linear reshaping layers
 # ----------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class MeanPool(Layer):
     r"""Mean over the non-batch, non-channel axes (tokens or spatial locations).
 
@@ -1379,6 +1388,7 @@ class MeanPool(Layer):
         return (), None if rg is None else self._vjp_input(params, x, rg)
 
 
+@capabilities(dask="yes")
 class Flatten(Layer):
     r"""Flatten every non-batch axis (row-major).
 

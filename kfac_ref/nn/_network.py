@@ -56,11 +56,13 @@ from .._backend import (
     value_checks,
     zeros_like_shape,
 )
+from .._support import capabilities
 from ._layers import Layer
 
 __all__ = ["Sequential", "ForwardPass"]
 
 
+@capabilities(dask="yes")
 class ForwardPass:
     r"""The record of one validated forward pass of a :class:`Sequential` network.
 
@@ -103,6 +105,7 @@ class ForwardPass:
                 f"{len(self.inputs)} layer inputs)")
 
 
+@capabilities(dask="yes")
 class Sequential:
     r"""A chain of named layers :math:`f = f_L \circ \dots \circ f_1`.
 

@@ -12,6 +12,7 @@ from ..._backend import (
     check_symmetric,
     value_checks,
 )
+from ..._support import capabilities
 from ...linalg import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
@@ -92,6 +93,7 @@ def unflatten(xp, flat, shapes):
 # --------------------------------------------------------------------------------------
 # Damping bookkeeping for replicated parameters
 # --------------------------------------------------------------------------------------
+@capabilities(array_free=True, formula=True)
 def normalize_damping(damping, num_replications, normalize_damping_power=1.0):
     r"""Damping per replication of a parameter used :math:`k` times (TF ``normalize_damping``).
 

@@ -11,6 +11,7 @@ from ..._backend import (
     errors_named,
     namespace_of,
 )
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import (
     clipped_eigh,
 )
@@ -27,6 +28,7 @@ def apply_diagonal(xp, diagonal, x, power, damping, scale):
     return elementwise_power(xp, scale * diagonal + damping, power) * x
 
 
+@capabilities(dask="yes")
 def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
     r"""Power of a damped diagonal block times a vector of the same shape.
 
@@ -75,6 +77,7 @@ def apply_full_eigen(xp, eig, x, power, damping, scale):
     return q @ (coeff * (xp.matrix_transpose(q) @ x))
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
                         eigenvalue_clipping_threshold=0.0):
     r"""Power of a damped full (dense) block times a flat vector.
@@ -114,6 +117,7 @@ def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
         return apply_full(xp, matrix, eig, x, power, damping, scale)
 
 
+@capabilities(dask="yes")
 def scaled_identity_matpower(x, power, damping=0.0, *, scale=1.0):
     r"""Power of a damped scaled identity block (kfac-jax ``ScaledIdentity``).
 

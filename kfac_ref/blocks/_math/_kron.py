@@ -10,6 +10,7 @@ from ..._backend import (
     errors_named,
     namespace_of,
 )
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import (
     PI_NORMS,
     ZERO_FACTOR_FALLBACKS,
@@ -106,6 +107,7 @@ def _check_kron_inputs(func, a, g, x):
     return xp
 
 
+@capabilities(dask="yes")
 def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=False,
                              norm_type="avg_diag", zero_factor_fallback="pi_one",
                              eigenvalue_clipping_threshold=0.0):
@@ -189,6 +191,7 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
         return apply_kron(path, xp, a, g, prepared, x, power, damping, scale)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshold=0.0):
     r"""Eigenvalues of the undamped block :math:`s\,(A \otimes G)`.
 

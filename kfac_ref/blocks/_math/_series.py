@@ -7,11 +7,13 @@ from ..._backend import (
     check_scalar,
     namespace_of,
 )
+from ..._support import capabilities
 
 
 # --------------------------------------------------------------------------------------
 # Series (RNN) blocks, Martens, Ba & Johnson (2018)
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def series_gamma(x, num_timesteps):
     r"""Option-1 spectral function :math:`\gamma_T = 1/\zeta_T` of the series block.
 
@@ -42,6 +44,7 @@ def _check_series_x(func, x, p, q):
     check_array(func, "x", x, ndim=2, shape=(p, q), layout=f"[{p}, {q}] (row-major [W; b])")
 
 
+@capabilities(dask="yes")
 def series_option1_multiply_inverse(l_a, psi_a, l_g, psi_g, num_timesteps, x):
     r"""Option-1 inverse of the series (RNN) block, TF ``FullyConnectedSeriesFB`` option 1.
 
@@ -87,6 +90,7 @@ def _check_series_pairs(func, *pairs):
     return dims
 
 
+@capabilities(dask="yes")
 def series_option2_multiply_inverse(p_a, k_a, mu_a, p_g, k_g, mu_g, num_timesteps, x):
     r"""Option-2 (:math:`T\to\infty`) inverse of the series block, TF ``FullyConnectedSeriesFB``.
 

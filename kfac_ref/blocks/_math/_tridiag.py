@@ -17,6 +17,7 @@ from ..._backend import (
     optional_linalg,
     size_of,
 )
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import (
     damped_matpower,
     pi_adjusted_damping,
@@ -26,6 +27,7 @@ from ...linalg import (
 # --------------------------------------------------------------------------------------
 # Block-tridiagonal inverse, Martens & Grosse (2015) §4.3 and Appendix B
 # --------------------------------------------------------------------------------------
+@capabilities(dask=DASK_NO_EIGH)
 def kronecker_difference_inverse(a, b, c, d, x):
     r"""Inverse of a difference of Kronecker products times a matrix (M&G 2015, App. B).
 
@@ -86,6 +88,7 @@ def _kron_difference_inverse(xp, a, b, c, d, x):
     return k1 @ y @ xp.matrix_transpose(k2)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping=0.0):
     r"""Block-tridiagonal K-FAC inverse :math:`\hat F^{-1} v` over a chain of layers.
 

@@ -29,6 +29,7 @@ from ..._backend import (
     zeros_like_shape,
 )
 from ..._pytrees import ensure_for, frozen, join, split, state_class
+from ..._support import capabilities
 from ...averaging import WeightedMovingAverage
 from ...linalg import FACTOR_NORMS, deferred_value_checks
 from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
@@ -36,13 +37,11 @@ from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internal
 __all__ = ["BlockState", "CurvatureBlock"]
 
 
+@capabilities(jit="yes", dask="yes",
+              formula="a state container: the block's moving averages and cache")
 @dataclass(frozen=True)
 class BlockState:
     r"""Immutable state of a curvature block.
-
-    .. math::
-
-        \text{statistics}_i = \text{WeightedMovingAverage of the block's statistics},
 
     Attributes
     ----------
@@ -129,6 +128,7 @@ def check_rows(func, state, arrays, batch_size):
     return flat
 
 
+@capabilities(dask="yes")
 class CurvatureBlock(abc.ABC):
     r"""Base class: a curvature block over a group of parameters, kfac-jax API.
 

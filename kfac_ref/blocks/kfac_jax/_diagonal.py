@@ -7,6 +7,7 @@ import math
 
 from ... import factors
 from ..._backend import check_option, eye_like
+from ..._support import capabilities
 from ...linalg import factor_norm
 from .._math import apply_diagonal
 from ._base import CurvatureBlock
@@ -23,6 +24,7 @@ __all__ = ["Diagonal", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
            "ScaleAndShiftDiagonal"]
 
 
+@capabilities(dask="yes")
 class Diagonal(CurvatureBlock):
     r"""Diagonal blocks (kfac-jax ``Diagonal``): one diagonal per parameter.
 
@@ -75,6 +77,7 @@ class Diagonal(CurvatureBlock):
         return factor_norm.kernel(xp, self._flat_diagonal(xp, state), norm_type)
 
 
+@capabilities(dask="yes")
 class NaiveDiagonal(ParamsGradsSources, Diagonal):
     r"""kfac-jax ``NaiveDiagonal`` / TF ``NaiveDiagonalFB``: the "square of the sum".
 
@@ -102,6 +105,7 @@ class NaiveDiagonal(ParamsGradsSources, Diagonal):
         return self._unflatten(xp, flat)
 
 
+@capabilities(jit="yes", dask="yes")
 class DenseDiagonal(DenseLayer, Diagonal):
     r"""kfac-jax ``DenseDiagonal`` / TF ``FullyConnectedDiagonalFB``: sum-of-squares diagonal.
 
@@ -126,6 +130,7 @@ class DenseDiagonal(DenseLayer, Diagonal):
         return (diag[:d_in, :],) + ((diag[d_in, :],) if self.has_bias else ())
 
 
+@capabilities(jit="yes", dask="yes")
 class Conv2DDiagonal(ConvLayer, Diagonal):
     r"""kfac-jax ``Conv2DDiagonal`` / TF ``ConvDiagonalFB``: sum-of-squares diagonal.
 
@@ -154,6 +159,7 @@ class Conv2DDiagonal(ConvLayer, Diagonal):
         return new + ((diag[k, :],) if self.has_bias else ())
 
 
+@capabilities(dask="yes")
 class ScaleAndShiftDiagonal(ScaleAndShiftLayer, Diagonal):
     r"""kfac-jax ``ScaleAndShiftDiagonal`` / TF ``ScaleAndShiftDiagonalFB``.
 

@@ -26,6 +26,7 @@ import math
 
 from ... import factors
 from ..._backend import KFACValueError, check_bool
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import append_homog, clipped_eigh, compute_cov, factor_norm, kron
 from .._math import apply_diagonal
 from ._base import CurvatureBlock, MatrixWorkingForm
@@ -45,6 +46,7 @@ def _from_kfe(xp, q_a, q_g, y):
     return xp.matmul(xp.matmul(q_a, y), xp.matrix_transpose(q_g))
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     r"""EKFAC blocks (George et al. 2018): :math:`s\,Q\operatorname{diag}(s^*)Q^\top` in the
     eigenbasis :math:`Q = Q_A \otimes Q_G` of the Kronecker factors.
@@ -145,6 +147,7 @@ class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         return compute_cov.kernel(xp, x, x)
 
 
+@capabilities(jit="yes", dask=DASK_NO_EIGH)
 class DenseEKFAC(DenseLayer, EigenbasisKroneckerFactored):
     r"""EKFAC of a dense layer ``y = x W + b`` (George et al. 2018).
 
@@ -189,6 +192,7 @@ class DenseEKFAC(DenseLayer, EigenbasisKroneckerFactored):
         return fa, fg, self._second_moment(xp, grads)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class Conv2DEKFAC(ConvLayer, EigenbasisKroneckerFactored):
     r"""EKFAC of a 2-D convolution (George et al. 2018) in the eigenbasis of KFC's factors.
 

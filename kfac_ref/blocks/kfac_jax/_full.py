@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ... import factors
 from ..._backend import check_option
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import append_homog, clipped_eigh, compute_cov, factor_norm
 from .._math import apply_full, prepare_full
 from ._base import CurvatureBlock
@@ -20,6 +21,7 @@ from ._registry import register_layer_block
 __all__ = ["Full", "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull"]
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class Full(CurvatureBlock):
     r"""Full (dense) blocks (kfac-jax ``Full``): one symmetric PSD matrix.
 
@@ -87,6 +89,7 @@ class Full(CurvatureBlock):
         return factor_norm.kernel(xp, state.statistics[0].value, norm_type)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class NaiveFull(ParamsGradsSources, Full):
     r"""kfac-jax ``NaiveFull`` / TF ``NaiveFullFB``: rank-one "square of the sum" estimate.
 
@@ -113,6 +116,7 @@ class NaiveFull(ParamsGradsSources, Full):
         return (self._naive_statistic(sources, batch_size, factors.full_factor),)
 
 
+@capabilities(jit="yes", dask=DASK_NO_EIGH)
 class DenseFull(DenseLayer, Full):
     r"""kfac-jax ``DenseFull``: exact second moment of a dense layer's per-example gradients.
 
@@ -139,6 +143,7 @@ class DenseFull(DenseLayer, Full):
         return (compute_cov.kernel(xp, tangents),)
 
 
+@capabilities(jit="yes", dask=DASK_NO_EIGH)
 class Conv2DFull(ConvLayer, Full):
     r"""kfac-jax ``Conv2DFull``: exact second moment of a conv layer's per-example gradients.
 
@@ -158,6 +163,7 @@ class Conv2DFull(ConvLayer, Full):
         return (compute_cov.kernel(xp, tangents),)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class ScaleAndShiftFull(ScaleAndShiftLayer, Full):
     r"""kfac-jax ``ScaleAndShiftFull`` / TF ``ScaleAndShiftFullFB``.
 

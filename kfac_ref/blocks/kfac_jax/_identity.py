@@ -3,12 +3,14 @@ r"""The scaled-identity block family (kfac-jax ``ScaledIdentity``)."""
 from __future__ import annotations
 
 from ..._backend import check_scalar, eye_like, ones_like_shape
+from ..._support import capabilities
 from .._math import scaled_identity_matpower
 from ._base import CurvatureBlock
 
 __all__ = ["ScaledIdentity"]
 
 
+@capabilities(dask="yes")
 class ScaledIdentity(CurvatureBlock):
     r"""kfac-jax ``ScaledIdentity``: the block is :math:`sI`.
 

@@ -19,6 +19,7 @@ from ..._backend import (
     kernel_error,
     namespace_of,
 )
+from ..._support import capabilities
 from ...conv_geometry import to_channels_last
 from ...linalg import (
     PI_NORMS,
@@ -51,6 +52,7 @@ KFAC_JAX_APPROX_POWERS = (-1.0, -0.5, 0.5, 1.0)
 """Powers kfac-jax's Kronecker blocks compute approximately (π-damped factors)."""
 
 
+@capabilities(dask="yes")
 class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     r"""Kronecker-factored blocks (kfac-jax ``TwoKroneckerFactored``), :math:`s\,A\otimes G`.
 
@@ -251,6 +253,7 @@ def _differ(cached, given):
     return bool(differ)
 
 
+@capabilities(jit="yes", dask="yes")
 class DenseTwoKroneckerFactored(DenseLayer, TwoKroneckerFactored):
     r"""kfac-jax ``DenseTwoKroneckerFactored`` (TF ``FullyConnectedKFACBasicFB`` statistics).
 
@@ -307,6 +310,7 @@ def _repeated(base, repeats):
     return _REPEATED[key]
 
 
+@capabilities(jit="yes", dask="yes")
 class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
     r"""kfac-jax ``Conv2DTwoKroneckerFactored`` (TF ``ConvKFCBasicFB``): KFC.
 
@@ -381,6 +385,7 @@ class Conv2DTwoKroneckerFactored(ConvLayer, TwoKroneckerFactored):
                 self._second_moment(xp, xp.reshape(gl, (-1, gl.shape[-1]))))
 
 
+@capabilities(dask="yes")
 class ReducedConv2DTwoKroneckerFactored(DenseTwoKroneckerFactored):
     r"""KFAC-reduce for a convolution (Eschenhagen et al. 2023): a dense Kronecker block on
     :math:`\bar{\bar p}_n = \frac1{|T|}\sum_t \bar p_{n,t}` and :math:`\hat g_n = \sum_t g_{n,t}`.

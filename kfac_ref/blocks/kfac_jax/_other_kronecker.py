@@ -40,6 +40,7 @@ from ..._backend import (
     kernel_of,
     namespace_of,
 )
+from ..._support import capabilities
 from ...linalg import append_homog, compute_cov
 from ._base import CurvatureBlock
 from ._kronecker import (
@@ -55,6 +56,7 @@ __all__ = ["NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "Conv2DFOOF", "Redu
            "DenseKPSVD", "tnt_scale", "nearest_kronecker_factors"]
 
 
+@capabilities(dask="yes")
 def tnt_scale(a, g):
     r"""kfac-jax's TNT scale of a factor pair: the inverse geometric mean of the traces.
 
@@ -150,6 +152,7 @@ class _TNTScale:
                 self._second_moment(xp, g * xp.sqrt(wx)[:, None]))
 
 
+@capabilities(dask="yes")
 class NaiveTNT(ParamsGradsSources, _TNTScale, TwoKroneckerFactored):
     r"""TNT from gradients of the summed loss (kfac-jax ``NaiveTNT``), on the ``[W; b]``
     matrix.
@@ -206,6 +209,7 @@ class NaiveTNT(ParamsGradsSources, _TNTScale, TwoKroneckerFactored):
                 compute_cov.kernel(xp, z, z, normalizer=batch_size))
 
 
+@capabilities(jit="yes", dask="yes")
 class DenseTNT(_TNTScale, _StackedRows, DenseTwoKroneckerFactored):
     r"""TNT for a dense layer (Ren & Goldfarb 2021; kfac-jax ``DenseTNT``).
 
@@ -234,6 +238,7 @@ class DenseTNT(_TNTScale, _StackedRows, DenseTwoKroneckerFactored):
                                              xp.sum(g * g, axis=1))
 
 
+@capabilities(jit="yes", dask="yes")
 class Conv2DTNT(_TNTScale, Conv2DTwoKroneckerFactored):
     r"""TNT for a 2-D convolution (kfac-jax ``Conv2DTNT``), with location independence.
 
@@ -288,6 +293,7 @@ class Conv2DTNT(_TNTScale, Conv2DTwoKroneckerFactored):
 # --------------------------------------------------------------------------------------
 # FOOF
 # --------------------------------------------------------------------------------------
+@capabilities(jit="yes", dask="yes")
 class DenseFOOF(DenseTwoKroneckerFactored):
     r"""FOOF, "gradient descent on neurons" (Benzing 2022): the input factor only.
 
@@ -377,6 +383,7 @@ class ReducedConv2DFOOF(DenseFOOF, ReducedConv2DTwoKroneckerFactored):
 # --------------------------------------------------------------------------------------
 # Nearest Kronecker product (KPSVD)
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def nearest_kronecker_factors(inputs, outputs_grads, iterations=20):
     r"""The Kronecker pair nearest, in Frobenius norm, to the empirical block of per-example
     outer products (Van Loan & Pitsianis 1993; KPSVD, Koroko et al. 2022).
@@ -440,6 +447,7 @@ def _nearest_kronecker_factors(xp, a, g, iterations, symmetrize=True):
     return am / xp.where(c > 0, c, xp.ones_like(c)), gm * c
 
 
+@capabilities(jit="yes", dask="yes")
 class DenseKPSVD(_StackedRows, DenseTwoKroneckerFactored):
     r"""The nearest Kronecker product of a dense layer's per-example Fisher block (KPSVD,
     Koroko et al. 2022; Van Loan & Pitsianis 1993).

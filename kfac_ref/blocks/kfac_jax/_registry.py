@@ -7,6 +7,7 @@ itself here (one line in its module) and needs no change to the estimator.
 from __future__ import annotations
 
 from ..._backend import KFACTypeError, KFACValueError, check_bool, describe
+from ..._support import capabilities
 from ._base import CurvatureBlock
 
 __all__ = ["register_layer_block", "layer_block", "registered_layer_blocks",
@@ -16,10 +17,9 @@ _REGISTRY: dict[str, dict[str, type]] = {}
 _DEFAULTS: dict[str, str] = {}
 
 
+@capabilities(array_free=True)
 def register_layer_block(kind, approximation, block_class, *, default=False):
     r"""Register ``block_class`` as the block named ``approximation`` for layers of ``kind``.
-
-    .. math:: (\text{kind}, \text{approximation}) \mapsto \text{block class}
 
     ``block_class`` must be a :class:`~kfac_ref.blocks.kfac_jax.CurvatureBlock` subclass; the
     estimator builds it with its ``from_layer`` classmethod.  ``default=True`` makes it the
@@ -40,11 +40,10 @@ def register_layer_block(kind, approximation, block_class, *, default=False):
     return block_class
 
 
+@capabilities(array_free=True)
 def layer_block(kind, approximation=None):
     r"""The block class registered for ``kind`` under ``approximation`` (the default when
     None).
-
-    .. math:: \text{kind} \mapsto \text{block class}
 
     Raises
     ------
@@ -61,14 +60,13 @@ def layer_block(kind, approximation=None):
     return found
 
 
+@capabilities(array_free=True)
 def registered_layer_blocks():
-    r"""A copy of the registry: ``{kind: {approximation: block class}}``.
-
-    .. math:: \{\text{kind} \mapsto \{\text{approximation} \mapsto \text{block class}\}\}
-    """
+    """A copy of the registry: ``{kind: {approximation: block class}}``."""
     return {k: dict(v) for k, v in _REGISTRY.items()}
 
 
+@capabilities(array_free=True)
 def default_layer_to_block():
     r"""The default layer-kind → block-class map (kfac-jax's defaults).
 

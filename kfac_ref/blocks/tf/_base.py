@@ -15,6 +15,7 @@ from ..._backend import (
     is_array,
     namespace_of,
 )
+from ..._support import capabilities
 from ...linalg import FACTOR_NORMS, check_norm_argument, kron_factor_dampings, pi_tracenorm
 from .._conv import check_conv_outputs_grad, conv_geometry
 from .._math import (
@@ -33,6 +34,7 @@ def norm_of_pi_type(pi_type):
 # --------------------------------------------------------------------------------------
 # TF module-level damping functions
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 def compute_pi_tracenorm(left_cov, right_cov):
     r"""TF's ``compute_pi_tracenorm`` (:func:`kfac_ref.linalg.pi_tracenorm`).
 
@@ -46,6 +48,7 @@ def compute_pi_tracenorm(left_cov, right_cov):
     return pi_tracenorm(left_cov, right_cov)
 
 
+@capabilities(dask="yes")
 def compute_pi_adjusted_damping(left_cov, right_cov, damping, pi_type="tracenorm"):
     r"""TF's ``compute_pi_adjusted_damping``: split an (already square-rooted) damping.
 
@@ -137,6 +140,7 @@ def grads_tuple(func, params_grads):
     return params_grads if is_array(params_grads) else tuple(parts)
 
 
+@capabilities(dask="yes")
 class FisherBlock:
     r"""Base class of the TF-named blocks: powers of the damped block times a vector.
 

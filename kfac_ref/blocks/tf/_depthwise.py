@@ -32,6 +32,7 @@ from ..._backend import (
     is_array,
     namespace_of,
 )
+from ..._support import capabilities
 from .._math import validated_internals
 from ._base import check_conv_data
 from ._flat import ConvDiagonalFB
@@ -89,6 +90,7 @@ class _DepthwiseVector:
         return xp, mat, back_depthwise
 
 
+@capabilities(dask="yes")
 class DepthwiseConvDiagonalFB(_DepthwiseVector, ConvDiagonalFB):
     r"""TF ``DepthwiseConvDiagonalFB``: :class:`ConvDiagonalFB` of the block-diagonal kernel.
 
@@ -139,6 +141,7 @@ class DepthwiseConvDiagonalFB(_DepthwiseVector, ConvDiagonalFB):
         return cls(diag, damping, filter_shape, t, normalize_damping_power)
 
 
+@capabilities(dask="yes")
 class DepthwiseConvKFCBasicFB(_DepthwiseVector, ConvKFCBasicFB):
     r"""TF ``DepthwiseConvKFCBasicFB``: :class:`ConvKFCBasicFB` of the block-diagonal kernel.
 

@@ -21,6 +21,7 @@ from ..._backend import (
     is_array,
     namespace_of,
 )
+from ..._support import DASK_NO_EIGH, capabilities
 from ...linalg import damped_cholesky, damped_cholesky_inverse
 from .._math import (
     apply_diagonal,
@@ -76,6 +77,7 @@ def _params_shapes(func, params_shapes):
                  for s in params_shapes)
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class FullFB(_FlatVector, FisherBlock):
     r"""TF ``FullFB``: a full matrix over all of the block's parameters.
 
@@ -164,6 +166,7 @@ class FullFB(_FlatVector, FisherBlock):
         return self._cov
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class NaiveFullFB(FullFB):
     r"""TF ``NaiveFullFB``: :class:`FullFB` over the naive "square of the sum" estimate.
 
@@ -183,6 +186,7 @@ class NaiveFullFB(FullFB):
             return cls(factors.full_factor(grads, batch_size), damping, shapes)
 
 
+@capabilities(dask="yes")
 class DiagonalFB(_FlatVector, FisherBlock):
     r"""TF ``DiagonalFB``: a diagonal block, stored as a flat diagonal.
 
@@ -250,6 +254,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
         return eye_like(self._diag, self._diag.shape[0]) * self._diag
 
 
+@capabilities(dask="yes")
 class NaiveDiagonalFB(DiagonalFB):
     r"""TF ``NaiveDiagonalFB``: :class:`DiagonalFB` over the naive diagonal.
 
@@ -269,6 +274,7 @@ class NaiveDiagonalFB(DiagonalFB):
             return cls(factors.naive_diagonal_factor(grads, batch_size), damping, shapes)
 
 
+@capabilities(dask="yes")
 class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
     r"""TF ``FullyConnectedDiagonalFB``: sum-of-squares diagonal ``[in (+1), out]``.
 
@@ -359,6 +365,7 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
         return eye_like(d, d.shape[0]) * d
 
 
+@capabilities(dask="yes")
 class ConvDiagonalFB(FullyConnectedDiagonalFB):
     r"""TF ``ConvDiagonalFB``: sum-of-squares diagonal of a convolution.
 
@@ -427,6 +434,7 @@ class ConvDiagonalFB(FullyConnectedDiagonalFB):
 # --------------------------------------------------------------------------------------
 # Scale-and-shift blocks
 # --------------------------------------------------------------------------------------
+@capabilities(dask=DASK_NO_EIGH)
 class ScaleAndShiftFullFB(FullFB):
     r"""TF ``ScaleAndShiftFullFB``: :class:`FullFB` over the sum-of-squares estimate of a
     scale-and-shift layer ``y = scale * x + shift``.
@@ -455,6 +463,7 @@ class ScaleAndShiftFullFB(FullFB):
                    damping)
 
 
+@capabilities(dask="yes")
 class ScaleAndShiftDiagonalFB(DiagonalFB):
     r"""TF ``ScaleAndShiftDiagonalFB``: :class:`DiagonalFB` over the sum-of-squares diagonal
     of a scale-and-shift layer.

@@ -18,6 +18,7 @@ from ..._backend import (
     eye_like,
     namespace_of,
 )
+from ..._support import capabilities
 from ...linalg import (
     ZERO_FACTOR_FALLBACKS,
     kron,
@@ -47,6 +48,7 @@ from ._base import (
 # --------------------------------------------------------------------------------------
 # Kronecker-product blocks
 # --------------------------------------------------------------------------------------
+@capabilities(dask="yes")
 class KroneckerProductFB(Mat2dVector, FisherBlock):
     r"""TF ``KroneckerProductFB``: :math:`c\,(A \otimes G)` with factored Tikhonov damping.
 
@@ -215,6 +217,7 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
         return self.renorm_coeff * kron(a, g)
 
 
+@capabilities(dask="yes")
 class FullyConnectedKFACBasicFB(KroneckerProductFB):
     r"""TF ``FullyConnectedKFACBasicFB``: :math:`A \otimes G` of a dense layer.
 
@@ -251,6 +254,7 @@ class FullyConnectedKFACBasicFB(KroneckerProductFB):
                        has_bias, **kwargs)
 
 
+@capabilities(dask="yes")
 class FullyConnectedMultiIndepFB(KroneckerProductFB):
     r"""TF ``FullyConnectedMultiIndepFB``: a dense layer used :math:`T` times, independent uses.
 
@@ -275,6 +279,7 @@ class FullyConnectedMultiIndepFB(KroneckerProductFB):
                          normalization=float(t), **kwargs)
 
 
+@capabilities(dask="yes")
 class ConvKFCBasicFB(KroneckerProductFB):
     r"""TF ``ConvKFCBasicFB``: KFC, :math:`|T|\,(\Omega \otimes \Gamma)`.
 
@@ -323,6 +328,7 @@ class ConvKFCBasicFB(KroneckerProductFB):
                        filter_shape, t, has_bias, **kwargs)
 
 
+@capabilities(dask="yes")
 class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
     r"""TF ``ConvKFCBasicMultiIndepFB``: KFC for a conv layer used :math:`U` times.
 
@@ -340,6 +346,7 @@ class ConvKFCBasicMultiIndepFB(ConvKFCBasicFB):
                          has_bias, num_uses=num_uses, **kwargs)
 
 
+@capabilities(dask="yes")
 class EmbeddingKFACFB(KroneckerProductFB):
     r"""TF ``EmbeddingKFACFB`` (≤ 2019; now ``approx="kron_in_diag"``): diagonal input factor.
 
@@ -377,6 +384,7 @@ class EmbeddingKFACFB(KroneckerProductFB):
 
 
 
+@capabilities(dask="yes")
 class EmbeddingKFACMultiIndepFB(EmbeddingKFACFB):
     r"""TF ``EmbeddingKFACMultiIndepFB`` (≤ 2019; now ``FullyConnectedMultiIndepFB`` with
     ``diagonal_approx_for_input``): an embedding used :math:`T` times, independent uses.

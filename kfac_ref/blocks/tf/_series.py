@@ -14,6 +14,7 @@ from ..._backend import (
     describe,
     namespace_of,
 )
+from ..._support import DASK_NO_EIGH, capabilities
 from .._math import (
     check_factor,
     normalize_damping,
@@ -34,6 +35,7 @@ from ._base import (
 # --------------------------------------------------------------------------------------
 # Series (RNN) block
 # --------------------------------------------------------------------------------------
+@capabilities(array_free=True)
 class SeriesFBApproximation:
     r"""TF's option names for :class:`FullyConnectedSeriesFB`.
 
@@ -45,6 +47,7 @@ class SeriesFBApproximation:
     option2 = 2
 
 
+@capabilities(dask=DASK_NO_EIGH)
 class FullyConnectedSeriesFB(Mat2dVector, FisherBlock):
     r"""TF ``FullyConnectedSeriesFB``: a dense layer used over :math:`T` time steps (RNN).
 
