@@ -538,7 +538,23 @@ def _reduced_conv(f):
     return [est.to_dense_matrix(st), est.multiply_matpower(st, f(_CV), 0.1, -1.0, False, False)]
 
 
+def _conv_foof(f, weight_sharing):
+    """FOOF on a convolution (Conv2DFOOF, KFAC-reduce: ReducedConv2DFOOF) in an estimator."""
+    est = curv.BlockDiagonalCurvature(_CONV, _ce, layer_to_block={"conv2d": "foof"},
+                                      weight_sharing=weight_sharing)
+    fa = (_params(f, _CP), (f(_CX), f(_CY)))
+    st = est.update_curvature_matrix_estimate(est.init(None, fa), 0.0, 1.0, 4, None, fa,
+                                              "ggn_exact")
+    want = {"expand": "Conv2DFOOF", "reduce": "ReducedConv2DFOOF"}[weight_sharing]
+    assert type(est.blocks[0]).__name__ == want
+    return [est.to_dense_matrix(st), est.multiply_matpower(st, f(_CV), 0.1, -1.0, False, False)]
+
+
 DASK_CALLS.update({
+    "kfac_ref.curvature.kfra_factors": lambda f: [
+        m for pair in curv.kfra_factors(*_problem(f)) for m in pair],
+    "kfac_ref.blocks.kfac_jax.Conv2DFOOF": lambda f: _conv_foof(f, "expand"),
+    "kfac_ref.blocks.kfac_jax.ReducedConv2DFOOF": lambda f: _conv_foof(f, "reduce"),
     "kfac_ref.curvature.ggn_matrix": lambda f: curv.ggn_matrix(*_problem(f)),
     "kfac_ref.curvature.fisher_matrix": lambda f: curv.fisher_matrix(*_problem(f)),
     "kfac_ref.curvature.hessian_matrix": lambda f: curv.hessian_matrix(*_problem(f)),

@@ -59,6 +59,7 @@ BackPACK's ``backpack.extensions.KFRA`` (Dangel, Kunstner and Hennig, ICLR 2020)
 from __future__ import annotations
 
 from .._backend import KFACTypeError, KFACValueError, describe, kernel_of
+from .._support import capabilities
 from ..factors import fully_connected_kronecker_factor
 from ..linalg import compute_cov
 from ..nn import Activation, Dense, Sequential
@@ -67,6 +68,7 @@ from ._exact import evaluate_batch
 __all__ = ["kfra_factors"]
 
 
+@capabilities(dask="yes")
 def kfra_factors(net, loss_fn, params, batch):
     r"""KFRA's Kronecker factors :math:`(A_l, \tilde G_l)` of every dense layer of a
     sequential network of Dense and elementwise Activation layers (Botev et al. 2017).

@@ -319,6 +319,7 @@ class DenseFOOF(DenseTwoKroneckerFactored):
         return stat, xp.eye(self.output_size, dtype=a.dtype, device=_device(a))
 
 
+@capabilities(dask="yes")
 class Conv2DFOOF(Conv2DTwoKroneckerFactored):
     r"""FOOF for a 2-D convolution: KFC's input factor with the identity for the output
     factor.
@@ -362,6 +363,7 @@ class Conv2DFOOF(Conv2DTwoKroneckerFactored):
         return a, xp.eye(self.output_size, dtype=a.dtype, device=_device(a))
 
 
+@capabilities(dask="yes")
 class ReducedConv2DFOOF(DenseFOOF, ReducedConv2DTwoKroneckerFactored):
     r"""FOOF with KFAC-reduce for a convolution: :class:`DenseFOOF` on the
     location-averaged patches :math:`\bar{\bar p}_n = \frac1{|T|}\sum_t\bar p_{n,t}`.
