@@ -837,7 +837,8 @@ def _laplace_refusals(func):
     def call(structure):
         def run(f):
             params, curvature = _laplace_problem(f, structure)
-            if func is laplace.laplace_log_marginal_likelihood:
+            # by name: a full run's support recorder wraps the module's function
+            if func.__name__ == "laplace_log_marginal_likelihood":
                 return func(-7.25, params, curvature, 0.7, structure=structure)
             return func(params, curvature, 0.7, structure=structure)
         return run
