@@ -87,6 +87,13 @@ def _weighted_accumulate(old, new, old_weight, new_weight):
     return old_weight * old + scaled_new if keep_old else scaled_new
 
 
+def _accumulate_sum_and_weight(raw, total, x, old_weight, new_weight):
+    r"""One update of an average's sum and weight (unchecked):
+    :math:`(\delta S + w X,\ \delta W + w)`."""
+    return (_weighted_accumulate(raw, x, old_weight, new_weight),
+            _weighted_accumulate(total, 1.0, old_weight, new_weight))
+
+
 def _is_number(w):
     return isinstance(w, numbers.Real)
 
@@ -201,12 +208,9 @@ class MovingAverageVariable:
         """
         decay, weight = _check_update("MovingAverageVariable.update", self.raw, x, decay,
                                       weight, ("decay", "weight"))
-        return _unchecked(
-            MovingAverageVariable,
-            raw=_weighted_accumulate(self.raw, x, decay, weight),
-            total_weight=_weighted_accumulate(self.total_weight, 1.0, decay, weight),
-            zero_debias=self.zero_debias,
-        )
+        raw, total = _accumulate_sum_and_weight(self.raw, self.total_weight, x, decay, weight)
+        return _unchecked(MovingAverageVariable, raw=raw, total_weight=total,
+                          zero_debias=self.zero_debias)
 
     @property
     def value(self):
@@ -254,11 +258,8 @@ class WeightedMovingAverage:
         (:math:`S \leftarrow \texttt{ema\_old}\,S + \texttt{ema\_new}\,X`)."""
         ema_old, ema_new = _check_update("WeightedMovingAverage.update", self.raw, x, ema_old,
                                          ema_new, ("ema_old", "ema_new"))
-        return _unchecked(
-            WeightedMovingAverage,
-            raw=_weighted_accumulate(self.raw, x, ema_old, ema_new),
-            weight=_weighted_accumulate(self.weight, 1.0, ema_old, ema_new),
-        )
+        raw, weight = _accumulate_sum_and_weight(self.raw, self.weight, x, ema_old, ema_new)
+        return _unchecked(WeightedMovingAverage, raw=raw, weight=weight)
 
     @property
     def value(self):

@@ -129,6 +129,17 @@ def _int_tuple(func, name, value, what):
     return tuple(int(v) for v in value)
 
 
+def _spatial_part(func, value, rank, channels_last, trivial, rule):
+    """The spatial entries of TF's full-rank form (``rank + 2`` entries, ``trivial`` on the
+    batch and channel axes of the layout); any other length is returned as it is."""
+    if len(value) != rank + 2:
+        return value
+    outer = (value[0], value[-1]) if channels_last else (value[0], value[1])
+    if any(v != trivial for v in outer):
+        raise KFACValueError(f"{func}: {rule}; got {value}.")
+    return value[1:-1] if channels_last else value[2:]
+
+
 def spatial_ints(func, name, value, rank, channels_last=True):
     r"""Strides, dilation or kernel sizes as a tuple of ``rank`` positive ints.
 
@@ -143,14 +154,8 @@ def spatial_ints(func, name, value, rank, channels_last=True):
     if _is_int(value):
         value = (value,) * rank
     value = _int_tuple(func, name, value, "an int or a sequence of ints")
-    if len(value) == rank + 2:  # TF's full-rank form
-        outer = (value[0], value[-1]) if channels_last else (value[0], value[1])
-        if outer != (1, 1):
-            raise KFACValueError(
-                f"{func}: {name} in full-rank form must be 1 on the batch and channel axes; "
-                f"got {value}."
-            )
-        value = value[1:-1] if channels_last else value[2:]
+    value = _spatial_part(func, value, rank, channels_last, 1,
+                          f"{name} in full-rank form must be 1 on the batch and channel axes")
     if len(value) != rank:
         raise KFACValueError(
             f"{func}: {name} must have {rank} (spatial) or {rank + 2} (full-rank) entries; "
@@ -186,14 +191,8 @@ def _padding(func, padding, rank, channels_last):
             raise KFACValueError(f"{func}: padding must be {_PADDING_EXPECTED}; got "
                                  f"{describe(padding)}.")
         pairs.append((int(p[0]), int(p[1])))
-    if len(pairs) == rank + 2:
-        outer = [pairs[0], pairs[-1]] if channels_last else [pairs[0], pairs[1]]
-        if any(q != (0, 0) for q in outer):
-            raise KFACValueError(
-                f"{func}: explicit padding of the batch and channel axes must be (0, 0); got "
-                f"{pairs}."
-            )
-        pairs = pairs[1:-1] if channels_last else pairs[2:]
+    pairs = _spatial_part(func, pairs, rank, channels_last, (0, 0),
+                          "explicit padding of the batch and channel axes must be (0, 0)")
     if len(pairs) != rank:
         raise KFACValueError(
             f"{func}: padding must have {rank} (spatial) or {rank + 2} (full-rank) (low, high) "

@@ -533,12 +533,18 @@ def hessian_matrix(net, loss_fn, params, batch):
 # ------------------------------------------------------------------------------------------
 # matrix-free products
 # ------------------------------------------------------------------------------------------
-def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
+def _output_tangent(func, net, loss_fn, params, batch, vector, kind, fisher_name):
+    """``(batch, J v)``: the checked batch (a Fisher needs a negative-log-probability loss)
+    and the outputs' tangent along the flat parameter vector ``vector``."""
     b = _Batch(func, net, loss_fn, params, batch)
     check_flat_vector(func, b, vector)
     if kind == "fisher":
-        require_negative_log_prob(func, b, "the Fisher")
-    jv = b.as_tuple(b.jvp_flat(vector))
+        require_negative_log_prob(func, b, fisher_name)
+    return b, b.as_tuple(b.jvp_flat(vector))
+
+
+def _curvature_vp(func, net, loss_fn, params, batch, vector, kind):
+    b, jv = _output_tangent(func, net, loss_fn, params, batch, vector, kind, "the Fisher")
     prod = b.loss._curvature_vp(jv)
     return b.vjp(b.flat(prod)) / b.n
 
@@ -641,11 +647,8 @@ def hessian_vector_product(net, loss_fn, params, batch, vector):
 
 
 def _factor_t(func, net, loss_fn, params, batch, vector, kind):
-    b = _Batch(func, net, loss_fn, params, batch)
-    check_flat_vector(func, b, vector)
-    if kind == "fisher":
-        require_negative_log_prob(func, b, "the Fisher factor")
-    jv = b.as_tuple(b.jvp_flat(vector))
+    b, jv = _output_tangent(func, net, loss_fn, params, batch, vector, kind,
+                            "the Fisher factor")
     out = b.loss._factor_t_vp(jv)
     return out / math.sqrt(b.n)
 

@@ -144,6 +144,13 @@ def input_towers_and_sources(func, inputs, outputs_grads):
     return towers, sources
 
 
+def per_source_and_tower(sources, towers, pair_stat):
+    """A two-argument factor's contributions: per source, ``pair_stat(x, g)`` for each input
+    tower :math:`x` and that source's output gradient :math:`g` on it."""
+    return tuple(tuple(pair_stat(x, g) for x, g in zip(towers, src, strict=True))
+                 for src in sources)
+
+
 def check_equal_batches(func, name, arrays, axis=0):
     """All towers/sources must share the batch size (TF's ``check_partial_batch_sizes``:
     per-tower statistics are averaged, which is only right for equal tower batches)."""

@@ -114,6 +114,17 @@ def _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, dat
                               dilation_name=dilation_name)
 
 
+def _check_patch_args(func, inputs, filter_shape, padding, strides, dilation, data_format,
+                      has_bias, extract_patches_fn, patch_mask):
+    """``(xp, geometry)``: the checked arguments of the patch-matrix functions."""
+    xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
+    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, data_format)
+    check_bool(func, "has_bias", has_bias)
+    _check_extract_options(func, geo.filter_shape, extract_patches_fn, patch_mask)
+    _check_extract_geometry(func, geo, extract_patches_fn)
+    return xp, geo
+
+
 @capabilities(dask="yes")
 def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate=None,
                       data_format="NHWC", has_bias=False, *, extract_patches_fn=None,
@@ -152,12 +163,8 @@ def conv_patch_matrix(inputs, filter_shape, padding, strides=None, dilation_rate
     Grosse & Martens (2016), eq. 14; TF K-FAC ``ConvInputKroneckerFactor._compute_new_cov``.
     """
     func = "conv_patch_matrix"
-    xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
-    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation_rate,
-                           data_format)
-    check_bool(func, "has_bias", has_bias)
-    _check_extract_options(func, geo.filter_shape, extract_patches_fn, patch_mask)
-    _check_extract_geometry(func, geo, extract_patches_fn)
+    xp, geo = _check_patch_args(func, inputs, filter_shape, padding, strides, dilation_rate,
+                                data_format, has_bias, extract_patches_fn, patch_mask)
     return _conv_patch_matrix(xp, inputs, geo, has_bias, extract_patches_fn=extract_patches_fn,
                               patch_mask=patch_mask)
 
@@ -316,13 +323,9 @@ def conv_input_kronecker_factor(inputs, filter_shape, padding, strides=None, dil
     Grosse & Martens (2016), §3.1; TF K-FAC ``ConvInputKroneckerFactor``.
     """
     func = "conv_input_kronecker_factor"
-    xp = namespace_of(func, inputs=inputs, patch_mask=patch_mask)
     # Everything is validated before the generator is drawn from or patches are built.
-    geo = _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation_rate,
-                           data_format)
-    check_bool(func, "has_bias", has_bias)
-    _check_extract_options(func, geo.filter_shape, extract_patches_fn, patch_mask)
-    _check_extract_geometry(func, geo, extract_patches_fn)
+    xp, geo = _check_patch_args(func, inputs, filter_shape, padding, strides, dilation_rate,
+                                data_format, has_bias, extract_patches_fn, patch_mask)
     subsampling = _check_subsampling(func, sub_sample_inputs, sub_sample_patches, rng,
                                      inputs_to_extract_patches_factor, max_num_patches,
                                      max_num_patches_per_dimension)

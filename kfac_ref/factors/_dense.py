@@ -16,6 +16,7 @@ from ._base import (
     as_sources_towers,
     check_equal_batches,
     input_towers_and_sources,
+    per_source_and_tower,
 )
 
 __all__ = [
@@ -229,12 +230,10 @@ class FullyConnectedDiagonalFactor(DiagonalFactor):
         check_equal_batches(func, "inputs", towers)
         for a in towers:  # each input tower checked once, whatever the number of sources
             check_array(func, "inputs", a, ndim=2, layout="[N, d_in]")
-        out = []
-        for src in st:
-            diags = []
-            for a, g in zip(towers, src, strict=True):
-                xp = namespace_of(func, inputs=a, outputs_grads=g)
-                _check_pair(func, a, g, name="outputs_grads")
-                diags.append(_fully_connected_diagonal_factor(xp, a, g, self.has_bias))
-            out.append(tuple(diags))
-        return tuple(out)
+
+        def diagonal(a, g):
+            xp = namespace_of(func, inputs=a, outputs_grads=g)
+            _check_pair(func, a, g, name="outputs_grads")
+            return _fully_connected_diagonal_factor(xp, a, g, self.has_bias)
+
+        return per_source_and_tower(st, towers, diagonal)

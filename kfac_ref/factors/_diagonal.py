@@ -84,6 +84,13 @@ def _batch_size(func, batch_size):
     return check_scalar(func, "batch_size", batch_size, positive=True)
 
 
+def _checked_vector(func, params_grads, batch_size):
+    """``(xp, ĝ, N)``: the checked flat gradient vector and batch size of a naive factor."""
+    v = _to_vector(func, params_grads)
+    n = _batch_size(func, batch_size)
+    return namespace_of(func, params_grads=v), v, n
+
+
 @capabilities(dask="yes")
 def naive_diagonal_factor(params_grads, batch_size):
     r"""Naive diagonal Fisher estimate from the gradient of the summed loss.
@@ -115,10 +122,8 @@ def naive_diagonal_factor(params_grads, batch_size):
     ----------
     TF K-FAC ``NaiveDiagonalFactor`` / ``NaiveDiagonalFB``.
     """
-    func = "naive_diagonal_factor"
-    v = _to_vector(func, params_grads)
-    n = _batch_size(func, batch_size)
-    return _naive_diagonal_factor(namespace_of(func, params_grads=v), v, n)
+    return _naive_diagonal_factor(*_checked_vector("naive_diagonal_factor", params_grads,
+                                                   batch_size))
 
 
 @kernel_of(naive_diagonal_factor)
@@ -154,10 +159,7 @@ def full_factor(params_grads, batch_size):
     ----------
     TF K-FAC ``FullFactor`` (seed) / ``NaiveFullFactor`` (master), ``NaiveFullFB``.
     """
-    func = "full_factor"
-    v = _to_vector(func, params_grads)
-    n = _batch_size(func, batch_size)
-    return _full_factor(namespace_of(func, params_grads=v), v, n)
+    return _full_factor(*_checked_vector("full_factor", params_grads, batch_size))
 
 
 @kernel_of(full_factor)
@@ -179,6 +181,13 @@ def _sources(func, params_grads):
         return out
     raise KFACTypeError(f"{func}: params_grads must be an array or a sequence over sources; "
                         f"got {describe(params_grads)}.")
+
+
+def _per_source(func, params_grads, batch_size, kernel):
+    """``(kernel(xp, ĝ_s, N),)`` for each source's flat gradient ĝ_s, all sources checked
+    first."""
+    vecs = [_to_vector(func, src) for src in _sources(func, params_grads)]
+    return tuple((kernel(namespace_of(func, params_grads=v), v, batch_size),) for v in vecs)
 
 
 @capabilities(dask="yes")
@@ -204,11 +213,8 @@ class NaiveDiagonalFactor(DiagonalFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        func = f"{self.name}.update_cov"
-        srcs = _sources(func, params_grads)
-        vecs = [_to_vector(func, src) for src in srcs]
-        return tuple((_naive_diagonal_factor(namespace_of(func, params_grads=v), v,
-                                             self.batch_size),) for v in vecs)
+        return _per_source(f"{self.name}.update_cov", params_grads, self.batch_size,
+                           _naive_diagonal_factor)
 
 
 @capabilities(dask="yes")
@@ -228,11 +234,8 @@ class FullFactor(DenseSquareMatrixFactor):
         self._set(batch_size=_batch_size(type(self).__name__, batch_size))
 
     def _contributions(self, params_grads):
-        func = f"{self.name}.update_cov"
-        srcs = _sources(func, params_grads)
-        vecs = [_to_vector(func, src) for src in srcs]
-        return tuple((_full_factor(namespace_of(func, params_grads=v), v, self.batch_size),)
-                     for v in vecs)
+        return _per_source(f"{self.name}.update_cov", params_grads, self.batch_size,
+                           _full_factor)
 
 
 NaiveFullFactor = FullFactor

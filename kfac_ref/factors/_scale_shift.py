@@ -31,6 +31,7 @@ from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     input_towers_and_sources,
+    per_source_and_tower,
 )
 
 __all__ = [
@@ -162,17 +163,14 @@ class _ScaleAndShiftMixin:
         towers, st = input_towers_and_sources(func, inputs, outputs_grads)
         for x in towers:  # each input tower checked once, whatever the number of sources
             check_array(func, "inputs", x, min_ndim=2, layout="[N, ...]")
-        out = []
-        for src in st:
-            stats = []
-            for x, g in zip(towers, src, strict=True):
-                xp = namespace_of(func, inputs=x, outputs_grads=g)
-                ds, db = _check_ss(func, x, g, self.broadcast_dims_scale,
-                                   self.broadcast_dims_shift, self.has_shift,
-                                   name="outputs_grads")
-                stats.append(_scale_and_shift_factor(xp, x, g, ds, db, self._approx))
-            out.append(tuple(stats))
-        return tuple(out)
+
+        def statistic(x, g):
+            xp = namespace_of(func, inputs=x, outputs_grads=g)
+            ds, db = _check_ss(func, x, g, self.broadcast_dims_scale, self.broadcast_dims_shift,
+                               self.has_shift, name="outputs_grads")
+            return _scale_and_shift_factor(xp, x, g, ds, db, self._approx)
+
+        return per_source_and_tower(st, towers, statistic)
 
 
 @capabilities(dask="yes")

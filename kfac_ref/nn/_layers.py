@@ -427,6 +427,28 @@ class Layer:
     def _rvjp(self, params, x, dparams, dx, g, rg):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _bilinear_rvjp(self, func, params, x, dparams, dx, g, rg):
+        r"""R-backward of a layer bilinear in its kernel and input (Dense, Conv2D), from its
+        parameter gradients :math:`\partial_\theta(x, g)` and input gradient
+        :math:`\partial_x(W, g)`.
+
+        .. math::
+
+            R\{\partial_W\} = \partial_W(x, Rg) + \partial_W(\dot x, g), \quad
+            R\{\partial_b\} = \partial_b(Rg), \quad
+            R\{\partial_x\} = \partial_x(W, Rg) + \partial_x(\dot W, g)
+        """
+        xp = namespace_of(func, x=x, g=g)
+        rg = _zeros_if_none(xp, rg, g)
+        r_params = self._param_grads(params, x, rg)
+        if dx is not None:
+            r_w = r_params[0] + self._param_grads(params, dx, g)[0]
+            r_params = (r_w, *r_params[1:])
+        r_x = self._vjp_input(params, x, rg)
+        if dparams is not None:
+            r_x = r_x + self._vjp_input(dparams, x, g)
+        return r_params, r_x
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -551,16 +573,7 @@ class Dense(Layer):
 
     def _rvjp(self, params, x, dparams, dx, g, rg):
         # R{x^T g} = dx^T g + x^T rg ; R{sum g} = sum rg ; R{g W^T} = rg W^T + g dW^T
-        xp = namespace_of("Dense.rvjp", x=x, g=g)
-        rg = _zeros_if_none(xp, rg, g)
-        r_params = self._param_grads(params, x, rg)
-        if dx is not None:
-            r_w = r_params[0] + xp.reshape(dx, (-1, self.d_in)).T @ xp.reshape(g, (-1, self.d_out))
-            r_params = (r_w, *r_params[1:])
-        r_x = rg @ params[0].T
-        if dparams is not None:
-            r_x = r_x + g @ dparams[0].T
-        return r_params, r_x
+        return self._bilinear_rvjp("Dense.rvjp", params, x, dparams, dx, g, rg)
 
     def __repr__(self):
         return f"Dense({self.d_in}, {self.d_out}, use_bias={self.use_bias})"
@@ -963,16 +976,7 @@ class Conv2D(Layer):
         return (gw, gb) if self.use_bias else (gw,)
 
     def _rvjp(self, params, x, dparams, dx, g, rg):
-        xp = namespace_of("Conv2D.rvjp", x=x, g=g)
-        rg = _zeros_if_none(xp, rg, g)
-        r_params = self._param_grads(params, x, rg)
-        if dx is not None:
-            r_w = r_params[0] + self._param_grads(params, dx, g)[0]
-            r_params = (r_w, *r_params[1:])
-        r_x = self._vjp_input(params, x, rg)
-        if dparams is not None:
-            r_x = r_x + self._vjp_input(dparams, x, g)
-        return r_params, r_x
+        return self._bilinear_rvjp("Conv2D.rvjp", params, x, dparams, dx, g, rg)
 
     def __repr__(self):
         return (f"Conv2D({self.c_in}, {self.c_out}, kernel_size={self.kernel_size}, "

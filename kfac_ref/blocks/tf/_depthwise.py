@@ -46,6 +46,14 @@ def _depthwise_shape(func, filter_shape):
     return tuple(check_int(func, "filter_shape entry", k, minimum=1) for k in filter_shape)
 
 
+def _check_depthwise_data(func, inputs, outputs_grad, filter_shape, strides, padding,
+                          dilation_rate, data_format):
+    """``(conv filter shape, |T|)`` of a depthwise conv's checked batch."""
+    conv_shape = conv_filter_shape(_depthwise_shape(func, filter_shape))
+    return conv_shape, check_conv_data(func, inputs, outputs_grad, conv_shape, strides,
+                                       padding, dilation_rate, data_format)
+
+
 def conv_filter_shape(depthwise_shape):
     """``[kh, kw, C, M]`` → ``[kh, kw, C, C·M]``, the shape of :math:`S(w)`."""
     kh, kw, c, m = depthwise_shape
@@ -132,9 +140,8 @@ class DepthwiseConvDiagonalFB(_DepthwiseVector, ConvDiagonalFB):
         .. math:: D = \frac1N\sum_n \Big(\sum_t \bar p_{n,t} g_{n,t}^\top\Big)^{\odot 2}
         """
         func = f"{cls.__name__}.from_data"
-        conv_shape = conv_filter_shape(_depthwise_shape(func, filter_shape))
-        t = check_conv_data(func, inputs, outputs_grad, conv_shape, strides, padding,
-                             dilation_rate, data_format)
+        conv_shape, t = _check_depthwise_data(func, inputs, outputs_grad, filter_shape,
+                                              strides, padding, dilation_rate, data_format)
         with validated_internals():
             diag = factors.conv_diagonal_factor(inputs, outputs_grad, conv_shape, strides,
                                                 padding, data_format, dilation_rate, False)
@@ -187,9 +194,8 @@ class DepthwiseConvKFCBasicFB(_DepthwiseVector, ConvKFCBasicFB):
         .. math:: \Omega = \tfrac{1}{N|T|}[[A]]_H^\top[[A]]_H,\ \Gamma = \tfrac{1}{N|T|}DS^\top DS
         """
         func = f"{cls.__name__}.from_data"
-        conv_shape = conv_filter_shape(_depthwise_shape(func, filter_shape))
-        t = check_conv_data(func, inputs, outputs_grad, conv_shape, strides, padding,
-                             dilation_rate, data_format)
+        conv_shape, t = _check_depthwise_data(func, inputs, outputs_grad, filter_shape,
+                                              strides, padding, dilation_rate, data_format)
         with validated_internals():
             omega = factors.conv_input_kronecker_factor(inputs, conv_shape, padding, strides,
                                                         dilation_rate, data_format, False)

@@ -69,12 +69,25 @@ class _FlatVector:
 
         return xp, flatten(xp, parts), back
 
+    def _set_damping(self, func, damping, params_shapes):
+        """Keep the damping (a value or a callable, checked now and at each read) and the
+        parameter shapes."""
+        self._damping_arg = damping
+        damping_value(func, damping)
+        self.params_shapes = _params_shapes(func, params_shapes)
+
 
 def _params_shapes(func, params_shapes):
     if params_shapes is None:
         return None
     return tuple(tuple(check_int(func, "params_shapes entry", d, minimum=1) for d in s)
                  for s in params_shapes)
+
+
+def _grads_and_shapes(func, params_grads):
+    """The checked gradient(s) and their parameter shapes."""
+    grads = grads_tuple(func, params_grads)
+    return grads, [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
 
 
 @capabilities(dask=DASK_NO_EIGH)
@@ -98,9 +111,7 @@ class FullFB(_FlatVector, FisherBlock):
     def __init__(self, factor, damping, params_shapes=None):
         func = type(self).__name__
         self._cov = cov_of(func, "factor", factor)
-        self._damping_arg = damping
-        damping_value(func, damping)
-        self.params_shapes = _params_shapes(func, params_shapes)
+        self._set_damping(func, damping, params_shapes)
 
     @property
     def damping(self):
@@ -180,8 +191,7 @@ class NaiveFullFB(FullFB):
 
         .. math:: F = \hat g \hat g^\top / N
         """
-        grads = grads_tuple(f"{cls.__name__}.from_grads", params_grads)
-        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        grads, shapes = _grads_and_shapes(f"{cls.__name__}.from_grads", params_grads)
         with validated_internals():
             return cls(factors.full_factor(grads, batch_size), damping, shapes)
 
@@ -203,9 +213,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
         xp = namespace_of(func, factor=cov)
         check_array(func, "factor", cov)
         self._diag = xp.reshape(cov, (-1,))
-        self._damping_arg = damping
-        damping_value(func, damping)
-        self.params_shapes = _params_shapes(func, params_shapes)
+        self._set_damping(func, damping, params_shapes)
 
     @property
     def damping(self):
@@ -268,8 +276,7 @@ class NaiveDiagonalFB(DiagonalFB):
 
         .. math:: d = \hat g^{\odot 2} / N
         """
-        grads = grads_tuple(f"{cls.__name__}.from_grads", params_grads)
-        shapes = [tuple(g.shape) for g in ((grads,) if is_array(grads) else grads)]
+        grads, shapes = _grads_and_shapes(f"{cls.__name__}.from_grads", params_grads)
         with validated_internals():
             return cls(factors.naive_diagonal_factor(grads, batch_size), damping, shapes)
 
