@@ -356,3 +356,22 @@ def run_checks(argv, peer, version, *checks):
     for check in checks:
         check(rep)
     return rep.dump(args.json)
+
+
+def print_verdicts(rows, tol, control_gap=1e-3):
+    """Print one verdict per ``(name, err)`` row of a peer check and a summary; a row with
+    ``err < 0`` is a control whose relative difference ``-err`` must exceed ``control_gap``,
+    any other row must agree to ``tol``.  Returns the exit status (0 when every row holds)."""
+    ok, worst = True, 0.0
+    for name, err in rows:
+        if err < 0:
+            good = -err > control_gap
+            print(f"{'differs' if good else 'SAME?':9s} {name}: rel. difference {-err:.2e}")
+        else:
+            good = err <= tol
+            worst = max(worst, err)
+            print(f"{'agree' if good else 'DISAGREE':9s} {name}: rel. error {err:.2e}")
+        ok &= good
+    n_cmp = sum(err >= 0 for _, err in rows)
+    print(f"{n_cmp} comparisons, worst rel. error {worst:.2e}; {len(rows) - n_cmp} controls")
+    return 0 if ok else 1

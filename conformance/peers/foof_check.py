@@ -200,23 +200,7 @@ def main():
     run_conv(rows)
     print(f"curvlinops-for-pytorch {version('curvlinops-for-pytorch')}, torch {torch.__version__}; "
           f"fisher_type='forward-only'")
-    ok = True
-    worst = 0.0
-    for name, err in rows:
-        if err < 0:  # a control: must be far from zero
-            good = -err > 1e-3
-            verdict = "differs" if good else "SAME?"
-            print(f"{verdict:9s} {name}: rel. difference {-err:.2e}")
-        else:
-            good = err <= TOL
-            worst = max(worst, err)
-            verdict = "agree" if good else "DISAGREE"
-            print(f"{verdict:9s} {name}: rel. error {err:.2e}")
-        ok &= good
-    n_cmp = sum(err >= 0 for _, err in rows)
-    print(f"{n_cmp} comparisons, worst rel. error {worst:.2e}; "
-          f"{len(rows) - n_cmp} controls")
-    return 0 if ok else 1
+    return C.print_verdicts(rows, TOL)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import kfac_ref.curvature as kc
 import kfac_ref.nn as knn
 from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss, NormalMeanNegativeLogProbLoss
 
+from . import common as C
+
 TOL = 1e-12  # float64 GEMM chains of length ≤ 6 on O(1) data (errors ~1e-16)
 DIMS = (4, 5, 4, 3)
 N = 6
@@ -151,18 +153,7 @@ def main():
                              -control))
     print(f"backpack-for-pytorch KFRA, torch {torch.__version__}; MSELoss(mean) matrices "
           f"compared with 1/D = {1 / DIMS[-1]:.6g} × kfac_ref's (ℓ = ‖f − y‖²)")
-    ok = True
-    for name, err in rows:
-        if err < 0:  # a control: must be far from zero
-            good = -err > 1e-3
-            verdict = "differs" if good else "SAME?"
-            print(f"{verdict:9s} {name}: rel. difference {-err:.2e}")
-        else:
-            good = err <= TOL
-            verdict = "agree" if good else "DISAGREE"
-            print(f"{verdict:9s} {name}: rel. error {err:.2e}")
-        ok &= good
-    return 0 if ok else 1
+    return C.print_verdicts(rows, TOL)
 
 
 if __name__ == "__main__":
