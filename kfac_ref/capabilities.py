@@ -39,12 +39,10 @@ from ._backend import KFACValueError, describe
 from ._support import (
     COLUMNS,
     EAGER_BACKENDS,
-    STATES,
     Support,
     capabilities,
     declared_objects,
     declared_support,
-    requires_formula,
     unknown_name,
 )
 
@@ -104,7 +102,7 @@ def support_table() -> dict[str, Support]:
     return _TABLE
 
 
-def unknown_declarations() -> list[str]:
+def _unknown_declarations() -> list[str]:
     """Objects with a ``@capabilities`` declaration that are not public functions or
     classes (a private helper, an object no public module exports): their declaration
     would reach no table, docs page or test.  The test suite requires this to be empty."""
@@ -112,13 +110,6 @@ def unknown_declarations() -> list[str]:
     return sorted(f"{obj.__module__}.{obj.__qualname__}" for obj in declared_objects()
                   if obj.__module__.partition(".")[0] == "kfac_ref"
                   and id(_unwrapped(obj)) not in public)
-
-
-def formula_required(obj) -> bool:
-    """Whether the docs build requires a formula in ``obj``'s docstring: not for objects
-    declared ``array_free=True`` (unless ``formula=True``) or ``formula="<why not>"`` (see
-    ``kfac_ref._support.capabilities``); not part of the public API."""
-    return requires_formula(obj)
 
 
 @capabilities(array_free=True)
@@ -136,21 +127,3 @@ def support_of(obj) -> Support:
         raise KFACValueError(f"support_of: obj must be a public function or class of kfac_ref "
                              f"or its dotted name; got {describe(obj)}.")
     return table[entry[0]]
-
-
-def support_row(support: Support) -> list[str]:
-    """The reST lines of one object's support (one line per state), which the docs build
-    appends to the object's API page (not part of the public API)."""
-    groups = {s: [c for c in COLUMNS if support.state(c) == s] for s in STATES}
-    lines = [".. rubric:: Backend support", ""]
-    if groups["yes"]:
-        lines.append("Supported and tested: " + ", ".join(
-            "cupy (on a CUDA GPU)" if c == "cupy" else c for c in groups["yes"]) + ".")
-    for col in groups["no"]:
-        lines.append(f"Not supported: {col} ({support.reasons.get(col, 'see the docs')}).")
-    if groups["untested"]:
-        lines.append("Not tested: " + ", ".join(groups["untested"]) + ".")
-    if groups["n/a"]:
-        lines.append("Takes no arrays: any array library.")
-    lines.append("See the docs page *Backend support*.")
-    return lines

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from kfac_ref import capabilities
-from kfac_ref._support import DEFAULT, declared_support
+from kfac_ref._support import DEFAULT, declared_support, requires_formula
 from kfac_ref._support import capabilities as declare
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -98,10 +98,10 @@ def test_formula_rule_follows_the_declaration():
     def undeclared():
         """Doc."""
 
-    assert not capabilities.formula_required(options)
-    assert capabilities.formula_required(shape_arithmetic)
-    assert not capabilities.formula_required(State)
-    assert capabilities.formula_required(undeclared)
+    assert not requires_formula(options)
+    assert requires_formula(shape_arithmetic)
+    assert not requires_formula(State)
+    assert requires_formula(undeclared)
 
 
 # -- the table is the decorators -----------------------------------------------------------
@@ -112,7 +112,7 @@ def test_table_rows_are_the_declarations_on_the_objects():
     for dotted, obj in objects:
         assert table[dotted] == declared_support(obj), dotted
         assert capabilities.support_of(obj) == table[dotted]
-    assert capabilities.unknown_declarations() == []
+    assert capabilities._unknown_declarations() == []
     assert not hasattr(capabilities, "_DECLARED")  # no table of names beside the objects
 
 
@@ -136,7 +136,7 @@ def test_a_declaration_on_a_private_object_is_reported():
 
     _helper.__module__ = mod.__name__
     try:
-        assert capabilities.unknown_declarations() == ["kfac_ref.linalg." + _helper.__qualname__]
+        assert capabilities._unknown_declarations() == ["kfac_ref.linalg." + _helper.__qualname__]
     finally:
         from kfac_ref import _support
 
@@ -173,6 +173,21 @@ def test_docs_table_agrees_with_the_declarations(docs_ext):
         assert rows[dotted] == expected, dotted
 
 
+def _row_states(lines):
+    """Column -> state as an API page's support lines state them."""
+    states = {}
+    for line in lines:
+        head, _, rest = line.partition(": ")
+        kind = {"Supported and tested": "yes", "Not tested": "untested",
+                "Not supported": "no"}.get(head)
+        if kind == "no":
+            states[rest.split(" (", 1)[0]] = "no"
+        elif kind:
+            for col in rest.rstrip(".").split(", "):
+                states[col.removesuffix(" (on a CUDA GPU)")] = kind
+    return states
+
+
 def test_every_api_page_gets_its_support_row(docs_ext):
     """The API pages document each function and class under the name the table uses, so
     the build-time hook appends every object's row (and only to functions and classes)."""
@@ -198,7 +213,15 @@ def test_every_api_page_gets_its_support_row(docs_ext):
         lines = ["Doc."]
         kfac_support._append_support_row(None, entry.kind, name, entry.obj, {}, lines)
         expected = table[name] if name in table else capabilities.support_of(entry.obj)
-        assert lines[2:] == capabilities.support_row(expected), name
+        assert lines[1:4] == ["", ".. rubric:: Backend support", ""], name
+        assert lines[-1] == "See the docs page *Backend support*.", name
+        assert _row_states(lines[4:-1]) == {c: expected.state(c) for c in capabilities.COLUMNS
+                                            if expected.state(c) != "n/a"}, name
+        assert ("Takes no arrays: any array library." in lines) == any(
+            expected.state(c) == "n/a" for c in capabilities.COLUMNS), name
+        for col in capabilities.COLUMNS:
+            if expected.state(col) == "no":
+                assert f"Not supported: {col} ({expected.reasons[col]})." in lines, name
     lines = ["Doc."]
     kfac_support._append_support_row(None, "method", "kfac_ref.linalg.kron.x", None, {}, lines)
     assert lines == ["Doc."]

@@ -19,7 +19,7 @@ from kfac_ref import capabilities
 
 
 def test_no_stale_declarations():
-    assert capabilities.unknown_declarations() == []
+    assert capabilities._unknown_declarations() == []
 
 
 def test_every_public_object_has_a_row():

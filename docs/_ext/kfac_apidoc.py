@@ -279,10 +279,10 @@ def _formula_required(obj) -> bool:
     container) are exempt, unless declared ``formula=True``.  Objects of packages without
     such declarations always need one."""
     try:
-        from kfac_ref.capabilities import formula_required
+        from kfac_ref._support import requires_formula
     except ImportError:  # pragma: no cover - another package documented with this extension
         return True
-    return formula_required(obj)
+    return requires_formula(obj)
 
 
 def check_docstrings(model: ApiModel) -> tuple[list[str], list[str]]:

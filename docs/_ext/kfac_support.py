@@ -40,6 +40,24 @@ def _rst(table, columns):
     return lines
 
 
+def support_row(support, columns) -> list[str]:
+    """The reST lines of one object's support, appended to its API page: the columns it is
+    supported and tested on, each "no" with its reason, the untested ones."""
+    groups = {s: [c for c in columns if support.state(c) == s] for s in _CELL}
+    lines = [".. rubric:: Backend support", ""]
+    if groups["yes"]:
+        lines.append("Supported and tested: " + ", ".join(
+            "cupy (on a CUDA GPU)" if c == "cupy" else c for c in groups["yes"]) + ".")
+    for col in groups["no"]:
+        lines.append(f"Not supported: {col} ({support.reasons.get(col, 'see the docs')}).")
+    if groups["untested"]:
+        lines.append("Not tested: " + ", ".join(groups["untested"]) + ".")
+    if groups["n/a"]:
+        lines.append("Takes no arrays: any array library.")
+    lines.append("See the docs page *Backend support*.")
+    return lines
+
+
 class SupportTable(SphinxDirective):
     has_content = False
 
@@ -68,7 +86,7 @@ def _append_support_row(app, what, name, obj, options, lines):
             support = capabilities.support_of(obj)
         except KFACValueError:  # not a kfac_ref object
             return
-    lines += ["", *capabilities.support_row(support)]
+    lines += ["", *support_row(support, capabilities.COLUMNS)]
 
 
 def setup(app):
