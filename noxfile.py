@@ -112,7 +112,8 @@ def bench(session: nox.Session) -> None:
 # --------------------------------------------------------------------------------------
 # Peer conformance runs: one session per peer, each in its own environment built from the
 # recipe in conformance/peers/<env>.txt (one `pip install` per line; see that folder's README).
-# CI installs none of these (they are GB-sized); run them by name, e.g.
+# CI builds only the jax environment (.ci/run, step 8); the others are GB-sized. Run them by
+# name, e.g.
 #     nox -s conformance-kfac_jax
 # --------------------------------------------------------------------------------------
 PEERS = {  # adapter name -> environment recipe
