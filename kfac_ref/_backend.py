@@ -51,6 +51,7 @@ import contextvars
 import math
 import numbers
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -242,7 +243,10 @@ def value_checks(enabled: bool = True) -> Iterator[None]:
     ----------
     enabled : bool
         ``False`` skips value checks inside the block (as SciPy's ``check_finite=False``);
-        bad values then give NaN/Inf results instead of errors.
+        bad values then give NaN/Inf results instead of errors, on the eigendecomposition,
+        SVD and Cholesky paths alike (never the linear-algebra library's own error), and
+        samples drawn from NaN parameters are marked (class −1 or NaN), as for traced and
+        lazy arrays (docs page *Backend support*).
 
     Examples
     --------
@@ -265,6 +269,55 @@ def value_checks(enabled: bool = True) -> Iterator[None]:
 def value_checks_enabled() -> bool:
     """Whether value checks are on in the current context (see :func:`value_checks`)."""
     return _VALUE_CHECKS.get()
+
+
+_DEFERRED = contextvars.ContextVar("kfac_ref_deferred_value_checks", default=None)
+
+
+@contextlib.contextmanager
+def deferred_value_checks(xp):
+    r"""Run the value checks of the kernels called inside on the device and read them back
+    once, at the end (a block's ``update_cache``).
+
+    .. math:: \text{ok} = \textstyle\bigwedge_k \text{flag}_k \quad \text{(one read)}
+
+    Each check inside (a Cholesky pivot, the spectrum of a negative or fractional power)
+    leaves a 0-D boolean flag instead of reading it; at the exit one ``all`` of the stacked
+    flags is read into the yielded ``status["ok"]``.  The caller discards what it computed
+    when it is false and computes again outside this context, where the failing check
+    raises the error (and takes the fall-back) it always did; so the numbers and errors
+    are the eager ones, and a success costs one read.  Nested uses collect into the
+    outermost (their own status stays true).
+    """
+    status = {"ok": True}
+    if _DEFERRED.get() is not None:
+        yield status
+        return
+    pending = []
+    token = _DEFERRED.set(pending)
+    try:
+        # warnings of arithmetic on failing numbers are held back; shown only on success
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield status
+    finally:
+        _DEFERRED.reset(token)
+    if pending:
+        status["ok"] = bool(xp.all(xp.stack([xp.reshape(f, ()) for f, _ in pending])))
+    if status["ok"]:
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def value_check(flag, fail):
+    """``fail()`` (which raises) unless the 0-D boolean ``flag``: read now, or at the end
+    of :func:`deferred_value_checks`."""
+    pending = _DEFERRED.get()
+    if pending is None:
+        if not bool(flag):
+            fail()
+    else:
+        pending.append((flag, fail))
 
 
 def is_lazy(x: Any) -> bool:
@@ -411,7 +464,58 @@ def optional_linalg(xp: Any, name: str) -> Callable:
             f"CuPy).")
         exc.unnamed = True
         raise exc
-    return fn
+    if name not in _DECOMPOSITIONS:
+        return fn
+    return lambda matrix: _decomposition(xp, name, fn, matrix)
+
+
+#: the decompositions whose outputs follow the bad-values policy of :func:`_decomposition`
+_DECOMPOSITIONS = ("eigh", "eigvalsh", "svd")
+
+
+def _decomposition(xp: Any, name: str, fn: Callable, matrix: Any):
+    """``xp.linalg.<name>(matrix)`` under kfac_ref's policy for bad values: a matrix with a
+    NaN or Inf entry gives NaN outputs on every backend.  Libraries differ here: LAPACK
+    (NumPy, array-api-strict) raises ``LinAlgError``, PyTorch and JAX can return finite
+    eigenvalues of a NaN matrix.  The test is on the device (no host read; also under a
+    trace and with value checks off); with value checks on, a non-finite matrix (one not
+    scanned at a door: a stored statistic) is a :func:`kernel_error`, read at once or with
+    the other checks of :func:`deferred_value_checks`.  A ``LinAlgError`` of a finite matrix
+    (no convergence) gives NaN outputs."""
+    try:
+        out = fn(matrix)
+    except Exception as exc:  # noqa: BLE001 - only the libraries' LinAlgError is handled
+        if not any("LinAlgError" in c.__name__ for c in type(exc).__mro__):
+            raise
+        out = None
+    finite = xp.all(xp.isfinite(matrix), axis=(-2, -1))
+    if checks_values(matrix):
+        def nonfinite():
+            raise kernel_error(f"the matrix of linalg.{name} must be finite (no NaN or Inf); "
+                               f"got non-finite entries in {describe(matrix)}.")
+
+        value_check(xp.all(finite), nonfinite)
+    if out is None:
+        return _nan_outputs(xp, name, matrix)
+    if name == "eigvalsh":
+        return xp.where(finite[..., None], out, xp.nan)
+    return tuple(xp.where(xp.reshape(finite, finite.shape + (1,) * (part.ndim - finite.ndim)),
+                          part, xp.nan) for part in out)
+
+
+def _nan_outputs(xp: Any, name: str, matrix: Any):
+    """NaN arrays shaped as ``xp.linalg.<name>(matrix)``'s outputs (``svd`` with full
+    matrices, the standard's default)."""
+    *batch, m, n = matrix.shape
+
+    def nan(*shape):
+        return xp.full((*batch, *shape), xp.nan, dtype=matrix.dtype, device=device_of(matrix))
+
+    if name == "eigvalsh":
+        return nan(n)
+    if name == "eigh":
+        return nan(n), nan(n, n)
+    return nan(m, m), nan(min(m, n)), nan(n, n)
 
 
 def kernel_of(public: Callable) -> Callable[[Callable], Callable]:

@@ -87,10 +87,7 @@ messages that say what failed, and the public function puts its own name in fron
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-import warnings
 
 from ._backend import (
     KFACValueError,
@@ -104,6 +101,7 @@ from ._backend import (
     checks_values,
     cholesky_inverse,
     cholesky_lower,
+    device_of,
     errors_named,
     eye_like,
     gram_is_exactly_symmetric,
@@ -115,6 +113,7 @@ from ._backend import (
     namespace_of,
     ones_like_shape,
     optional_linalg,
+    value_check,
 )
 from ._support import DASK_NO_EIGH, capabilities
 
@@ -313,55 +312,6 @@ def _singular_tolerance(xp, spectrum, order):
     return order * eps * xp.max(xp.abs(spectrum))
 
 
-_DEFERRED = contextvars.ContextVar("kfac_ref_deferred_value_checks", default=None)
-
-
-@contextlib.contextmanager
-def deferred_value_checks(xp):
-    r"""Run the value checks of the kernels called inside on the device and read them back
-    once, at the end (internal API: a block's ``update_cache``).
-
-    .. math:: \text{ok} = \textstyle\bigwedge_k \text{flag}_k \quad \text{(one read)}
-
-    Each check inside (a Cholesky pivot, the spectrum of a negative or fractional power)
-    leaves a 0-D boolean flag instead of reading it; at the exit one ``all`` of the stacked
-    flags is read into the yielded ``status["ok"]``.  The caller discards what it computed
-    when it is false and computes again outside this context, where the failing check
-    raises the error (and takes the fall-back) it always did; so the numbers and errors
-    are the eager ones, and a success costs one read.  Nested uses collect into the
-    outermost (their own status stays true).
-    """
-    status = {"ok": True}
-    if _DEFERRED.get() is not None:
-        yield status
-        return
-    pending = []
-    token = _DEFERRED.set(pending)
-    try:
-        # warnings of arithmetic on failing numbers are held back; shown only on success
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield status
-    finally:
-        _DEFERRED.reset(token)
-    if pending:
-        status["ok"] = bool(xp.all(xp.stack([xp.reshape(f, ()) for f, _ in pending])))
-    if status["ok"]:
-        for w in caught:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-
-
-def _value_check(flag, fail):
-    """``fail()`` (which raises) unless the 0-D boolean ``flag``: read now, or at the end
-    of :func:`deferred_value_checks`."""
-    pending = _DEFERRED.get()
-    if pending is None:
-        if not bool(flag):
-            fail()
-    else:
-        pending.append((flag, fail))
-
-
 def power_of_eigenvalues(xp, s, power, *, order=None):
     r"""``s**power`` for the (clipped, damped) eigenvalues ``s`` of a symmetric matrix.
 
@@ -399,9 +349,9 @@ def power_of_eigenvalues(xp, s, power, *, order=None):
             )
 
         if power < 0:
-            _value_check(xp.min(s) > _singular_tolerance(xp, s, n), singular)
+            value_check(xp.min(s) > _singular_tolerance(xp, s, n), singular)
         if not float(power).is_integer():
-            _value_check(xp.min(s) >= 0, negative)
+            value_check(xp.min(s) >= 0, negative)
     if power == 1.0:
         return s
     return s**power
@@ -572,6 +522,8 @@ def _damped_cholesky(xp, matrix, damping=0.0):
     try:
         l_factor = cholesky_lower(xp, damped)
     except Exception as exc:  # backends raise their own LinAlgError types
+        if not checks_values(damped):  # the policy of unchecked values: NaN, not an error
+            return xp.full(damped.shape, xp.nan, dtype=damped.dtype, device=device_of(damped))
         raise kernel_error(
             f"matrix + damping·I must be positive definite; the Cholesky "
             f"factorisation failed ({type(exc).__name__}: {exc}). Add damping."
@@ -596,7 +548,7 @@ def _damped_cholesky(xp, matrix, damping=0.0):
                 f"{float(tol):.3g} (numerically singular). Add damping."
             )
 
-        _value_check(xp.min(pivots) > tol, fail)
+        value_check(xp.min(pivots) > tol, fail)
     return l_factor
 
 

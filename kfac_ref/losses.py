@@ -637,7 +637,9 @@ class NegativeLogProbLoss(LossFunction):
         Returns
         -------
         array
-            Targets in the form ``evaluate`` accepts.
+            Targets in the form ``evaluate`` accepts.  Parameters with NaN entries (value
+            checks off, traced or lazy) give marked draws, not plausible ones: class −1,
+            a NaN one-hot row, a NaN Bernoulli entry, a NaN Gaussian draw.
 
         Notes
         -----
@@ -1003,7 +1005,10 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         # and needs no cumulative sums (exact at any logit size).
         xp = self._xp
         g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
-        return xp.argmax(self._logits + g, axis=-1)
+        draws = xp.argmax(self._logits + g, axis=-1)
+        # NaN logits have no distribution: class -1 (no class) instead of argmax's guess,
+        # decided without a host read so it holds with value checks off, traced and lazy
+        return xp.where(xp.any(xp.isnan(self._logits), axis=-1), -1, draws)
 
     def _curvature_vp(self, vector, weighted=True):
         xp = self._xp
@@ -1101,7 +1106,9 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
     def _sample(self, rng):
         xp = self._xp
         g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
-        return self._one_hot_targets(xp.argmax(self._logits + g, axis=-1))
+        rows = self._one_hot_targets(xp.argmax(self._logits + g, axis=-1))
+        # a row with a NaN logit has no distribution: a NaN row, not a one-hot guess
+        return xp.where(xp.any(xp.isnan(self._logits), axis=-1, keepdims=True), xp.nan, rows)
 
 
 # --------------------------------------------------------------------------------------
@@ -1231,7 +1238,8 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         # y = [z + L > 0] with L ~ Logistic(0, 1): P(y = 1) = P(L > -z) = σ(z).
         xp = self._xp
         noise = draw_noise(rng, self._logits, "logistic", self._logits.shape)
-        return xp.astype(self._logits + noise > 0.0, self._logits.dtype)
+        draws = xp.astype(self._logits + noise > 0.0, self._logits.dtype)
+        return xp.where(xp.isnan(self._logits), xp.nan, draws)  # NaN logit: NaN, not 0
 
     def _curvature_vp(self, vector, weighted=True):
         return (self._variance() * vector[0] * self._w(weighted),)

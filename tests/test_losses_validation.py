@@ -214,3 +214,45 @@ def test_private_formulas_are_the_public_methods_without_checks(xp):
              (loss.ggn_factor_matrix(), loss._factor_matrix())]
     for public, private in pairs:
         xp.assert_close(private, xp.to_numpy(public), rtol=0.0)
+
+
+# -- sampling from NaN parameters (value checks off, traced or lazy) ----------------------------
+def _nan_first_row(xp):
+    host = _host(11, (3, 4))
+    host[0, 2] = np.nan
+    return xp.asarray(host), host
+
+
+def test_samples_from_nan_logits_are_marked_not_guessed(xp):
+    """With value checks off a NaN logit gives no draw: class -1 for class indices, a NaN row
+    for one-hot targets, NaN for that Bernoulli entry; the finite rows are drawn as usual
+    (the same draws as from the logits without the NaN row)."""
+    z, host = _nan_first_row(xp)
+    clean = xp.asarray(np.where(np.isnan(host), 0.0, host))
+    with kfac_ref.value_checks(False):
+        cat = xp.to_numpy(CAT(z).sample(np.random.default_rng(3)))
+        onehot = xp.to_numpy(ONEHOT(z).sample(np.random.default_rng(3)))
+        bern = xp.to_numpy(BERN(z).sample(np.random.default_rng(3)))
+    cat_clean = xp.to_numpy(CAT(clean).sample(np.random.default_rng(3)))
+    bern_clean = xp.to_numpy(BERN(clean).sample(np.random.default_rng(3)))
+    assert cat[0] == -1 and np.array_equal(cat[1:], cat_clean[1:])
+    assert np.isnan(onehot[0]).all() and np.array_equal(onehot[1:], np.eye(4)[cat_clean[1:]])
+    assert np.isnan(bern[0, 2]) and np.array_equal(np.isnan(bern), np.isnan(host))
+    assert np.array_equal(bern[~np.isnan(host)], bern_clean[~np.isnan(host)])
+    with kfac_ref.value_checks(False):
+        assert np.isnan(xp.to_numpy(NORMAL(z).sample(np.random.default_rng(3)))[0, 2])
+    with pytest.raises(KFACValueError, match="logits"):
+        CAT(z)  # value checks on: refused before any draw
+
+
+def test_samples_from_nan_logits_under_jit():
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    host = _host(11, (3, 4)).astype(np.float32)
+    host[0, 2] = np.nan
+    draw = jax.jit(lambda z, key: (CAT(z).sample(key), ONEHOT(z).sample(key),
+                                   BERN(z).sample(key)))
+    cat, onehot, bern = (np.asarray(a) for a in draw(jnp.asarray(host), jax.random.key(0)))
+    assert cat[0] == -1 and set(cat[1:].tolist()) <= {0, 1, 2, 3}
+    assert np.isnan(onehot[0]).all() and not np.isnan(onehot[1:]).any()
+    assert np.array_equal(np.isnan(bern), np.isnan(host))

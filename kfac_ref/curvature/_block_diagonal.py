@@ -9,7 +9,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .._backend import (
-    KFACInputError,
     KFACTypeError,
     KFACValueError,
     any_true,
@@ -575,14 +574,14 @@ def _statistics_named(func, state):
     """Turn a failure of the blocks' kernels on a state with non-finite statistics (one
     built with value checks off: the statistics are scanned when they enter a state, see
     :meth:`BlockDiagonalCurvature.update_curvature_matrix_estimate`) into a
-    :class:`KFACValueError` naming the statistic, in place of the linear-algebra library's
-    own error ("Eigenvalues did not converge").  The scan runs only after a failure, and
-    kfac_ref's own errors pass unchanged."""
+    :class:`KFACValueError` naming the statistic, in place of a kernel's unnamed error (the
+    NaN spectrum of a non-finite factor refused by a negative power) or a library's own.
+    The scan runs only after a failure; a failure of a finite state passes unchanged."""
     try:
         yield
-    except KFACInputError:  # kfac_ref's own checks already name what they refuse
-        raise
     except Exception as exc:
+        if isinstance(exc, KFACTypeError):
+            raise  # not about values: an argument or namespace, already named
         bad = _nonfinite_statistic(state)
         if bad is None:
             raise

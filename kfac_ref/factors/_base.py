@@ -47,6 +47,7 @@ from .._backend import (
     check_int,
     check_namespace_has,
     check_scalar,
+    checks_values,
     describe,
     errors_named,
     eye_like,
@@ -594,7 +595,9 @@ class DiagonalFactor(FisherFactor):
         cov = self.cov
         xp = namespace_of(func, cov=cov)
         damped = cov + lam
-        if exp < 0 and math.prod(damped.shape) and not bool(xp.min(damped) > 0):
+        # a value check: skipped with value checks off and for lazy arrays (NaN/Inf out)
+        if (exp < 0 and math.prod(damped.shape) and checks_values(damped)
+                and not bool(xp.min(damped) > 0)):
             raise KFACValueError(
                 f"{func}: diagonal + damping must be positive for a negative exponent ({exp}); "
                 f"its smallest entry is {float(xp.min(damped)):.3g}. Add damping."

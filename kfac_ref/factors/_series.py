@@ -207,7 +207,7 @@ def _series_option1_quantities(xp, cov, cov_dt1, damping, eig_method="self_adjoi
     c1 = (cov_dt1 + cov_dt1.T) / 2.0
     hpsi = inv_sqrt @ c1 @ inv_sqrt
     if eig_method == "svd":
-        u, psi, _ = xp.linalg.svd(hpsi)
+        u, psi, _ = optional_linalg(xp, "svd")(hpsi)
     else:
         psi, u = optional_linalg(xp, "eigh")((hpsi + hpsi.T) / 2.0)
         if eig_method == "self_adjoint":
@@ -267,7 +267,7 @@ def _series_option2_quantities(xp, cov, cov_dt1, damping, threshold=0.0, *,
     inv_sqrt = _inv_sqrt_c0(xp, cov, damping, threshold, func)
     inv_sqrt_c1 = inv_sqrt @ cov_dt1
     hpsi = inv_sqrt_c1 @ inv_sqrt
-    _, sqrt_mu, e_t = xp.linalg.svd(hpsi)
+    _, sqrt_mu, e_t = optional_linalg(xp, "svd")(hpsi)
     mu = xp.minimum(sqrt_mu * sqrt_mu, xp.ones_like(sqrt_mu))
     p = inv_sqrt_c1.T @ inv_sqrt
     k = inv_sqrt @ e_t.T

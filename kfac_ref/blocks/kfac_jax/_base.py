@@ -23,6 +23,7 @@ from ..._backend import (
     check_int,
     check_option,
     check_scalar,
+    deferred_value_checks,
     describe,
     errors_named,
     namespace_of,
@@ -31,7 +32,7 @@ from ..._backend import (
 from ..._pytrees import ensure_for, frozen, join, split, state_class
 from ..._support import capabilities
 from ...averaging import WeightedMovingAverage
-from ...linalg import FACTOR_NORMS, deferred_value_checks
+from ...linalg import FACTOR_NORMS
 from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
 
 __all__ = ["BlockState", "CurvatureBlock"]
