@@ -248,6 +248,11 @@ class LossFunction(abc.ABC):
     def _sqrt_w(self, weighted):
         return self._sqrt_weight if weighted else 1.0
 
+    @property
+    def _xp(self):
+        """The inputs' namespace, which each constructor sets as ``_ns``."""
+        return self._ns
+
     def _given(self, targets):
         """Validated targets, or the construction-time ones for ``None``."""
         return self.targets if targets is None else targets
@@ -453,7 +458,28 @@ class LossFunction(abc.ABC):
     def _grad(self, targets=None, coefficient_mode="regular"):
         """:math:`c\\,\\nabla_f\\ell_n` as a tuple (masked), targets as ``_evaluate``."""
 
-    # -- GGN products --------------------------------------------------------------------------
+    # -- GGN products (each public door checks its argument once, then runs the formula) ------
+    def _vp_door(self, method, vector, weighted=True):
+        """``_curvature_vp`` behind the public ``method``'s check of its vector tuple."""
+        return self._curvature_vp(self._check_vector(self._fname(method), vector),
+                                  weighted=weighted)
+
+    def _factor_vp_door(self, method, vector, inner_shape, weighted=True):
+        """``_factor_vp`` behind ``method``'s check of an ``inner_shape`` array."""
+        func = self._fname(method)
+        vector = self._check_factor_vector(func, vector, inner_shape)
+        return self._factor_vp(vector, weighted=weighted)
+
+    def _factor_t_vp_door(self, method, vector, weighted=True):
+        """``_factor_t_vp`` behind ``method``'s check of its vector tuple."""
+        return self._factor_t_vp(self._check_vector(self._fname(method), vector),
+                                 weighted=weighted)
+
+    def _column_door(self, method, index, inner_shape, weighted=True):
+        """``_factor_column`` behind ``method``'s check of a one-hot ``index``."""
+        index = self._check_index(self._fname(method), index, inner_shape)
+        return self._factor_column(index, weighted=weighted)
+
     def multiply_ggn(self, vector):
         r"""Per-example GGN product :math:`w\, G_n v_n`.
 
@@ -467,12 +493,11 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        return self._curvature_vp(self._check_vector(self._fname("multiply_ggn"), vector))
+        return self._vp_door("multiply_ggn", vector)
 
     def multiply_ggn_unweighted(self, vector):
         r""":math:`G_n v_n` (``multiply_ggn`` without the weight)."""
-        vector = self._check_vector(self._fname("multiply_ggn_unweighted"), vector)
-        return self._curvature_vp(vector, weighted=False)
+        return self._vp_door("multiply_ggn_unweighted", vector, weighted=False)
 
     def multiply_ggn_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = G_n`.
@@ -487,15 +512,12 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        func = self._fname("multiply_ggn_factor")
-        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self._factor_vp(vector)
+        return self._factor_vp_door("multiply_ggn_factor", vector, self.ggn_factor_inner_shape)
 
     def multiply_ggn_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (``multiply_ggn_factor`` without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_unweighted")
-        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self._factor_vp(vector, weighted=False)
+        return self._factor_vp_door("multiply_ggn_factor_unweighted", vector,
+                                    self.ggn_factor_inner_shape, weighted=False)
 
     def multiply_ggn_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -510,13 +532,12 @@ class LossFunction(abc.ABC):
         array
             Of shape ``ggn_factor_inner_shape`` (a single array, not a tuple).
         """
-        vector = self._check_vector(self._fname("multiply_ggn_factor_transpose"), vector)
-        return self._factor_t_vp(vector)
+        return self._factor_t_vp_door("multiply_ggn_factor_transpose", vector)
 
     def multiply_ggn_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_transpose_unweighted")
-        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
+        return self._factor_t_vp_door("multiply_ggn_factor_transpose_unweighted", vector,
+                                      weighted=False)
 
     def multiply_ggn_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -534,15 +555,13 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        func = self._fname("multiply_ggn_factor_replicated_one_hot")
-        index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self._factor_column(index)
+        return self._column_door("multiply_ggn_factor_replicated_one_hot", index,
+                                 self.ggn_factor_inner_shape)
 
     def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_replicated_one_hot_unweighted")
-        index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self._factor_column(index, weighted=False)
+        return self._column_door("multiply_ggn_factor_replicated_one_hot_unweighted", index,
+                                 self.ggn_factor_inner_shape, weighted=False)
 
     def ggn_matrix(self):
         r"""Dense per-example GGN :math:`w\,G_n`, shape ``[N, D, D]`` (see module docstring)."""
@@ -685,13 +704,11 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        vector = self._check_vector(self._fname("multiply_fisher"), vector)
-        return self._curvature_vp(vector)
+        return self._vp_door("multiply_fisher", vector)
 
     def multiply_fisher_unweighted(self, vector):
         r""":math:`F_n v_n` (without the weight)."""
-        vector = self._check_vector(self._fname("multiply_fisher_unweighted"), vector)
-        return self._curvature_vp(vector, weighted=False)
+        return self._vp_door("multiply_fisher_unweighted", vector, weighted=False)
 
     def multiply_fisher_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = F_n`.
@@ -706,15 +723,13 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        func = self._fname("multiply_fisher_factor")
-        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self._factor_vp(vector)
+        return self._factor_vp_door("multiply_fisher_factor", vector,
+                                    self.fisher_factor_inner_shape)
 
     def multiply_fisher_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_unweighted")
-        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self._factor_vp(vector, weighted=False)
+        return self._factor_vp_door("multiply_fisher_factor_unweighted", vector,
+                                    self.fisher_factor_inner_shape, weighted=False)
 
     def multiply_fisher_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -729,13 +744,12 @@ class NegativeLogProbLoss(LossFunction):
         array
             Of shape ``fisher_factor_inner_shape`` (a single array, not a tuple).
         """
-        vector = self._check_vector(self._fname("multiply_fisher_factor_transpose"), vector)
-        return self._factor_t_vp(vector)
+        return self._factor_t_vp_door("multiply_fisher_factor_transpose", vector)
 
     def multiply_fisher_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_transpose_unweighted")
-        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
+        return self._factor_t_vp_door("multiply_fisher_factor_transpose_unweighted", vector,
+                                      weighted=False)
 
     def multiply_fisher_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -753,15 +767,13 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        func = self._fname("multiply_fisher_factor_replicated_one_hot")
-        index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self._factor_column(index)
+        return self._column_door("multiply_fisher_factor_replicated_one_hot", index,
+                                 self.fisher_factor_inner_shape)
 
     def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_replicated_one_hot_unweighted")
-        index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self._factor_column(index, weighted=False)
+        return self._column_door("multiply_fisher_factor_replicated_one_hot_unweighted", index,
+                                 self.fisher_factor_inner_shape, weighted=False)
 
     def fisher_matrix(self):
         r"""Dense per-example Fisher :math:`w\,F_n`, shape ``[N, D, D]``."""
@@ -953,10 +965,6 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
                           weight=self._weight)
 
     # -- formulas -------------------------------------------------------------------------
-    @property
-    def _xp(self):
-        return self._ns
-
     def _log_probs(self):
         return _log_softmax(self._xp, self._logits)
 
@@ -1200,10 +1208,6 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, weight=self._weight)
 
-    @property
-    def _xp(self):
-        return self._ns
-
     def _log_variance(self):
         xp = self._xp
         return _log_sigmoid(xp, self._logits) + _log_sigmoid(xp, -self._logits)
@@ -1355,10 +1359,6 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, variance=self._variance,
                           weight=self._weight, normalize_log_prob=self._normalize)
-
-    @property
-    def _xp(self):
-        return self._ns
 
     def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
@@ -1524,10 +1524,6 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], inputs[1], targets=self._targets, weight=self._weight)
-
-    @property
-    def _xp(self):
-        return self._ns
 
     def _factor_diagonals(self, weighted):
         """Diagonals :math:`\\sqrt w/\\sqrt v`, :math:`\\sqrt w/(\\sqrt2\\,v)` of :math:`B`."""
@@ -1739,10 +1735,6 @@ class CustomLoss(LossFunction):
         return type(self)(inputs[0], targets=self._targets, **self._constructor_kwargs())
 
     # -- formulas -------------------------------------------------------------------------
-    @property
-    def _xp(self):
-        return self._ns
-
     def _evaluate(self, targets=None, coefficient_mode="regular"):
         func = self._fname("evaluate")
         n = self._outputs.shape[0]
