@@ -316,12 +316,16 @@ class FisherFactor:
     @property
     def cov(self):
         """The current (moving-average) statistic."""
-        if self._cov_avg is None:
-            raise KFACValueError(
-                f"{self.name}.cov: the factor must have been updated at least once (call "
-                "update_cov); got a factor with no statistics."
-            )
-        return self._cov_avg.value
+        return self._average_value(
+            "cov", self._cov_avg, "the factor must have been updated at least once (call "
+            "update_cov); got a factor with no statistics")
+
+    def _average_value(self, attribute, average, missing):
+        """The value of the moving average behind ``attribute``; ``missing`` explains a
+        ``None`` average (no statistics yet)."""
+        if average is None:
+            raise KFACValueError(f"{self.name}.{attribute}: {missing}.")
+        return average.value
 
     def get_cov(self):
         """Alias of :attr:`cov` (TF's ``get_cov``)."""
@@ -395,6 +399,14 @@ class DenseSquareMatrixFactor(FisherFactor):
         )
 
     # -- registrations -----------------------------------------------------------------
+    def _registered(self, field, key):
+        """This factor when ``key`` is in its registration tuple ``field`` already, else a
+        copy with ``key`` appended (registration order is kept)."""
+        regs = getattr(self, field)
+        if key in regs:
+            return self
+        return self._evolve(**{field: (*regs, key)})
+
     def register_matpower(self, exp, damping):
         r"""Return a factor that also maintains :math:`(C + \lambda I)^{p}`.
 
@@ -405,9 +417,7 @@ class DenseSquareMatrixFactor(FisherFactor):
         if exp == 1.0:
             return self
         key = (exp, damping_key(func, damping))
-        if key in self._matpower_regs:
-            return self
-        return self._evolve(_matpower_regs=(*self._matpower_regs, key))
+        return self._registered("_matpower_regs", key)
 
     def register_inverse(self, damping):
         r"""``register_matpower(-1, damping)``: :math:`(C + \lambda I)^{-1}`."""
@@ -416,16 +426,12 @@ class DenseSquareMatrixFactor(FisherFactor):
     def register_cholesky(self, damping):
         r"""Return a factor that also maintains :math:`L`, :math:`L L^\top = C + \lambda I`."""
         key = damping_key(f"{self.name}.register_cholesky", damping)
-        if key in self._cholesky_regs:
-            return self
-        return self._evolve(_cholesky_regs=(*self._cholesky_regs, key))
+        return self._registered("_cholesky_regs", key)
 
     def register_cholesky_inverse(self, damping):
         r"""Return a factor that also maintains :math:`L^{-1}`."""
         key = damping_key(f"{self.name}.register_cholesky_inverse", damping)
-        if key in self._cholesky_inverse_regs:
-            return self
-        return self._evolve(_cholesky_inverse_regs=(*self._cholesky_inverse_regs, key))
+        return self._registered("_cholesky_inverse_regs", key)
 
     # -- inverse update ------------------------------------------------------------------
     @property
