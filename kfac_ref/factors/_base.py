@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from .._backend import (
     KFACTypeError,
     KFACValueError,
+    check_array,
     check_bool,
     check_int,
     check_namespace_has,
@@ -149,6 +150,15 @@ def per_source_and_tower(sources, towers, pair_stat):
     tower :math:`x` and that source's output gradient :math:`g` on it."""
     return tuple(tuple(pair_stat(x, g) for x, g in zip(towers, src, strict=True))
                  for src in sources)
+
+
+def check_dense_rows(func, name, tensor):
+    """A dense layer's input ``[N, d]`` (``[T, N, d]`` for several uses) with at least one
+    row."""
+    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    if math.prod(tensor.shape[:-1]) == 0:
+        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
+                             f"{tuple(tensor.shape)}.")
 
 
 def check_equal_batches(func, name, arrays, axis=0):
