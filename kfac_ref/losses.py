@@ -352,6 +352,14 @@ class LossFunction(abc.ABC):
         self._check_dtype(func, "vector", vector)
         return vector
 
+    def _check_like_inputs(self, func, targets, layout):
+        """Real-valued targets: the namespace, shape and dtype of the first input."""
+        self._namespace(func, targets=targets)
+        check_array(func, "targets", targets, shape=tuple(self.parameter_dependants[0].shape),
+                    layout=layout)
+        self._check_dtype(func, "targets", targets)
+        return targets
+
     def _check_dtype(self, func, name, v):
         if v.dtype != self.dtype:
             raise KFACTypeError(f"{func}: {name} must be of the inputs' dtype {self.dtype}; "
@@ -829,6 +837,11 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
 
     _hessian_uses_targets = False
 
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        """The shape of ``params[0]``: in natural parameters :math:`B_n` is square."""
+        return tuple(self.params[0].shape)
+
     def _hessian_matrix(self, targets=None):
         return self._curvature_matrix()
 
@@ -955,10 +968,6 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     @property
     def parameter_independants(self) -> tuple:
         return (self._targets, self._mask_in, self._weight)
-
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._logits.shape)
 
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, mask=self._mask_in,
@@ -1201,10 +1210,6 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def parameter_independants(self) -> tuple:
         return (self._targets, self._weight)
 
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._logits.shape)
-
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, weight=self._weight)
 
@@ -1319,11 +1324,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        self._namespace(func, targets=targets)
-        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
-                    layout="like mean")
-        self._check_dtype(func, "targets", targets)
-        return targets
+        return self._check_like_inputs(func, targets, "like mean")
 
     @property
     def mean(self):
@@ -1351,10 +1352,6 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     @property
     def parameter_independants(self) -> tuple:
         return (self._targets, self._variance, self._weight, self._normalize)
-
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._mean.shape)
 
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, variance=self._variance,
@@ -1489,11 +1486,7 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        self._namespace(func, targets=targets)
-        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
-                    layout="[N, d] like mean")
-        self._check_dtype(func, "targets", targets)
-        return targets
+        return self._check_like_inputs(func, targets, "[N, d] like mean")
 
     @property
     def mean(self):
