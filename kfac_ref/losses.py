@@ -346,19 +346,13 @@ class LossFunction(abc.ABC):
             self._check_dtype(func, name, v)
         return tuple(vector)
 
-    def _check_factor_vector(self, func, vector, inner_shape):
-        self._namespace(func, vector=vector)
-        check_array(func, "vector", vector, shape=tuple(inner_shape))
-        self._check_dtype(func, "vector", vector)
-        return vector
-
-    def _check_like_inputs(self, func, targets, layout):
-        """Real-valued targets: the namespace, shape and dtype of the first input."""
-        self._namespace(func, targets=targets)
-        check_array(func, "targets", targets, shape=tuple(self.parameter_dependants[0].shape),
-                    layout=layout)
-        self._check_dtype(func, "targets", targets)
-        return targets
+    def _check_shaped(self, func, name, array, shape, layout=None):
+        """An array of the inputs' namespace and dtype, of the given shape (a factor's inner
+        vector, real-valued targets)."""
+        self._namespace(func, **{name: array})
+        check_array(func, name, array, shape=tuple(shape), layout=layout)
+        self._check_dtype(func, name, array)
+        return array
 
     def _check_dtype(self, func, name, v):
         if v.dtype != self.dtype:
@@ -475,7 +469,7 @@ class LossFunction(abc.ABC):
     def _factor_vp_door(self, method, vector, inner_shape, weighted=True):
         """``_factor_vp`` behind ``method``'s check of an ``inner_shape`` array."""
         func = self._fname(method)
-        vector = self._check_factor_vector(func, vector, inner_shape)
+        vector = self._check_shaped(func, "vector", vector, inner_shape)
         return self._factor_vp(vector, weighted=weighted)
 
     def _factor_t_vp_door(self, method, vector, weighted=True):
@@ -1324,7 +1318,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        return self._check_like_inputs(func, targets, "like mean")
+        return self._check_shaped(func, "targets", targets, self._mean.shape, "like mean")
 
     @property
     def mean(self):
@@ -1486,7 +1480,8 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        return self._check_like_inputs(func, targets, "[N, d] like mean")
+        return self._check_shaped(func, "targets", targets, self._mean.shape,
+                                  "[N, d] like mean")
 
     @property
     def mean(self):
