@@ -129,15 +129,20 @@ def _int_tuple(func, name, value, what):
     return tuple(int(v) for v in value)
 
 
-def _spatial_part(func, value, rank, channels_last, trivial, rule):
-    """The spatial entries of TF's full-rank form (``rank + 2`` entries, ``trivial`` on the
-    batch and channel axes of the layout); any other length is returned as it is."""
-    if len(value) != rank + 2:
-        return value
-    outer = (value[0], value[-1]) if channels_last else (value[0], value[1])
-    if any(v != trivial for v in outer):
-        raise KFACValueError(f"{func}: {rule}; got {value}.")
-    return value[1:-1] if channels_last else value[2:]
+def _spatial_part(func, name, value, rank, channels_last, trivial, rule, entries="entries"):
+    """The ``rank`` spatial entries of ``value``: as given, or taken from TF's full-rank
+    form (``rank + 2`` entries, ``trivial`` on the batch and channel axes of the layout)."""
+    if len(value) == rank + 2:
+        outer = (value[0], value[-1]) if channels_last else (value[0], value[1])
+        if any(v != trivial for v in outer):
+            raise KFACValueError(f"{func}: {rule}; got {value}.")
+        value = value[1:-1] if channels_last else value[2:]
+    if len(value) != rank:
+        raise KFACValueError(
+            f"{func}: {name} must have {rank} (spatial) or {rank + 2} (full-rank) {entries}; "
+            f"got {value}."
+        )
+    return value
 
 
 def spatial_ints(func, name, value, rank, channels_last=True):
@@ -154,13 +159,8 @@ def spatial_ints(func, name, value, rank, channels_last=True):
     if _is_int(value):
         value = (value,) * rank
     value = _int_tuple(func, name, value, "an int or a sequence of ints")
-    value = _spatial_part(func, value, rank, channels_last, 1,
+    value = _spatial_part(func, name, value, rank, channels_last, 1,
                           f"{name} in full-rank form must be 1 on the batch and channel axes")
-    if len(value) != rank:
-        raise KFACValueError(
-            f"{func}: {name} must have {rank} (spatial) or {rank + 2} (full-rank) entries; "
-            f"got {value}."
-        )
     if any(v < 1 for v in value):
         raise KFACValueError(f"{func}: {name} must be positive integers; got {value}.")
     return value
@@ -191,13 +191,9 @@ def _padding(func, padding, rank, channels_last):
             raise KFACValueError(f"{func}: padding must be {_PADDING_EXPECTED}; got "
                                  f"{describe(padding)}.")
         pairs.append((int(p[0]), int(p[1])))
-    pairs = _spatial_part(func, pairs, rank, channels_last, (0, 0),
-                          "explicit padding of the batch and channel axes must be (0, 0)")
-    if len(pairs) != rank:
-        raise KFACValueError(
-            f"{func}: padding must have {rank} (spatial) or {rank + 2} (full-rank) (low, high) "
-            f"pairs; got {len(pairs)}."
-        )
+    pairs = _spatial_part(func, "padding", pairs, rank, channels_last, (0, 0),
+                          "explicit padding of the batch and channel axes must be (0, 0)",
+                          "(low, high) pairs")
     if any(v < 0 for q in pairs for v in q):
         raise KFACValueError(f"{func}: padding amounts must be non-negative; got {pairs}.")
     return "EXPLICIT", tuple(pairs)

@@ -248,6 +248,11 @@ class LossFunction(abc.ABC):
     def _sqrt_w(self, weighted):
         return self._sqrt_weight if weighted else 1.0
 
+    @property
+    def _xp(self):
+        """The inputs' namespace, which each constructor sets as ``_ns``."""
+        return self._ns
+
     def _given(self, targets):
         """Validated targets, or the construction-time ones for ``None``."""
         return self.targets if targets is None else targets
@@ -341,11 +346,13 @@ class LossFunction(abc.ABC):
             self._check_dtype(func, name, v)
         return tuple(vector)
 
-    def _check_factor_vector(self, func, vector, inner_shape):
-        self._namespace(func, vector=vector)
-        check_array(func, "vector", vector, shape=tuple(inner_shape))
-        self._check_dtype(func, "vector", vector)
-        return vector
+    def _check_shaped(self, func, name, array, shape, layout=None):
+        """An array of the inputs' namespace and dtype, of the given shape (a factor's inner
+        vector, real-valued targets)."""
+        self._namespace(func, **{name: array})
+        check_array(func, name, array, shape=tuple(shape), layout=layout)
+        self._check_dtype(func, name, array)
+        return array
 
     def _check_dtype(self, func, name, v):
         if v.dtype != self.dtype:
@@ -453,7 +460,28 @@ class LossFunction(abc.ABC):
     def _grad(self, targets=None, coefficient_mode="regular"):
         """:math:`c\\,\\nabla_f\\ell_n` as a tuple (masked), targets as ``_evaluate``."""
 
-    # -- GGN products --------------------------------------------------------------------------
+    # -- GGN products (each public door checks its argument once, then runs the formula) ------
+    def _vp_door(self, method, vector, weighted=True):
+        """``_curvature_vp`` behind the public ``method``'s check of its vector tuple."""
+        return self._curvature_vp(self._check_vector(self._fname(method), vector),
+                                  weighted=weighted)
+
+    def _factor_vp_door(self, method, vector, inner_shape, weighted=True):
+        """``_factor_vp`` behind ``method``'s check of an ``inner_shape`` array."""
+        func = self._fname(method)
+        vector = self._check_shaped(func, "vector", vector, inner_shape)
+        return self._factor_vp(vector, weighted=weighted)
+
+    def _factor_t_vp_door(self, method, vector, weighted=True):
+        """``_factor_t_vp`` behind ``method``'s check of its vector tuple."""
+        return self._factor_t_vp(self._check_vector(self._fname(method), vector),
+                                 weighted=weighted)
+
+    def _column_door(self, method, index, inner_shape, weighted=True):
+        """``_factor_column`` behind ``method``'s check of a one-hot ``index``."""
+        index = self._check_index(self._fname(method), index, inner_shape)
+        return self._factor_column(index, weighted=weighted)
+
     def multiply_ggn(self, vector):
         r"""Per-example GGN product :math:`w\, G_n v_n`.
 
@@ -467,12 +495,11 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        return self._curvature_vp(self._check_vector(self._fname("multiply_ggn"), vector))
+        return self._vp_door("multiply_ggn", vector)
 
     def multiply_ggn_unweighted(self, vector):
         r""":math:`G_n v_n` (``multiply_ggn`` without the weight)."""
-        vector = self._check_vector(self._fname("multiply_ggn_unweighted"), vector)
-        return self._curvature_vp(vector, weighted=False)
+        return self._vp_door("multiply_ggn_unweighted", vector, weighted=False)
 
     def multiply_ggn_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = G_n`.
@@ -487,15 +514,12 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        func = self._fname("multiply_ggn_factor")
-        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self._factor_vp(vector)
+        return self._factor_vp_door("multiply_ggn_factor", vector, self.ggn_factor_inner_shape)
 
     def multiply_ggn_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (``multiply_ggn_factor`` without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_unweighted")
-        vector = self._check_factor_vector(func, vector, self.ggn_factor_inner_shape)
-        return self._factor_vp(vector, weighted=False)
+        return self._factor_vp_door("multiply_ggn_factor_unweighted", vector,
+                                    self.ggn_factor_inner_shape, weighted=False)
 
     def multiply_ggn_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -510,13 +534,12 @@ class LossFunction(abc.ABC):
         array
             Of shape ``ggn_factor_inner_shape`` (a single array, not a tuple).
         """
-        vector = self._check_vector(self._fname("multiply_ggn_factor_transpose"), vector)
-        return self._factor_t_vp(vector)
+        return self._factor_t_vp_door("multiply_ggn_factor_transpose", vector)
 
     def multiply_ggn_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_transpose_unweighted")
-        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
+        return self._factor_t_vp_door("multiply_ggn_factor_transpose_unweighted", vector,
+                                      weighted=False)
 
     def multiply_ggn_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -534,15 +557,13 @@ class LossFunction(abc.ABC):
         tuple of arrays
             Shaped like ``parameter_dependants``.
         """
-        func = self._fname("multiply_ggn_factor_replicated_one_hot")
-        index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self._factor_column(index)
+        return self._column_door("multiply_ggn_factor_replicated_one_hot", index,
+                                 self.ggn_factor_inner_shape)
 
     def multiply_ggn_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_ggn_factor_replicated_one_hot_unweighted")
-        index = self._check_index(func, index, self.ggn_factor_inner_shape)
-        return self._factor_column(index, weighted=False)
+        return self._column_door("multiply_ggn_factor_replicated_one_hot_unweighted", index,
+                                 self.ggn_factor_inner_shape, weighted=False)
 
     def ggn_matrix(self):
         r"""Dense per-example GGN :math:`w\,G_n`, shape ``[N, D, D]`` (see module docstring)."""
@@ -687,13 +708,11 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        vector = self._check_vector(self._fname("multiply_fisher"), vector)
-        return self._curvature_vp(vector)
+        return self._vp_door("multiply_fisher", vector)
 
     def multiply_fisher_unweighted(self, vector):
         r""":math:`F_n v_n` (without the weight)."""
-        vector = self._check_vector(self._fname("multiply_fisher_unweighted"), vector)
-        return self._curvature_vp(vector, weighted=False)
+        return self._vp_door("multiply_fisher_unweighted", vector, weighted=False)
 
     def multiply_fisher_factor(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n u_n` with :math:`B_n B_n^\top = F_n`.
@@ -708,15 +727,13 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        func = self._fname("multiply_fisher_factor")
-        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self._factor_vp(vector)
+        return self._factor_vp_door("multiply_fisher_factor", vector,
+                                    self.fisher_factor_inner_shape)
 
     def multiply_fisher_factor_unweighted(self, vector):
         r""":math:`B_n u_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_unweighted")
-        vector = self._check_factor_vector(func, vector, self.fisher_factor_inner_shape)
-        return self._factor_vp(vector, weighted=False)
+        return self._factor_vp_door("multiply_fisher_factor_unweighted", vector,
+                                    self.fisher_factor_inner_shape, weighted=False)
 
     def multiply_fisher_factor_transpose(self, vector):
         r"""Per-example :math:`\sqrt{w}\, B_n^\top v_n`.
@@ -731,13 +748,12 @@ class NegativeLogProbLoss(LossFunction):
         array
             Of shape ``fisher_factor_inner_shape`` (a single array, not a tuple).
         """
-        vector = self._check_vector(self._fname("multiply_fisher_factor_transpose"), vector)
-        return self._factor_t_vp(vector)
+        return self._factor_t_vp_door("multiply_fisher_factor_transpose", vector)
 
     def multiply_fisher_factor_transpose_unweighted(self, vector):
         r""":math:`B_n^\top v_n` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_transpose_unweighted")
-        return self._factor_t_vp(self._check_vector(func, vector), weighted=False)
+        return self._factor_t_vp_door("multiply_fisher_factor_transpose_unweighted", vector,
+                                      weighted=False)
 
     def multiply_fisher_factor_replicated_one_hot(self, index):
         r"""Per-example :math:`\sqrt{w}\, B_n e_{\text{index}}` (a column of the factor).
@@ -755,15 +771,13 @@ class NegativeLogProbLoss(LossFunction):
         tuple of arrays
             Shaped like ``params``.
         """
-        func = self._fname("multiply_fisher_factor_replicated_one_hot")
-        index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self._factor_column(index)
+        return self._column_door("multiply_fisher_factor_replicated_one_hot", index,
+                                 self.fisher_factor_inner_shape)
 
     def multiply_fisher_factor_replicated_one_hot_unweighted(self, index):
         r""":math:`B_n e_{\text{index}}` (without :math:`\sqrt w`)."""
-        func = self._fname("multiply_fisher_factor_replicated_one_hot_unweighted")
-        index = self._check_index(func, index, self.fisher_factor_inner_shape)
-        return self._factor_column(index, weighted=False)
+        return self._column_door("multiply_fisher_factor_replicated_one_hot_unweighted", index,
+                                 self.fisher_factor_inner_shape, weighted=False)
 
     def fisher_matrix(self):
         r"""Dense per-example Fisher :math:`w\,F_n`, shape ``[N, D, D]``."""
@@ -818,6 +832,11 @@ class NaturalParamsNegativeLogProbLoss(NegativeLogProbLoss):
     """
 
     _hessian_uses_targets = False
+
+    @property
+    def fisher_factor_inner_shape(self) -> tuple:
+        """The shape of ``params[0]``: in natural parameters :math:`B_n` is square."""
+        return tuple(self.params[0].shape)
 
     def _hessian_matrix(self, targets=None):
         return self._curvature_matrix()
@@ -946,19 +965,11 @@ class CategoricalLogitsNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def parameter_independants(self) -> tuple:
         return (self._targets, self._mask_in, self._weight)
 
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._logits.shape)
-
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, mask=self._mask_in,
                           weight=self._weight)
 
     # -- formulas -------------------------------------------------------------------------
-    @property
-    def _xp(self):
-        return self._ns
-
     def _log_probs(self):
         return _log_softmax(self._xp, self._logits)
 
@@ -1200,16 +1211,8 @@ class MultiBernoulliNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def parameter_independants(self) -> tuple:
         return (self._targets, self._weight)
 
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._logits.shape)
-
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, weight=self._weight)
-
-    @property
-    def _xp(self):
-        return self._ns
 
     def _log_variance(self):
         xp = self._xp
@@ -1323,11 +1326,7 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        self._namespace(func, targets=targets)
-        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
-                    layout="like mean")
-        self._check_dtype(func, "targets", targets)
-        return targets
+        return self._check_shaped(func, "targets", targets, self._mean.shape, "like mean")
 
     @property
     def mean(self):
@@ -1356,17 +1355,9 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
     def parameter_independants(self) -> tuple:
         return (self._targets, self._variance, self._weight, self._normalize)
 
-    @property
-    def fisher_factor_inner_shape(self) -> tuple:
-        return tuple(self._mean.shape)
-
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], targets=self._targets, variance=self._variance,
                           weight=self._weight, normalize_log_prob=self._normalize)
-
-    @property
-    def _xp(self):
-        return self._ns
 
     def _evaluate(self, targets=None, coefficient_mode="regular"):
         xp = self._xp
@@ -1497,11 +1488,8 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
         self._targets = None if targets is None else self._check_targets(func, targets)
 
     def _check_targets(self, func, targets):
-        self._namespace(func, targets=targets)
-        check_array(func, "targets", targets, shape=tuple(self._mean.shape),
-                    layout="[N, d] like mean")
-        self._check_dtype(func, "targets", targets)
-        return targets
+        return self._check_shaped(func, "targets", targets, self._mean.shape,
+                                  "[N, d] like mean")
 
     @property
     def mean(self):
@@ -1532,10 +1520,6 @@ class NormalMeanVarianceNegativeLogProbLoss(NegativeLogProbLoss):
 
     def _with_inputs(self, inputs):
         return type(self)(inputs[0], inputs[1], targets=self._targets, weight=self._weight)
-
-    @property
-    def _xp(self):
-        return self._ns
 
     def _factor_diagonals(self, weighted):
         """Diagonals :math:`\\sqrt w/\\sqrt v`, :math:`\\sqrt w/(\\sqrt2\\,v)` of :math:`B`."""
@@ -1747,10 +1731,6 @@ class CustomLoss(LossFunction):
         return type(self)(inputs[0], targets=self._targets, **self._constructor_kwargs())
 
     # -- formulas -------------------------------------------------------------------------
-    @property
-    def _xp(self):
-        return self._ns
-
     def _evaluate(self, targets=None, coefficient_mode="regular"):
         func = self._fname("evaluate")
         n = self._outputs.shape[0]

@@ -73,6 +73,7 @@ def _check_factor(func, name, f, eigenvalues):
 
 def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
                      threshold, *, eigenvalues=True):
+    """The validated arguments, in the order the ``kron_*_kernel`` functions take them."""
     xp = namespace_of(func, a=a, g=g)
     _check_factor(func, "a", a, eigenvalues)
     _check_factor(func, "g", g, eigenvalues)
@@ -87,7 +88,7 @@ def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_f
                 check_namespace_has(func, name, f, "linalg.eigvalsh",
                                     "the largest eigenvalue of the 2_norm of the π split")
     threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold)
-    return xp, damping, scale, exact, threshold
+    return xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback, threshold
 
 
 # --------------------------------------------------------------------------------------
@@ -232,12 +233,9 @@ def kron_eigenvalues(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg
     -------
     array [p q]
     """
-    func = "kron_eigenvalues"
-    xp, damping, scale, exact, c = _check_kron_args(
-        func, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
-        eigenvalue_clipping_threshold)
-    return kron_eigenvalues_kernel(xp, a, g, damping, scale, exact, norm_type,
-                                   zero_factor_fallback, c)
+    args = _check_kron_args("kron_eigenvalues", a, g, damping, scale, exact, norm_type,
+                            zero_factor_fallback, eigenvalue_clipping_threshold)
+    return kron_eigenvalues_kernel(*args)
 
 
 @capabilities(dask="yes")
@@ -257,33 +255,16 @@ def kron_trace(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag"
 
     Parameters
     ----------
-    a : array [p, p] or [p]
-        Input-side factor :math:`A` (symmetric PSD; a 1-D array is a diagonal factor).
-    g : array [q, q] or [q]
-        Output-side factor :math:`G`.
-    damping : float
-        :math:`\lambda \ge 0`.
-    scale : float
-        :math:`s > 0` (:math:`|T|` for KFC).
-    exact : bool
-        Exact damping :math:`sA\otimes G + \lambda I` (default) or factored π damping
-        :math:`s(A + \delta_A I)\otimes(G + \delta_G I)`, :math:`\delta_A = \pi\sqrt{\lambda/s}`,
-        :math:`\delta_G = \sqrt{\lambda/s}/\pi`, as
-        :func:`kfac_ref.blocks.kronecker_block_matpower`.
-    norm_type : {"avg_diag", "avg_fro", "2_norm", "1_norm", "off"}
-        Norm for π (factored damping only; ``"off"``: π = 1).
-    zero_factor_fallback : {"pi_one", "identity"}
-        Factored damping when a factor is zero: TF's π = 1 or kfac-jax's :math:`\lambda I`.
+    a, g, damping, scale, exact, norm_type, zero_factor_fallback
+        As :func:`kron_eigenvalues`.
 
     Returns
     -------
     array []
     """
-    func = "kron_trace"
-    xp, damping, scale, exact, _ = _check_kron_args(
-        func, a, g, damping, scale, exact, norm_type, zero_factor_fallback, 0.0,
-        eigenvalues=False)
-    return kron_trace_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback)
+    *args, _ = _check_kron_args("kron_trace", a, g, damping, scale, exact, norm_type,
+                                zero_factor_fallback, 0.0, eigenvalues=False)
+    return kron_trace_kernel(*args)  # no clipping threshold: no eigenvalues
 
 
 @capabilities(dask=DASK_NO_EIGH)
@@ -306,36 +287,16 @@ def kron_slogdet(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_dia
 
     Parameters
     ----------
-    a : array [p, p] or [p]
-        Input-side factor :math:`A` (symmetric PSD; a 1-D array is a diagonal factor).
-    g : array [q, q] or [q]
-        Output-side factor :math:`G`.
-    damping : float
-        :math:`\lambda \ge 0`.
-    scale : float
-        :math:`s > 0` (:math:`|T|` for KFC).
-    exact : bool
-        Exact damping :math:`sA\otimes G + \lambda I` (default) or factored π damping
-        :math:`s(A + \delta_A I)\otimes(G + \delta_G I)`, :math:`\delta_A = \pi\sqrt{\lambda/s}`,
-        :math:`\delta_G = \sqrt{\lambda/s}/\pi`, as
-        :func:`kfac_ref.blocks.kronecker_block_matpower`.
-    norm_type : {"avg_diag", "avg_fro", "2_norm", "1_norm", "off"}
-        Norm for π (factored damping only; ``"off"``: π = 1).
-    zero_factor_fallback : {"pi_one", "identity"}
-        Factored damping when a factor is zero: TF's π = 1 or kfac-jax's :math:`\lambda I`.
-    eigenvalue_clipping_threshold : float
-        The factors' eigenvalues are clipped below at this value (:func:`kfac_ref.clipped_eigh`).
+    a, g, damping, scale, exact, norm_type, zero_factor_fallback, eigenvalue_clipping_threshold
+        As :func:`kron_eigenvalues`.
 
     Returns
     -------
     (sign, logabsdet) : (array [], array [])
     """
-    func = "kron_slogdet"
-    xp, damping, scale, exact, c = _check_kron_args(
-        func, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
-        eigenvalue_clipping_threshold)
-    return kron_slogdet_kernel(xp, a, g, damping, scale, exact, norm_type,
-                               zero_factor_fallback, c)
+    args = _check_kron_args("kron_slogdet", a, g, damping, scale, exact, norm_type,
+                            zero_factor_fallback, eigenvalue_clipping_threshold)
+    return kron_slogdet_kernel(*args)
 
 
 # --------------------------------------------------------------------------------------

@@ -427,6 +427,17 @@ def rng():
 
 
 # -- host-side helpers for building well-conditioned test data ------------------------
+def ar1_series(rng, steps, batch, n, rho=0.5):
+    """``[steps, batch, n]`` rows of an AR(1) process, ``x_t = x_{t-1} M + noise`` with a
+    random mixing matrix of scale ``rho`` (data for the series blocks' C1 statistics)."""
+    x = np.empty((steps, batch, n))
+    mix = rng.standard_normal((n, n)) / np.sqrt(n) * rho
+    x[0] = rng.standard_normal((batch, n))
+    for t in range(1, steps):
+        x[t] = x[t - 1] @ mix + rng.standard_normal((batch, n))
+    return x
+
+
 def random_spd(rng, n, low=0.1, high=10.0):
     """Symmetric positive definite ``n × n`` matrix with eigenvalues in [low, high]
     (condition number <= high/low)."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
 from scipy.special import expit, log_expit, log_softmax, softmax
 
 from kfac_ref import losses as L
@@ -85,6 +86,17 @@ def make_case(xp, name, rng, n=3, weight=WEIGHT):
 
 
 # -- oracles (float64 NumPy, per example, unweighted) ---------------------------------------
+def case_fixture():
+    """The ``case`` fixture of the loss test modules (``case = case_fixture()``): each loss
+    of ``CASES`` built on the test's backend."""
+
+    @pytest.fixture(params=CASES)
+    def case(request, xp, rng):
+        return make_case(xp, request.param, rng)
+
+    return case
+
+
 def oracle_fisher(case):
     """Dense per-example Fisher [N, D, D] from the textbook formulas (unweighted, masked)."""
     if case.name in ("categorical", "categorical_masked", "onehot"):

@@ -8,20 +8,7 @@ from conftest import assert_allclose_normwise, random_spd
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kfac_ref import KFACTypeError, KFACValueError, kron_damped_matpower_matvec
-from kfac_ref.blocks import (
-    block_tridiagonal_multiply_inverse,
-    diagonal_block_matpower,
-    full_block_matpower,
-    kronecker_block_eigenvalues,
-    kronecker_block_matpower,
-    kronecker_difference_inverse,
-    normalize_damping,
-    scaled_identity_matpower,
-    series_gamma,
-    series_option1_multiply_inverse,
-    series_option2_multiply_inverse,
-)
+from kfac_ref import KFACTypeError, KFACValueError, blocks, kron_damped_matpower_matvec
 
 POWERS = [-1.0, -0.5, 0.5, 1.0, 2.0]
 
@@ -61,8 +48,8 @@ def test_kronecker_block_matpower_vs_dense(xp, rng, power, damping, exact, diag)
         g = rng.uniform(0.5, 2.0, q)
     x = rng.standard_normal((p, q))
     ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
-    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power, damping,
-                                   scale=scale, exact=exact)
+    got = blocks.kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power,
+                                          damping, scale=scale, exact=exact)
     if exact:
         dense = scale * np.kron(as_mat(ah), as_mat(gh)) + damping * np.eye(p * q)
     else:
@@ -79,7 +66,7 @@ def test_kronecker_matches_linalg_primitive(xp, rng, power, method):
     a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 4, 0.5, 2.0)
     x = rng.standard_normal((3, 4))
     A, G, X = xp.asarray(a), xp.asarray(g), xp.asarray(x)
-    got = kronecker_block_matpower(A, G, X, power, 0.2, exact=method == "exact")
+    got = blocks.kronecker_block_matpower(A, G, X, power, 0.2, exact=method == "exact")
     ref = kron_damped_matpower_matvec(A, G, X, power, 0.2, damping_method=method)
     xp.assert_close(got, xp.to_numpy(ref))
 
@@ -90,8 +77,8 @@ def test_conv_scale_bookkeeping(xp, rng):
     a, g = random_spd(rng, 5, 0.5, 2.0), random_spd(rng, 2, 0.5, 2.0)
     x = rng.standard_normal((5, 2))
     ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
-    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), 1.0, lam,
-                                   scale=T, exact=False)
+    got = blocks.kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), 1.0, lam,
+                                          scale=T, exact=False)
     pi = np.sqrt((np.trace(ah) / 5) / (np.trace(gh) / 2))
     d = np.sqrt(lam / T)
     expected = T * (ah + pi * d * np.eye(5)) @ xh @ (gh + d / pi * np.eye(2))
@@ -106,8 +93,8 @@ def test_kronecker_norm_types(xp, rng, norm_type):
     a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 2, 0.5, 4.0)
     x = rng.standard_normal((3, 2))
     ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
-    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), -1.0, 0.5,
-                                   norm_type=norm_type)
+    got = blocks.kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), -1.0, 0.5,
+                                          norm_type=norm_type)
     norms = {
         "avg_fro": lambda m: np.linalg.norm(m, "fro") / np.sqrt(m.shape[0]),
         "2_norm": lambda m: np.max(np.linalg.eigvalsh(m)),
@@ -128,15 +115,15 @@ def test_zero_factor_fallbacks(xp, rng):
     A, G, X = xp.asarray(a), xp.asarray(g), xp.asarray(x)
     lam = 0.25
     # TF: π = 1, factors damped with √λ each: (A + √λ)⁻¹ X (√λ I)⁻¹
-    got = kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="pi_one")
+    got = blocks.kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="pi_one")
     xp.assert_close(got, np.linalg.solve(ah + 0.5 * np.eye(3), xh) / 0.5)
     # kfac-jax: the damped block is λ I
-    got = kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="identity")
+    got = blocks.kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="identity")
     xp.assert_close(got, xh / lam)
     with pytest.raises(KFACValueError, match="zero_factor_fallback"):
-        kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="nope")
+        blocks.kronecker_block_matpower(A, G, X, -1.0, lam, zero_factor_fallback="nope")
     with pytest.raises(KFACValueError, match="singular"):
-        kronecker_block_matpower(A, G, X, -1.0, 0.0, zero_factor_fallback="identity")
+        blocks.kronecker_block_matpower(A, G, X, -1.0, 0.0, zero_factor_fallback="identity")
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -150,8 +137,8 @@ def test_kronecker_clipping_threshold_reaches_diagonal_factors(xp, rng, exact, p
     g = random_spd(rng, 3, 0.5, 2.0)  # eigenvalues above c: unchanged by clipping
     x = rng.standard_normal((4, 3))
     ah, gh, xh = xp.round_host(a), xp.round_host(g), xp.round_host(x)
-    got = kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power, lam,
-                                   scale=scale, exact=exact, eigenvalue_clipping_threshold=c)
+    got = blocks.kronecker_block_matpower(xp.asarray(a), xp.asarray(g), xp.asarray(x), power, lam,
+                                          scale=scale, exact=exact, eigenvalue_clipping_threshold=c)
     a_clip = np.diag(np.maximum(ah, c))
     if exact:
         dense = scale * np.kron(a_clip, gh) + lam * np.eye(12)
@@ -163,7 +150,7 @@ def test_kronecker_clipping_threshold_reaches_diagonal_factors(xp, rng, exact, p
 
 def test_kronecker_eigenvalues(xp, rng):
     a, g = random_spd(rng, 3, 0.5, 2.0), random_spd(rng, 4, 0.5, 2.0)
-    ev = kronecker_block_eigenvalues(xp.asarray(a), xp.asarray(g), scale=3.0)
+    ev = blocks.kronecker_block_eigenvalues(xp.asarray(a), xp.asarray(g), scale=3.0)
     dense = 3.0 * np.kron(xp.round_host(a), xp.round_host(g))
     xp.check(ev)
     assert_allclose_normwise(np.sort(xp.to_numpy(ev)), np.linalg.eigvalsh(dense), xp.rtol)
@@ -172,19 +159,19 @@ def test_kronecker_eigenvalues(xp, rng):
 def test_kronecker_bad_inputs(xp, rng):
     a, g = xp.asarray(random_spd(rng, 3)), xp.asarray(random_spd(rng, 2))
     with pytest.raises(KFACValueError, match=r"x must be an array of shape \(3, 2\)"):
-        kronecker_block_matpower(a, g, xp.asarray(np.ones((2, 3))), 1.0)
+        blocks.kronecker_block_matpower(a, g, xp.asarray(np.ones((2, 3))), 1.0)
     with pytest.raises(KFACValueError, match="norm_type must be one of"):
-        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, norm_type="trace")
+        blocks.kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, norm_type="trace")
     with pytest.raises(KFACValueError, match="damping must be non-negative"):
-        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, -1.0)
+        blocks.kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), 1.0, -1.0)
     with pytest.raises(KFACValueError, match="symmetric"):
-        kronecker_block_matpower(xp.asarray(np.triu(np.ones((3, 3)))), g,
-                                 xp.asarray(np.ones((3, 2))), 1.0)
+        blocks.kronecker_block_matpower(xp.asarray(np.triu(np.ones((3, 3)))), g,
+                                        xp.asarray(np.ones((3, 2))), 1.0)
     with pytest.raises(KFACValueError, match="positive definite"):
-        kronecker_block_matpower(xp.asarray(np.zeros((3, 3))), g, xp.asarray(np.ones((3, 2))),
-                                 -1.0, exact=True)
+        blocks.kronecker_block_matpower(xp.asarray(np.zeros((3, 3))), g,
+                                        xp.asarray(np.ones((3, 2))), -1.0, exact=True)
     with pytest.raises(KFACTypeError, match="power must be a real number"):
-        kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), "1")
+        blocks.kronecker_block_matpower(a, g, xp.asarray(np.ones((3, 2))), "1")
 
 
 @pytest.mark.parametrize("power", POWERS)
@@ -193,37 +180,38 @@ def test_diagonal_and_full_and_identity(xp, rng, power, damping):
     d = rng.uniform(0.5, 2.0, (3, 2))
     x = rng.standard_normal((3, 2))
     dh, xh = xp.round_host(d), xp.round_host(x)
-    got = diagonal_block_matpower(xp.asarray(d), xp.asarray(x), power, damping, scale=2.0)
+    got = blocks.diagonal_block_matpower(xp.asarray(d), xp.asarray(x), power, damping, scale=2.0)
     dense = np.diag(2.0 * dh.reshape(-1) + damping)
     xp.assert_close(got, (dense_power(dense, power) @ xh.reshape(-1)).reshape(3, 2))
 
     m = random_spd(rng, 5, 0.5, 2.0)
     v = rng.standard_normal(5)
     mh, vh = xp.round_host(m), xp.round_host(v)
-    got = full_block_matpower(xp.asarray(m), xp.asarray(v), power, damping, scale=1.5)
+    got = blocks.full_block_matpower(xp.asarray(m), xp.asarray(v), power, damping, scale=1.5)
     xp.assert_close(got, dense_power(1.5 * mh + damping * np.eye(5), power) @ vh)
 
-    got = scaled_identity_matpower(xp.asarray(v), power, damping, scale=1.5)
+    got = blocks.scaled_identity_matpower(xp.asarray(v), power, damping, scale=1.5)
     xp.assert_close(got, (1.5 + damping) ** power * vh)
 
 
 def test_diagonal_full_bad_inputs(xp, rng):
     with pytest.raises(KFACValueError, match="x must be an array of shape"):
-        diagonal_block_matpower(xp.asarray(np.ones((3, 2))), xp.asarray(np.ones(6)), 1.0)
+        blocks.diagonal_block_matpower(xp.asarray(np.ones((3, 2))), xp.asarray(np.ones(6)), 1.0)
     with pytest.raises(KFACValueError, match="positive definite"):
-        diagonal_block_matpower(xp.asarray(np.zeros((3, 2))), xp.asarray(np.ones((3, 2))), -1.0)
+        blocks.diagonal_block_matpower(xp.asarray(np.zeros((3, 2))),
+                                       xp.asarray(np.ones((3, 2))), -1.0)
     with pytest.raises(KFACValueError, match=r"x must be an array of shape \(4\)"):
-        full_block_matpower(xp.asarray(np.eye(4)), xp.asarray(np.ones(3)), 1.0)
+        blocks.full_block_matpower(xp.asarray(np.eye(4)), xp.asarray(np.ones(3)), 1.0)
     with pytest.raises(KFACValueError, match="positive"):
-        scaled_identity_matpower(xp.asarray(np.ones(3)), -1.0, 0.0, scale=0.0)
+        blocks.scaled_identity_matpower(xp.asarray(np.ones(3)), -1.0, 0.0, scale=0.0)
 
 
 def test_normalize_damping():
-    assert normalize_damping(0.6, 3) == pytest.approx(0.2)
-    assert normalize_damping(0.6, 4, 0.5) == pytest.approx(0.3)
-    assert normalize_damping(0.6, 4, 0.0) == 0.6
+    assert blocks.normalize_damping(0.6, 3) == pytest.approx(0.2)
+    assert blocks.normalize_damping(0.6, 4, 0.5) == pytest.approx(0.3)
+    assert blocks.normalize_damping(0.6, 4, 0.0) == 0.6
     with pytest.raises(KFACValueError, match="num_replications must be positive"):
-        normalize_damping(0.6, 0)
+        blocks.normalize_damping(0.6, 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -257,7 +245,7 @@ def test_series_gamma(xp):
     x = np.array([0.0, 0.3, -0.7, 1.0, 0.999])
     T = 4
     expected = 1.0 / np.array([T + 2 * sum((T - d) * v**d for d in range(1, T)) for v in x])
-    xp.assert_close(series_gamma(xp.asarray(x), T), expected, rtol=max(xp.rtol, 1e-9))
+    xp.assert_close(blocks.series_gamma(xp.asarray(x), T), expected, rtol=max(xp.rtol, 1e-9))
 
 
 @pytest.mark.parametrize("delta", [0.0, 0.1])
@@ -271,8 +259,8 @@ def test_series_option1_vs_dense(xp, rng, delta):
         quants.append((r @ u, psi, c0d, c1s))
     (l_a, psi_a, a0d, a1s), (l_g, psi_g, g0d, g1s) = quants
     x = rng.standard_normal((p, q))
-    got = series_option1_multiply_inverse(*(xp.asarray(v) for v in (l_a, psi_a, l_g, psi_g)), T,
-                                          xp.asarray(x))
+    got = blocks.series_option1_multiply_inverse(
+        *(xp.asarray(v) for v in (l_a, psi_a, l_g, psi_g)), T, xp.asarray(x))
     # Dense F_T = T V0 + Σ_d (T−d)(Ψ^d V0 + V0 Ψ^{dT}), Ψ = V1 V0⁻¹ (Martens, Ba & Johnson 2018).
     v0, v1 = np.kron(a0d, g0d), np.kron(a1s, g1s)
     psi = v1 @ np.linalg.inv(v0)
@@ -297,7 +285,7 @@ def test_series_option2_vs_dense(xp, rng, delta):
         quants.append((c1.T @ np.linalg.inv(c0d), r @ e, mu, c0d))
     (p_a, k_a, mu_a, a0d), (p_g, k_g, mu_g, g0d) = quants
     x = rng.standard_normal((p, q))
-    got = series_option2_multiply_inverse(
+    got = blocks.series_option2_multiply_inverse(
         *(xp.asarray(v) for v in (p_a, k_a, mu_a, p_g, k_g, mu_g)), T, xp.asarray(x))
     # Dense F_∞ = T (I−P)⁻¹ (V0 − P V0 Pᵀ) (I−Pᵀ)⁻¹ with P = P_A ⊗ P_G (Martens, Ba & Johnson 2018).
     v0, pk = np.kron(a0d, g0d), np.kron(p_a, p_g)
@@ -316,9 +304,9 @@ def test_series_option2_zero_denominator_replaced_by_one(xp):
     mu_a, mu_g = np.array([1.0, 0.5]), np.array([1.0, 0.25, 0.5])
     x = np.arange(1.0, 7.0).reshape(2, 3)
     zero2, zero3 = xp.asarray(np.zeros((2, 2))), xp.asarray(np.zeros((3, 3)))
-    got = series_option2_multiply_inverse(zero2, xp.asarray(np.eye(2)), xp.asarray(mu_a),
-                                          zero3, xp.asarray(np.eye(3)), xp.asarray(mu_g), T,
-                                          xp.asarray(x))
+    got = blocks.series_option2_multiply_inverse(zero2, xp.asarray(np.eye(2)), xp.asarray(mu_a),
+                                                 zero3, xp.asarray(np.eye(3)), xp.asarray(mu_g), T,
+                                                 xp.asarray(x))
     denom = 1.0 - np.outer(mu_a, mu_g)
     denom[0, 0] = 1.0
     xp.assert_close(got, x / denom / T)
@@ -328,12 +316,12 @@ def test_series_bad_inputs(xp):
     e = xp.asarray(np.eye(3))
     v = xp.asarray(np.ones(3))
     with pytest.raises(KFACValueError, match=r"x must be an array of shape \(3, 3\)"):
-        series_option1_multiply_inverse(e, v, e, v, 4, xp.asarray(np.ones((3, 2))))
+        blocks.series_option1_multiply_inverse(e, v, e, v, 4, xp.asarray(np.ones((3, 2))))
     with pytest.raises(KFACValueError, match="psi_g must be an array of shape"):
-        series_option1_multiply_inverse(e, v, e, xp.asarray(np.ones(2)), 4,
-                                        xp.asarray(np.ones((3, 3))))
+        blocks.series_option1_multiply_inverse(e, v, e, xp.asarray(np.ones(2)), 4,
+                                               xp.asarray(np.ones((3, 3))))
     with pytest.raises(KFACValueError, match="num_timesteps must be"):
-        series_option2_multiply_inverse(e, e, v, e, e, v, 0, xp.asarray(np.ones((3, 3))))
+        blocks.series_option2_multiply_inverse(e, e, v, e, e, v, 0, xp.asarray(np.ones((3, 3))))
 
 
 # --------------------------------------------------------------------------------------
@@ -349,9 +337,9 @@ def test_power_composition_property(xp, seed, p, q, exact, lam, scale):
     x = r.standard_normal((3, 2))
     A, G = xp.asarray(a), xp.asarray(g)
     kw = dict(scale=scale, exact=exact)
-    inner = kronecker_block_matpower(A, G, xp.asarray(x), q, lam, **kw)
-    both = kronecker_block_matpower(A, G, inner, p, lam, **kw)
-    direct = kronecker_block_matpower(A, G, xp.asarray(x), p + q, lam, **kw)
+    inner = blocks.kronecker_block_matpower(A, G, xp.asarray(x), q, lam, **kw)
+    both = blocks.kronecker_block_matpower(A, G, inner, p, lam, **kw)
+    direct = blocks.kronecker_block_matpower(A, G, xp.asarray(x), p + q, lam, **kw)
     # both sides are products of at most two well-conditioned (κ <= 4·(2+λ)/λ·…) powers; the
     # fixture's rtol (4096 eps) covers it.
     xp.assert_close(both, xp.to_numpy(direct))
@@ -378,8 +366,8 @@ def test_block_tridiagonal_inverse_vs_dense(xp, rng, damping):
     xs = [rng.standard_normal((a.shape[0], g.shape[0]))
           for a, g in zip(a_diag, g_diag, strict=True)]
     to = lambda seq: [xp.asarray(v) for v in seq]  # noqa: E731
-    got = block_tridiagonal_multiply_inverse(to(a_diag), to(g_diag), to(a_off), to(g_off),
-                                             to(xs), damping)
+    got = blocks.block_tridiagonal_multiply_inverse(to(a_diag), to(g_diag), to(a_off), to(g_off),
+                                                    to(xs), damping)
     r = xp.round_host
     A, G = [], []
     for a, g in zip(a_diag, g_diag, strict=True):
@@ -429,14 +417,14 @@ def test_kronecker_difference_inverse_and_errors(xp, rng):
     c, d = random_spd(rng, 3, 0.1, 0.5), random_spd(rng, 2, 0.1, 0.5)
     x = rng.standard_normal((3, 2))
     r = xp.round_host
-    got = kronecker_difference_inverse(*(xp.asarray(m) for m in (a, b, c, d, x)))
+    got = blocks.kronecker_difference_inverse(*(xp.asarray(m) for m in (a, b, c, d, x)))
     dense = np.kron(r(a), r(b)) - np.kron(r(c), r(d))
     xp.assert_close(got, np.linalg.solve(dense, r(x).reshape(-1)).reshape(3, 2))
     with pytest.raises(KFACValueError, match="positive definite"):
-        kronecker_difference_inverse(*(xp.asarray(m) for m in (c, d, a, b, x)))
+        blocks.kronecker_difference_inverse(*(xp.asarray(m) for m in (c, d, a, b, x)))
     with pytest.raises(KFACValueError, match="one entry per layer"):
-        block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)],
-                                           [xp.asarray(a)], [], [xp.asarray(x)])
+        blocks.block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)],
+                                                  [xp.asarray(a)], [], [xp.asarray(x)])
     with pytest.raises(KFACValueError, match=r"xs\[0\] must be an array of shape \(3, 2\)"):
-        block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)], [], [],
-                                           [xp.asarray(x.T)])
+        blocks.block_tridiagonal_multiply_inverse([xp.asarray(a)], [xp.asarray(b)], [], [],
+                                                  [xp.asarray(x.T)])

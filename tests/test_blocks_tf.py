@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import assert_allclose_normwise, random_spd
+from conftest import ar1_series, assert_allclose_normwise, random_spd
 
 from kfac_ref import KFACTypeError, KFACValueError, blocks
 from kfac_ref.blocks import tf as T
@@ -202,22 +202,13 @@ def test_from_data_constructors(xp, rng):
                     np.kron(np.diag([2, 0, 2, 1]) / 5, geh.T @ geh / 5))
 
 
-def _series_data(rng, steps, batch, n, rho=0.5):
-    x = np.empty((steps, batch, n))
-    mix = rng.standard_normal((n, n)) / np.sqrt(n) * rho
-    x[0] = rng.standard_normal((batch, n))
-    for t in range(1, steps):
-        x[t] = x[t - 1] @ mix + rng.standard_normal((batch, n))
-    return x
-
-
 @pytest.mark.parametrize("option", [1, 2])
 def test_series_block_vs_dense_system(xp, rng, option):
     """FullyConnectedSeriesFB against F_T (option 1, signed eigenvalues) and F_∞ (option 2)
     built densely from the damped statistics (Martens, Ba & Johnson 2018)."""
     steps, batch, lam = 5, 30, 0.2
-    xa = _series_data(rng, steps, batch, 2)
-    xg = _series_data(rng, steps, batch, 2)
+    xa = ar1_series(rng, steps, batch, 2)
+    xg = ar1_series(rng, steps, batch, 2)
     stats = []
     for x, bias in ((xa, True), (xg, False)):
         f = x.reshape(steps * batch, -1)
@@ -263,8 +254,8 @@ def test_series_block_from_factor_objects(xp, rng):
     from kfac_ref.factors import FullyConnectedMultiKF
 
     steps, batch = 4, 8
-    xa = xp.asarray(_series_data(rng, steps, batch, 2))
-    xg = xp.asarray(_series_data(rng, steps, batch, 2))
+    xa = xp.asarray(ar1_series(rng, steps, batch, 2))
+    xg = xp.asarray(ar1_series(rng, steps, batch, 2))
     fa = FullyConnectedMultiKF(steps, has_bias=True).register_cov_dt1()
     fg = FullyConnectedMultiKF(steps).register_cov_dt1()
     fa = fa.update_cov(xa, ema_decay=0.0)

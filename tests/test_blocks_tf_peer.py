@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ar1_series
 
 tf = pytest.importorskip("tensorflow")
 kfac = pytest.importorskip("kfac")
@@ -340,17 +341,8 @@ def case_scale_shift_diag(rng):
     return _case_scale_shift(rng, tfb.ScaleAndShiftDiagonalFB, T.ScaleAndShiftDiagonalFB)
 
 
-def _series_rows(rng, n, rho=0.5):
-    x = np.empty((T_USES, N, n))
-    mix = rng.standard_normal((n, n)) / np.sqrt(n) * rho
-    x[0] = rng.standard_normal((N, n))
-    for t in range(1, T_USES):
-        x[t] = x[t - 1] @ mix + rng.standard_normal((N, n))
-    return x
-
-
 def _case_series(rng, option):
-    x, g = _series_rows(rng, 3), _series_rows(rng, 2)
+    x, g = ar1_series(rng, T_USES, N, 3), ar1_series(rng, T_USES, N, 2)
     xf, gf = x.reshape(-1, 3), g.reshape(-1, 2)
 
     def build(lc, lam):

@@ -249,17 +249,6 @@ def test_conv_input_factor_validates_before_drawing(xp, rng):
         assert r.bit_generator.state == state, match
 
 
-def test_conv_formulas_report_bad_options_under_their_own_name(xp, rng):
-    x = xp.asarray(rng.standard_normal((2, 5, 5, 3)))
-    g = xp.asarray(rng.standard_normal((2, 5, 5, 4)))
-    with pytest.raises(KFACValueError, match="conv_patch_matrix: padding must be"):
-        F.conv_patch_matrix(x, (3, 3, 3, 4), "FULL")
-    with pytest.raises(KFACValueError, match="conv_diagonal_factor: dilations must be positive"):
-        F.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME", dilations=0)
-    with pytest.raises(KFACTypeError, match="conv_diagonal_factor: has_bias must be a bool"):
-        F.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME", has_bias="no")
-
-
 def test_conv_classes_validate_options_at_construction():
     with pytest.raises(KFACValueError, match="padding must be"):
         F.ConvInputKroneckerFactor((3, 3, 3, 4), "FULL")
@@ -299,6 +288,13 @@ def test_conv_factor_errors(xp, rng):
         F.conv_input_kronecker_factor(x, (3, 3, 3, 4), "REFLECT")
     with pytest.raises(KFACValueError, match="strides must be positive"):
         F.conv_input_kronecker_factor(x, (3, 3, 3, 4), "SAME", strides=(1, -2))
+    # each formula reports a bad option under its own name
+    with pytest.raises(KFACValueError, match="conv_patch_matrix: padding must be"):
+        F.conv_patch_matrix(x, (3, 3, 3, 4), "FULL")
+    with pytest.raises(KFACValueError, match="conv_diagonal_factor: dilations must be positive"):
+        F.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME", dilations=0)
+    with pytest.raises(KFACTypeError, match="conv_diagonal_factor: has_bias must be a bool"):
+        F.conv_diagonal_factor(x, g, (3, 3, 3, 4), 1, "SAME", has_bias="no")
     with pytest.raises(KFACValueError, match="describes 4-D arrays"):
         F.conv_input_kronecker_factor(xp.asarray(rng.standard_normal((2, 5, 3))),
                                       (3, 3, 4), "SAME")

@@ -147,6 +147,15 @@ def kfac_exact_factors(net, loss, params, batch):
     return [tuple(s.value for s in bs.factors) for bs in st.blocks_states]
 
 
+def kfra_and_kfac(xp, rng, act, loss, n):
+    """An MLP with activation ``act``, one random batch of ``n`` examples, and its KFRA
+    factors next to K-FAC's exact-mode factors."""
+    net = mlp(act)
+    params, batch, _, _ = make_data(xp, rng, net, loss, n)
+    kfra = C.kfra_factors(net, loss, params, batch)
+    return net, params, batch, kfra, kfac_exact_factors(net, loss, params, batch)
+
+
 def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
@@ -170,10 +179,7 @@ def test_against_the_per_example_loops(xp, rng, name, loss):
 
 def test_the_recursion_is_not_the_per_example_average(xp, rng):
     # negative control for the oracle: a per-example recursion (K-FAC's exact G) differs
-    net = mlp("tanh")
-    params, batch, host_p, host_x = make_data(xp, rng, net, ce, 6)
-    got = C.kfra_factors(net, ce, params, batch)
-    kfac = kfac_exact_factors(net, ce, params, batch)
+    _, _, _, got, kfac = kfra_and_kfac(xp, rng, "tanh", ce, 6)
     assert rel_err(xp.to_numpy(got[0][1]), xp.to_numpy(kfac[0][1])) > 1e-3
     assert rel_err(xp.to_numpy(got[1][1]), xp.to_numpy(kfac[1][1])) > 1e-3
 
@@ -182,10 +188,7 @@ def test_the_recursion_is_not_the_per_example_average(xp, rng):
 @pytest.mark.parametrize("loss", [ce, sq], ids=["ce", "sq"])
 def test_last_layer_and_input_factors_equal_kfac_exact_mode(xp, rng, loss):
     # G̃_L = (1/N) Σ H_n = K-FAC's exact-mode G of the last layer, for any N; A_l is K-FAC's
-    net = mlp("tanh")
-    params, batch, _, _ = make_data(xp, rng, net, loss, 5)
-    got = C.kfra_factors(net, loss, params, batch)
-    kfac = kfac_exact_factors(net, loss, params, batch)
+    _, _, _, got, kfac = kfra_and_kfac(xp, rng, "tanh", loss, 5)
     for (a, _), (ka, _) in zip(got, kfac, strict=True):
         xp.assert_close(a, xp.to_numpy(ka))
     xp.assert_close(got[-1][1], xp.to_numpy(kfac[-1][1]))
@@ -195,10 +198,7 @@ def test_last_layer_and_input_factors_equal_kfac_exact_mode(xp, rng, loss):
 def test_one_example_every_layer_exact(xp, rng, loss):
     # N = 1: the Hadamard product with φ'φ'ᵀ is D W G̃ Wᵀ D, K-FAC's per-example recursion,
     # and A ⊗ G̃ is the exact GGN block
-    net = mlp("tanh")
-    params, batch, _, _ = make_data(xp, rng, net, loss, 1)
-    got = C.kfra_factors(net, loss, params, batch)
-    kfac = kfac_exact_factors(net, loss, params, batch)
+    net, params, batch, got, kfac = kfra_and_kfac(xp, rng, "tanh", loss, 1)
     dense = xp.to_numpy(C.ggn_matrix(net, loss, params, batch))
     slices = net.layer_slices()
     for (a, g), (_, kg), i in zip(got, kfac, net.parametric_layers, strict=True):
@@ -212,10 +212,7 @@ def test_one_example_every_layer_exact(xp, rng, loss):
 def test_deep_linear_every_layer_equals_kfac_exact_mode(xp, rng, loss):
     # identity activations: J_{l,n} does not depend on n, so the average of J H_n Jᵀ is
     # J (average H) Jᵀ, for any loss and any N
-    net = mlp("identity")
-    params, batch, _, _ = make_data(xp, rng, net, loss, 5)
-    got = C.kfra_factors(net, loss, params, batch)
-    kfac = kfac_exact_factors(net, loss, params, batch)
+    net, params, batch, got, kfac = kfra_and_kfac(xp, rng, "identity", loss, 5)
     for (_, g), (_, kg) in zip(got, kfac, strict=True):
         xp.assert_close(g, xp.to_numpy(kg))
     if loss is sq:  # ... and with squared error A ⊗ G̃ is the exact GGN block (K-FAC's theorem)

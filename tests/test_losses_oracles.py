@@ -17,6 +17,7 @@ from conftest import assert_allclose_normwise
 from losses_helpers import (
     CASES,
     WEIGHT,
+    case_fixture,
     flat_cat,
     make_case,
     oracle_fisher,
@@ -27,10 +28,7 @@ from scipy.special import log_expit, logsumexp, softmax
 
 from kfac_ref import losses as L
 
-
-@pytest.fixture(params=CASES)
-def case(request, xp, rng):
-    return make_case(xp, request.param, rng)
+case = case_fixture()
 
 
 def _targets_dev(xp, case, host=None):

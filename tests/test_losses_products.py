@@ -12,13 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pytest
 from conftest import assert_allclose_normwise
 from hypothesis import given
 from hypothesis import strategies as st
 from losses_helpers import (
-    CASES,
     WEIGHT,
+    case_fixture,
     flat_cat,
     make_case,
     oracle_factor,
@@ -29,10 +28,7 @@ from losses_helpers import (
 
 from kfac_ref import losses as L
 
-
-@pytest.fixture(params=CASES)
-def case(request, xp, rng):
-    return make_case(xp, request.param, rng)
+case = case_fixture()
 
 
 def _dev(xp, host_tuple):

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from .._backend import (
     KFACTypeError,
     KFACValueError,
+    check_array,
     check_bool,
     check_int,
     check_namespace_has,
@@ -150,6 +151,15 @@ def per_source_and_tower(sources, towers, pair_stat):
     tower :math:`x` and that source's output gradient :math:`g` on it."""
     return tuple(tuple(pair_stat(x, g) for x, g in zip(towers, src, strict=True))
                  for src in sources)
+
+
+def check_dense_rows(func, name, tensor):
+    """A dense layer's input ``[N, d]`` (``[T, N, d]`` for several uses) with at least one
+    row."""
+    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
+    if math.prod(tensor.shape[:-1]) == 0:
+        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
+                             f"{tuple(tensor.shape)}.")
 
 
 def check_equal_batches(func, name, arrays, axis=0):
@@ -317,12 +327,16 @@ class FisherFactor:
     @property
     def cov(self):
         """The current (moving-average) statistic."""
-        if self._cov_avg is None:
-            raise KFACValueError(
-                f"{self.name}.cov: the factor must have been updated at least once (call "
-                "update_cov); got a factor with no statistics."
-            )
-        return self._cov_avg.value
+        return self._average_value(
+            "cov", self._cov_avg, "the factor must have been updated at least once (call "
+            "update_cov); got a factor with no statistics")
+
+    def _average_value(self, attribute, average, missing):
+        """The value of the moving average behind ``attribute``; ``missing`` explains a
+        ``None`` average (no statistics yet)."""
+        if average is None:
+            raise KFACValueError(f"{self.name}.{attribute}: {missing}.")
+        return average.value
 
     def get_cov(self):
         """Alias of :attr:`cov` (TF's ``get_cov``)."""
@@ -396,6 +410,14 @@ class DenseSquareMatrixFactor(FisherFactor):
         )
 
     # -- registrations -----------------------------------------------------------------
+    def _registered(self, field, key):
+        """This factor when ``key`` is in its registration tuple ``field`` already, else a
+        copy with ``key`` appended (registration order is kept)."""
+        regs = getattr(self, field)
+        if key in regs:
+            return self
+        return self._evolve(**{field: (*regs, key)})
+
     def register_matpower(self, exp, damping):
         r"""Return a factor that also maintains :math:`(C + \lambda I)^{p}`.
 
@@ -406,9 +428,7 @@ class DenseSquareMatrixFactor(FisherFactor):
         if exp == 1.0:
             return self
         key = (exp, damping_key(func, damping))
-        if key in self._matpower_regs:
-            return self
-        return self._evolve(_matpower_regs=(*self._matpower_regs, key))
+        return self._registered("_matpower_regs", key)
 
     def register_inverse(self, damping):
         r"""``register_matpower(-1, damping)``: :math:`(C + \lambda I)^{-1}`."""
@@ -417,16 +437,12 @@ class DenseSquareMatrixFactor(FisherFactor):
     def register_cholesky(self, damping):
         r"""Return a factor that also maintains :math:`L`, :math:`L L^\top = C + \lambda I`."""
         key = damping_key(f"{self.name}.register_cholesky", damping)
-        if key in self._cholesky_regs:
-            return self
-        return self._evolve(_cholesky_regs=(*self._cholesky_regs, key))
+        return self._registered("_cholesky_regs", key)
 
     def register_cholesky_inverse(self, damping):
         r"""Return a factor that also maintains :math:`L^{-1}`."""
         key = damping_key(f"{self.name}.register_cholesky_inverse", damping)
-        if key in self._cholesky_inverse_regs:
-            return self
-        return self._evolve(_cholesky_inverse_regs=(*self._cholesky_inverse_regs, key))
+        return self._registered("_cholesky_inverse_regs", key)
 
     # -- inverse update ------------------------------------------------------------------
     @property

@@ -14,6 +14,7 @@ from ._base import (
     DenseSquareMatrixFactor,
     DiagonalFactor,
     as_sources_towers,
+    check_dense_rows,
     check_equal_batches,
     input_towers_and_sources,
     per_source_and_tower,
@@ -72,16 +73,9 @@ def fully_connected_kronecker_factor(tensor, has_bias=False):
     """
     func = "fully_connected_kronecker_factor"
     xp = namespace_of(func, tensor=tensor)
-    _check_tensor(func, "tensor", tensor)
+    check_dense_rows(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
     return _fully_connected_kronecker_factor(xp, tensor, has_bias)
-
-
-def _check_tensor(func, name, tensor):
-    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
-    if tensor.shape[0] == 0 or (tensor.ndim == 3 and tensor.shape[1] == 0):
-        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
-                             f"{tuple(tensor.shape)}.")
 
 
 @kernel_of(fully_connected_kronecker_factor)
@@ -195,7 +189,7 @@ class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
             covs = []
             for t in src:
                 xp = namespace_of(func, tensors=t)
-                _check_tensor(func, "tensors", t)
+                check_dense_rows(func, "tensors", t)
                 covs.append(_fully_connected_kronecker_factor(xp, t, self.has_bias))
             out.append(tuple(covs))
         return tuple(out)

@@ -190,8 +190,23 @@ def _per_source(func, params_grads, batch_size, kernel):
     return tuple((kernel(namespace_of(func, params_grads=v), v, batch_size),) for v in vecs)
 
 
+class _PerSourceMixin:
+    """The update of the two naive factors: ``batch_size`` held from construction, one
+    statistic ``_kernel(xp, ĝ_s, N)`` per source (:func:`_per_source`)."""
+
+    _kernel = None
+
+    def __init__(self, batch_size, **kwargs):
+        super().__init__(**kwargs)
+        self._set(batch_size=_batch_size(type(self).__name__, batch_size))
+
+    def _contributions(self, params_grads):
+        return _per_source(f"{self.name}.update_cov", params_grads, self.batch_size,
+                           self._kernel)
+
+
 @capabilities(dask="yes")
-class NaiveDiagonalFactor(DiagonalFactor):
+class NaiveDiagonalFactor(_PerSourceMixin, DiagonalFactor):
     r"""TF K-FAC's ``NaiveDiagonalFactor``: moving average of :func:`naive_diagonal_factor`
     summed over sources.
 
@@ -208,17 +223,11 @@ class NaiveDiagonalFactor(DiagonalFactor):
     zero_debias : bool
     """
 
-    def __init__(self, batch_size, **kwargs):
-        super().__init__(**kwargs)
-        self._set(batch_size=_batch_size(type(self).__name__, batch_size))
-
-    def _contributions(self, params_grads):
-        return _per_source(f"{self.name}.update_cov", params_grads, self.batch_size,
-                           _naive_diagonal_factor)
+    _kernel = staticmethod(_naive_diagonal_factor)
 
 
 @capabilities(dask="yes")
-class FullFactor(DenseSquareMatrixFactor):
+class FullFactor(_PerSourceMixin, DenseSquareMatrixFactor):
     r"""TF K-FAC's ``FullFactor`` (``NaiveFullFactor`` in master): moving average of
     :func:`full_factor` summed over sources.
 
@@ -229,13 +238,7 @@ class FullFactor(DenseSquareMatrixFactor):
     Data for :meth:`update_cov`: as :class:`NaiveDiagonalFactor`.
     """
 
-    def __init__(self, batch_size, **kwargs):
-        super().__init__(**kwargs)
-        self._set(batch_size=_batch_size(type(self).__name__, batch_size))
-
-    def _contributions(self, params_grads):
-        return _per_source(f"{self.name}.update_cov", params_grads, self.batch_size,
-                           _full_factor)
+    _kernel = staticmethod(_full_factor)
 
 
 NaiveFullFactor = FullFactor

@@ -29,6 +29,7 @@ from ._base import (
     as_sources_towers,
     as_towers,
     check_bool,
+    check_dense_rows,
     check_equal_batches,
 )
 
@@ -174,16 +175,9 @@ def diagonal_kronecker_factor(tensor, has_bias=False):
     """
     func = "diagonal_kronecker_factor"
     xp = namespace_of(func, tensor=tensor)
-    _check_dense(func, "tensor", tensor)
+    check_dense_rows(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
     return _diagonal_kronecker_factor(xp, tensor, has_bias)
-
-
-def _check_dense(func, name, tensor):
-    check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
-    if math.prod(tensor.shape[:-1]) == 0:
-        raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
-                             f"{tuple(tensor.shape)}.")
 
 
 @kernel_of(diagonal_kronecker_factor)
@@ -271,7 +265,7 @@ class DiagonalKroneckerFactor(DiagonalFactor):
     def _one(self, func, tensor):
         xp = namespace_of(func, tensors=tensor)
         if self.vocab_size is None:
-            _check_dense(func, "tensors", tensor)
+            check_dense_rows(func, "tensors", tensor)
             return _diagonal_kronecker_factor(xp, tensor, self.has_bias)
         if tensor.ndim != 1:
             raise KFACValueError(f"{func}: id tensors must be 1-D (fold uses first); got "

@@ -366,12 +366,9 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     @property
     def cov_dt1(self):
         """The moving average of :math:`C_1`."""
-        if self._cov_dt1_avg is None:
-            raise KFACValueError(
-                f"{self.name}.cov_dt1: register_cov_dt1() and update_cov() must have been "
-                "called; got a factor without C1 statistics."
-            )
-        return self._cov_dt1_avg.value
+        return self._average_value(
+            "cov_dt1", self._cov_dt1_avg, "register_cov_dt1() and update_cov() must have "
+            "been called; got a factor without C1 statistics")
 
     def get_cov_dt1(self):
         """Alias of :attr:`cov_dt1`."""
@@ -380,16 +377,12 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
     def register_option1quants(self, damping):
         """Return a factor that maintains :func:`series_option1_quantities` for ``damping``."""
         key = damping_key(f"{self.name}.register_option1quants", damping)
-        if key in self._option1_regs:
-            return self
-        return self._evolve(_option1_regs=(*self._option1_regs, key))
+        return self._registered("_option1_regs", key)
 
     def register_option2quants(self, damping):
         """Return a factor that maintains :func:`series_option2_quantities` for ``damping``."""
         key = damping_key(f"{self.name}.register_option2quants", damping)
-        if key in self._option2_regs:
-            return self
-        return self._evolve(_option2_regs=(*self._option2_regs, key))
+        return self._registered("_option2_regs", key)
 
     @property
     def _needs_eigendecomp(self):

@@ -191,6 +191,12 @@ class FisherBlock:
         """
         raise NotImplementedError
 
+    @property
+    def damping(self):
+        """The damping :math:`\\lambda` added to the block (to the diagonal of a diagonal
+        block): the value given, or the zero-argument callable's value at this read."""
+        return damping_value(type(self).__name__, self._damping_arg)
+
     def _exp(self, exp):
         return check_scalar(f"{type(self).__name__}.multiply_matpower", "exp", exp)
 

@@ -113,11 +113,6 @@ class FullFB(_FlatVector, FisherBlock):
         self._cov = cov_of(func, "factor", factor)
         self._set_damping(func, damping, params_shapes)
 
-    @property
-    def damping(self):
-        """The damping :math:`\\lambda` added to the block."""
-        return damping_value(type(self).__name__, self._damping_arg)
-
     def multiply_matpower(self, vector, exp):
         r""":math:`(F + \lambda I)^{p} v`.
 
@@ -214,11 +209,6 @@ class DiagonalFB(_FlatVector, FisherBlock):
         check_array(func, "factor", cov)
         self._diag = xp.reshape(cov, (-1,))
         self._set_damping(func, damping, params_shapes)
-
-    @property
-    def damping(self):
-        """The damping :math:`\\lambda` added to the diagonal."""
-        return damping_value(type(self).__name__, self._damping_arg)
 
     def multiply_matpower(self, vector, exp):
         r""":math:`(d + \lambda)^{\odot p} \odot v`.
@@ -321,11 +311,6 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
         with validated_internals():
             return cls(factors.fully_connected_diagonal_factor(inputs, outputs_grad, has_bias),
                        damping, has_bias)
-
-    @property
-    def damping(self):
-        """The damping :math:`\\lambda` added to the diagonal."""
-        return damping_value(type(self).__name__, self._damping_arg)
 
     def _effective_damping(self):
         return self.damping
