@@ -246,7 +246,7 @@ def value_checks(enabled: bool = True) -> Iterator[None]:
         bad values then give NaN/Inf results instead of errors, on the eigendecomposition,
         SVD and Cholesky paths alike (never the linear-algebra library's own error), and
         samples drawn from NaN parameters are marked (class −1 or NaN), as for traced and
-        lazy arrays (docs page *Backend support*).
+        lazy arrays (see :ref:`backends`).
 
     Examples
     --------
