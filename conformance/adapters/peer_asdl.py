@@ -17,8 +17,8 @@ conv factors "expand" (A over N·|T| rows, G summed over locations).
 
 from __future__ import annotations
 
-from ..adapter import Adapter, CaseUnsupported, implements
-from ..conventions import Conventions
+from ..adapter import CaseUnsupported, implements
+from ._peer import PeerAdapter, torch_conventions
 
 ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 
@@ -43,34 +43,14 @@ _REASONS = {
 }
 
 
-class AsdlAdapter(Adapter):
+class AsdlAdapter(PeerAdapter):
     name = "asdl"
     description = "ASDL FisherMaker, fisher_shapes=['kron'] (PyTorch)"
-    dtype = "float64"
-    conventions = Conventions(
-        kron_order="GA",
-        bias_position="separate",
-        patch_order="chw",
-        mse_variance=1.0,
-        conv_style="expand",
-        symmetrised=False,
-    )
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        from ..peers.torch_adapter import require
-
-        require("torch", "asdl")
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"asdfghjkl {md.version('asdfghjkl')}, torch {md.version('torch')}"
+    conventions = torch_conventions(bias_position="separate", mse_variance=1.0,
+                                    conv_style="expand")
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("torch", "asdl")
+    DISTRIBUTIONS = ("asdfghjkl", "torch")
 
     def _run(self, inputs, params):
         import torch

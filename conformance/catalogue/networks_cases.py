@@ -26,7 +26,7 @@ import numpy as np
 
 from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
-from ._data import to_np
+from ._data import block_diag, to_np
 
 REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses")
 
@@ -119,15 +119,6 @@ def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
     return to_numpy(out)
 
 
-def _block_diag_np(mats):
-    n = sum(m.shape[0] for m in mats)
-    out, o = np.zeros((n, n)), 0
-    for m in mats:
-        out[o:o + m.shape[0], o:o + m.shape[0]] = m
-        o += m.shape[0]
-    return out
-
-
 def layer_factors(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                   sharing=None):
     """Every parametric layer's (A, G) after one update of kfac_ref's estimator."""
@@ -152,7 +143,7 @@ def kfac_factors(params, inputs, which, to_backend=lambda v: v, to_numpy=to_np, 
     """Block-diagonal matrix of every layer's input factors A (``which="input"``) or output
     factors G (``"output"``) after one update of kfac_ref's estimator."""
     k = 0 if which == "input" else 1
-    return _block_diag_np([f[k] for f in layer_factors(params, inputs, to_backend, to_numpy,
+    return block_diag([f[k] for f in layer_factors(params, inputs, to_backend, to_numpy,
                                                        mode, sharing)])
 
 
@@ -192,9 +183,9 @@ def conv_style_alternatives(params, inputs, t_conv):
         k_hybrid[sl, sl] = to_np(kron(a_h, g_r))
     return {
         "kfac": {"_conv_reduce": k_reduce, "_conv_hybrid": k_hybrid},
-        "input": {"_conv_reduce": _block_diag_np([a for a, _ in reduce]),
-                  "_conv_hybrid": _block_diag_np(a_hybrid)},
-        "output": {"_conv_reduce": _block_diag_np([g for _, g in reduce])},
+        "input": {"_conv_reduce": block_diag([a for a, _ in reduce]),
+                  "_conv_hybrid": block_diag(a_hybrid)},
+        "output": {"_conv_reduce": block_diag([g for _, g in reduce])},
     }
 
 
