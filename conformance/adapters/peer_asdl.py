@@ -17,8 +17,8 @@ conv factors "expand" (A over N·|T| rows, G summed over locations).
 
 from __future__ import annotations
 
-from ..adapter import CaseUnsupported, implements
-from ._peer import PeerAdapter, torch_conventions
+from ..adapter import CaseUnsupported
+from ._peer import TorchKronPeer, torch_conventions
 
 ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 
@@ -43,7 +43,7 @@ _REASONS = {
 }
 
 
-class AsdlAdapter(PeerAdapter):
+class AsdlAdapter(TorchKronPeer):
     name = "asdl"
     description = "ASDL FisherMaker, fisher_shapes=['kron'] (PyTorch)"
     conventions = torch_conventions(bias_position="separate", mse_variance=1.0,
@@ -52,7 +52,7 @@ class AsdlAdapter(PeerAdapter):
     REQUIRES = ("torch", "asdl")
     DISTRIBUTIONS = ("asdfghjkl", "torch")
 
-    def _run(self, inputs, params):
+    def _layers(self, inputs, params):
         import torch
         import torch.nn.functional as F
         from asdl import FisherConfig, get_fisher_maker
@@ -89,21 +89,3 @@ class AsdlAdapter(PeerAdapter):
             (m.fisher.kron.B.detach().numpy(), m.fisher.kron.A.detach().numpy(), m.bias is not None)
             for m in pmods
         ]
-
-    @implements("networks.kfac")
-    def kfac(self, inputs, params):
-        from ..peers.torch_adapter import kron_blocks
-
-        return kron_blocks(self._run(inputs, params), separate_bias=True)
-
-    @implements("networks.kfac_input_factors")
-    def input_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([a for _, a, _ in self._run(inputs, params)])
-
-    @implements("networks.kfac_output_factors")
-    def output_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([g for g, _, _ in self._run(inputs, params)])

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import CaseUnsupported, implements
-from ._peer import PeerAdapter, torch_conventions
+from ..adapter import CaseUnsupported
+from ._peer import TorchKronPeer, torch_conventions
 
 ADAPTERS = {"backpack": "conformance.adapters.peer_backpack:BackpackAdapter"}
 
@@ -39,7 +39,7 @@ _REASONS = {
 }
 
 
-class BackpackAdapter(PeerAdapter):
+class BackpackAdapter(TorchKronPeer):
     name = "backpack"
     description = "BackPACK KFLR extension (PyTorch)"
     conventions = torch_conventions(
@@ -56,17 +56,12 @@ class BackpackAdapter(PeerAdapter):
     IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
     REQUIRES = ("torch", "backpack")
     DISTRIBUTIONS = ("backpack-for-pytorch", "torch")
+    # BackPACK's AvgPool2d second-order backprop builds float32 tensors from the default
+    # dtype ("expected scalar type Double but found Float" on a float64 model otherwise);
+    # recorded in FINDINGS.md.
+    TORCH_FLOAT64_DEFAULT = True
 
-    def setup(self):
-        super().setup()
-        import torch
-
-        # BackPACK's AvgPool2d second-order backprop builds float32 tensors from the default
-        # dtype ("expected scalar type Double but found Float" on a float64 model otherwise);
-        # recorded in FINDINGS.md.
-        torch.set_default_dtype(torch.float64)
-
-    def _run(self, inputs, params):
+    def _layers(self, inputs, params):
         from backpack import backpack, extend
         from backpack.extensions import KFLR
 
@@ -90,21 +85,3 @@ class BackpackAdapter(PeerAdapter):
             g, a = (t.detach().numpy() for t in m.weight.kflr)
             out.append((g, a, m.bias is not None))
         return out
-
-    @implements("networks.kfac")
-    def kfac(self, inputs, params):
-        from ..peers.torch_adapter import kron_blocks
-
-        return kron_blocks(self._run(inputs, params), separate_bias=True)
-
-    @implements("networks.kfac_input_factors")
-    def input_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([a for _, a, _ in self._run(inputs, params)])
-
-    @implements("networks.kfac_output_factors")
-    def output_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([g for g, _, _ in self._run(inputs, params)])

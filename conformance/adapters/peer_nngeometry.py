@@ -54,12 +54,7 @@ class NngeometryAdapter(PeerAdapter):
     IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
     REQUIRES = ("torch", "nngeometry")
     DISTRIBUTIONS = ("nngeometry", "torch")
-
-    def setup(self):
-        super().setup()
-        import torch
-
-        torch.set_default_dtype(torch.float64)
+    TORCH_FLOAT64_DEFAULT = True  # nngeometry builds float32 buffers otherwise (FINDINGS.md)
 
     def _fim(self, inputs, params, rep):
         from nngeometry.metrics import FIM

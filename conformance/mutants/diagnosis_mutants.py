@@ -16,7 +16,7 @@ import numpy as np
 
 from ..adapter import implements
 from ..conventions import Conventions
-from ._base import Mutant
+from ._base import AlteredReference, Mutant
 from .linalg_mutants import _inv_pow, _WrongPi
 
 _M = "conformance.mutants.diagnosis_mutants"
@@ -45,7 +45,7 @@ class PiWithoutDimensionsEpsilon(_WrongPi):
     _pi = staticmethod(_pi_eps)
 
 
-class ConvInputKernelAverage(Mutant):
+class ConvInputKernelAverage(AlteredReference):
     name = "mutant_conv_input_kernel_average"
     pitfall = "conv input factor averaged over the kernel offsets (divided by k_h·k_w)"
     EXPECTED = {"factors.conv_input": "scale:1/kernel"}
@@ -53,10 +53,9 @@ class ConvInputKernelAverage(Mutant):
     # diagnosis names the more common cause first
     EXPECTED_CASES = {"factors.conv_input/same_*": "scale:1/N^2"}
 
-    @implements("factors.conv_input")
-    def conv_input(self, inputs, params):
+    def alter(self, reference, inputs, params):
         k = params["filter_shape"][0] * params["filter_shape"][1]
-        return np.asarray(super().conv_input(inputs, params)) / k
+        return np.asarray(reference(inputs, params)) / k
 
 
 def _kfac(self, inputs, params, mode=None):
@@ -173,27 +172,15 @@ class UnexplainedFactor(Mutant):
         return np.kron(self._bad(inputs["a"]), inputs["g"]) @ inputs["v"]
 
 
-class DampingPerFactor(Mutant):
+class DampingPerFactor(AlteredReference):
     name = "mutant_damping_per_factor"
     pitfall = "the damping given is added to each factor (π·λ, λ/π) where √λ is declared"
     EXPECTED = {"linalg.pi_adjusted_damping": "damping_parameterisation",
                 "linalg.factored_damped_inverse_matvec": "damping_parameterisation",
                 "linalg.factored_damped_matpower_matvec": "damping_parameterisation"}
 
-    def _sq(self, fn, inputs, params):
-        return fn(inputs, dict(params, damping=params["damping"] ** 2))
-
-    @implements("linalg.pi_adjusted_damping")
-    def pi_adjusted_damping(self, inputs, params):
-        return self._sq(super().pi_adjusted_damping, inputs, params)
-
-    @implements("linalg.factored_damped_inverse_matvec")
-    def factored_inverse(self, inputs, params):
-        return self._sq(super().factored_inverse, inputs, params)
-
-    @implements("linalg.factored_damped_matpower_matvec")
-    def factored_matpower(self, inputs, params):
-        return self._sq(super().factored_matpower, inputs, params)
+    def alter(self, reference, inputs, params):
+        return reference(inputs, dict(params, damping=params["damping"] ** 2))
 
 
 def _running_average(xs, decay, weight, first):
