@@ -102,6 +102,12 @@ CAPABILITIES = [
 ]
 
 
+def _network_work(spec, x_shape, n_out):
+    """N·D + P: the work of a network case's Jacobian products and GEMMs (N examples, D
+    outputs each, P parameters)."""
+    return x_shape[0] * int(n_out) + sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+
+
 def _full_block_cases():
     from .networks_cases import kfac_matrix
 
@@ -122,8 +128,7 @@ def _full_block_cases():
         k = kfac_matrix(params, inputs)
         alts = {"kronecker_instead_of_exact": np.diag(np.diag(k)) if "Diagonal" in block
                 else k}
-        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
-        work = x_shape[0] * int(n_out) + p_total
+        work = _network_work(spec, x_shape, n_out)
         cases.append(Case(
             cid, "estimator.full_blocks", inputs, params, expected,
             Tolerance(SAFETY * 4 * work, f"Jacobian products and per-example gradient GEMMs: "
@@ -158,8 +163,7 @@ def build_cases() -> list[Case]:
             "average_of_products": (decay * k0 + k1) / (decay + 1.0),
             "last_batch_only": k1,
         }  # (the raw, not debiased, sums are the ema_style='raw' convention flip)
-        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
-        work = x_shape[0] * int(n_out) + p_total
+        work = _network_work(spec, x_shape, n_out)
         cases.append(Case(
             cid, "estimator.kfac_ema", inputs, params, expected,
             Tolerance(SAFETY * 8 * work, f"Jacobian products and factor GEMMs: work = N·D + P "

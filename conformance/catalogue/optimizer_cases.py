@@ -48,7 +48,14 @@ import numpy as np
 
 from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
-from .networks_cases import build_net, layer_factors, loss_fn, params_from_inputs
+from .networks_cases import (
+    _dense,
+    build_net,
+    draw_parameters,
+    layer_factors,
+    loss_fn,
+    params_from_inputs,
+)
 
 REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses", "kfac_ref.optim")
 
@@ -261,24 +268,10 @@ CAPABILITIES = [
 
 
 # -- cases -------------------------------------------------------------------------------------
-def _dense(d_in, d_out, bias=True):
-    return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": bias}
-
-
 def _make_inputs(cid, spec, x_shape, steps, loss, n_out):
     r = rng_for(cid)
     inputs = {"x": r.standard_normal((steps,) + tuple(x_shape))}
-    for i, s in enumerate(spec):
-        if s["kind"] == "dense":
-            inputs[f"w{i}"] = r.standard_normal((s["d_in"], s["d_out"])) / np.sqrt(s["d_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["d_out"])
-        elif s["kind"] == "conv2d":
-            kh, kw = s["kernel"]
-            inputs[f"w{i}"] = r.standard_normal((kh, kw, s["c_in"], s["c_out"])) / np.sqrt(
-                kh * kw * s["c_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["c_out"])
+    inputs.update(draw_parameters(r, spec))
     n = x_shape[0]
     if loss == "categorical":
         inputs["targets"] = r.integers(0, n_out, size=(steps, n)).astype(np.int64)
