@@ -39,6 +39,19 @@ class ConvExpandUndeclared(Mutant):
         return t * np.asarray(super().conv_output(inputs, params))
 
 
+def unfold_patches(inputs, params):
+    """The patch matrix [N·|T|, kh·kw·C] of a ``factors.conv_input`` case in PyTorch's
+    ``unfold`` order (channel slowest), without a bias column."""
+    from kfac_ref import factors
+
+    fs = params["filter_shape"]
+    p = np.asarray(factors.conv_patch_matrix(
+        inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
+        params["data_format"]))
+    kk, c = fs[0] * fs[1], fs[2]
+    return p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)
+
+
 class PatchOrderCHW(Mutant):
     name = "mutant_patch_order_chw"
     pitfall = "patch vectors in PyTorch unfold order (channel slowest) declared as (kh, kw, C)"
@@ -46,14 +59,7 @@ class PatchOrderCHW(Mutant):
 
     @implements("factors.conv_input")
     def conv_input(self, inputs, params):
-        from kfac_ref import factors
-
-        fs = params["filter_shape"]
-        p = np.asarray(factors.conv_patch_matrix(
-            inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
-            params["data_format"]))
-        kk, c = fs[0] * fs[1], fs[2]
-        p = p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)
+        p = unfold_patches(inputs, params)
         if params["has_bias"]:
             p = np.concatenate([p, np.ones((p.shape[0], 1))], axis=1)
         return p.T @ p / p.shape[0]

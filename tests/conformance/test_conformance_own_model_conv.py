@@ -153,25 +153,20 @@ def test_reduce_matches_the_oracle():
     np.testing.assert_allclose(ref["G"], (g_sum / N).numpy(), rtol=1e-11)
 
 
-def test_wrong_patch_order_and_mean_loss_are_named():
-    net, x, y = _net("pad_tuple_stride")
-    wrong = _hand_written(net, x, y, "fisher_exact", hwc=True, mean_loss=True)
+@pytest.mark.parametrize(("geometry", "faults", "named", "explained"), [
+    ("pad_tuple_stride", {"hwc": True, "mean_loss": True},
+     {"A": "patch_order", "G": "scale:1/N^2"}, {"A": "unfold", "G": "mean-reduced loss"}),
+    ("same_uneven", {"tf_norm": True, "bias_first": True},
+     {"A": "bias_position", "G": "scale:1/T"}, {"G": "ConvKFCBasicFB"}),
+], ids=["patch_order_and_mean_loss", "missing_T_and_bias_first"])
+def test_a_fault_in_each_factor_is_named(geometry, faults, named, explained):
+    net, x, y = _net(geometry)
+    wrong = _hand_written(net, x, y, "fisher_exact", **faults)
     res = check_conv(net, "cross_entropy", x, y, wrong)
-    by = {(c.layer, c.factor): c for c in res.checks}
-    assert by["conv", "A"].diagnosis == "patch_order", str(res)
-    assert by["conv", "G"].diagnosis == "scale:1/N^2", str(res)
-    assert "unfold" in by["conv", "A"].explanation
-    assert "mean-reduced loss" in by["conv", "G"].explanation
-
-
-def test_missing_T_and_bias_first_are_named():
-    net, x, y = _net("same_uneven")
-    wrong = _hand_written(net, x, y, "fisher_exact", tf_norm=True, bias_first=True)
-    res = check_conv(net, "cross_entropy", x, y, wrong)
-    by = {(c.layer, c.factor): c for c in res.checks}
-    assert by["conv", "A"].diagnosis == "bias_position", str(res)
-    assert by["conv", "G"].diagnosis == "scale:1/T", str(res)
-    assert "ConvKFCBasicFB" in by["conv", "G"].explanation
+    by = {c.factor: c for c in res.checks if c.layer == "conv"}
+    assert {f: by[f].diagnosis for f in named} == named, str(res)
+    for factor, words in explained.items():
+        assert words in by[factor].explanation
 
 
 def test_patch_order_and_bias_first_together():
