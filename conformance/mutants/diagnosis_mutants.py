@@ -17,7 +17,7 @@ import numpy as np
 from ..adapter import implements
 from ..conventions import Conventions
 from ._base import AlteredReference, Mutant
-from .linalg_mutants import _inv_pow, _WrongPi
+from .linalg_mutants import DAMPED_SPLIT, _inv_pow, _WrongPi
 
 _M = "conformance.mutants.diagnosis_mutants"
 
@@ -175,37 +175,39 @@ class UnexplainedFactor(Mutant):
 class DampingPerFactor(AlteredReference):
     name = "mutant_damping_per_factor"
     pitfall = "the damping given is added to each factor (π·λ, λ/π) where √λ is declared"
-    EXPECTED = {"linalg.pi_adjusted_damping": "damping_parameterisation",
-                "linalg.factored_damped_inverse_matvec": "damping_parameterisation",
-                "linalg.factored_damped_matpower_matvec": "damping_parameterisation"}
+    EXPECTED = dict.fromkeys(DAMPED_SPLIT, "damping_parameterisation")
 
     def alter(self, reference, inputs, params):
         return reference(inputs, dict(params, damping=params["damping"] ** 2))
 
 
-def _running_average(xs, decay, weight, first):
-    out, m = [], np.zeros_like(xs[0])
-    for i, x in enumerate(xs):
-        m = x if first and i == 0 else decay * m + weight * x
-        out.append(m)
-    return np.stack(out)
+class _TiedEma(Mutant):
+    """The running average ``m ← δm + (1 − δ)X`` (the new statistic's weight tied to the
+    decay), from ``m = 0``, or from ``m₁ = X₁`` where ``first`` is set."""
+
+    first = False
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        d, xs = params["decay"], inputs["xs"]
+        out, m = [], np.zeros_like(xs[0])
+        for i, x in enumerate(xs):
+            m = x if self.first and i == 0 else d * m + (1.0 - d) * x
+            out.append(m)
+        return np.stack(out)
 
 
-class EmaFirstStatistic(Mutant):
+class EmaFirstStatistic(_TiedEma):
     name = "mutant_ema_first_statistic"
     pitfall = ("running average m₁ = X₁, m ← δm + (1 − δ)X (PyTorch style), declared as the "
                "zero-debiased average")
     EXPECTED = {"averaging.ema": "ema_first_statistic+ema_weight_tied"}
     EXPECTED_CASES = {"averaging.ema/k5_decay0.95_weight0.05": "ema_first_statistic",
                       "averaging.ema/k3_decay0_weight1": "pass"}
-
-    @implements("averaging.ema")
-    def ema(self, inputs, params):
-        d = params["decay"]
-        return _running_average(inputs["xs"], d, 1.0 - d, True)
+    first = True
 
 
-class EmaWeightTied(Mutant):
+class EmaWeightTied(_TiedEma):
     name = "mutant_ema_weight_tied"
     pitfall = ("raw moving sum declared (ema_style='raw') but the new statistic weighted by "
                "1 − δ instead of the weight passed")
@@ -214,11 +216,6 @@ class EmaWeightTied(Mutant):
     EXPECTED_CASES = {"averaging.ema/k4_decay0.9_weight1": "ema_weight_tied",
                       "averaging.ema/k5_decay0.95_weight0.05": "pass",
                       "averaging.ema/k3_decay0_weight1": "pass"}
-
-    @implements("averaging.ema")
-    def ema(self, inputs, params):
-        d = params["decay"]
-        return _running_average(inputs["xs"], d, 1.0 - d, False)
 
 
 MUTANTS = [KronSwappedDeclaredGA, PiWithoutDimensionsEpsilon, ConvInputKernelAverage,

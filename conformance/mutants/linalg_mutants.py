@@ -11,6 +11,11 @@ from ._base import AlteredReference, Mutant
 
 _M = "conformance.mutants.linalg_mutants"
 
+#: the capabilities the split of a factored damping shows in: the damping pair, the damped
+#: inverse and the damped power
+DAMPED_SPLIT = ("linalg.pi_adjusted_damping", "linalg.factored_damped_inverse_matvec",
+                "linalg.factored_damped_matpower_matvec")
+
 
 def _pi_no_dims(a, g):
     ta, tg = float(np.trace(a)), float(np.trace(g))
@@ -104,33 +109,28 @@ class _WrongPi(_WrongSplit):
         return np.asarray(self._pi(inputs["a"], inputs["g"]))
 
 
-class PiWithoutDimensions(_WrongPi):
-    name = "mutant_pi_without_dimensions"
-    pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
-    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
-                "linalg.pi_adjusted_damping": "pi_without_dimensions",
-                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions",
-                "linalg.factored_damped_matpower_matvec": "pi_without_dimensions"}
-    _pi = staticmethod(_pi_no_dims)
+class _WrongSplitPower(_WrongSplit):
+    """A :class:`_WrongSplit` whose damped power uses the wrong split too."""
 
     @implements("linalg.factored_damped_matpower_matvec")
     def factored_matpower(self, inputs, params):
         return self._apply(inputs, params["exp"], params["damping"])
 
 
-class UnsplitDamping(_WrongSplit):
+class PiWithoutDimensions(_WrongPi, _WrongSplitPower):
+    name = "mutant_pi_without_dimensions"
+    pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
+    EXPECTED = dict.fromkeys(("linalg.pi_tracenorm", *DAMPED_SPLIT), "pi_without_dimensions")
+    _pi = staticmethod(_pi_no_dims)
+
+
+class UnsplitDamping(_WrongSplitPower):
     name = "mutant_unsplit_damping"
     pitfall = "the same λ added to both factors: (A + λI) ⊗ (G + λI)"
-    EXPECTED = {"linalg.pi_adjusted_damping": "unsplit_damping",
-                "linalg.factored_damped_inverse_matvec": "unsplit_damping",
-                "linalg.factored_damped_matpower_matvec": "unsplit_damping"}
+    EXPECTED = dict.fromkeys(DAMPED_SPLIT, "unsplit_damping")
 
     def _split(self, a, g, damping):
         return damping, damping
-
-    @implements("linalg.factored_damped_matpower_matvec")
-    def factored_matpower(self, inputs, params):
-        return self._apply(inputs, params["exp"], params["damping"])
 
 
 class ExactForFactored(Mutant):
