@@ -24,6 +24,7 @@ from .networks_cases import (
     _kfac_matrix,
     _layer_geometry,
     _make_inputs,
+    _tanh,
     build_net,
     loss_fn,
     params_from_inputs,
@@ -111,7 +112,7 @@ def _network_work(spec, x_shape, n_out):
 def _full_block_cases():
     from .networks_cases import kfac_matrix
 
-    tanh = {"kind": "activation", "fn": "tanh"}
+    tanh = _tanh()
     mlp = [_dense(3, 4), tanh, _dense(4, 3)]
     lin = [_dense(3, 3), _dense(3, 2)]
     runs = [("mlp_tanh_n4_ce", mlp, (4, 3), {"loss": "categorical"}, 3, "ggn_exact", b)
@@ -140,7 +141,7 @@ def _full_block_cases():
 def build_cases() -> list[Case]:
     from .networks_cases import kfac_matrix
 
-    tanh = {"kind": "activation", "fn": "tanh"}
+    tanh = _tanh()
     nets = [
         ("mlp_tanh_ce", [_dense(3, 3), tanh, _dense(3, 3)], (3, 3), {"loss": "categorical"},
          3, "ggn_exact", 0.9),

@@ -387,6 +387,16 @@ def _dense(d_in, d_out, bias=True):
     return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": bias}
 
 
+def _tanh():
+    return {"kind": "activation", "fn": "tanh"}
+
+
+def _small_conv():
+    """A 2×2 VALID convolution from 2 to 2 channels, with a bias."""
+    return {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
+            "padding": "VALID", "dilation": 1, "bias": True}
+
+
 def draw_parameters(r, spec):
     """Every parametric layer's ``w{i}`` (scaled by 1/√fan-in) and ``b{i}`` (scaled by 0.3),
     drawn from ``r`` in layer order."""
@@ -427,9 +437,7 @@ def _block_diagonal(mat, spec):
 
 
 def build_cases() -> list[Case]:
-    conv = {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
-            "padding": "VALID", "dilation": 1, "bias": True}
-    tanh = {"kind": "activation", "fn": "tanh"}
+    conv, tanh = _small_conv(), _tanh()
     # (name, spec, x shape, loss params, output size, exact?, description)
     nets = [
         ("mlp_tanh_n1_ce", [_dense(3, 4), tanh, _dense(4, 3)], (1, 3),

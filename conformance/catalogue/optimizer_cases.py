@@ -50,6 +50,8 @@ from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
 from .networks_cases import (
     _dense,
+    _small_conv,
+    _tanh,
     build_net,
     draw_parameters,
     layer_factors,
@@ -287,9 +289,7 @@ PITFALLS = ("exact_damping", "unsplit_damping", "identity_before_first_refresh",
 
 
 def build_cases() -> list[Case]:
-    conv = {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
-            "padding": "VALID", "dilation": 1, "bias": True}
-    tanh = {"kind": "activation", "fn": "tanh"}
+    conv, tanh = _small_conv(), _tanh()
     # (name, spec, x shape per batch, loss params, outputs, hyper-parameters, description)
     nets = [
         ("mlp_tanh_n4_ce", [_dense(3, 4), tanh, _dense(4, 3)], (4, 3),

@@ -39,9 +39,8 @@ def _pi_eps(a, g, eps=1e-8):
 class PiWithoutDimensionsEpsilon(_WrongPi):
     name = "mutant_pi_without_dimensions_eps"
     pitfall = "π = sqrt(tr A / tr G + 1e-8): no dimension normalisation, plus a safety epsilon"
-    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
-                "linalg.pi_adjusted_damping": "pi_without_dimensions",
-                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions"}
+    EXPECTED = dict.fromkeys(("linalg.pi_tracenorm", "linalg.pi_adjusted_damping",
+                              "linalg.factored_damped_inverse_matvec"), "pi_without_dimensions")
     _pi = staticmethod(_pi_eps)
 
 

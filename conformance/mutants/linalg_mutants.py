@@ -203,9 +203,8 @@ ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
 class MissingBlockScale(AlteredReference):
     name = "mutant_missing_block_scale"
     pitfall = "conv/multi-use block without its |T| (T) multiplier"
-    EXPECTED = {"blocks.kron_matpower": "missing_block_scale",
-                "blocks.kron_eigenvalues": "missing_block_scale",
-                "blocks.diagonal_matpower": "missing_block_scale"}
+    EXPECTED = dict.fromkeys(("blocks.kron_matpower", "blocks.kron_eigenvalues",
+                              "blocks.diagonal_matpower"), "missing_block_scale")
 
     def alter(self, reference, inputs, params):
         return reference(inputs, dict(params, scale=1.0))

@@ -31,9 +31,8 @@ class FactorTransposed(Mutant):
 class FactorWeightW(AlteredReference):
     name = "mutant_factor_weight_w"
     pitfall = "factor products scaled by the loss weight w instead of √w"
-    EXPECTED = {"losses.fisher_factor": "factor_weight_w",
-                "losses.fisher_factor_transpose": "factor_weight_w",
-                "losses.ggn_factor": "factor_weight_w"}
+    EXPECTED = dict.fromkeys(("losses.fisher_factor", "losses.fisher_factor_transpose",
+                              "losses.ggn_factor"), "factor_weight_w")
     # w = 2 with v = 1: √2 is also exactly the squared-error convention v = 1/2 (named first)
     EXPECTED_CASES = {"losses.*factor*/normal_mean_weight2_variance1": "mse_factor_2"}
 

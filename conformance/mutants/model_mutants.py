@@ -68,8 +68,8 @@ class PatchOrderCHW(Mutant):
 class MSEFactor2(AlteredReference):
     name = "mutant_mse_factor_2"
     pitfall = "squared error ‖f − y‖² used for a unit-variance Gaussian NLL (curvature 2I)"
-    EXPECTED = {"losses.fisher": "mse_factor_2", "losses.gradient": "mse_factor_2",
-                "losses.hessian": "mse_factor_2"}
+    EXPECTED = dict.fromkeys(("losses.fisher", "losses.gradient", "losses.hessian"),
+                             "mse_factor_2")
 
     def alter(self, reference, inputs, params):
         out = np.asarray(reference(inputs, params))
