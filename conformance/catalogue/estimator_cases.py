@@ -103,10 +103,14 @@ CAPABILITIES = [
 ]
 
 
-def _network_work(spec, x_shape, n_out):
-    """N·D + P: the work of a network case's Jacobian products and GEMMs (N examples, D
-    outputs each, P parameters)."""
-    return x_shape[0] * int(n_out) + sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+def _network_tolerance(spec, x_shape, n_out, gemms, updates=1):
+    """The tolerance of a case of the network ``spec``: Jacobian products and ``gemms`` GEMMs
+    of work N·D + P (N examples, D outputs each, P parameters), κ = 1, ×4 for the depth of
+    the chain rule, × the number of estimator ``updates``."""
+    work = x_shape[0] * int(n_out) + sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+    how = f"Jacobian products and {gemms} GEMMs: work = N·D + P = {work}, κ = 1, ×4 chain depth"
+    return Tolerance(SAFETY * 4 * updates * work,
+                     how + (f", ×{updates} updates" if updates > 1 else ""))
 
 
 def _full_block_cases():
@@ -129,11 +133,9 @@ def _full_block_cases():
         k = kfac_matrix(params, inputs)
         alts = {"kronecker_instead_of_exact": np.diag(np.diag(k)) if "Diagonal" in block
                 else k}
-        work = _network_work(spec, x_shape, n_out)
         cases.append(Case(
             cid, "estimator.full_blocks", inputs, params, expected,
-            Tolerance(SAFETY * 4 * work, f"Jacobian products and per-example gradient GEMMs: "
-                                         f"work = N·D + P = {work}, κ = 1, ×4 chain depth"),
+            _network_tolerance(spec, x_shape, n_out, "per-example gradient"),
             {"N": x_shape[0]}, alts, f"kfac-jax {block} blocks, {mode}"))
     return cases
 
@@ -164,10 +166,8 @@ def build_cases() -> list[Case]:
             "average_of_products": (decay * k0 + k1) / (decay + 1.0),
             "last_batch_only": k1,
         }  # (the raw, not debiased, sums are the ema_style='raw' convention flip)
-        work = _network_work(spec, x_shape, n_out)
         cases.append(Case(
             cid, "estimator.kfac_ema", inputs, params, expected,
-            Tolerance(SAFETY * 8 * work, f"Jacobian products and factor GEMMs: work = N·D + P "
-                                         f"= {work}, κ = 1, ×4 chain depth, ×2 updates"),
+            _network_tolerance(spec, x_shape, n_out, "factor", updates=2),
             {"N": x_shape[0]}, alts, f"{mode}, decay {decay:g}"))
     return cases + _full_block_cases()
