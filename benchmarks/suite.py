@@ -358,6 +358,15 @@ def _ms(s):
     return f"{s['median_s'] * 1e3:,.2f} ({s['q1_s'] * 1e3:,.2f}–{s['q3_s'] * 1e3:,.2f})"
 
 
+def _row(*cells):
+    """One row of a Markdown table."""
+    return "| " + " | ".join(cells) + " |"
+
+
+def _verdict(r):
+    return "ok" if r["check"]["ok"] else "**FAILED**"
+
+
 def markdown(result):
     m = result["meta"]
     lines = [f"kfac_ref {m['kfac_ref_version']}, backend {m['backend']}, NumPy "
@@ -370,18 +379,17 @@ def markdown(result):
              "|---|---|---|---:|---:|---:|---|"]
     for r in result["rows"]:
         if r["op"] in ("update", "inverses", "cached_product", "chunking"):
-            chk = "ok" if r["check"]["ok"] else "**FAILED**"
-            lines.append(f"| {r['workload']} | {r['dtype']} | {r['row']} | {_ms(r['kfac_ref'])} "
-                         f"| {_ms(r['hand'])} | {r['ratio']:.2f}× | {chk} |")
+            lines.append(_row(r["workload"], r["dtype"], r["row"], _ms(r["kfac_ref"]),
+                              _ms(r["hand"]), f"{r['ratio']:.2f}×", _verdict(r)))
     mem = [r for r in result["rows"] if r["op"] == "conv_memory"]
     if mem:
         lines += ["", "| conv input factor (peak traced memory) | dtype | kfac_ref MiB | "
                   "hand MiB | im2col MiB | ratio | check |", "|---|---|---:|---:|---:|---:|---|"]
         for r in mem:
-            lines.append(f"| {r['input_shape']}, 3×3 stride 2 | {r['dtype']} | "
-                         f"{r['kfac_ref_peak_bytes'] / 2**20:.1f} | "
-                         f"{r['hand_peak_bytes'] / 2**20:.1f} | {r['im2col_bytes'] / 2**20:.1f} "
-                         f"| {r['ratio']:.2f}× | {'ok' if r['check']['ok'] else '**FAILED**'} |")
+            mib = (f"{r[k] / 2**20:.1f}"
+                   for k in ("kfac_ref_peak_bytes", "hand_peak_bytes", "im2col_bytes"))
+            lines.append(_row(f"{r['input_shape']}, 3×3 stride 2", r["dtype"], *mib,
+                              f"{r['ratio']:.2f}×", _verdict(r)))
     prows = [r for r in result["rows"] if r["op"] == "peer"]
     if prows:
         lines += ["", "Full update (factors, damped inverses, one product) against a peer; "
@@ -390,11 +398,9 @@ def markdown(result):
                   "| workload | dtype | peer | mode | kfac_ref on | kfac_ref | peer | ratio "
                   "| check |", "|---|---|---|---|---|---:|---:|---:|---|"]
         for r in prows:
-            chk = "ok" if r["check"]["ok"] else "**FAILED**"
-            lines.append(f"| {r['workload']} | {r['dtype']} | {r['peer']} | {r['mode']} | "
-                         f"{r.get('backend', 'numpy')} | "
-                         f"{_ms(r['kfac_ref'])} | {_ms(r['peer_time'])} | {r['ratio']:.2f}× "
-                         f"| {chk} |")
+            lines.append(_row(r["workload"], r["dtype"], r["peer"], r["mode"],
+                              r.get("backend", "numpy"), _ms(r["kfac_ref"]),
+                              _ms(r["peer_time"]), f"{r['ratio']:.2f}×", _verdict(r)))
     missing = [r for r in result["rows"] if r["op"] == "peer_missing"]
     if missing:
         lines += [""] + [f"- {r['peer']}: {r['status']}" for r in missing]

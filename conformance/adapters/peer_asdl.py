@@ -17,8 +17,8 @@ conv factors "expand" (A over N·|T| rows, G summed over locations).
 
 from __future__ import annotations
 
-from ..adapter import Adapter, CaseUnsupported, implements
-from ..conventions import Conventions
+from ..adapter import CaseUnsupported
+from ._peer import TorchKronPeer, torch_conventions
 
 ADAPTERS = {"asdl": "conformance.adapters.peer_asdl:AsdlAdapter"}
 
@@ -43,36 +43,16 @@ _REASONS = {
 }
 
 
-class AsdlAdapter(Adapter):
+class AsdlAdapter(TorchKronPeer):
     name = "asdl"
     description = "ASDL FisherMaker, fisher_shapes=['kron'] (PyTorch)"
-    dtype = "float64"
-    conventions = Conventions(
-        kron_order="GA",
-        bias_position="separate",
-        patch_order="chw",
-        mse_variance=1.0,
-        conv_style="expand",
-        symmetrised=False,
-    )
+    conventions = torch_conventions(bias_position="separate", mse_variance=1.0,
+                                    conv_style="expand")
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("torch", "asdl")
+    DISTRIBUTIONS = ("asdfghjkl", "torch")
 
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        from ..peers.torch_adapter import require
-
-        require("torch", "asdl")
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"asdfghjkl {md.version('asdfghjkl')}, torch {md.version('torch')}"
-
-    def _run(self, inputs, params):
+    def _layers(self, inputs, params):
         import torch
         import torch.nn.functional as F
         from asdl import FisherConfig, get_fisher_maker
@@ -109,21 +89,3 @@ class AsdlAdapter(Adapter):
             (m.fisher.kron.B.detach().numpy(), m.fisher.kron.A.detach().numpy(), m.bias is not None)
             for m in pmods
         ]
-
-    @implements("networks.kfac")
-    def kfac(self, inputs, params):
-        from ..peers.torch_adapter import kron_blocks
-
-        return kron_blocks(self._run(inputs, params), separate_bias=True)
-
-    @implements("networks.kfac_input_factors")
-    def input_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([a for _, a, _ in self._run(inputs, params)])
-
-    @implements("networks.kfac_output_factors")
-    def output_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([g for g, _, _ in self._run(inputs, params)])

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, CaseUnsupported, implements
-from ..conventions import Conventions
+from ..adapter import CaseUnsupported
+from ._peer import TorchKronPeer, torch_conventions
 
 ADAPTERS = {"backpack": "conformance.adapters.peer_backpack:BackpackAdapter"}
 
@@ -39,14 +39,11 @@ _REASONS = {
 }
 
 
-class BackpackAdapter(Adapter):
+class BackpackAdapter(TorchKronPeer):
     name = "backpack"
     description = "BackPACK KFLR extension (PyTorch)"
-    dtype = "float64"
-    conventions = Conventions(
-        kron_order="GA",
+    conventions = torch_conventions(
         bias_position="separate",
-        patch_order="chw",
         curvature_of="sum",
         mse_variance=0.5,
         # BackPACK's KFLR/KFAC for Conv2d cite KFC (Grosse & Martens 2016) and this adapter
@@ -55,33 +52,16 @@ class BackpackAdapter(Adapter):
         # in neither exactness setting), so the conv cases fail with the diagnosis
         # conv_style (= matches the reference under conv_style='hybrid').
         conv_style="kfc",
-        symmetrised=False,
     )
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("torch", "backpack")
+    DISTRIBUTIONS = ("backpack-for-pytorch", "torch")
+    # BackPACK's AvgPool2d second-order backprop builds float32 tensors from the default
+    # dtype ("expected scalar type Double but found Float" on a float64 model otherwise);
+    # recorded in FINDINGS.md.
+    TORCH_FLOAT64_DEFAULT = True
 
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        from ..peers.torch_adapter import require
-
-        require("torch", "backpack")
-        import torch
-
-        # BackPACK's AvgPool2d second-order backprop builds float32 tensors from the default
-        # dtype ("expected scalar type Double but found Float" on a float64 model otherwise);
-        # recorded in FINDINGS.md.
-        torch.set_default_dtype(torch.float64)
-
-    def version(self):
-        import importlib.metadata as md
-
-        bp = md.version("backpack-for-pytorch")
-        return f"backpack-for-pytorch {bp}, torch {md.version('torch')}"
-
-    def _run(self, inputs, params):
+    def _layers(self, inputs, params):
         from backpack import backpack, extend
         from backpack.extensions import KFLR
 
@@ -105,21 +85,3 @@ class BackpackAdapter(Adapter):
             g, a = (t.detach().numpy() for t in m.weight.kflr)
             out.append((g, a, m.bias is not None))
         return out
-
-    @implements("networks.kfac")
-    def kfac(self, inputs, params):
-        from ..peers.torch_adapter import kron_blocks
-
-        return kron_blocks(self._run(inputs, params), separate_bias=True)
-
-    @implements("networks.kfac_input_factors")
-    def input_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([a for _, a, _ in self._run(inputs, params)])
-
-    @implements("networks.kfac_output_factors")
-    def output_factors(self, inputs, params):
-        from ..peers import nets
-
-        return nets.block_diag([g for g, _, _ in self._run(inputs, params)])

@@ -20,8 +20,8 @@ summed over locations).
 
 from __future__ import annotations
 
-from ..adapter import Adapter, AdapterUnavailable, implements
-from ..conventions import Conventions
+from ..adapter import implements
+from ._peer import PeerAdapter, torch_conventions
 
 ADAPTERS = {"curvlinops": "conformance.adapters.peer_curvlinops:CurvlinopsAdapter"}
 
@@ -53,43 +53,19 @@ _REASONS = {
 _FISHER = {"ggn_exact": "type-2", "fisher_exact": "type-2", "fisher_empirical": "empirical"}
 
 
-class CurvlinopsAdapter(Adapter):
+class CurvlinopsAdapter(PeerAdapter):
     name = "curvlinops"
     description = "curvlinops KFACLinearOperator / GGNLinearOperator / EFLinearOperator (PyTorch)"
-    dtype = "float64"
-    conventions = Conventions(
-        kron_order="GA",
+    conventions = torch_conventions(
         bias_position="separate",
-        patch_order="chw",
         curvature_of="sum",
         mse_variance=0.5,
         conv_style="expand",
-        symmetrised=False,
         empirical_fisher_unit="loss_term",
     )
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        try:
-            import curvlinops  # noqa: F401
-            import torch  # noqa: F401
-        except ImportError as exc:
-            raise AdapterUnavailable(
-                f"curvlinops is not installed ({exc}); see conformance/peers/torchpeers.txt"
-            ) from exc
-
-    def version(self):
-        import importlib.metadata as md
-
-        return (
-            f"curvlinops-for-pytorch {md.version('curvlinops-for-pytorch')}, "
-            f"torch {md.version('torch')}"
-        )
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("curvlinops", "torch")
+    DISTRIBUTIONS = ("curvlinops-for-pytorch", "torch")
 
     # -- helpers ------------------------------------------------------------------------------
     def _problem(self, inputs, params):

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, AdapterUnavailable, CaseUnsupported, implements
+from ..adapter import AdapterUnavailable, CaseUnsupported, implements
 from ..conventions import Conventions
+from ._peer import PeerAdapter
 
 ADAPTERS = {"kfac_jax": "conformance.adapters.peer_kfac_jax:KfacJaxAdapter"}
 
@@ -63,17 +64,12 @@ _REASONS = {
 }
 
 
-class KfacJaxAdapter(Adapter):
+class KfacJaxAdapter(PeerAdapter):
     name = "kfac_jax"
     description = "kfac-jax BlockDiagonalCurvature with hand-registered layers (JAX, x64)"
-    dtype = "float64"
     conventions = Conventions(symmetrised=False, empirical_fisher_scale="kfac_jax")
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    DISTRIBUTIONS = ("kfac-jax", "jax")
 
     def setup(self):
         try:
@@ -85,11 +81,6 @@ class KfacJaxAdapter(Adapter):
             raise AdapterUnavailable(
                 f"kfac-jax is not installed ({exc}); see conformance/peers/jax.txt"
             ) from exc
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"kfac-jax {md.version('kfac-jax')}, jax {md.version('jax')}"
 
     def _state(self, inputs, params):
         import jax
@@ -207,6 +198,8 @@ class KfacJaxAdapter(Adapter):
     def loss_fisher(self, inputs, params):
         import jax.numpy as jnp
 
+        from ..peers import nets
+
         loss = self._loss(inputs, params)
         deps = [np.asarray(d) for d in loss.parameter_dependants]
         n = deps[0].shape[0]
@@ -214,14 +207,8 @@ class KfacJaxAdapter(Adapter):
         big_d = sum(sizes)
         cols = []
         for j in range(big_d):  # column j of every example's Fisher at once
-            vec, off = [], 0
-            for sz in sizes:
-                v = np.zeros((n, sz))
-                if off <= j < off + sz:
-                    v[:, j - off] = 1.0
-                vec.append(jnp.asarray(v))
-                off += sz
-            out = loss.multiply_fisher(tuple(vec))
+            vec = tuple(jnp.asarray(v) for v in nets.unit_inputs(sizes, n, j))
+            out = loss.multiply_fisher(vec)
             cols.append(np.concatenate([np.asarray(o) for o in out], axis=-1))
         return np.stack(cols, axis=-1)  # [N, D, D]
 

@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, AdapterUnavailable, CaseUnsupported, implements
+from ..adapter import CaseUnsupported, implements
+from ._peer import PeerAdapter
 
 ADAPTERS = {"laplace_torch": "conformance.adapters.peer_laplace_torch:LaplaceTorchAdapter"}
 
@@ -57,32 +58,15 @@ _REASONS = {
 }
 
 
-class LaplaceTorchAdapter(Adapter):
+class LaplaceTorchAdapter(PeerAdapter):
     name = "laplace_torch"
     description = ("laplace-torch KronLaplace / KronLaplace(damping=True) / DiagLaplace / "
                    "FullLaplace log_marginal_likelihood and its autograd prior-precision "
                    "gradient (PyTorch)")
-    dtype = "float64"
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        try:
-            import laplace  # noqa: F401
-            import torch  # noqa: F401
-        except ImportError as exc:
-            raise AdapterUnavailable(
-                f"laplace-torch is not installed ({exc}); see conformance/peers/laplace.txt"
-            ) from exc
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"laplace-torch {md.version('laplace-torch')}, torch {md.version('torch')}"
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("laplace", "torch")
+    ENVIRONMENT = "conformance/peers/laplace.txt"
+    DISTRIBUTIONS = ("laplace-torch", "torch")
 
     # -- helpers ------------------------------------------------------------------------------
     def _laplace(self, inputs, params):

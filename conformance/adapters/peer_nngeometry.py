@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, CaseUnsupported, implements
-from ..conventions import Conventions
+from ..adapter import CaseUnsupported, implements
+from ._peer import PeerAdapter, torch_conventions
 
 ADAPTERS = {"nngeometry": "conformance.adapters.peer_nngeometry:NngeometryAdapter"}
 
@@ -47,32 +47,14 @@ _REASONS = {
 }
 
 
-class NngeometryAdapter(Adapter):
+class NngeometryAdapter(PeerAdapter):
     name = "nngeometry"
     description = "nngeometry FIM with PMatKFAC / PMatDense (PyTorch)"
-    dtype = "float64"
-    conventions = Conventions(
-        kron_order="GA", patch_order="chw", mse_variance=1.0, symmetrised=False
-    )
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
-
-    def setup(self):
-        from ..peers.torch_adapter import require
-
-        require("torch", "nngeometry")
-        import torch
-
-        torch.set_default_dtype(torch.float64)
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"nngeometry {md.version('nngeometry')}, torch {md.version('torch')}"
+    conventions = torch_conventions(mse_variance=1.0)
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    REQUIRES = ("torch", "nngeometry")
+    DISTRIBUTIONS = ("nngeometry", "torch")
+    TORCH_FLOAT64_DEFAULT = True  # nngeometry builds float32 buffers otherwise (FINDINGS.md)
 
     def _fim(self, inputs, params, rep):
         from nngeometry.metrics import FIM

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..adapter import Adapter, AdapterUnavailable, CaseUnsupported, implements
+from ..adapter import AdapterUnavailable, CaseUnsupported, implements
 from ..conventions import Conventions
+from ._peer import PeerAdapter
 
 ADAPTERS = {"tf_kfac": "conformance.adapters.peer_tf_kfac:TfKfacAdapter"}
 
@@ -87,17 +88,12 @@ def _sess_run(build):
             return fetch(sess)
 
 
-class TfKfacAdapter(Adapter):
+class TfKfacAdapter(PeerAdapter):
     name = "tf_kfac"
     description = "TensorFlow K-FAC LayerCollection + FisherEstimator (graph mode)"
-    dtype = "float64"
     conventions = Conventions()
-
-    @property
-    def unsupported(self):
-        from ..peers.nets import unsupported_reasons
-
-        return unsupported_reasons(_IMPLEMENTED, _REASONS)
+    IMPLEMENTED, REASONS = _IMPLEMENTED, _REASONS
+    DISTRIBUTIONS = ("kfac", "tensorflow-cpu")
 
     def setup(self):
         try:
@@ -112,11 +108,6 @@ class TfKfacAdapter(Adapter):
             raise AdapterUnavailable(
                 f"TF K-FAC is not installed ({exc}); see conformance/peers/tf.txt"
             ) from exc
-
-    def version(self):
-        import importlib.metadata as md
-
-        return f"kfac {md.version('kfac')}, tensorflow-cpu {md.version('tensorflow-cpu')}"
 
     # -- networks -----------------------------------------------------------------------------
     def _network(self, inputs, params, fetch_kind, damping=1e-3):
@@ -382,6 +373,8 @@ class TfKfacAdapter(Adapter):
     def _loss_run(self, inputs, params, what):
         import tensorflow as tf
 
+        from ..peers import nets
+
         def build():
             loss = self._tf_loss(inputs, params)
             ins = self._as_list(loss.inputs)
@@ -392,13 +385,7 @@ class TfKfacAdapter(Adapter):
             elif what == "fisher":
                 cols = []
                 for j in range(sum(sizes)):
-                    vec, off = [], 0
-                    for sz in sizes:
-                        v = np.zeros((n, sz))
-                        if off <= j < off + sz:
-                            v[:, j - off] = 1.0
-                        vec.append(tf.constant(v))
-                        off += sz
+                    vec = [tf.constant(v) for v in nets.unit_inputs(sizes, n, j)]
                     res = loss.multiply_fisher(vec if len(vec) > 1 else vec[0])
                     cols.append(tf.concat(self._as_list(res), axis=-1))
                 out = tf.stack(cols, axis=-1)

@@ -26,6 +26,16 @@ def cond(m):
     return float(s.max() / s.min()) if s.min() > 0 else float("inf")
 
 
+def block_diag(mats):
+    """The block-diagonal matrix of square NumPy blocks ``mats``, in order."""
+    n = sum(m.shape[0] for m in mats)
+    out, o = np.zeros((n, n)), 0
+    for m in mats:
+        out[o:o + m.shape[0], o:o + m.shape[0]] = m
+        o += m.shape[0]
+    return out
+
+
 def to_np(x):
     """A kfac_ref result (NumPy backend) or a Python float as a float64 ndarray."""
     return np.asarray(x, dtype=np.float64)

@@ -24,6 +24,7 @@ from .networks_cases import (
     _kfac_matrix,
     _layer_geometry,
     _make_inputs,
+    _tanh,
     build_net,
     loss_fn,
     params_from_inputs,
@@ -102,10 +103,20 @@ CAPABILITIES = [
 ]
 
 
+def _network_tolerance(spec, x_shape, n_out, gemms, updates=1):
+    """The tolerance of a case of the network ``spec``: Jacobian products and ``gemms`` GEMMs
+    of work N·D + P (N examples, D outputs each, P parameters), κ = 1, ×4 for the depth of
+    the chain rule, × the number of estimator ``updates``."""
+    work = x_shape[0] * int(n_out) + sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
+    how = f"Jacobian products and {gemms} GEMMs: work = N·D + P = {work}, κ = 1, ×4 chain depth"
+    return Tolerance(SAFETY * 4 * updates * work,
+                     how + (f", ×{updates} updates" if updates > 1 else ""))
+
+
 def _full_block_cases():
     from .networks_cases import kfac_matrix
 
-    tanh = {"kind": "activation", "fn": "tanh"}
+    tanh = _tanh()
     mlp = [_dense(3, 4), tanh, _dense(4, 3)]
     lin = [_dense(3, 3), _dense(3, 2)]
     runs = [("mlp_tanh_n4_ce", mlp, (4, 3), {"loss": "categorical"}, 3, "ggn_exact", b)
@@ -122,12 +133,9 @@ def _full_block_cases():
         k = kfac_matrix(params, inputs)
         alts = {"kronecker_instead_of_exact": np.diag(np.diag(k)) if "Diagonal" in block
                 else k}
-        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
-        work = x_shape[0] * int(n_out) + p_total
         cases.append(Case(
             cid, "estimator.full_blocks", inputs, params, expected,
-            Tolerance(SAFETY * 4 * work, f"Jacobian products and per-example gradient GEMMs: "
-                                         f"work = N·D + P = {work}, κ = 1, ×4 chain depth"),
+            _network_tolerance(spec, x_shape, n_out, "per-example gradient"),
             {"N": x_shape[0]}, alts, f"kfac-jax {block} blocks, {mode}"))
     return cases
 
@@ -135,7 +143,7 @@ def _full_block_cases():
 def build_cases() -> list[Case]:
     from .networks_cases import kfac_matrix
 
-    tanh = {"kind": "activation", "fn": "tanh"}
+    tanh = _tanh()
     nets = [
         ("mlp_tanh_ce", [_dense(3, 3), tanh, _dense(3, 3)], (3, 3), {"loss": "categorical"},
          3, "ggn_exact", 0.9),
@@ -158,11 +166,8 @@ def build_cases() -> list[Case]:
             "average_of_products": (decay * k0 + k1) / (decay + 1.0),
             "last_batch_only": k1,
         }  # (the raw, not debiased, sums are the ema_style='raw' convention flip)
-        p_total = sum(p * q for _, p, q, _, _ in _layer_geometry(spec))
-        work = x_shape[0] * int(n_out) + p_total
         cases.append(Case(
             cid, "estimator.kfac_ema", inputs, params, expected,
-            Tolerance(SAFETY * 8 * work, f"Jacobian products and factor GEMMs: work = N·D + P "
-                                         f"= {work}, κ = 1, ×4 chain depth, ×2 updates"),
+            _network_tolerance(spec, x_shape, n_out, "factor", updates=2),
             {"N": x_shape[0]}, alts, f"{mode}, decay {decay:g}"))
     return cases + _full_block_cases()

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
-from ._data import to_np
+from ._data import block_diag, to_np
 
 REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses")
 
@@ -79,9 +79,9 @@ def loss_fn(params):
     return lambda out, y: L.NormalMeanNegativeLogProbLoss(out, y, variance=v)
 
 
-def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
-                sharing=None):
-    """Block-diagonal K-FAC of the case's network (dense [P, P]) with kfac_ref."""
+def _one_update(params, inputs, to_backend, mode=None, sharing=None):
+    """kfac_ref's estimator of the case's network and its state after one update on the
+    case's batch (in ``mode``, default ``params["mode"]``): ``(estimator, state)``."""
     from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
@@ -94,6 +94,13 @@ def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=Non
     st = est.init(rng, (theta, batch))
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
                                               (theta, batch), mode or params["mode"])
+    return est, st
+
+
+def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
+                sharing=None):
+    """Block-diagonal K-FAC of the case's network (dense [P, P]) with kfac_ref."""
+    est, st = _one_update(params, inputs, to_backend, mode, sharing)
     return to_numpy(est.to_dense_matrix(st))
 
 
@@ -101,48 +108,17 @@ def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
                         exact=None, damping=None):
     """(K + λI)⁻¹ v with the block-diagonal K-FAC K of one estimator update (kfac_ref):
     per block factored π damping of λ/s (``exact=False``) or exact damping."""
-    from kfac_ref.curvature import BlockDiagonalCurvature
-
-    spec = params["net"]
-    net = build_net(spec)
-    theta = params_from_inputs(spec, inputs, to_backend)
-    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params),
-                                 weight_sharing=params.get("weight_sharing", "expand"))
-    rng = np.random.default_rng(0)
-    st = est.init(rng, (theta, batch))
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
-                                              (theta, batch), params["mode"])
+    est, st = _one_update(params, inputs, to_backend)
     out = est.multiply_matpower(st, to_backend(inputs["v"]),
                                 params["damping"] if damping is None else damping, -1.0,
                                 params["exact"] if exact is None else exact, False)
     return to_numpy(out)
 
 
-def _block_diag_np(mats):
-    n = sum(m.shape[0] for m in mats)
-    out, o = np.zeros((n, n)), 0
-    for m in mats:
-        out[o:o + m.shape[0], o:o + m.shape[0]] = m
-        o += m.shape[0]
-    return out
-
-
 def layer_factors(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                   sharing=None):
     """Every parametric layer's (A, G) after one update of kfac_ref's estimator."""
-    from kfac_ref.curvature import BlockDiagonalCurvature
-
-    spec = params["net"]
-    net = build_net(spec)
-    theta = params_from_inputs(spec, inputs, to_backend)
-    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params), weight_sharing=sharing or
-                                 params.get("weight_sharing", "expand"))
-    rng = np.random.default_rng(0)
-    st = est.init(rng, (theta, batch))
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
-                                              (theta, batch), mode or params["mode"])
+    _, st = _one_update(params, inputs, to_backend, mode, sharing)
     return [(to_numpy(bs.factors[0].value), to_numpy(bs.factors[1].value))
             for bs in st.blocks_states]
 
@@ -152,7 +128,7 @@ def kfac_factors(params, inputs, which, to_backend=lambda v: v, to_numpy=to_np, 
     """Block-diagonal matrix of every layer's input factors A (``which="input"``) or output
     factors G (``"output"``) after one update of kfac_ref's estimator."""
     k = 0 if which == "input" else 1
-    return _block_diag_np([f[k] for f in layer_factors(params, inputs, to_backend, to_numpy,
+    return block_diag([f[k] for f in layer_factors(params, inputs, to_backend, to_numpy,
                                                        mode, sharing)])
 
 
@@ -192,9 +168,9 @@ def conv_style_alternatives(params, inputs, t_conv):
         k_hybrid[sl, sl] = to_np(kron(a_h, g_r))
     return {
         "kfac": {"_conv_reduce": k_reduce, "_conv_hybrid": k_hybrid},
-        "input": {"_conv_reduce": _block_diag_np([a for a, _ in reduce]),
-                  "_conv_hybrid": _block_diag_np(a_hybrid)},
-        "output": {"_conv_reduce": _block_diag_np([g for _, g in reduce])},
+        "input": {"_conv_reduce": block_diag([a for a, _ in reduce]),
+                  "_conv_hybrid": block_diag(a_hybrid)},
+        "output": {"_conv_reduce": block_diag([g for _, g in reduce])},
     }
 
 
@@ -411,20 +387,38 @@ def _dense(d_in, d_out, bias=True):
     return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": bias}
 
 
+def _tanh():
+    return {"kind": "activation", "fn": "tanh"}
+
+
+def _small_conv():
+    """A 2×2 VALID convolution from 2 to 2 channels, with a bias."""
+    return {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
+            "padding": "VALID", "dilation": 1, "bias": True}
+
+
+def draw_parameters(r, spec):
+    """Every parametric layer's ``w{i}`` (scaled by 1/√fan-in) and ``b{i}`` (scaled by 0.3),
+    drawn from ``r`` in layer order."""
+    out = {}
+    for i, s in enumerate(spec):
+        if s["kind"] == "dense":
+            out[f"w{i}"] = r.standard_normal((s["d_in"], s["d_out"])) / np.sqrt(s["d_in"])
+            if s["bias"]:
+                out[f"b{i}"] = 0.3 * r.standard_normal(s["d_out"])
+        elif s["kind"] == "conv2d":
+            kh, kw = s["kernel"]
+            out[f"w{i}"] = r.standard_normal((kh, kw, s["c_in"], s["c_out"])) / np.sqrt(
+                kh * kw * s["c_in"])
+            if s["bias"]:
+                out[f"b{i}"] = 0.3 * r.standard_normal(s["c_out"])
+    return out
+
+
 def _make_inputs(cid, spec, x_shape, loss, n_out):
     r = rng_for(cid)
     inputs = {"x": r.standard_normal(x_shape)}
-    for i, s in enumerate(spec):
-        if s["kind"] == "dense":
-            inputs[f"w{i}"] = r.standard_normal((s["d_in"], s["d_out"])) / np.sqrt(s["d_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["d_out"])
-        elif s["kind"] == "conv2d":
-            kh, kw = s["kernel"]
-            inputs[f"w{i}"] = r.standard_normal((kh, kw, s["c_in"], s["c_out"])) / np.sqrt(
-                kh * kw * s["c_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["c_out"])
+    inputs.update(draw_parameters(r, spec))
     n = x_shape[0]
     if loss == "categorical":
         inputs["targets"] = r.integers(0, n_out, size=n).astype(np.int64)
@@ -443,9 +437,7 @@ def _block_diagonal(mat, spec):
 
 
 def build_cases() -> list[Case]:
-    conv = {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
-            "padding": "VALID", "dilation": 1, "bias": True}
-    tanh = {"kind": "activation", "fn": "tanh"}
+    conv, tanh = _small_conv(), _tanh()
     # (name, spec, x shape, loss params, output size, exact?, description)
     nets = [
         ("mlp_tanh_n1_ce", [_dense(3, 4), tanh, _dense(4, 3)], (1, 3),

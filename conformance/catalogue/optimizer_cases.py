@@ -48,7 +48,16 @@ import numpy as np
 
 from ..conventions import vec_index
 from ..model import SAFETY, Capability, Case, Tolerance, rng_for
-from .networks_cases import build_net, layer_factors, loss_fn, params_from_inputs
+from .networks_cases import (
+    _dense,
+    _small_conv,
+    _tanh,
+    build_net,
+    draw_parameters,
+    layer_factors,
+    loss_fn,
+    params_from_inputs,
+)
 
 REQUIRES = ("kfac_ref.nn", "kfac_ref.curvature", "kfac_ref.losses", "kfac_ref.optim")
 
@@ -261,24 +270,10 @@ CAPABILITIES = [
 
 
 # -- cases -------------------------------------------------------------------------------------
-def _dense(d_in, d_out, bias=True):
-    return {"kind": "dense", "d_in": d_in, "d_out": d_out, "bias": bias}
-
-
 def _make_inputs(cid, spec, x_shape, steps, loss, n_out):
     r = rng_for(cid)
     inputs = {"x": r.standard_normal((steps,) + tuple(x_shape))}
-    for i, s in enumerate(spec):
-        if s["kind"] == "dense":
-            inputs[f"w{i}"] = r.standard_normal((s["d_in"], s["d_out"])) / np.sqrt(s["d_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["d_out"])
-        elif s["kind"] == "conv2d":
-            kh, kw = s["kernel"]
-            inputs[f"w{i}"] = r.standard_normal((kh, kw, s["c_in"], s["c_out"])) / np.sqrt(
-                kh * kw * s["c_in"])
-            if s["bias"]:
-                inputs[f"b{i}"] = 0.3 * r.standard_normal(s["c_out"])
+    inputs.update(draw_parameters(r, spec))
     n = x_shape[0]
     if loss == "categorical":
         inputs["targets"] = r.integers(0, n_out, size=(steps, n)).astype(np.int64)
@@ -294,9 +289,7 @@ PITFALLS = ("exact_damping", "unsplit_damping", "identity_before_first_refresh",
 
 
 def build_cases() -> list[Case]:
-    conv = {"kind": "conv2d", "c_in": 2, "c_out": 2, "kernel": [2, 2], "stride": 1,
-            "padding": "VALID", "dilation": 1, "bias": True}
-    tanh = {"kind": "activation", "fn": "tanh"}
+    conv, tanh = _small_conv(), _tanh()
     # (name, spec, x shape per batch, loss params, outputs, hyper-parameters, description)
     nets = [
         ("mlp_tanh_n4_ce", [_dense(3, 4), tanh, _dense(4, 3)], (4, 3),

@@ -54,6 +54,7 @@ from .networks_cases import (
     _kfac_matrix,
     _layer_geometry,
     _make_inputs,
+    _tanh,
     build_net,
     kfac_matrix,
     loss_fn,
@@ -251,7 +252,7 @@ def draws_from(r, params, inputs):
 
 
 def build_cases() -> list[Case]:
-    tanh = {"kind": "activation", "fn": "tanh"}
+    tanh = _tanh()
     nets = [
         ("mlp_tanh_n8_ce", [_dense(3, 4), tanh, _dense(4, 3)], (8, 3), {"loss": "categorical"},
          3, SAMPLING_MODES),

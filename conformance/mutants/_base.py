@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from ..adapters.kfac_ref_adapter import KfacRefAdapter
 
 
@@ -15,3 +17,18 @@ class Mutant(KfacRefAdapter):
     def description(self):
         return f"MUTANT ({self.pitfall}): kfac_ref with a deliberate bug"
 
+
+
+class AlteredReference(Mutant):
+    """A mutant that runs kfac_ref's own code for every capability in ``EXPECTED``, altered the
+    same way for each: :meth:`alter` gets kfac_ref's implementation of the capability
+    (``reference(inputs, params)``) and returns the mutant's result."""
+
+    def alter(self, reference, inputs, params):
+        raise NotImplementedError
+
+    def implementations(self):
+        out = super().implementations()
+        for capability in self.EXPECTED:
+            out[capability] = functools.partial(self.alter, out[capability])
+        return out

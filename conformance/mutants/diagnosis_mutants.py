@@ -16,8 +16,8 @@ import numpy as np
 
 from ..adapter import implements
 from ..conventions import Conventions
-from ._base import Mutant
-from .linalg_mutants import _inv_pow, _WrongPi
+from ._base import AlteredReference, Mutant
+from .linalg_mutants import DAMPED_SPLIT, _inv_pow, _WrongPi
 
 _M = "conformance.mutants.diagnosis_mutants"
 
@@ -39,13 +39,12 @@ def _pi_eps(a, g, eps=1e-8):
 class PiWithoutDimensionsEpsilon(_WrongPi):
     name = "mutant_pi_without_dimensions_eps"
     pitfall = "π = sqrt(tr A / tr G + 1e-8): no dimension normalisation, plus a safety epsilon"
-    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
-                "linalg.pi_adjusted_damping": "pi_without_dimensions",
-                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions"}
+    EXPECTED = dict.fromkeys(("linalg.pi_tracenorm", "linalg.pi_adjusted_damping",
+                              "linalg.factored_damped_inverse_matvec"), "pi_without_dimensions")
     _pi = staticmethod(_pi_eps)
 
 
-class ConvInputKernelAverage(Mutant):
+class ConvInputKernelAverage(AlteredReference):
     name = "mutant_conv_input_kernel_average"
     pitfall = "conv input factor averaged over the kernel offsets (divided by k_h·k_w)"
     EXPECTED = {"factors.conv_input": "scale:1/kernel"}
@@ -53,10 +52,9 @@ class ConvInputKernelAverage(Mutant):
     # diagnosis names the more common cause first
     EXPECTED_CASES = {"factors.conv_input/same_*": "scale:1/N^2"}
 
-    @implements("factors.conv_input")
-    def conv_input(self, inputs, params):
+    def alter(self, reference, inputs, params):
         k = params["filter_shape"][0] * params["filter_shape"][1]
-        return np.asarray(super().conv_input(inputs, params)) / k
+        return np.asarray(reference(inputs, params)) / k
 
 
 def _kfac(self, inputs, params, mode=None):
@@ -173,52 +171,42 @@ class UnexplainedFactor(Mutant):
         return np.kron(self._bad(inputs["a"]), inputs["g"]) @ inputs["v"]
 
 
-class DampingPerFactor(Mutant):
+class DampingPerFactor(AlteredReference):
     name = "mutant_damping_per_factor"
     pitfall = "the damping given is added to each factor (π·λ, λ/π) where √λ is declared"
-    EXPECTED = {"linalg.pi_adjusted_damping": "damping_parameterisation",
-                "linalg.factored_damped_inverse_matvec": "damping_parameterisation",
-                "linalg.factored_damped_matpower_matvec": "damping_parameterisation"}
+    EXPECTED = dict.fromkeys(DAMPED_SPLIT, "damping_parameterisation")
 
-    def _sq(self, fn, inputs, params):
-        return fn(inputs, dict(params, damping=params["damping"] ** 2))
-
-    @implements("linalg.pi_adjusted_damping")
-    def pi_adjusted_damping(self, inputs, params):
-        return self._sq(super().pi_adjusted_damping, inputs, params)
-
-    @implements("linalg.factored_damped_inverse_matvec")
-    def factored_inverse(self, inputs, params):
-        return self._sq(super().factored_inverse, inputs, params)
-
-    @implements("linalg.factored_damped_matpower_matvec")
-    def factored_matpower(self, inputs, params):
-        return self._sq(super().factored_matpower, inputs, params)
+    def alter(self, reference, inputs, params):
+        return reference(inputs, dict(params, damping=params["damping"] ** 2))
 
 
-def _running_average(xs, decay, weight, first):
-    out, m = [], np.zeros_like(xs[0])
-    for i, x in enumerate(xs):
-        m = x if first and i == 0 else decay * m + weight * x
-        out.append(m)
-    return np.stack(out)
+class _TiedEma(Mutant):
+    """The running average ``m ← δm + (1 − δ)X`` (the new statistic's weight tied to the
+    decay), from ``m = 0``, or from ``m₁ = X₁`` where ``first`` is set."""
+
+    first = False
+
+    @implements("averaging.ema")
+    def ema(self, inputs, params):
+        d, xs = params["decay"], inputs["xs"]
+        out, m = [], np.zeros_like(xs[0])
+        for i, x in enumerate(xs):
+            m = x if self.first and i == 0 else d * m + (1.0 - d) * x
+            out.append(m)
+        return np.stack(out)
 
 
-class EmaFirstStatistic(Mutant):
+class EmaFirstStatistic(_TiedEma):
     name = "mutant_ema_first_statistic"
     pitfall = ("running average m₁ = X₁, m ← δm + (1 − δ)X (PyTorch style), declared as the "
                "zero-debiased average")
     EXPECTED = {"averaging.ema": "ema_first_statistic+ema_weight_tied"}
     EXPECTED_CASES = {"averaging.ema/k5_decay0.95_weight0.05": "ema_first_statistic",
                       "averaging.ema/k3_decay0_weight1": "pass"}
-
-    @implements("averaging.ema")
-    def ema(self, inputs, params):
-        d = params["decay"]
-        return _running_average(inputs["xs"], d, 1.0 - d, True)
+    first = True
 
 
-class EmaWeightTied(Mutant):
+class EmaWeightTied(_TiedEma):
     name = "mutant_ema_weight_tied"
     pitfall = ("raw moving sum declared (ema_style='raw') but the new statistic weighted by "
                "1 − δ instead of the weight passed")
@@ -227,11 +215,6 @@ class EmaWeightTied(Mutant):
     EXPECTED_CASES = {"averaging.ema/k4_decay0.9_weight1": "ema_weight_tied",
                       "averaging.ema/k5_decay0.95_weight0.05": "pass",
                       "averaging.ema/k3_decay0_weight1": "pass"}
-
-    @implements("averaging.ema")
-    def ema(self, inputs, params):
-        d = params["decay"]
-        return _running_average(inputs["xs"], d, 1.0 - d, False)
 
 
 MUTANTS = [KronSwappedDeclaredGA, PiWithoutDimensionsEpsilon, ConvInputKernelAverage,

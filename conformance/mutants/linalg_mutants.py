@@ -7,9 +7,14 @@ import math
 import numpy as np
 
 from ..adapter import implements
-from ._base import Mutant
+from ._base import AlteredReference, Mutant
 
 _M = "conformance.mutants.linalg_mutants"
+
+#: the capabilities the split of a factored damping shows in: the damping pair, the damped
+#: inverse and the damped power
+DAMPED_SPLIT = ("linalg.pi_adjusted_damping", "linalg.factored_damped_inverse_matvec",
+                "linalg.factored_damped_matpower_matvec")
 
 
 def _pi_no_dims(a, g):
@@ -104,33 +109,28 @@ class _WrongPi(_WrongSplit):
         return np.asarray(self._pi(inputs["a"], inputs["g"]))
 
 
-class PiWithoutDimensions(_WrongPi):
-    name = "mutant_pi_without_dimensions"
-    pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
-    EXPECTED = {"linalg.pi_tracenorm": "pi_without_dimensions",
-                "linalg.pi_adjusted_damping": "pi_without_dimensions",
-                "linalg.factored_damped_inverse_matvec": "pi_without_dimensions",
-                "linalg.factored_damped_matpower_matvec": "pi_without_dimensions"}
-    _pi = staticmethod(_pi_no_dims)
+class _WrongSplitPower(_WrongSplit):
+    """A :class:`_WrongSplit` whose damped power uses the wrong split too."""
 
     @implements("linalg.factored_damped_matpower_matvec")
     def factored_matpower(self, inputs, params):
         return self._apply(inputs, params["exp"], params["damping"])
 
 
-class UnsplitDamping(_WrongSplit):
+class PiWithoutDimensions(_WrongPi, _WrongSplitPower):
+    name = "mutant_pi_without_dimensions"
+    pitfall = "π = sqrt(tr A / tr G), without dividing the traces by the dimensions"
+    EXPECTED = dict.fromkeys(("linalg.pi_tracenorm", *DAMPED_SPLIT), "pi_without_dimensions")
+    _pi = staticmethod(_pi_no_dims)
+
+
+class UnsplitDamping(_WrongSplitPower):
     name = "mutant_unsplit_damping"
     pitfall = "the same λ added to both factors: (A + λI) ⊗ (G + λI)"
-    EXPECTED = {"linalg.pi_adjusted_damping": "unsplit_damping",
-                "linalg.factored_damped_inverse_matvec": "unsplit_damping",
-                "linalg.factored_damped_matpower_matvec": "unsplit_damping"}
+    EXPECTED = dict.fromkeys(DAMPED_SPLIT, "unsplit_damping")
 
     def _split(self, a, g, damping):
         return damping, damping
-
-    @implements("linalg.factored_damped_matpower_matvec")
-    def factored_matpower(self, inputs, params):
-        return self._apply(inputs, params["exp"], params["damping"])
 
 
 class ExactForFactored(Mutant):
@@ -174,14 +174,13 @@ class SymmetrisedCross(Mutant):
         return (c + c.T) / 2
 
 
-class NaNOutput(Mutant):
+class NaNOutput(AlteredReference):
     name = "mutant_nan"
     pitfall = "returns NaN where a power of a singular matrix is taken without clipping"
     EXPECTED = {"linalg.damped_matpower": "non_finite"}
 
-    @implements("linalg.damped_matpower")
-    def damped_matpower(self, inputs, params):
-        out = np.asarray(super().damped_matpower(inputs, params))
+    def alter(self, reference, inputs, params):
+        out = np.asarray(reference(inputs, params))
         return np.where(np.eye(out.shape[0]) > 0, np.nan, out)
 
 
@@ -201,35 +200,23 @@ ADAPTERS = {m.name: f"{_M}:{m.__name__}" for m in MUTANTS}
 
 
 # -- blocks ------------------------------------------------------------------------------------
-class MissingBlockScale(Mutant):
+class MissingBlockScale(AlteredReference):
     name = "mutant_missing_block_scale"
     pitfall = "conv/multi-use block without its |T| (T) multiplier"
-    EXPECTED = {"blocks.kron_matpower": "missing_block_scale",
-                "blocks.kron_eigenvalues": "missing_block_scale",
-                "blocks.diagonal_matpower": "missing_block_scale"}
+    EXPECTED = dict.fromkeys(("blocks.kron_matpower", "blocks.kron_eigenvalues",
+                              "blocks.diagonal_matpower"), "missing_block_scale")
 
-    @implements("blocks.kron_matpower")
-    def kron_matpower(self, inputs, params):
-        return super().kron_matpower(inputs, dict(params, scale=1.0))
-
-    @implements("blocks.kron_eigenvalues")
-    def kron_eigenvalues(self, inputs, params):
-        return super().kron_eigenvalues(inputs, dict(params, scale=1.0))
-
-    @implements("blocks.diagonal_matpower")
-    def diagonal_matpower(self, inputs, params):
-        return super().diagonal_matpower(inputs, dict(params, scale=1.0))
+    def alter(self, reference, inputs, params):
+        return reference(inputs, dict(params, scale=1.0))
 
 
-class DampingNotNormalised(Mutant):
+class DampingNotNormalised(AlteredReference):
     name = "mutant_damping_not_normalised"
     pitfall = "λ split between the factors of s·(A⊗G) without dividing it by s"
     EXPECTED = {"blocks.kron_matpower": "damping_not_normalised"}
 
-    @implements("blocks.kron_matpower")
-    def kron_matpower(self, inputs, params):
-        return super().kron_matpower(inputs, dict(params,
-                                                  damping=params["damping"] * params["scale"]))
+    def alter(self, reference, inputs, params):
+        return reference(inputs, dict(params, damping=params["damping"] * params["scale"]))
 
 
 class SeriesSignedEigenvalues(Mutant):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import implements
-from ._base import Mutant
+from ._base import AlteredReference, Mutant
 
 _M = "conformance.mutants.loss_mutants"
 
@@ -28,26 +28,16 @@ class FactorTransposed(Mutant):
         return super().loss_fisher_factor({**inputs, "u": inputs["v"]}, params)
 
 
-class FactorWeightW(Mutant):
+class FactorWeightW(AlteredReference):
     name = "mutant_factor_weight_w"
     pitfall = "factor products scaled by the loss weight w instead of √w"
-    EXPECTED = {"losses.fisher_factor": "factor_weight_w",
-                "losses.fisher_factor_transpose": "factor_weight_w",
-                "losses.ggn_factor": "factor_weight_w"}
+    EXPECTED = dict.fromkeys(("losses.fisher_factor", "losses.fisher_factor_transpose",
+                              "losses.ggn_factor"), "factor_weight_w")
     # w = 2 with v = 1: √2 is also exactly the squared-error convention v = 1/2 (named first)
     EXPECTED_CASES = {"losses.*factor*/normal_mean_weight2_variance1": "mse_factor_2"}
 
-    @implements("losses.fisher_factor")
-    def loss_fisher_factor(self, inputs, params):
-        return np.sqrt(params["weight"]) * super().loss_fisher_factor(inputs, params)
-
-    @implements("losses.fisher_factor_transpose")
-    def loss_fisher_factor_t(self, inputs, params):
-        return np.sqrt(params["weight"]) * super().loss_fisher_factor_t(inputs, params)
-
-    @implements("losses.ggn_factor")
-    def loss_ggn_factor(self, inputs, params):
-        return np.sqrt(params["weight"]) * super().loss_ggn_factor(inputs, params)
+    def alter(self, reference, inputs, params):
+        return np.sqrt(params["weight"]) * reference(inputs, params)
 
 
 class SampleMode(Mutant):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..adapter import implements
-from ._base import Mutant
+from ._base import AlteredReference, Mutant
 
 _M = "conformance.mutants.model_mutants"
 
@@ -39,6 +39,19 @@ class ConvExpandUndeclared(Mutant):
         return t * np.asarray(super().conv_output(inputs, params))
 
 
+def unfold_patches(inputs, params):
+    """The patch matrix [N·|T|, kh·kw·C] of a ``factors.conv_input`` case in PyTorch's
+    ``unfold`` order (channel slowest), without a bias column."""
+    from kfac_ref import factors
+
+    fs = params["filter_shape"]
+    p = np.asarray(factors.conv_patch_matrix(
+        inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
+        params["data_format"]))
+    kk, c = fs[0] * fs[1], fs[2]
+    return p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)
+
+
 class PatchOrderCHW(Mutant):
     name = "mutant_patch_order_chw"
     pitfall = "patch vectors in PyTorch unfold order (channel slowest) declared as (kh, kw, C)"
@@ -46,62 +59,41 @@ class PatchOrderCHW(Mutant):
 
     @implements("factors.conv_input")
     def conv_input(self, inputs, params):
-        from kfac_ref import factors
-
-        fs = params["filter_shape"]
-        p = np.asarray(factors.conv_patch_matrix(
-            inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
-            params["data_format"]))
-        kk, c = fs[0] * fs[1], fs[2]
-        p = p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)
+        p = unfold_patches(inputs, params)
         if params["has_bias"]:
             p = np.concatenate([p, np.ones((p.shape[0], 1))], axis=1)
         return p.T @ p / p.shape[0]
 
 
-class MSEFactor2(Mutant):
+class MSEFactor2(AlteredReference):
     name = "mutant_mse_factor_2"
     pitfall = "squared error ‖f − y‖² used for a unit-variance Gaussian NLL (curvature 2I)"
-    EXPECTED = {"losses.fisher": "mse_factor_2", "losses.gradient": "mse_factor_2",
-                "losses.hessian": "mse_factor_2"}
+    EXPECTED = dict.fromkeys(("losses.fisher", "losses.gradient", "losses.hessian"),
+                             "mse_factor_2")
 
-    def _twice(self, fn, inputs, params):
-        out = np.asarray(fn(inputs, params))
+    def alter(self, reference, inputs, params):
+        out = np.asarray(reference(inputs, params))
         return 2.0 * out if params["loss"] == "normal_mean" else out
 
-    @implements("losses.fisher")
-    def loss_fisher(self, inputs, params):
-        return self._twice(super().loss_fisher, inputs, params)
 
-    @implements("losses.gradient")
-    def loss_gradient(self, inputs, params):
-        return self._twice(super().loss_gradient, inputs, params)
-
-    @implements("losses.hessian")
-    def loss_hessian(self, inputs, params):
-        return self._twice(super().loss_hessian, inputs, params)
-
-
-class EmpiricalForTrue(Mutant):
+class EmpiricalForTrue(AlteredReference):
     name = "mutant_empirical_for_true_fisher"
     pitfall = ("K-FAC statistics from the data labels where the type-2/true Fisher is asked, "
                "and vice versa (gpauloski/kfac-pytorch#109)")
     EXPECTED = {"networks.kfac": ("empirical_fisher", "true_fisher")}
 
-    @implements("networks.kfac")
-    def net_kfac(self, inputs, params):
+    def alter(self, reference, inputs, params):
         swapped = "ggn_exact" if params["mode"] == "fisher_empirical" else "fisher_empirical"
-        return super().net_kfac(inputs, dict(params, mode=swapped))
+        return reference(inputs, dict(params, mode=swapped))
 
 
-class KfacJaxEmpiricalScale(Mutant):
+class KfacJaxEmpiricalScale(AlteredReference):
     name = "mutant_kfac_jax_empirical_scale"
     pitfall = "empirical Fisher with kfac-jax's extra 1/N, declared as the per-example average"
     EXPECTED = {"networks.empirical_fisher": "empirical_fisher_scale"}
 
-    @implements("networks.empirical_fisher")
-    def net_ef(self, inputs, params):
-        return np.asarray(super().net_ef(inputs, params)) / inputs["x"].shape[0]
+    def alter(self, reference, inputs, params):
+        return np.asarray(reference(inputs, params)) / inputs["x"].shape[0]
 
 
 class ExactBlocksForKfac(Mutant):

@@ -137,6 +137,15 @@ def _eps(dtype_name):
     return EPS32
 
 
+def verdict(check) -> str:
+    """A check's verdict (``check`` has ``ok``, ``rel_err``, ``rtol``, ``diagnosis`` and
+    ``explanation``): ok with its relative error, or FAIL with the diagnosis."""
+    if check.ok:
+        return f"ok (relative error {check.rel_err:.1e} <= {check.rtol:.1e})"
+    return (f"FAIL relative error {check.rel_err:.3e} > {check.rtol:.1e}; "
+            f"diagnosis: {check.diagnosis}: {check.explanation}")
+
+
 @dataclass
 class LayerCheck:
     """One factor of one layer: agreement with the reference, or the diagnosed pitfall.
@@ -153,12 +162,9 @@ class LayerCheck:
 
     def line(self) -> str:
         head = f"{self.layer}.{self.factor}: "
-        if self.ok:
-            return head + f"ok (relative error {self.rel_err:.1e} <= {self.rtol:.1e})"
-        if self.scaled:
+        if self.scaled and not self.ok:
             return head + f"differs by {self.scaled} (an equivalent split; see the block)"
-        return head + (f"FAIL relative error {self.rel_err:.3e} > {self.rtol:.1e}; "
-                       f"diagnosis: {self.diagnosis}: {self.explanation}")
+        return head + verdict(self)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._check import verdict
 from ._reference import _is_tensor, _np, check_mode_args, check_samples
 from ._torch import reference_torch_kfac, torch_conv_padding
 
@@ -195,11 +196,7 @@ class PreconditionerLayerCheck:
 
     def line(self) -> str:
         d_g, d_a = self.shape
-        head = f"{self.layer} [{d_g}×{d_a}, κ_B {self.kappa:.1e}]: "
-        if self.ok:
-            return head + f"ok (relative error {self.rel_err:.1e} <= {self.rtol:.1e})"
-        return head + (f"FAIL relative error {self.rel_err:.3e} > {self.rtol:.1e}; "
-                       f"diagnosis: {self.diagnosis}: {self.explanation}")
+        return f"{self.layer} [{d_g}×{d_a}, κ_B {self.kappa:.1e}]: " + verdict(self)
 
 
 @dataclass

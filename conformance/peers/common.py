@@ -47,6 +47,12 @@ def mlp_problem(n=4, dims=(3, 5, 4), seed=0):
     }
 
 
+def mlp_dims(p):
+    """The MLP problem's layers' (d_in, d_out)."""
+    (d0, d1), d2 = p["W1"].shape, p["W2"].shape[1]
+    return [(d0, d1), (d1, d2)]
+
+
 def mlp_forward(p, bias=True):
     b1 = p["b1"] if bias else 0.0
     b2 = p["b2"] if bias else 0.0

@@ -112,6 +112,18 @@ def _homog_perm(perm, bias):
     return np.concatenate([perm, [len(perm)]]) if bias else perm
 
 
+def _factor_rows(rows, tag, op, names, factors, bias, sep):
+    """A row for each layer's A and G = I of curvlinops' operator ``op`` (its modules
+    ``names``) against kfac_ref's ``factors``: A without the bias coordinate where the bias is
+    a separate block (``sep``)."""
+    for name, (a, g) in zip(names, factors, strict=True):
+        a_t = a if (bias and not sep) or not bias else a[:-1, :-1]
+        rows.append((f"{tag} layer {name} A",
+                     _rel(op._input_covariances[name].numpy(), a_t)))
+        rows.append((f"{tag} layer {name} G = I",
+                     _rel(op._gradient_covariances[name].numpy(), g)))
+
+
 def run_mlp(rows):
     p = C.mlp_problem()
     dims = [p["W1"].shape, p["W2"].shape]
@@ -129,12 +141,7 @@ def run_mlp(rows):
                     op, dense = _curvlinops(model, loss, reduction, T.inputs(p),
                                             T.targets(p, loss), sep, fisher_type="forward-only")
                     tag = f"MLP bias={bias} {loss}({reduction}) separate={sep}"
-                    for name, (a, g) in zip(("0", "2"), factors, strict=True):
-                        a_t = a if (bias and not sep) or not bias else a[:-1, :-1]
-                        rows.append((f"{tag} layer {name} A",
-                                     _rel(op._input_covariances[name].numpy(), a_t)))
-                        rows.append((f"{tag} layer {name} G = I",
-                                     _rel(op._gradient_covariances[name].numpy(), g)))
+                    _factor_rows(rows, tag, op, ("0", "2"), factors, bias, sep)
                     rows.append((f"{tag} dense (op @ I)",
                                  _rel(dense, T.expected_dense(factors, dims, bias, sep))))
         op, dense = _curvlinops(model, "ce", "mean", T.inputs(p), T.targets(p, "ce"), True,
@@ -175,12 +182,7 @@ def run_conv(rows):
                                                 T.targets(p, loss), sep,
                                                 fisher_type="forward-only", kfac_approx=approx)
                         tag = f"conv {approx} bias={bias} {loss}({reduction}) separate={sep}"
-                        for name, (a, g) in zip(("0", "3"), factors, strict=True):
-                            a_t = a if (bias and not sep) or not bias else a[:-1, :-1]
-                            rows.append((f"{tag} layer {name} A",
-                                         _rel(op._input_covariances[name].numpy(), a_t)))
-                            rows.append((f"{tag} layer {name} G = I",
-                                         _rel(op._gradient_covariances[name].numpy(), g)))
+                        _factor_rows(rows, tag, op, ("0", "3"), factors, bias, sep)
                         rows.append((f"{tag} dense (op @ I)"
                                      + (f", kfac_ref's conv block × 1/|T| = 1/{n_loc}"
                                         if sharing == "expand" else ""),

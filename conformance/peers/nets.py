@@ -16,6 +16,8 @@ import math
 
 import numpy as np
 
+from ..catalogue._data import block_diag as block_diag  # the adapters' nets.block_diag
+
 __all__ = ["conv_pads", "parametric", "torch_build", "torch_loss"]
 
 
@@ -141,12 +143,17 @@ def torch_targets(params, inputs):
     return torch.as_tensor(t.astype(np.float64))
 
 
-def block_diag(mats):
-    n = sum(m.shape[0] for m in mats)
-    out, o = np.zeros((n, n)), 0
-    for m in mats:
-        out[o : o + m.shape[0], o : o + m.shape[0]] = m
-        o += m.shape[0]
+def unit_inputs(sizes, n, j):
+    """Coordinate ``j`` of a loss's inputs concatenated along the last axis, split back into
+    one [n, size] array per input of ``sizes``: the j-th unit vector, the same for every
+    example (a column of the per-example curvature multiplies it)."""
+    out, off = [], 0
+    for sz in sizes:
+        v = np.zeros((n, sz))
+        if off <= j < off + sz:
+            v[:, j - off] = 1.0
+        out.append(v)
+        off += sz
     return out
 
 

@@ -52,35 +52,33 @@ def _fisher(model, x, y, loss, fisher_type, shapes=("kron",), n=None, emp_loss=N
 
 def run_mlp(rep):
     p = C.mlp_problem()
-    n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
-    dims = [(d0, d1), (d1, d2)]
+    n, dims = p["x"].shape[0], C.mlp_dims(p)
+    d1 = dims[1][0]
     x = T.inputs(p)
-    for bias in (True, False):
-        for loss in ("mse", "ce"):
-            y = T.targets(p, loss)
-            for ftype, fisher in (("fisher_exact", "type2"), ("fisher_emp", "empirical")):
-                model = T.mlp_model(p, bias)
-                T.check_forward(model, p, bias=bias)
-                # empirical: ASDL differentiates the user's loss; it must be a SUM over the batch
-                # (ASDL divides by data_size).  ½·Σ‖f−y‖² matches the reference's ½‖f−y‖².
-                # ASDL forces reduction="sum" on the loss it is given (it must have a
-                # `reduction` option), so ½‖f−y‖² is a MSELoss subclass halving the result.
-                emp = HalfMSE() if loss == "mse" else F.cross_entropy
-                _fisher(model, x, y, loss, ftype, emp_loss=emp)
-                ref = C.mlp_reference(p, loss, fisher, bias)
-                tag = f"mlp {loss} bias={bias} {ftype}"
-                for i, lin in enumerate((model[0], model[2])):
-                    kr = lin.fisher.kron
-                    a_ref, g_ref = ref[i]
-                    rep.check(
-                        f"{tag} layer{i + 1} A",
-                        kr.A.detach().numpy(),
-                        a_ref[: dims[i][0], : dims[i][0]],
-                        TOL,
-                    )
-                    rep.check(f"{tag} layer{i + 1} G (B)", kr.B.detach().numpy(), g_ref, TOL)
-                if ftype == "fisher_exact":
-                    _check_inverse(rep, tag, model, ref, dims, bias)
+    for bias, loss, y in T.mlp_settings(p):
+        for ftype, fisher in (("fisher_exact", "type2"), ("fisher_emp", "empirical")):
+            model = T.mlp_model(p, bias)
+            T.check_forward(model, p, bias=bias)
+            # empirical: ASDL differentiates the user's loss; it must be a SUM over the batch
+            # (ASDL divides by data_size).  ½·Σ‖f−y‖² matches the reference's ½‖f−y‖².
+            # ASDL forces reduction="sum" on the loss it is given (it must have a
+            # `reduction` option), so ½‖f−y‖² is a MSELoss subclass halving the result.
+            emp = HalfMSE() if loss == "mse" else F.cross_entropy
+            _fisher(model, x, y, loss, ftype, emp_loss=emp)
+            ref = C.mlp_reference(p, loss, fisher, bias)
+            tag = f"mlp {loss} bias={bias} {ftype}"
+            for i, lin in enumerate((model[0], model[2])):
+                kr = lin.fisher.kron
+                a_ref, g_ref = ref[i]
+                rep.check(
+                    f"{tag} layer{i + 1} A",
+                    kr.A.detach().numpy(),
+                    a_ref[: dims[i][0], : dims[i][0]],
+                    TOL,
+                )
+                rep.check(f"{tag} layer{i + 1} G (B)", kr.B.detach().numpy(), g_ref, TOL)
+            if ftype == "fisher_exact":
+                _check_inverse(rep, tag, model, ref, dims, bias)
     # data_size / reduction: ASDL's scale is 1/data_size whatever loss reduction the user has
     model = T.mlp_model(p, True)
     _fisher(model, x, T.targets(p, "ce"), "ce", "fisher_exact", n=1)
@@ -165,9 +163,7 @@ def run_conv(rep):
     p = C.conv_problem()
     kh, kw, c_in, c_out = p["K"].shape
     x = T.inputs(p, conv=True)
-    for loss in ("mse", "ce"):
-        y = T.targets(p, loss)
-        ref = C.conv_reference(p, loss, "type2", True)
+    for loss, y, ref in T.conv_settings(p):
         model = T.conv_model(p, True)
         T.check_forward(model, p, conv=True)
         _fisher(model, x, y, loss, "fisher_exact")

@@ -49,67 +49,65 @@ def _kf(param, attr):
 
 def run_mlp(rep):
     p = C.mlp_problem()
-    n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
-    dims = [(d0, d1), (d1, d2)]
+    n, dims = p["x"].shape[0], C.mlp_dims(p)
+    d2 = dims[1][1]
     x = T.inputs(p)
-    for bias in (True, False):
-        for loss in ("mse", "ce"):
-            y = T.targets(p, loss)
-            ref = C.mlp_reference(p, loss, "type2", bias)
-            for reduction in ("mean", "sum"):
-                sc = g_scale(loss, reduction, n, d2)
-                model = T.mlp_model(p, bias)
-                T.check_forward(model, p, bias=bias)
-                model = _run(model, T.loss_fn(loss, reduction), x, y, KFLR())
-                tag = f"mlp {loss} {reduction} bias={bias} KFLR"
-                for i, lin in enumerate((model[0], model[2])):
-                    g, a = _kf(lin.weight, "kflr")
-                    a_ref, g_ref = ref[i]
-                    rep.check(
-                        f"{tag} layer{i + 1} A (weight)", a, a_ref[: dims[i][0], : dims[i][0]], TOL
-                    )
-                    rep.check(
-                        f"{tag} layer{i + 1} G (weight)",
-                        g,
-                        sc * g_ref,
-                        TOL,
-                        f"G×{sc:g}" if sc != 1 else "",
-                    )
-                    if bias:
-                        (gb,) = _kf(lin.bias, "kflr")
-                        rep.check(f"{tag} layer{i + 1} G (bias block)", gb, sc * g_ref, TOL)
-            # MC (KFAC extension), statistical: average many independent backward passes
-            if bias:
-                draws = 300
-                acc = None
-                torch.manual_seed(0)
-                for _ in range(draws):
-                    model = _run(
-                        T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFAC(mc_samples=1)
-                    )
-                    gs = [_kf(lin.weight, "kfac")[0] for lin in (model[0], model[2])]
-                    acc = gs if acc is None else [u + v for u, v in zip(acc, gs, strict=False)]
-                sc = g_scale(loss, "mean", n, d2)
-                for i in range(2):
-                    # MC error ~ c/√(draws·N), c ≤ 2: 0.1 > 3σ
-                    rep.check(
-                        f"mlp {loss} mean bias=True KFAC(mc, {draws} draws) layer{i + 1} G",
-                        acc[i] / draws,
-                        sc * ref[i][1],
-                        0.1,
-                        "statistical",
-                    )
-            # KFRA: the recursive approximation differs from K-FAC except at the last layer
-            model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFRA())
-            g, a = _kf(model[2].weight, "kfra")
+    for bias, loss, y in T.mlp_settings(p):
+        ref = C.mlp_reference(p, loss, "type2", bias)
+        for reduction in ("mean", "sum"):
+            sc = g_scale(loss, reduction, n, d2)
+            model = T.mlp_model(p, bias)
+            T.check_forward(model, p, bias=bias)
+            model = _run(model, T.loss_fn(loss, reduction), x, y, KFLR())
+            tag = f"mlp {loss} {reduction} bias={bias} KFLR"
+            for i, lin in enumerate((model[0], model[2])):
+                g, a = _kf(lin.weight, "kflr")
+                a_ref, g_ref = ref[i]
+                rep.check(
+                    f"{tag} layer{i + 1} A (weight)", a, a_ref[: dims[i][0], : dims[i][0]], TOL
+                )
+                rep.check(
+                    f"{tag} layer{i + 1} G (weight)",
+                    g,
+                    sc * g_ref,
+                    TOL,
+                    f"G×{sc:g}" if sc != 1 else "",
+                )
+                if bias:
+                    (gb,) = _kf(lin.bias, "kflr")
+                    rep.check(f"{tag} layer{i + 1} G (bias block)", gb, sc * g_ref, TOL)
+        # MC (KFAC extension), statistical: average many independent backward passes
+        if bias:
+            draws = 300
+            acc = None
+            torch.manual_seed(0)
+            for _ in range(draws):
+                model = _run(
+                    T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFAC(mc_samples=1)
+                )
+                gs = [_kf(lin.weight, "kfac")[0] for lin in (model[0], model[2])]
+                acc = gs if acc is None else [u + v for u, v in zip(acc, gs, strict=False)]
             sc = g_scale(loss, "mean", n, d2)
-            rep.check(
-                f"mlp {loss} mean bias={bias} KFRA last layer G = K-FAC G (batch-averaged "
-                "output Hessian)",
-                g,
-                sc * ref[1][1],
-                TOL,
-            )
+            for i in range(2):
+                # MC error ~ c/√(draws·N), c ≤ 2: 0.1 > 3σ
+                rep.check(
+                    f"mlp {loss} mean bias=True KFAC(mc, {draws} draws) layer{i + 1} G",
+                    acc[i] / draws,
+                    sc * ref[i][1],
+                    0.1,
+                    "statistical",
+                )
+        # KFRA: the recursive approximation differs from K-FAC except at the last layer
+        model = _run(T.mlp_model(p, bias), T.loss_fn(loss, "mean"), x, y, KFRA())
+        g, a = _kf(model[2].weight, "kfra")
+        sc = g_scale(loss, "mean", n, d2)
+        rep.check(
+            f"mlp {loss} mean bias={bias} KFRA last layer G = K-FAC G (batch-averaged "
+            "output Hessian)",
+            g,
+            sc * ref[1][1],
+            TOL,
+        )
 
 
 def run_conv(rep):
@@ -117,9 +115,7 @@ def run_conv(rep):
     n = p["x"].shape[0]
     kh, kw, c_in, c_out = p["K"].shape
     x = T.inputs(p, conv=True)
-    for loss in ("mse", "ce"):
-        y = T.targets(p, loss)
-        ref = C.conv_reference(p, loss, "type2", True)
+    for loss, y, ref in T.conv_settings(p):
         sc = g_scale(loss, "mean", n, p["W"].shape[1])
         model = _run(T.conv_model(p, True), T.loss_fn(loss, "mean"), x, y, KFLR())
         g, a = _kf(model[0].weight, "kflr")

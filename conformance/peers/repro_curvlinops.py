@@ -163,39 +163,33 @@ def _check_inverse(rep, tag, op, params, ref, dims, bias, sc):
     vs = [rng.standard_normal(tuple(q.shape)) for q in params]
     vt = [torch.as_tensor(v) for v in vs]
     lam = 0.1
-    npl = 2 if bias else 1
     for style in ("heuristic", "exact", "both"):
         kw = {"use_heuristic_damping": style == "heuristic", "use_exact_damping": style == "exact"}
         inv = KFACInverseLinearOperator(op, damping=lam, **kw)
         got = np.concatenate([t.detach().numpy().ravel() for t in inv @ vt])
-        exp = []
-        for li, ((a, g), (d_in, _d_out)) in enumerate(zip(ref, dims, strict=False)):
-            w = vs[li * npl]  # [out, in]
-            m = w.T if not bias else np.concatenate([w.T, vs[li * npl + 1][None]], 0)
+
+        def solve(a, g, m, style=style):
             a_c, g_c = a, sc * g  # canonical [in(+1), out] vector layout
             if style == "both":
-                out = (
+                return (
                     np.linalg.inv(a_c + lam * np.eye(len(a_c)))
                     @ m
                     @ np.linalg.inv(g_c + lam * np.eye(len(g_c)))
                 )
-            else:
-                out = np.asarray(
-                    L.kron_damped_inverse_matvec(
-                        a_c,
-                        g_c,
-                        m,
-                        lam,
-                        damping_method="factored" if style == "heuristic" else "exact",
-                    )
+            return np.asarray(
+                L.kron_damped_inverse_matvec(
+                    a_c,
+                    g_c,
+                    m,
+                    lam,
+                    damping_method="factored" if style == "heuristic" else "exact",
                 )
-            exp.append(out[:d_in].T.ravel())
-            if bias:
-                exp.append(out[d_in])
+            )
+
         rep.check(
             f"{tag} KFACInverseLinearOperator(λ={lam}, {style})",
             got,
-            np.concatenate(exp),
+            T.per_layer_solve(ref, dims, vs, bias, solve),
             TOL_INV,
             {
                 "heuristic": "π-split",
@@ -212,9 +206,7 @@ def run_conv(rep):
     x = T.inputs(p, conv=True)
     model = T.conv_model(p, True)
     T.check_forward(model, p, conv=True)
-    for loss in ("mse", "ce"):
-        y = T.targets(p, loss)
-        ref = C.conv_reference(p, loss, "type2", True)
+    for loss, y, ref in T.conv_settings(p):
         sc = g_scale(loss, "mean", n, p["W"].shape[1])
         for approx in ("expand", "reduce"):
             op, params = _op(

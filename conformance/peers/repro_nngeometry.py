@@ -45,47 +45,45 @@ def _fim(model, x, y, loss, rep=PMatKFAC):
 
 def run_mlp(rep):
     p = C.mlp_problem()
-    _n, d0, d1, d2 = p["x"].shape[0], *p["W1"].shape, p["W2"].shape[1]
-    dims = [(d0, d1), (d1, d2)]
+    dims = C.mlp_dims(p)
+    d2 = dims[1][1]
     x = T.inputs(p)
-    for bias in (True, False):
-        for loss in ("mse", "ce"):
-            y = T.targets(p, loss)
-            model = T.mlp_model(p, bias)
-            T.check_forward(model, p, bias=bias)
-            try:
-                F = _fim(model, x, y, loss)
-            except Exception as exc:  # noqa: BLE001
-                rep.note(
-                    f"mlp {loss} bias={bias}", f"nngeometry raised {type(exc).__name__}: {exc}"
-                )
-                continue
-            ref = C.mlp_reference(p, loss, "type2", bias)
-            tag = f"mlp {loss} bias={bias} PMatKFAC"
-            layer_ids = list(F.generator.layer_collection.layers.keys())
-            for i, lid in enumerate(layer_ids):
-                a, g = (m.detach().numpy() for m in F.data[lid])
-                a_ref, g_ref = ref[i]
-                s = split_scale(loss, d2)
-                rep.check(
-                    f"{tag} layer{i + 1} A (homog last)", a, s * a_ref, TOL, "A·s (scale split)"
-                )
-                rep.check(f"{tag} layer{i + 1} G", g, g_ref / s, TOL, "G/s (scale split)")
-                rep.check(
-                    f"{tag} layer{i + 1} kron(G, A) == kron(G_ref, A_ref)",
-                    np.kron(g, a),
-                    np.kron(g_ref, a_ref),
-                    TOL,
-                )
-            dense = F.to_torch().detach().numpy()
-            rep.check(
-                f"{tag} to_torch() dense",
-                dense,
-                T.expected_dense(ref, dims, bias, False),
-                TOL,
-                "kron(G,A), [W.flatten(), b]",
+    for bias, loss, y in T.mlp_settings(p):
+        model = T.mlp_model(p, bias)
+        T.check_forward(model, p, bias=bias)
+        try:
+            F = _fim(model, x, y, loss)
+        except Exception as exc:  # noqa: BLE001
+            rep.note(
+                f"mlp {loss} bias={bias}", f"nngeometry raised {type(exc).__name__}: {exc}"
             )
-            _check_solve(rep, tag, F, model, ref, dims, bias)
+            continue
+        ref = C.mlp_reference(p, loss, "type2", bias)
+        tag = f"mlp {loss} bias={bias} PMatKFAC"
+        layer_ids = list(F.generator.layer_collection.layers.keys())
+        for i, lid in enumerate(layer_ids):
+            a, g = (m.detach().numpy() for m in F.data[lid])
+            a_ref, g_ref = ref[i]
+            s = split_scale(loss, d2)
+            rep.check(
+                f"{tag} layer{i + 1} A (homog last)", a, s * a_ref, TOL, "A·s (scale split)"
+            )
+            rep.check(f"{tag} layer{i + 1} G", g, g_ref / s, TOL, "G/s (scale split)")
+            rep.check(
+                f"{tag} layer{i + 1} kron(G, A) == kron(G_ref, A_ref)",
+                np.kron(g, a),
+                np.kron(g_ref, a_ref),
+                TOL,
+            )
+        dense = F.to_torch().detach().numpy()
+        rep.check(
+            f"{tag} to_torch() dense",
+            dense,
+            T.expected_dense(ref, dims, bias, False),
+            TOL,
+            "kron(G,A), [W.flatten(), b]",
+        )
+        _check_solve(rep, tag, F, model, ref, dims, bias)
 
 
 def _check_solve(rep, tag, F, model, ref, dims, bias):
@@ -102,22 +100,17 @@ def _check_solve(rep, tag, F, model, ref, dims, bias):
     except Exception as exc:  # noqa: BLE001
         rep.note(f"{tag} solvePVec", f"nngeometry raised {type(exc).__name__}: {exc}")
         return
-    exp = []
-    npl = 2 if bias else 1
-    for li, ((a, g), (d_in, _d_out)) in enumerate(zip(ref, dims, strict=False)):
-        w = vs[li * npl]
-        m = w.T if not bias else np.concatenate([w.T, vs[li * npl + 1][None]], 0)
-        s = split_scale("mse" if "mse" in tag else "ce", dims[-1][1])
+    s = split_scale("mse" if "mse" in tag else "ce", dims[-1][1])
+
+    def solve(a, g, m):
         # the peer's own factors carry the √n split; π absorbs it, so the π-split inverse of
         # (s·A) ⊗ (G/s) equals that of A ⊗ G
-        res = np.asarray(L.kron_damped_inverse_matvec(s * a, g / s, m, lam))
-        exp.append(res[:d_in].T.ravel())
-        if bias:
-            exp.append(res[d_in])
+        return np.asarray(L.kron_damped_inverse_matvec(s * a, g / s, m, lam))
+
     rep.check(
         f"{tag} solvePVec(regul={lam}) = π-split damped inverse",
         out,
-        np.concatenate(exp),
+        T.per_layer_solve(ref, dims, vs, bias, solve),
         TOL_INV,
         "factored π-split damping",
     )
@@ -127,9 +120,7 @@ def run_conv(rep):
     p = C.conv_problem()
     kh, kw, c_in, c_out = p["K"].shape
     x = T.inputs(p, conv=True)
-    for loss in ("mse", "ce"):
-        y = T.targets(p, loss)
-        ref = C.conv_reference(p, loss, "type2", True)
+    for loss, y, ref in T.conv_settings(p):
         model = T.conv_model(p, True)
         try:
             F = _fim(model, x, y, loss)

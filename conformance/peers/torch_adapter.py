@@ -8,7 +8,8 @@ import numpy as np
 from ..adapter import AdapterUnavailable
 
 
-def require(*modules):
+def require(*modules, environment="conformance/peers/torchpeers.txt"):
+    """Import ``modules``; a missing one is ``AdapterUnavailable`` pointing to ``environment``."""
     import importlib
 
     for m in modules:
@@ -16,7 +17,7 @@ def require(*modules):
             importlib.import_module(m)
         except ImportError as exc:
             raise AdapterUnavailable(
-                f"{m} is not installed ({exc}); see conformance/peers/torchpeers.txt"
+                f"{m} is not installed ({exc}); see {environment}"
             ) from exc
 
 

@@ -64,6 +64,39 @@ def targets(p, loss):
     return t(p["y_reg"]) if loss == "mse" else torch.as_tensor(p["y_cls"], dtype=torch.long)
 
 
+def mlp_settings(p):
+    """The settings the MLP reproductions run, ``(bias, loss, targets)``: with and without
+    biases, each for the squared error and the cross-entropy."""
+    for bias in (True, False):
+        for loss in ("mse", "ce"):
+            yield bias, loss, targets(p, loss)
+
+
+def conv_settings(p):
+    """The settings the conv reproductions run, ``(loss, targets, reference)``: the squared
+    error and the cross-entropy, each with the reference's type-2 K-FAC flavours of the CNN
+    (with biases)."""
+    for loss in ("mse", "ce"):
+        yield loss, targets(p, loss), C.conv_reference(p, loss, "type2", True)
+
+
+def per_layer_solve(ref, dims, vs, bias, solve):
+    """A per-layer solve of the MLP's parameter vectors ``vs`` (PyTorch's, in parameter order:
+    each layer's [out, in] weight, then its bias if ``bias``), flattened like PyTorch's
+    parameters: ``solve(A, G, M)`` gets each layer's reference factors and the canonical
+    [in(+1), out] matrix ``M`` (the bias as its last row)."""
+    npl = 2 if bias else 1
+    out = []
+    for li, ((a, g), (d_in, _d_out)) in enumerate(zip(ref, dims, strict=False)):
+        w = vs[li * npl]  # [out, in]
+        m = w.T if not bias else np.concatenate([w.T, vs[li * npl + 1][None]], 0)
+        res = solve(a, g, m)
+        out.append(res[:d_in].T.ravel())
+        if bias:
+            out.append(res[d_in])
+    return np.concatenate(out)
+
+
 def loss_fn(loss, reduction="mean"):
     return (
         nn.MSELoss(reduction=reduction)

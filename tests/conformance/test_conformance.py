@@ -18,6 +18,8 @@ from conformance.compare import compare
 from conformance.conventions import Conventions
 from conformance.diagnosis import PITFALLS, diagnose
 from conformance.golden import GOLDEN_DIR, GoldenError, check_golden, load_golden, write_golden
+from conformance.mutants.linalg_mutants import KronSwapped
+from conformance.mutants.model_mutants import unfold_patches
 from conformance.runner import run_adapter
 
 
@@ -310,20 +312,15 @@ def test_golden_source_runs(tmp_path, live):
 
 # -- conventions: an adapter in PyTorch conventions passes, and says so ------------------------
 class TorchStyle(Adapter):
-    """An independent NumPy implementation in other declared conventions."""
+    """A NumPy implementation apart from kfac_ref's adapter, in other declared conventions."""
 
     name = "torch_style"
     conventions = Conventions(kron_order="GA", bias_position="first", curvature_of="sum",
                               ema_style="raw", conv_style="expand", patch_order="chw",
                               mse_variance=0.5)
 
-    @implements("linalg.kron")
-    def kron(self, inputs, params):
-        return np.kron(inputs["g"], inputs["a"])
-
-    @implements("linalg.kron_matvec")
-    def kron_matvec(self, inputs, params):
-        return np.kron(inputs["g"], inputs["a"]) @ inputs["v"]
+    # kron(G, A): the kron-swapped mutant's code, right under kron_order="GA"
+    kron, kron_matvec = KronSwapped.kron, KronSwapped.kron_matvec
 
     @implements("linalg.homog_cov", "factors.dense_input")
     def homog(self, inputs, params):
@@ -349,14 +346,7 @@ class TorchStyle(Adapter):
 
     @implements("factors.conv_input")
     def conv_input(self, inputs, params):
-        from kfac_ref import factors
-
-        fs = params["filter_shape"]
-        p = np.asarray(factors.conv_patch_matrix(
-            inputs["x"], fs, params["padding"], params["strides"], params["dilation"],
-            params["data_format"]))
-        kk, c = fs[0] * fs[1], fs[2]
-        p = p.reshape(-1, kk, c).transpose(0, 2, 1).reshape(-1, kk * c)  # unfold order
+        p = unfold_patches(inputs, params)
         if params["has_bias"]:
             p = np.concatenate([np.ones((p.shape[0], 1)), p], axis=1)
         return p.T @ p / p.shape[0]  # expand: averaged over N·|T|

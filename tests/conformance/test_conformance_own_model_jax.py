@@ -16,13 +16,7 @@ from conformance.own_model import check_jax_kfac, reference_jax_kfac, sample_tar
 N, H, W, C_IN, C_OUT, CLASSES, S = 3, 6, 5, 2, 3, 3, 4
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    """float64 on for the test, the previous setting restored afterwards."""
-    previous = bool(jax.config.read("jax_enable_x64"))
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for every test
 
 
 CONV = dict(kernel=(3, 2), strides=(2, 1), padding="SAME", dilation=(1, 2))

@@ -28,12 +28,7 @@ PADS = ((1, 0), (2, 1))
 STRIDES, KERNEL = (2, 1), (3, 2)
 
 
-@pytest.fixture(autouse=True)
-def x64():
-    previous = bool(jax.config.read("jax_enable_x64"))
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_x64")  # float64 for every test
 
 
 def _setup(dil=(1, 1)):  # kfac-jax 0.0.8 and dilation: see the last test
