@@ -43,9 +43,9 @@ def _flat(result):
 _W = np.random.default_rng(20261206)
 
 
-def _spd(n):
-    q, _ = np.linalg.qr(_W.standard_normal((n, n)))
-    m = (q * _W.uniform(0.5, 2.0, n)) @ q.T
+def _spd(n, rng=_W):
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    m = (q * rng.uniform(0.5, 2.0, n)) @ q.T
     return (m + m.T) / 2.0
 
 
@@ -82,10 +82,10 @@ DASK_CALLS = {
         f(_S_A), f(_Q_A), f(_S_B), f(_Q_B), f(_V.reshape(4, 3)), -1.0, 0.1),
     "kfac_ref.spectral.kron_trace": lambda f: [
         spectral.kron_trace(f(_A), f(_B), 0.1, exact=e) for e in (True, False)],
-    "kfac_ref.spectral.hutchinson_trace": lambda f: spectral.hutchinson_trace(
-        lambda v: f(_A) @ v, f(_PROBES)),
-    "kfac_ref.spectral.hutchpp_trace": lambda f: spectral.hutchpp_trace(
-        lambda v: f(_A) @ v, f(_SKETCH), f(_PROBES)),
+    "kfac_ref.spectral.hutchinson_trace": lambda f: (lambda m: spectral.hutchinson_trace(
+        lambda v: m @ v, f(_PROBES)))(f(_A)),
+    "kfac_ref.spectral.hutchpp_trace": lambda f: (lambda m: spectral.hutchpp_trace(
+        lambda v: m @ v, f(_SKETCH), f(_PROBES)))(f(_A)),
     "kfac_ref.factors.fully_connected_diagonal_factor": lambda f:
         factors.fully_connected_diagonal_factor(f(_X), f(_G), has_bias=True),
     "kfac_ref.factors.conv_patch_matrix": lambda f: factors.conv_patch_matrix(
@@ -139,14 +139,14 @@ _BLOCK_CALLS = {
         patches.extract_pointwise_conv2d_patches(f(_IMG), (1, 1, 2, 3)),
     "kfac_ref.patches.subsample_rows": lambda f: patches.subsample_rows(
         f(_X), 4, np.random.default_rng(1)),
-    "kfac_ref.conv_geometry.to_channels_last": lambda f: conv_geometry.to_channels_last(
-        array_namespace(f(_IMG)), f(_IMG), False),
-    "kfac_ref.conv_geometry.from_channels_last": lambda f: conv_geometry.from_channels_last(
-        array_namespace(f(_IMG)), f(_IMG), False),
+    "kfac_ref.conv_geometry.to_channels_last": lambda f: (
+        lambda x: conv_geometry.to_channels_last(array_namespace(x), x, False))(f(_IMG)),
+    "kfac_ref.conv_geometry.from_channels_last": lambda f: (
+        lambda x: conv_geometry.from_channels_last(array_namespace(x), x, False))(f(_IMG)),
     "kfac_ref.conv_geometry.ConvGeometry": lambda f: [
-        ConvGeometry.build("t", (4, 2, 5, 5), (3, 3, 2, 3), padding="SAME",
-                           data_format="NCHW").to_channels_last(array_namespace(f(_IMG)),
-                                                                f(_IMG.transpose(0, 3, 1, 2)))],
+        (lambda x: ConvGeometry.build("t", (4, 2, 5, 5), (3, 3, 2, 3), padding="SAME",
+                                      data_format="NCHW").to_channels_last(
+            array_namespace(x), x))(f(_IMG.transpose(0, 3, 1, 2)))],
     "kfac_ref.blocks.diagonal_block_matpower": lambda f: blocks.diagonal_block_matpower(
         f(_DIAG), f(_V), -0.5, 0.1),
     "kfac_ref.blocks.scaled_identity_matpower": lambda f: blocks.scaled_identity_matpower(
@@ -203,14 +203,14 @@ def _huber_parts():
 
 def _custom_nll(f, y):
     """The unit-variance normal negative log-likelihood as a CustomNegativeLogProbLoss."""
-    xp = array_namespace(f)
     return losses.CustomNegativeLogProbLoss(
-        f, y, value=lambda o, t: xp.sum((o - t) ** 2, axis=-1) / 2.0,
+        f, y, value=lambda o, t: array_namespace(o).sum((o - t) ** 2, axis=-1) / 2.0,
         gradient=lambda o, t: o - t,
-        hessian_sqrt=lambda o, t: xp.ones((o.shape[0], 1, 1), dtype=o.dtype) * xp.eye(
-            o.shape[1], dtype=o.dtype),
-        sample=lambda o, rng: o + xp.asarray(rng.standard_normal(tuple(o.shape)),
-                                             dtype=o.dtype))
+        hessian_sqrt=lambda o, t: array_namespace(o).ones(
+            (o.shape[0], 1, 1), dtype=o.dtype) * array_namespace(o).eye(o.shape[1],
+                                                                       dtype=o.dtype),
+        sample=lambda o, rng: o + array_namespace(o).asarray(
+            rng.standard_normal(tuple(o.shape)), dtype=o.dtype))
 
 
 DASK_CALLS.update({
@@ -548,9 +548,300 @@ def _ekfac_product(f, conv=False):
 
 
 def _series_inverse(f):
-    a, g = _spd(4), _spd(3)
+    rng = np.random.default_rng(8)
+    a, g = _spd(4, rng), _spd(3, rng)
     block = blocks.tf.FullyConnectedSeriesFB(f(a), f(g), 0.1, 3, True, input_cov_dt1=f(a * 0.1),
                                              output_cov_dt1=f(g * 0.1))
     return block.multiply_inverse((f(np.ones((3, 3))), f(np.ones(3))))
 
 
+# The stateful factor classes (run on Dask in tests/test_dask.py): statistics, the
+# Cholesky-based inverses and (for diagonal factors) every power run lazily; a dense
+# factor's eigendecomposition paths raise at the call there.  Each: constructor,
+# update_cov's arguments, dense or diagonal.
+_SEQ8 = _W.standard_normal((8, 4, 3))
+DASK_FACTOR_CLASSES = {
+    "FullyConnectedKroneckerFactor": (
+        lambda: factors.FullyConnectedKroneckerFactor(has_bias=True), lambda f: (f(_X),), True),
+    "FullyConnectedDiagonalFactor": (
+        lambda: factors.FullyConnectedDiagonalFactor(has_bias=True),
+        lambda f: (f(_X), f(_G)), False),
+    "ConvInputKroneckerFactor": (
+        lambda: factors.ConvInputKroneckerFactor((3, 3, 2, 3), "SAME"),
+        lambda f: (f(_IMG),), True),
+    "ConvOutputKroneckerFactor": (
+        lambda: factors.ConvOutputKroneckerFactor(), lambda f: (f(_IMG_G),), True),
+    "ConvDiagonalFactor": (
+        lambda: factors.ConvDiagonalFactor((3, 3, 2, 3), (1, 1), "SAME"),
+        lambda f: (f(_IMG), f(_IMG_G)), False),
+    "ConvInputMultiKF": (  # uses folded into the batch axis
+        lambda: factors.ConvInputMultiKF((3, 3, 2, 3), "SAME", 2), lambda f: (f(_IMG),), True),
+    "ConvOutputMultiKF": (
+        lambda: factors.ConvOutputMultiKF(2), lambda f: (f(_IMG_G),), True),
+    "ConvInputSUAKroneckerFactor": (
+        lambda: factors.ConvInputSUAKroneckerFactor((3, 3, 2, 3), has_bias=True),
+        lambda f: (f(_IMG),), "sua"),
+    "NaiveDiagonalFactor": (
+        lambda: factors.NaiveDiagonalFactor(10), lambda f: (f(_X),), False),
+    "FullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
+    "EmbeddingInputKroneckerFactor": (
+        lambda: factors.EmbeddingInputKroneckerFactor(6), lambda f: (f(_IDS),), False),
+    "DiagonalKroneckerFactor": (
+        lambda: factors.DiagonalKroneckerFactor(has_bias=True), lambda f: (f(_X),), False),
+    "DiagonalMultiKF": (
+        lambda: factors.DiagonalMultiKF(2, has_bias=True), lambda f: (f(_X),), False),
+    "ScaleAndShiftFullFactor": (
+        lambda: factors.ScaleAndShiftFullFactor((1,), (1,)), lambda f: (f(_SEQ8), f(_SEQ8)),
+        True),
+    "ScaleAndShiftDiagonalFactor": (
+        lambda: factors.ScaleAndShiftDiagonalFactor((1,), (1,)),
+        lambda f: (f(_SEQ8), f(_SEQ8)), False),
+    "FullyConnectedMultiKF": (
+        lambda: factors.FullyConnectedMultiKF(2, has_bias=True), lambda f: (f(_X),), True),
+}
+
+def _factor_run(name, f):
+    """Two covariance updates, then every quantity a factor of this kind caches."""
+    make, data, dense = DASK_FACTOR_CLASSES[name]
+    fac = make()
+    for _ in range(2):
+        fac = fac.update_cov(*data(f), ema_decay=0.9)
+    fac = fac.register_inverse(0.1)
+    if dense is True:
+        fac = fac.register_cholesky(0.1).register_cholesky_inverse(0.1)
+    elif dense is False:
+        fac = fac.register_matpower(-0.5, 0.1)
+    fac = fac.update_inverses()
+    out = [fac.cov, fac.get_inverse(0.1), fac.get_matpower(1, 0.1)]
+    if dense is True:
+        out += [fac.get_cholesky(0.1), fac.get_cholesky_inverse(0.1)]
+    elif dense is False:
+        out.append(fac.get_matpower(-0.5, 0.1))
+    return out, fac
+
+
+def _kj_products(name, cell):
+    import test_blocks_kfac_jax as shared
+
+    block, state, _, _ = shared.make_state(cell, np.random.default_rng(0), name)
+    vec = tuple(cell.asarray(np.random.default_rng(1).standard_normal(s))
+                for s in block.parameters_shapes)
+    calls = {
+        "multiply": lambda: block.multiply(state, vec, 0.1, exact_power=False,
+                                           use_cached=False),
+        "multiply_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=False,
+                                                           use_cached=False),
+        "exact_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=True,
+                                                        use_cached=False),
+        "eigenvalues": lambda: block.eigenvalues(state),
+        "to_dense_matrix": lambda: block.to_dense_matrix(state),
+    }
+    return {k: c for k, c in calls.items()}
+
+
+# The public functions that need an eigendecomposition (declared "no" on Dask), with a
+# valid call on NumPy.
+EIGEN_CALLS = {
+    "kfac_ref.linalg.clipped_eigh": (lambda f: K.clipped_eigh(f(_A))),
+    "kfac_ref.linalg.damped_matpower": (lambda f: K.damped_matpower(
+        f(_A), -0.5, 0.1)),
+    "kfac_ref.linalg.kron_damped_matpower_matvec": (lambda f:
+        K.kron_damped_matpower_matvec(f(_A), f(_B), f(_V), -0.5, 0.1)),
+    "kfac_ref.linalg.kron_damped_inverse_matvec": (lambda f:
+        K.kron_damped_inverse_matvec(f(_A), f(_B), f(_V), 0.1)),
+    "kfac_ref.spectral.kron_eigenvalues": (lambda f: spectral.kron_eigenvalues(
+        f(_A), f(_B), 0.1)),
+    "kfac_ref.spectral.kron_slogdet": (lambda f: spectral.kron_slogdet(
+        f(_A), f(_B), 0.1)),
+    "kfac_ref.factors.series_option1_quantities": (lambda f:
+        factors.series_option1_quantities(f(_B), f(_C), 0.1)),
+    "kfac_ref.factors.series_option2_quantities": (lambda f:
+        factors.series_option2_quantities(f(_B), f(_C), 0.1)),
+    "kfac_ref.blocks.full_block_matpower": (lambda f:
+        blocks.full_block_matpower(f(_A), f(_X[0]), -0.5, 0.1)),
+    "kfac_ref.blocks.kronecker_block_eigenvalues": (lambda f:
+        blocks.kronecker_block_eigenvalues(f(_A), f(_B))),
+    "kfac_ref.blocks.kronecker_difference_inverse": (lambda f:
+        blocks.kronecker_difference_inverse(f(_A), f(_B), f(_A * 0.1), f(_B * 0.1), f(_V32))),
+    "kfac_ref.blocks.block_tridiagonal_multiply_inverse": (lambda f:
+        blocks.block_tridiagonal_multiply_inverse(
+            [f(_A), f(_A)], [f(_B), f(_B)], [f(_A * 0.1)], [f(_B * 0.1)], [f(_V32), f(_V32)],
+            0.1)),
+}
+
+
+def _kj_all(name):
+    """Every product of kfac-jax's block ``name`` (tests/test_blocks_kfac_jax.py's build)."""
+    def call(f):
+        class Cell:
+            asarray = staticmethod(f)
+        return [c() for c in _kj_products(name, Cell).values()]
+    return call
+
+
+def _ekfac_all(f, conv=False):
+    """EKFAC's products: damped power 1 (fresh), the exact inverse with its cache."""
+    rng = np.random.default_rng(4)
+    if conv:
+        block = kj.Conv2DEKFAC(inputs_shape=(6, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
+                               padding="VALID")
+        data = {"inputs": rng.standard_normal((6, 3, 3, 1)),
+                "outputs_grad": rng.standard_normal((6, 2, 2, 2))}
+    else:
+        block = kj.DenseEKFAC(3, 2)
+        data = {"inputs": rng.standard_normal((6, 3)),
+                "outputs_grad": rng.standard_normal((6, 2))}
+    state = block.update_curvature_matrix_estimate(
+        block.init(f(np.zeros(1))), {k: f(v) for k, v in data.items()}, 0.0, 1.0, 6)
+    vec = tuple(f(rng.standard_normal(s)) for s in block.parameters_shapes)
+    return [block.multiply(state, vec, 0.1, exact_power=False, use_cached=False),
+            block.multiply_inverse(state, vec, 0.1, exact_power=True, use_cached=False),
+            block.to_dense_matrix(state), block.eigenvalues(state)]
+
+
+def _tf_block(f, name):
+    """TF K-FAC's Fisher block ``name`` built from ``f``'s arrays, and every product."""
+    import test_blocks_tf as shared
+    from conftest import random_spd
+
+    from kfac_ref.blocks import tf
+
+    class Cell:
+        asarray = staticmethod(f)
+
+        @staticmethod
+        def round_host(host):
+            return np.asarray(host, dtype=np.float64)
+
+    rng = np.random.default_rng(1)
+    kron = {c[0]: c for c in shared.kron_cases(np.random.default_rng(0))}
+    if name in kron:
+        _, ctor, a, g, kshape, bias, _, _ = kron[name]
+        block = ctor(f(a), f(g), 0.3)
+        vec, _ = shared.make_vector(Cell, np.random.default_rng(5), kshape, bias)
+    else:
+        d = rng.uniform(0.5, 2.0, (4, 3))
+        vec = (f(rng.standard_normal((3, 3))), f(rng.standard_normal(3)))
+        shapes = [(3, 3), (3,)]
+        make = {
+            "FullyConnectedDiagonalFB": lambda: tf.FullyConnectedDiagonalFB(f(d), 0.3,
+                                                                            has_bias=True),
+            "NaiveDiagonalFB": lambda: tf.NaiveDiagonalFB(f(d.reshape(-1)), 0.3, shapes),
+            "DiagonalFB": lambda: tf.DiagonalFB(f(d.reshape(-1)), 0.3, shapes),
+            "FullFB": lambda: tf.FullFB(f(random_spd(rng, 12, 0.5, 2.0)), 0.3, shapes),
+            "NaiveFullFB": lambda: tf.NaiveFullFB(f(random_spd(rng, 12, 0.5, 2.0)), 0.3,
+                                                  shapes),
+            "ScaleAndShiftFullFB": lambda: tf.ScaleAndShiftFullFB(
+                f(random_spd(rng, 6, 0.5, 2.0)), 0.3),
+            "ScaleAndShiftDiagonalFB": lambda: tf.ScaleAndShiftDiagonalFB(
+                f(rng.uniform(0.5, 2.0, 6)), 0.3),
+            "ConvDiagonalFB": lambda: tf.ConvDiagonalFB(f(d), 0.3, (1, 3, 1, 3), has_bias=True,
+                                                        num_locations=4),
+            "EmbeddingKFACMultiIndepFB": lambda: tf.EmbeddingKFACMultiIndepFB(
+                f(rng.uniform(0.5, 2.0, 4)), f(random_spd(rng, 3, 0.5, 2.0)), 0.3, 3),
+        }
+        if name.startswith("ScaleAndShift"):
+            vec = (vec[1], f(rng.standard_normal(3)))
+        elif name == "ConvDiagonalFB":
+            vec = (f(rng.standard_normal((1, 3, 1, 3))), vec[1])
+        elif name == "EmbeddingKFACMultiIndepFB":
+            vec = f(rng.standard_normal((4, 3)))
+        if name.startswith("DepthwiseConv"):
+            x, gy = rng.standard_normal((4, 5, 5, 2)), rng.standard_normal((4, 4, 3, 4))
+            block = getattr(tf, name).from_data(f(x), f(gy), 0.3, (2, 3, 2, 2), "VALID")
+            vec = f(rng.standard_normal((2, 3, 2, 2)))
+        else:
+            block = make[name]()
+    return [block.full_fisher_block(), block.multiply(vec), block.multiply_inverse(vec),
+            block.multiply_matpower(vec, -0.5), block.multiply_matpower(vec, 1.0)]
+
+
+def _tf_all(name):
+    return lambda f: _tf_block(f, name)
+
+
+_TF_BLOCK_NAMES = ("FullyConnectedKFACBasicFB", "FullyConnectedKFACBasicFB-diag-input",
+                   "FullyConnectedMultiIndepFB", "ConvKFCBasicFB", "ConvKFCBasicMultiIndepFB",
+                   "EmbeddingKFACFB", "FullyConnectedDiagonalFB", "NaiveDiagonalFB", "FullFB",
+                   "NaiveFullFB", "DiagonalFB", "ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB",
+                   "ConvDiagonalFB", "EmbeddingKFACMultiIndepFB", "DepthwiseConvDiagonalFB",
+                   "DepthwiseConvKFCBasicFB")
+_KJ_BLOCK_NAMES = ("ScaledIdentity", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
+                   "ScaleAndShiftDiagonal", "DenseTwoKroneckerFactored",
+                   "Conv2DTwoKroneckerFactored", "NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF",
+                   "DenseKPSVD", "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull")
+
+
+def _factor_all(name):
+    """A factor class's cached quantities, and its eigendecomposition paths when dense."""
+    def call(f):
+        out, fac = _factor_run(name, f)
+        if DASK_FACTOR_CLASSES[name][2] is True:
+            eig = fac.register_matpower(-0.5, 0.1).update_inverses()
+            out += [eig.get_matpower(-0.5, 0.1), list(eig.get_eigendecomp())]
+        return out
+    return call
+
+
+def _estimator_eigen(f, cls=curv.BlockDiagonalCurvature):
+    """An estimator's paths through an eigendecomposition: exact powers, cache, eigenvalues."""
+    est, st = _estimator(f, cls, exact_powers_to_cache=-1.0)
+    return [est.multiply_matpower(st, f(_NV), 0.1, -1.0, True, False),
+            est.multiply_matpower(est.update_cache(st, 0.1, -1.0, None, False), f(_NV), 0.1,
+                                  -1.0, True, True),
+            est.eigenvalues(st)]
+
+
+def _optimizer_exact(f):
+    """Two K-FAC steps with the exact damped inverse (an eigendecomposition per factor)."""
+    est = curv.BlockDiagonalCurvature(_NET, _gauss, default_estimation_mode="ggn_exact")
+    opt = optim.KFACOptimizer(_NET, _gauss, est, learning_rate=0.1, momentum=0.5)
+    params, batch = _params(f), (f(_NX), f(_NY))
+    state = opt.init(params, batch)
+    for _ in range(2):
+        params, state = opt.step(state, params, batch)
+    return [params, state.velocity]
+
+
+def _laplace_eigen(f):
+    return [laplace.laplace_log_marginal_likelihood(-7.25, *_laplace_problem(f, s), 0.7,
+                                                    structure=s)
+            for s in ("kron", "kron_factored", "full")] + [
+        laplace.laplace_log_marginal_likelihood_grad(*_laplace_problem(f, s), f(_PRIORS),
+                                                     structure=s)
+        for s in ("kron", "kron_factored", "full")]
+
+
+def _operator_eigen(f):
+    m = f(_A)
+    op = CurvatureOperator(lambda v: m @ v, m, 4)
+    return [op.eigenvalues(), op.slogdet()]
+
+
+# Public objects, or their paths, that need an eigendecomposition (declared "no" on Dask,
+# or refused there path by path), with a valid call on NumPy; and the blocks and factor
+# classes that tests/test_dask.py exercises through its own builders.
+NUMPY_CALLS = {
+    **EIGEN_CALLS,
+    **{f"kfac_ref.blocks.kfac_jax.{n}": _kj_all(n) for n in _KJ_BLOCK_NAMES},
+    **{f"kfac_ref.blocks.tf.{n}": _tf_all(n) for n in _TF_BLOCK_NAMES},
+    **{f"kfac_ref.factors.{n}": _factor_all(n) for n in DASK_FACTOR_CLASSES},
+    "kfac_ref.blocks.kfac_jax.DenseEKFAC": _ekfac_all,
+    "kfac_ref.blocks.kfac_jax.Conv2DEKFAC": lambda f: _ekfac_all(f, conv=True),
+    "kfac_ref.blocks.tf.FullyConnectedSeriesFB": _series_inverse,
+    "kfac_ref.curvature.approximation_report": lambda f: curv.approximation_report(
+        *_problem(f)),
+    "kfac_ref.blocks.kronecker_block_matpower (eigen paths)": lambda f: [
+        blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), -0.5, 0.1),
+        blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), -1.0, 0.1, exact=True),
+        blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), -1.0, 0.1, norm_type="2_norm")],
+    "kfac_ref.curvature.BlockDiagonalCurvature (eigen paths)": _estimator_eigen,
+    "kfac_ref.curvature.ExplicitExactCurvature (eigen paths)": lambda f: _estimator_eigen(
+        f, curv.ExplicitExactCurvature),
+    "kfac_ref.optim.KFACOptimizer (exact power)": _optimizer_exact,
+    "kfac_ref.optim.preconditioned_direction (exact power)": lambda f: (
+        lambda est, st: optim.preconditioned_direction(est, st, f(_NV), 0.2, exact_power=True))(
+        *_estimator(f)),
+    "kfac_ref.laplace (eigen structures)": _laplace_eigen,
+    "kfac_ref.operators.CurvatureOperator (eigen paths)": _operator_eigen,
+}

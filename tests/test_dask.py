@@ -28,7 +28,6 @@ from kfac_ref import (
     laplace,
     losses,
     optim,
-    spectral,
 )
 from kfac_ref.operators import CurvatureOperator
 
@@ -37,24 +36,22 @@ dask = pytest.importorskip("dask")
 from api_calls import (  # noqa: E402  (the corpus of valid calls, shared with the fuzzer)
     _A,
     _B,
-    _C,
     _G,
-    _IDS,
-    _IMG,
-    _IMG_G,
     _NET,
     _NV,
     _NX,
     _NY,
-    _V,
     _V32,
     _W,
-    _X,
     DASK_CALLS,
+    DASK_FACTOR_CLASSES,
+    EIGEN_CALLS,
     _ekfac_product,
     _estimator,
+    _factor_run,
     _flat,
     _gauss,
+    _kj_products,
     _laplace_problem,
     _params,
     _problem,
@@ -238,36 +235,10 @@ _LOSS_BASES = ("LossFunction", "NegativeLogProbLoss", "NaturalParamsNegativeLogP
 
 # The public objects that need a function the Dask namespace lacks, each with a call that
 # must raise kfac_ref's error naming the function, the argument and what is missing.
-DASK_REFUSED = {
-    "kfac_ref.linalg.clipped_eigh": ("linalg.eigh", lambda f: K.clipped_eigh(f(_A))),
-    "kfac_ref.linalg.damped_matpower": ("linalg.eigh", lambda f: K.damped_matpower(
-        f(_A), -0.5, 0.1)),
-    "kfac_ref.linalg.kron_damped_matpower_matvec": ("linalg.eigh", lambda f:
-        K.kron_damped_matpower_matvec(f(_A), f(_B), f(_V), -0.5, 0.1)),
-    "kfac_ref.linalg.kron_damped_inverse_matvec": ("linalg.eigh", lambda f:
-        K.kron_damped_inverse_matvec(f(_A), f(_B), f(_V), 0.1)),
-    "kfac_ref.spectral.kron_eigenvalues": ("linalg.eigh", lambda f: spectral.kron_eigenvalues(
-        f(_A), f(_B), 0.1)),
-    "kfac_ref.spectral.kron_slogdet": ("linalg.eigh", lambda f: spectral.kron_slogdet(
-        f(_A), f(_B), 0.1)),
-    "kfac_ref.factors.series_option1_quantities": ("linalg.eigh", lambda f:
-        factors.series_option1_quantities(f(_B), f(_C), 0.1)),
-    "kfac_ref.factors.series_option2_quantities": ("linalg.eigh", lambda f:
-        factors.series_option2_quantities(f(_B), f(_C), 0.1)),
-    # differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
-    "kfac_ref.losses.AutodiffLoss": (None, lambda f: losses.AutodiffLoss(
-        f(_G), loss=lambda o, t: (o * o).sum())),
-    "kfac_ref.blocks.full_block_matpower": ("linalg.eigh", lambda f:
-        blocks.full_block_matpower(f(_A), f(_X[0]), -0.5, 0.1)),
-    "kfac_ref.blocks.kronecker_block_eigenvalues": ("linalg.eigh", lambda f:
-        blocks.kronecker_block_eigenvalues(f(_A), f(_B))),
-    "kfac_ref.blocks.kronecker_difference_inverse": ("linalg.eigh", lambda f:
-        blocks.kronecker_difference_inverse(f(_A), f(_B), f(_A * 0.1), f(_B * 0.1), f(_V32))),
-    "kfac_ref.blocks.block_tridiagonal_multiply_inverse": ("linalg.eigh", lambda f:
-        blocks.block_tridiagonal_multiply_inverse(
-            [f(_A), f(_A)], [f(_B), f(_B)], [f(_A * 0.1)], [f(_B * 0.1)], [f(_V32), f(_V32)],
-            0.1)),
-}
+DASK_REFUSED = {name: ("linalg.eigh", call) for name, call in EIGEN_CALLS.items()}
+# differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
+DASK_REFUSED["kfac_ref.losses.AutodiffLoss"] = (None, lambda f: losses.AutodiffLoss(
+    f(_G), loss=lambda o, t: (o * o).sum()))
 
 # what kronecker_block_matpower refuses on Dask (the eigen paths), tested below
 _KRON_BLOCK_REFUSED = {
@@ -404,49 +375,6 @@ def test_dask_eigen_paths_of_supported_objects_refused(name):
 
 
 
-# The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
-# diagonal factors) every power run lazily; a dense factor's eigendecomposition paths raise
-# at the call (tests below).  Each: constructor, update_cov's arguments, dense or diagonal.
-_SEQ8 = _W.standard_normal((8, 4, 3))
-DASK_FACTOR_CLASSES = {
-    "FullyConnectedKroneckerFactor": (
-        lambda: factors.FullyConnectedKroneckerFactor(has_bias=True), lambda f: (f(_X),), True),
-    "FullyConnectedDiagonalFactor": (
-        lambda: factors.FullyConnectedDiagonalFactor(has_bias=True),
-        lambda f: (f(_X), f(_G)), False),
-    "ConvInputKroneckerFactor": (
-        lambda: factors.ConvInputKroneckerFactor((3, 3, 2, 3), "SAME"),
-        lambda f: (f(_IMG),), True),
-    "ConvOutputKroneckerFactor": (
-        lambda: factors.ConvOutputKroneckerFactor(), lambda f: (f(_IMG_G),), True),
-    "ConvDiagonalFactor": (
-        lambda: factors.ConvDiagonalFactor((3, 3, 2, 3), (1, 1), "SAME"),
-        lambda f: (f(_IMG), f(_IMG_G)), False),
-    "ConvInputMultiKF": (  # uses folded into the batch axis
-        lambda: factors.ConvInputMultiKF((3, 3, 2, 3), "SAME", 2), lambda f: (f(_IMG),), True),
-    "ConvOutputMultiKF": (
-        lambda: factors.ConvOutputMultiKF(2), lambda f: (f(_IMG_G),), True),
-    "ConvInputSUAKroneckerFactor": (
-        lambda: factors.ConvInputSUAKroneckerFactor((3, 3, 2, 3), has_bias=True),
-        lambda f: (f(_IMG),), "sua"),
-    "NaiveDiagonalFactor": (
-        lambda: factors.NaiveDiagonalFactor(10), lambda f: (f(_X),), False),
-    "FullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
-    "EmbeddingInputKroneckerFactor": (
-        lambda: factors.EmbeddingInputKroneckerFactor(6), lambda f: (f(_IDS),), False),
-    "DiagonalKroneckerFactor": (
-        lambda: factors.DiagonalKroneckerFactor(has_bias=True), lambda f: (f(_X),), False),
-    "DiagonalMultiKF": (
-        lambda: factors.DiagonalMultiKF(2, has_bias=True), lambda f: (f(_X),), False),
-    "ScaleAndShiftFullFactor": (
-        lambda: factors.ScaleAndShiftFullFactor((1,), (1,)), lambda f: (f(_SEQ8), f(_SEQ8)),
-        True),
-    "ScaleAndShiftDiagonalFactor": (
-        lambda: factors.ScaleAndShiftDiagonalFactor((1,), (1,)),
-        lambda f: (f(_SEQ8), f(_SEQ8)), False),
-    "FullyConnectedMultiKF": (
-        lambda: factors.FullyConnectedMultiKF(2, has_bias=True), lambda f: (f(_X),), True),
-}
 # the base classes' machinery (moving averages, registrations, caches) runs in every one
 _FACTOR_BASES = ("FisherFactor", "DenseSquareMatrixFactor", "DiagonalFactor")
 
@@ -561,26 +489,6 @@ def test_dask_not_positive_definite_gives_nan_not_a_foreign_error(func):
     assert np.isnan(got).any()
 
 
-def _factor_run(name, f):
-    """Two covariance updates, then every quantity a factor of this kind caches."""
-    make, data, dense = DASK_FACTOR_CLASSES[name]
-    fac = make()
-    for _ in range(2):
-        fac = fac.update_cov(*data(f), ema_decay=0.9)
-    fac = fac.register_inverse(0.1)
-    if dense is True:
-        fac = fac.register_cholesky(0.1).register_cholesky_inverse(0.1)
-    elif dense is False:
-        fac = fac.register_matpower(-0.5, 0.1)
-    fac = fac.update_inverses()
-    out = [fac.cov, fac.get_inverse(0.1), fac.get_matpower(1, 0.1)]
-    if dense is True:
-        out += [fac.get_cholesky(0.1), fac.get_cholesky_inverse(0.1)]
-    elif dense is False:
-        out.append(fac.get_matpower(-0.5, 0.1))
-    return out, fac
-
-
 @pytest.mark.parametrize("name", sorted(DASK_FACTOR_CLASSES))
 def test_dask_factor_class_agrees_with_numpy(name):
     """A factor updated with Dask arrays holds lazy statistics and inverses that, computed,
@@ -669,25 +577,6 @@ class _DaskCell:
     """The ``asarray`` the block tests' builders call, making Dask arrays."""
 
     asarray = staticmethod(_dask)
-
-
-def _kj_products(name, cell):
-    import test_blocks_kfac_jax as shared
-
-    block, state, _, _ = shared.make_state(cell, np.random.default_rng(0), name)
-    vec = tuple(cell.asarray(np.random.default_rng(1).standard_normal(s))
-                for s in block.parameters_shapes)
-    calls = {
-        "multiply": lambda: block.multiply(state, vec, 0.1, exact_power=False,
-                                           use_cached=False),
-        "multiply_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=False,
-                                                           use_cached=False),
-        "exact_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=True,
-                                                        use_cached=False),
-        "eigenvalues": lambda: block.eigenvalues(state),
-        "to_dense_matrix": lambda: block.to_dense_matrix(state),
-    }
-    return {k: c for k, c in calls.items()}
 
 
 @pytest.mark.parametrize("name", _KJ_BLOCKS)
