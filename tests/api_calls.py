@@ -719,39 +719,47 @@ def _tf_block(f, name):
         _, ctor, a, g, kshape, bias, _, _ = kron[name]
         block = ctor(f(a), f(g), 0.3)
         vec, _ = shared.make_vector(Cell, np.random.default_rng(5), kshape, bias)
-    else:
+    else:  # host draws first, then only the arrays of this block through f
         d = rng.uniform(0.5, 2.0, (4, 3))
-        vec = (f(rng.standard_normal((3, 3))), f(rng.standard_normal(3)))
+        w, b = rng.standard_normal((3, 3)), rng.standard_normal(3)
         shapes = [(3, 3), (3,)]
-        make = {
-            "FullyConnectedDiagonalFB": lambda: tf.FullyConnectedDiagonalFB(f(d), 0.3,
-                                                                            has_bias=True),
-            "NaiveDiagonalFB": lambda: tf.NaiveDiagonalFB(f(d.reshape(-1)), 0.3, shapes),
-            "DiagonalFB": lambda: tf.DiagonalFB(f(d.reshape(-1)), 0.3, shapes),
-            "FullFB": lambda: tf.FullFB(f(random_spd(rng, 12, 0.5, 2.0)), 0.3, shapes),
-            "NaiveFullFB": lambda: tf.NaiveFullFB(f(random_spd(rng, 12, 0.5, 2.0)), 0.3,
-                                                  shapes),
-            "ScaleAndShiftFullFB": lambda: tf.ScaleAndShiftFullFB(
-                f(random_spd(rng, 6, 0.5, 2.0)), 0.3),
-            "ScaleAndShiftDiagonalFB": lambda: tf.ScaleAndShiftDiagonalFB(
-                f(rng.uniform(0.5, 2.0, 6)), 0.3),
-            "ConvDiagonalFB": lambda: tf.ConvDiagonalFB(f(d), 0.3, (1, 3, 1, 3), has_bias=True,
-                                                        num_locations=4),
-            "EmbeddingKFACMultiIndepFB": lambda: tf.EmbeddingKFACMultiIndepFB(
-                f(rng.uniform(0.5, 2.0, 4)), f(random_spd(rng, 3, 0.5, 2.0)), 0.3, 3),
-        }
-        if name.startswith("ScaleAndShift"):
-            vec = (vec[1], f(rng.standard_normal(3)))
+        vec = (w, b)
+        if name in ("FullyConnectedDiagonalFB", "NaiveDiagonalFB", "DiagonalFB"):
+            cov = d if name == "FullyConnectedDiagonalFB" else d.reshape(-1)
+        elif name in ("FullFB", "NaiveFullFB"):
+            cov = random_spd(rng, 12, 0.5, 2.0)
+        elif name == "ScaleAndShiftFullFB":
+            vec, cov = (b, rng.standard_normal(3)), random_spd(rng, 6, 0.5, 2.0)
+        elif name == "ScaleAndShiftDiagonalFB":
+            vec, cov = (b, rng.standard_normal(3)), rng.uniform(0.5, 2.0, 6)
         elif name == "ConvDiagonalFB":
-            vec = (f(rng.standard_normal((1, 3, 1, 3))), vec[1])
+            vec, cov = (rng.standard_normal((1, 3, 1, 3)), b), d
         elif name == "EmbeddingKFACMultiIndepFB":
-            vec = f(rng.standard_normal((4, 3)))
-        if name.startswith("DepthwiseConv"):
-            x, gy = rng.standard_normal((4, 5, 5, 2)), rng.standard_normal((4, 4, 3, 4))
-            block = getattr(tf, name).from_data(f(x), f(gy), 0.3, (2, 3, 2, 2), "VALID")
-            vec = f(rng.standard_normal((2, 3, 2, 2)))
-        else:
-            block = make[name]()
+            cov = (rng.uniform(0.5, 2.0, 4), random_spd(rng, 3, 0.5, 2.0))
+            vec = rng.standard_normal((4, 3))
+        else:  # depthwise, from a batch
+            cov = (rng.standard_normal((4, 5, 5, 2)), rng.standard_normal((4, 4, 3, 4)))
+            vec = rng.standard_normal((2, 3, 2, 2))
+        make = {
+            "FullyConnectedDiagonalFB": lambda c: tf.FullyConnectedDiagonalFB(c, 0.3,
+                                                                              has_bias=True),
+            "NaiveDiagonalFB": lambda c: tf.NaiveDiagonalFB(c, 0.3, shapes),
+            "DiagonalFB": lambda c: tf.DiagonalFB(c, 0.3, shapes),
+            "FullFB": lambda c: tf.FullFB(c, 0.3, shapes),
+            "NaiveFullFB": lambda c: tf.NaiveFullFB(c, 0.3, shapes),
+            "ScaleAndShiftFullFB": lambda c: tf.ScaleAndShiftFullFB(c, 0.3),
+            "ScaleAndShiftDiagonalFB": lambda c: tf.ScaleAndShiftDiagonalFB(c, 0.3),
+            "ConvDiagonalFB": lambda c: tf.ConvDiagonalFB(c, 0.3, (1, 3, 1, 3), has_bias=True,
+                                                          num_locations=4),
+            "EmbeddingKFACMultiIndepFB": lambda c: tf.EmbeddingKFACMultiIndepFB(
+                c[0], c[1], 0.3, 3),
+            "DepthwiseConvDiagonalFB": lambda c: tf.DepthwiseConvDiagonalFB.from_data(
+                c[0], c[1], 0.3, (2, 3, 2, 2), "VALID"),
+            "DepthwiseConvKFCBasicFB": lambda c: tf.DepthwiseConvKFCBasicFB.from_data(
+                c[0], c[1], 0.3, (2, 3, 2, 2), "VALID"),
+        }
+        block = make[name](tuple(f(c) for c in cov) if isinstance(cov, tuple) else f(cov))
+        vec = tuple(f(v) for v in vec) if isinstance(vec, tuple) else f(vec)
     return [block.full_fisher_block(), block.multiply(vec), block.multiply_inverse(vec),
             block.multiply_matpower(vec, -0.5), block.multiply_matpower(vec, 1.0)]
 

@@ -208,7 +208,7 @@ def _judge_alone(cname, what, leaves, hosts, base_hosts):
         if h is None or e is None:
             continue
         carried = (isinstance(leaf, _STRICT) if cname == "strict"
-                   else isinstance(leaf, np.ndarray) and leaf.dtype == np.float32)
+                   else getattr(leaf, "dtype", None) == np.float32)
         if carried and cname == "strict" and not _close([h], [e], 1e-9):
             return "silent", f"{what}: numbers differ from NumPy's"
         if carried and not _finite([h]):
