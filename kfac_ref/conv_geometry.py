@@ -66,9 +66,10 @@ example's patches, plus two of its padded input (the padding copy and the first 
 # Layout: the one data_format check and the one layout conversion
 # --------------------------------------------------------------------------------------
 @capabilities(array_free=True)
-def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
+def is_channels_last(func, data_format, ndim=None, *, name="data_format", array_name=None):
     r"""Validate ``data_format`` (against an array rank ``ndim`` when given) and say whether
-    it stores channels last.
+    it stores channels last.  ``array_name`` names the argument whose rank ``ndim`` is, for
+    the message.
 
     Raises
     ------
@@ -81,6 +82,11 @@ def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
         raise KFACValueError(
             f"{func}: {name} must be None or one of "
             f"{', '.join(repr(d) for d in DATA_FORMATS)}; got {describe(data_format)}."
+        )
+    if ndim is not None and len(data_format) != ndim and array_name is not None:
+        raise KFACValueError(
+            f"{func}: {array_name} must be a {len(data_format)}-D array for {name} "
+            f"{data_format!r}; got a {ndim}-D array."
         )
     if ndim is not None and len(data_format) != ndim:
         raise KFACValueError(
@@ -350,7 +356,8 @@ class ConvGeometry:
         channels against their own message).
         """
         input_shape = _input_shape(func, input_name, input_shape)
-        channels_last = is_channels_last(func, data_format, len(input_shape))
+        channels_last = is_channels_last(func, data_format, len(input_shape),
+                                         array_name=input_name)
         rank = len(input_shape) - 2
         filter_shape = _filter_shape(func, filter_shape, rank, name=filter_name)
         c_in = input_shape[-1] if channels_last else input_shape[1]
