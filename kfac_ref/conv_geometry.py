@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np  # host-side integer arguments only (np.ndarray shapes are accepted)
 
-from ._backend import KFACTypeError, KFACValueError, describe
+from ._backend import KFACTypeError, KFACValueError, check_array, describe
 from ._support import capabilities
 
 __all__ = [
@@ -101,7 +101,10 @@ def to_channels_last(xp, x, channels_last):
     r"""``[N, C, *spatial] -> [N, *spatial, C]`` unless ``x`` already stores channels last.
 
     .. math:: y_{n, \ell, c} = x_{n, c, \ell}
+
+    A layout move of any dtype (entries are moved, not computed with): the checks are static.
     """
+    check_array("to_channels_last", "x", x, min_ndim=3, dtype=None, finite=False)
     if channels_last:
         return x
     return xp.permute_dims(x, (0, *range(2, x.ndim), 1))
@@ -113,7 +116,10 @@ def from_channels_last(xp, y, channels_last):
     channels-first layout.
 
     .. math:: x_{n, c, \ell} = y_{n, \ell, c}
+
+    A layout move of any dtype (entries are moved, not computed with): the checks are static.
     """
+    check_array("from_channels_last", "y", y, min_ndim=3, dtype=None, finite=False)
     if channels_last:
         return y
     return xp.permute_dims(y, (0, y.ndim - 1, *range(1, y.ndim - 1)))

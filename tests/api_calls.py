@@ -33,6 +33,19 @@ from kfac_ref.conv_geometry import ConvGeometry
 from kfac_ref.operators import CurvatureOperator
 
 
+def _xp_of(x):
+    """The namespace a caller passes with ``x`` to the functions that take one (NumPy's for
+    data that is not an array, so that the callee, not the caller, meets it)."""
+    return array_namespace(x if hasattr(x, "shape") else np.zeros(0))
+
+
+def _closed(f, host):
+    """An array closed over by a user callable (the matrix of a matvec), not an argument of
+    the call: made by ``f`` like the arguments, except that a fuzzer's ``f`` may offer a
+    ``closed`` maker that leaves it as it is."""
+    return getattr(f, "closed", f)(host)
+
+
 def _flat(result):
     """The leaves of a nested list/tuple result."""
     if isinstance(result, (tuple, list)):
@@ -83,9 +96,9 @@ DASK_CALLS = {
     "kfac_ref.spectral.kron_trace": lambda f: [
         spectral.kron_trace(f(_A), f(_B), 0.1, exact=e) for e in (True, False)],
     "kfac_ref.spectral.hutchinson_trace": lambda f: (lambda m: spectral.hutchinson_trace(
-        lambda v: m @ v, f(_PROBES)))(f(_A)),
+        lambda v: m @ v, f(_PROBES)))(_closed(f, _A)),
     "kfac_ref.spectral.hutchpp_trace": lambda f: (lambda m: spectral.hutchpp_trace(
-        lambda v: m @ v, f(_SKETCH), f(_PROBES)))(f(_A)),
+        lambda v: m @ v, f(_SKETCH), f(_PROBES)))(_closed(f, _A)),
     "kfac_ref.factors.fully_connected_diagonal_factor": lambda f:
         factors.fully_connected_diagonal_factor(f(_X), f(_G), has_bias=True),
     "kfac_ref.factors.conv_patch_matrix": lambda f: factors.conv_patch_matrix(
@@ -140,13 +153,13 @@ _BLOCK_CALLS = {
     "kfac_ref.patches.subsample_rows": lambda f: patches.subsample_rows(
         f(_X), 4, np.random.default_rng(1)),
     "kfac_ref.conv_geometry.to_channels_last": lambda f: (
-        lambda x: conv_geometry.to_channels_last(array_namespace(x), x, False))(f(_IMG)),
+        lambda x: conv_geometry.to_channels_last(_xp_of(x), x, False))(f(_IMG)),
     "kfac_ref.conv_geometry.from_channels_last": lambda f: (
-        lambda x: conv_geometry.from_channels_last(array_namespace(x), x, False))(f(_IMG)),
+        lambda x: conv_geometry.from_channels_last(_xp_of(x), x, False))(f(_IMG)),
     "kfac_ref.conv_geometry.ConvGeometry": lambda f: [
         (lambda x: ConvGeometry.build("t", (4, 2, 5, 5), (3, 3, 2, 3), padding="SAME",
                                       data_format="NCHW").to_channels_last(
-            array_namespace(x), x))(f(_IMG.transpose(0, 3, 1, 2)))],
+            _xp_of(x), x))(f(_IMG.transpose(0, 3, 1, 2)))],
     "kfac_ref.blocks.diagonal_block_matpower": lambda f: blocks.diagonal_block_matpower(
         f(_DIAG), f(_V), -0.5, 0.1),
     "kfac_ref.blocks.scaled_identity_matpower": lambda f: blocks.scaled_identity_matpower(
@@ -518,8 +531,8 @@ def _operators(f):
     kfac = CurvatureOperator.from_estimator(est, st, 0.1)
     exact = [CurvatureOperator.from_exact(*_problem(f), curvature=c)
              for c in ("ggn", "fisher", "empirical_fisher", "hessian")]
-    m = f(_A)
-    dense = CurvatureOperator(lambda v: m @ v, m, 4)
+    m = _closed(f, _A)
+    dense = CurvatureOperator(lambda v: m @ v, f(_A), 4)
     two = f(np.stack([_NV, _NV * 2.0], axis=1))
     return [kfac.matvec(f(_NV)), kfac.matmat(two), kfac.to_dense(), kfac.trace(),
             [(op.matvec(f(_NV)), op.rmatmat(two)) for op in exact],
@@ -821,8 +834,8 @@ def _laplace_eigen(f):
 
 
 def _operator_eigen(f):
-    m = f(_A)
-    op = CurvatureOperator(lambda v: m @ v, m, 4)
+    m = _closed(f, _A)
+    op = CurvatureOperator(lambda v: m @ v, f(_A), 4)
     return [op.eigenvalues(), op.slogdet()]
 
 
