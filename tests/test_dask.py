@@ -330,13 +330,15 @@ DASK_PARTIAL_REFUSALS = {
     "kfac_ref.curvature.ExplicitExactCurvature": _estimator_refusals(
         curv.ExplicitExactCurvature),
     "kfac_ref.optim.KFACOptimizer": [
-        ("BlockDiagonalCurvature.update_cache: " + _NO_EIGH_AT.format("linalg.eigh"),
+        ("KFACOptimizer.step: BlockDiagonalCurvature.update_cache: "
+         + _NO_EIGH_AT.format("linalg.eigh"),
          lambda f: (lambda opt, p, b: opt.step(opt.init(p, b), p, b))(
              optim.KFACOptimizer(_NET, _gauss, curv.BlockDiagonalCurvature(
                  _NET, _gauss, default_estimation_mode="ggn_exact"), learning_rate=0.1,
                  momentum=0.5), _params(f), (f(_NX), f(_NY))))],
     "kfac_ref.optim.preconditioned_direction": [
-        ("BlockDiagonalCurvature.multiply_matpower: " + _NO_EIGH_AT.format("linalg.eigh"),
+        ("preconditioned_direction: BlockDiagonalCurvature.multiply_matpower: "
+         + _NO_EIGH_AT.format("linalg.eigh"),
          lambda f: (lambda est, st: optim.preconditioned_direction(
              est, st, f(_NV), 0.2, exact_power=True))(*_estimator(f)))],
     "kfac_ref.laplace.laplace_log_marginal_likelihood": _laplace_refusals(
