@@ -84,10 +84,11 @@ def is_channels_last(func, data_format, ndim=None, *, name="data_format", array_
             f"{', '.join(repr(d) for d in DATA_FORMATS)}; got {describe(data_format)}."
         )
     if ndim is not None and len(data_format) != ndim and array_name is not None:
-        raise KFACValueError(
-            f"{func}: {array_name} must be a {len(data_format)}-D array for {name} "
-            f"{data_format!r}; got a {ndim}-D array."
-        )
+        r = len(data_format)
+        what, got = ((f"have {r} entries", f"{ndim} entries") if array_name.endswith("shape")
+                     else (f"be a {r}-D array", f"a {ndim}-D array"))
+        raise KFACValueError(f"{func}: {array_name} must {what} ({name} {data_format!r} "
+                             f"describes {r}-D arrays); got {got}.")
     if ndim is not None and len(data_format) != ndim:
         raise KFACValueError(
             f"{func}: {name} {data_format!r} describes {len(data_format)}-D arrays; got a "

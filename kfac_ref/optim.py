@@ -856,7 +856,7 @@ class KFACOptimizer:
         like = next((a for layer in params for a in layer), None)
         if like is None:
             raise KFACValueError(f"{func}: net must have parameters; got a network without.")
-        xp = namespace_of(func, params=like, inputs=batch[0])
+        xp = namespace_of(func, params=like, **{"batch[0]": batch[0], "batch[1]": batch[1]})
         return xp, params, (params, tuple(batch))
 
     def _loss_and_grad(self, params, batch):

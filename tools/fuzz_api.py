@@ -28,6 +28,7 @@ Run::
     python tools/fuzz_api.py                 # table of counts; the non-clear cases
     python tools/fuzz_api.py --json out.json # every case, machine readable
     python tools/fuzz_api.py --only kfac_ref.linalg   # entries whose name starts so
+    python tools/fuzz_api.py --max-indices 16  # at most 16 arrays per call (the test's part)
 
 Exit status 1 when an ``unclear`` or ``silent`` case remains.
 """
@@ -192,7 +193,7 @@ def _host(leaf):
 
 
 _NAMED = re.compile(
-    r"^[\w.\[\]]+(\([^)]*\))?: "  # the function or method
+    r"^([\w.\[\]]+(\([^)]*\))?: )+"  # the function or method (and the one it called)
     r"(.*\bmust\b.*\bgot\b"  # "<arg> must be ...; got ..."
     r"|all arrays must (come from one array namespace|live on one device)"
     r"|.*must have the floating dtype of)", re.S)
@@ -234,20 +235,22 @@ def _close(got, expected, rtol):
     return True
 
 
-def _judge_alone(cname, what, leaves, hosts, base_hosts):
+def _judge_alone(cname, what, leaves, hosts, base_hosts, marked_hosts):
     """A lone array in another namespace (array-api-strict) or precision (float32) that was
-    accepted.  Each result leaf either carries it (a strict array with NumPy's numbers; a
-    finite float32 array) or is unchanged from the reference run (a call of the corpus
-    that did not see the corrupted array).  A NumPy/float64 leaf whose numbers moved saw
-    the corrupted array mixed with the others: silent."""
+    accepted.  Each result leaf either carries it (a strict array with the numbers of the
+    same call on NumPy; a finite float32 array) or is unchanged from the reference run (a
+    call of the corpus that did not see the corrupted array).  A NumPy/float64 leaf whose
+    numbers moved saw the corrupted array mixed with the others: silent.  The strict array
+    carries a mark (its values times 1 + 2⁻²⁰; ``marked_hosts`` is the NumPy run with that
+    mark) so that a NumPy result computed from it cannot pass as unchanged."""
     if len(hosts) != len(base_hosts):
         return "silent", f"{what}: returned a different number of results"
-    for leaf, h, e in zip(leaves, hosts, base_hosts, strict=True):
+    for leaf, h, e, m in zip(leaves, hosts, base_hosts, marked_hosts, strict=True):
         if h is None or e is None:
             continue
         carried = (isinstance(leaf, _STRICT) if cname == "strict"
                    else getattr(leaf, "dtype", None) == np.float32)
-        if carried and cname == "strict" and not _close([h], [e], 1e-9):
+        if carried and cname == "strict" and not _close([h], [m], 1e-9):
             return "silent", f"{what}: numbers differ from NumPy's"
         if carried and not _finite([h]):
             return "silent", f"{what}: returned NaN/Inf"
@@ -258,17 +261,47 @@ def _judge_alone(cname, what, leaves, hosts, base_hosts):
     return "accepted", f"{what}: lone array, kept or unchanged"
 
 
-def fuzz_entry(name, call, corruptions=CORRUPTIONS, allowed=ALLOWED):
-    """Every case of one corpus entry: a list of :class:`Case`."""
+_MARK = 1.0 + 2.0 ** -20
+
+
+def _marked(call, i, base_hosts):
+    """The strict corruption of array ``i`` with its values marked (times 1 + 2⁻²⁰), and
+    the NumPy results of the call with the same mark; unmarked when the marked call fails
+    (a mark can break a contract such as one-hot rows)."""
+    try:
+        marked = _run(call, _Counter(i, lambda a: a * _MARK))
+    except Exception:  # noqa: BLE001
+        return CORRUPTIONS["strict"][1], base_hosts
+    hosts = [_host(x) for x in _leaves(marked)]
+    if len(hosts) != len(base_hosts):
+        return CORRUPTIONS["strict"][1], base_hosts
+    return (lambda a: array_api_strict.asarray(a * _MARK)), hosts
+
+
+def _spread(k, most):
+    """``most`` indices of ``range(k)`` spread evenly, first and last included (all of them
+    when ``most`` is None or at least ``k``)."""
+    if most is None or most >= k:
+        return list(range(k))
+    return sorted({round(j * (k - 1) / (most - 1)) for j in range(most)}) if most > 1 else [0]
+
+
+def fuzz_entry(name, call, corruptions=CORRUPTIONS, allowed=ALLOWED, max_indices=None):
+    """Every case of one corpus entry: a list of :class:`Case` (``max_indices`` arrays of
+    the call at most, spread evenly over them, when given)."""
     base_f = _Counter()
     base = _run(call, base_f)
     base_leaves = _leaves(base)
     base_hosts = [_host(x) for x in base_leaves]
     cases = []
-    for i, a in enumerate(base_f.hosts):
+    for i in _spread(len(base_f.hosts), max_indices):
+        a = base_f.hosts[i]
         for cname, (applies, make, rule) in corruptions.items():
             if not applies(a):
                 continue
+            marked_hosts = base_hosts
+            if cname == "strict" and _floating(a):
+                make, marked_hosts = _marked(call, i, base_hosts)
             f = _Counter(i, make)
             try:
                 out = _run(call, f)
@@ -293,7 +326,7 @@ def fuzz_entry(name, call, corruptions=CORRUPTIONS, allowed=ALLOWED):
                 cases.append(Case(name, i, cname, "accepted", f"{what}: finite result"))
             else:  # "strict" or "float32": the arrays it reached keep it, the others agree
                 cases.append(Case(name, i, cname, *_judge_alone(cname, what, leaves, hosts,
-                                                                base_hosts)))
+                                                                base_hosts, marked_hosts)))
     return cases
 
 
@@ -308,14 +341,14 @@ def corpus():
 SKIPPED: dict[str, str] = {}
 
 
-def fuzz(names=None, progress=None):
+def fuzz(names=None, progress=None, max_indices=None):
     calls = corpus()
     cases = []
     for name in sorted(calls) if names is None else names:
         if name in SKIPPED:
             continue
         t0 = time.perf_counter()
-        cases += fuzz_entry(name, calls[name])
+        cases += fuzz_entry(name, calls[name], max_indices=max_indices)
         if progress:
             progress(name, time.perf_counter() - t0)
     return cases
@@ -338,12 +371,14 @@ def main(argv=None):
     ap.add_argument("--only", metavar="PREFIX", action="append",
                     help="entries whose name starts with PREFIX (repeatable)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print each entry's time")
+    ap.add_argument("--max-indices", type=int, metavar="M",
+                    help="corrupt at most M arrays of each call, spread evenly (default all)")
     args = ap.parse_args(argv)
     names = None
     if args.only:
         names = sorted(n for n in corpus() if any(n.startswith(p) for p in args.only))
     progress = (lambda n, t: print(f"{t:7.2f}s {n}", file=sys.stderr)) if args.verbose else None
-    cases = fuzz(names, progress)
+    cases = fuzz(names, progress, args.max_indices)
     print(table(cases))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -112,7 +112,7 @@ def _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, dat
     check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
     return ConvGeometry.build(func, tuple(inputs.shape), filter_shape, strides=strides,
                               padding=padding, dilation=dilation, data_format=data_format,
-                              dilation_name=dilation_name)
+                              dilation_name=dilation_name, input_name="inputs")
 
 
 def _check_patch_args(func, inputs, filter_shape, padding, strides, dilation, data_format,
