@@ -23,6 +23,12 @@ the call with only that array corrupted and classes the outcome:
     numbers), a shape corruption with finite results, or a case of the explicit
     allow-list ``ALLOWED`` below (each with its reason).
 
+An array that a user callable closes over (the matrix of a ``matvec``; ``_closed`` in the
+corpus) is not an argument and is never corrupted; what the callable returns is checked by
+the function that calls it.  A strict array carries a mark (its values times 1 + 2⁻²⁰) so
+that a NumPy result computed from it is seen as a namespace mix.  The public objects that
+take no arrays (``kfac_ref.capabilities``, option registries) have nothing to corrupt.
+
 Run::
 
     python tools/fuzz_api.py                 # table of counts; the non-clear cases
