@@ -844,6 +844,21 @@ def _operator_eigen(f):
 # classes that tests/test_dask.py exercises through its own builders.
 NUMPY_CALLS = {
     **EIGEN_CALLS,
+    # the objects tests/test_dask.py runs by chunks with its own data
+    "kfac_ref.linalg.compute_cov": lambda f: [K.compute_cov(f(_X)),
+                                              K.compute_cov(f(_X), f(_X[:, ::-1]))],
+    "kfac_ref.factors.fully_connected_kronecker_factor": lambda f:
+        factors.fully_connected_kronecker_factor(f(_X), has_bias=True),
+    "kfac_ref.factors.conv_input_kronecker_factor": lambda f:
+        factors.conv_input_kronecker_factor(f(_IMG), (3, 3, 2, 3), "SAME"),
+    "kfac_ref.factors.conv_output_kronecker_factor": lambda f:
+        factors.conv_output_kronecker_factor(f(_IMG_G)),
+    "kfac_ref.losses.CategoricalLogitsNegativeLogProbLoss": lambda f: _loss_quantities(
+        losses.CategoricalLogitsNegativeLogProbLoss(f(_G), targets=f(_IDS % 3))),
+    "kfac_ref.losses.MultiBernoulliNegativeLogProbLoss": lambda f: _loss_quantities(
+        losses.MultiBernoulliNegativeLogProbLoss(f(_G), targets=f(_LABELS))),
+    "kfac_ref.losses.NormalMeanNegativeLogProbLoss": lambda f: _loss_quantities(
+        losses.NormalMeanNegativeLogProbLoss(f(_G), f(_G[::-1]), variance=0.5)),
     **{f"kfac_ref.blocks.kfac_jax.{n}": _kj_all(n) for n in _KJ_BLOCK_NAMES},
     **{f"kfac_ref.blocks.tf.{n}": _tf_all(n) for n in _TF_BLOCK_NAMES},
     **{f"kfac_ref.factors.{n}": _factor_all(n) for n in DASK_FACTOR_CLASSES},

@@ -625,3 +625,12 @@ def test_errors_named_inner_puts_an_inner_public_error_under_the_caller():
         raise KFACValueError("outer: x must be finite; got NaN.")
     with pytest.raises(KFACValueError, match="^inner: x"), errors_named("outer"):
         raise KFACValueError("inner: x must be finite; got NaN.")
+
+
+def test_approximation_report_names_a_batch_that_is_not_an_array(problem):
+    from kfac_ref.curvature import approximation_report
+
+    net, params, (x, y) = problem
+    with pytest.raises(KFACTypeError, match=r"^approximation_report: batch\[0\] must be an "
+                                            r"array; got a list"):
+        approximation_report(net, sq, params, (x.tolist(), y))

@@ -137,6 +137,9 @@ ALLOWED: dict[tuple[str, int, str], str] = {
     # documented: "One-hot rows: entries 0/1 (bool, integer or floating)"
     **_allow("kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss", 1, ("int64", "bool"),
              "one-hot targets may be bool or integer 0/1 rows (documented)"),
+    # documented: "values in [0, 1] (bool, integer or floating; soft labels)"
+    **_allow("kfac_ref.losses.MultiBernoulliNegativeLogProbLoss", 1, ("int64", "bool"),
+             "Bernoulli targets may be bool or integer 0/1 (documented)"),
     # the matmat's own failure on a probe block it cannot multiply is the user's error
     ("kfac_ref.spectral.hutchinson_trace", 0, "empty-axis"):
         "a [0, m] probe block: d is known only to the user's matmat, whose error it raises",
