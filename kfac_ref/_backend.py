@@ -125,13 +125,19 @@ def kernel_error(message: str) -> KFACValueError:
 
 
 @contextlib.contextmanager
-def errors_named(func: str) -> Iterator[None]:
+def errors_named(func: str, *, inner: bool = False) -> Iterator[None]:
     """Reword a kernel's :func:`kernel_error` as ``"<func>: <message>"``, ``func`` the public
-    function or method the user called (other errors pass unchanged)."""
+    function or method the user called (other errors pass unchanged).
+
+    With ``inner=True`` the errors of the public objects ``func`` calls on the user's
+    behalf (an optimiser's estimator, say) are put under ``func`` too, the inner name kept:
+    ``"KFACOptimizer.step: BlockDiagonalCurvature.update_cache: ..."`` — the user called
+    ``func``, not the inner method.  Errors already under ``func`` pass unchanged."""
     try:
         yield
     except (KFACValueError, KFACTypeError) as exc:
-        if not getattr(exc, "unnamed", False):
+        unnamed = getattr(exc, "unnamed", False)
+        if not (unnamed or (inner and not str(exc).startswith(f"{func}:"))):
             raise
         raise type(exc)(f"{func}: {exc}") from None
 

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 import numpy as np  # host-side integer arguments only (np.ndarray shapes are accepted)
 
-from ._backend import KFACTypeError, KFACValueError, describe
+from ._backend import KFACTypeError, KFACValueError, check_array, describe
 from ._support import capabilities
 
 __all__ = [
@@ -66,9 +66,10 @@ example's patches, plus two of its padded input (the padding copy and the first 
 # Layout: the one data_format check and the one layout conversion
 # --------------------------------------------------------------------------------------
 @capabilities(array_free=True)
-def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
+def is_channels_last(func, data_format, ndim=None, *, name="data_format", array_name=None):
     r"""Validate ``data_format`` (against an array rank ``ndim`` when given) and say whether
-    it stores channels last.
+    it stores channels last.  ``array_name`` names the argument whose rank ``ndim`` is, for
+    the message.
 
     Raises
     ------
@@ -82,6 +83,12 @@ def is_channels_last(func, data_format, ndim=None, *, name="data_format"):
             f"{func}: {name} must be None or one of "
             f"{', '.join(repr(d) for d in DATA_FORMATS)}; got {describe(data_format)}."
         )
+    if ndim is not None and len(data_format) != ndim and array_name is not None:
+        r = len(data_format)
+        what, got = ((f"have {r} entries", f"{ndim} entries") if array_name.endswith("shape")
+                     else (f"be a {r}-D array", f"a {ndim}-D array"))
+        raise KFACValueError(f"{func}: {array_name} must {what} ({name} {data_format!r} "
+                             f"describes {r}-D arrays); got {got}.")
     if ndim is not None and len(data_format) != ndim:
         raise KFACValueError(
             f"{func}: {name} {data_format!r} describes {len(data_format)}-D arrays; got a "
@@ -95,7 +102,10 @@ def to_channels_last(xp, x, channels_last):
     r"""``[N, C, *spatial] -> [N, *spatial, C]`` unless ``x`` already stores channels last.
 
     .. math:: y_{n, \ell, c} = x_{n, c, \ell}
+
+    A layout move of any dtype (entries are moved, not computed with): the checks are static.
     """
+    check_array("to_channels_last", "x", x, min_ndim=3, dtype=None, finite=False)
     if channels_last:
         return x
     return xp.permute_dims(x, (0, *range(2, x.ndim), 1))
@@ -107,7 +117,10 @@ def from_channels_last(xp, y, channels_last):
     channels-first layout.
 
     .. math:: x_{n, c, \ell} = y_{n, \ell, c}
+
+    A layout move of any dtype (entries are moved, not computed with): the checks are static.
     """
+    check_array("from_channels_last", "y", y, min_ndim=3, dtype=None, finite=False)
     if channels_last:
         return y
     return xp.permute_dims(y, (0, y.ndim - 1, *range(1, y.ndim - 1)))
@@ -346,7 +359,8 @@ class ConvGeometry:
         channels against their own message).
         """
         input_shape = _input_shape(func, input_name, input_shape)
-        channels_last = is_channels_last(func, data_format, len(input_shape))
+        channels_last = is_channels_last(func, data_format, len(input_shape),
+                                         array_name=input_name)
         rank = len(input_shape) - 2
         filter_shape = _filter_shape(func, filter_shape, rank, name=filter_name)
         c_in = input_shape[-1] if channels_last else input_shape[1]

@@ -285,6 +285,9 @@ class CurvatureOperator:
             if tuple(getattr(out, "shape", ())) != (self._dim,):
                 raise KFACValueError(f"CurvatureOperator: the matvec function must return an "
                                      f"array of shape ({self._dim},); got {describe(out)}.")
+            # static checks only (one product per column: no host read per product)
+            namespace_of("CurvatureOperator", like=self._like, **{"matvec's result": out})
+            check_array("CurvatureOperator", "matvec's result", out, finite=False)
             return out
         outs = []
         for p in self._parts:

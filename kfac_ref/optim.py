@@ -53,6 +53,7 @@ from ._backend import (
     check_rng,
     check_scalar,
     describe,
+    errors_named,
     kernel_of,
     namespace_of,
     zeros_like_shape,
@@ -137,8 +138,10 @@ def preconditioned_direction(estimator, estimator_state, grad, damping, exact_po
     lam = check_scalar(func, "damping", damping, nonnegative=True)
     exact_power = check_bool(func, "exact_power", exact_power)
     use_cached = check_bool(func, "use_cached", use_cached)
-    out = estimator.multiply_matpower(estimator_state, grad, identity_weight=lam, power=-1.0,
-                                      exact_power=exact_power, use_cached=use_cached)
+    with errors_named(func, inner=True):  # the estimator's errors, under the user's call
+        out = estimator.multiply_matpower(estimator_state, grad, identity_weight=lam,
+                                          power=-1.0, exact_power=exact_power,
+                                          use_cached=use_cached)
     if isinstance(out, (tuple, list)):
         return tuple(tuple(-a for a in layer) for layer in out)
     return -out
@@ -853,7 +856,7 @@ class KFACOptimizer:
         like = next((a for layer in params for a in layer), None)
         if like is None:
             raise KFACValueError(f"{func}: net must have parameters; got a network without.")
-        xp = namespace_of(func, params=like, inputs=batch[0])
+        xp = namespace_of(func, params=like, **{"batch[0]": batch[0], "batch[1]": batch[1]})
         return xp, params, (params, tuple(batch))
 
     def _loss_and_grad(self, params, batch):
@@ -866,9 +869,10 @@ class KFACOptimizer:
 
     def _precondition(self, state, vec, lam_p):
         lam = lam_p if self.exact_power else state.preconditioner_damping
-        return self.estimator.multiply_matpower(
-            state.preconditioner_state, vec, identity_weight=lam, power=-1.0,
-            exact_power=self.exact_power, use_cached=True)
+        with errors_named("KFACOptimizer.step", inner=True):
+            return self.estimator.multiply_matpower(
+                state.preconditioner_state, vec, identity_weight=lam, power=-1.0,
+                exact_power=self.exact_power, use_cached=True)
 
     def _exact_product(self, func_args, v):
         if self.quad_model_matrix == "ggn":
@@ -943,9 +947,10 @@ class KFACOptimizer:
         if t % self.curvature_update_period == 0:
             ema_old, ema_new = ((self.curvature_ema, 1.0) if self.ema_style == "kfac_jax"
                                 else (self.curvature_ema, 1.0 - self.curvature_ema))
-            est_state = self.estimator.update_curvature_matrix_estimate(
-                est_state, ema_old, ema_new, n, rng, func_args,
-                estimation_mode=self.estimation_mode)
+            with errors_named(func, inner=True):  # the estimator's errors, under step
+                est_state = self.estimator.update_curvature_matrix_estimate(
+                    est_state, ema_old, ema_new, n, rng, func_args,
+                    estimation_mode=self.estimation_mode)
             updated_cov = True
         # 2. loss and gradient
         loss, g = self._loss_and_grad(params, batch)
@@ -953,9 +958,10 @@ class KFACOptimizer:
         refreshed = t % self.inverse_update_period == 0
         pre_state, pre_damping = state.preconditioner_state, state.preconditioner_damping
         if refreshed:
-            pre_state = self.estimator.update_cache(
-                est_state, lam_p, -1.0 if self.exact_power else None,
-                None if self.exact_power else -1.0, False)
+            with errors_named(func, inner=True):
+                pre_state = self.estimator.update_cache(
+                    est_state, lam_p, -1.0 if self.exact_power else None,
+                    None if self.exact_power else -1.0, False)
             pre_damping = lam_p
         elif pre_state is None:
             raise KFACValueError(f"{func}: state must have a preconditioner (the first step "
@@ -1015,9 +1021,10 @@ class KFACOptimizer:
                 if self.damping_quad_model == "exact":
                     cdelta = self._exact_product(func_args, delta)
                 else:
-                    cdelta = self.estimator.multiply_matpower(
-                        est_state, delta, identity_weight=0.0, power=1.0, exact_power=True,
-                        use_cached=False)
+                    with errors_named(func, inner=True):
+                        cdelta = self.estimator.multiply_matpower(
+                            est_state, delta, identity_weight=0.0, power=1.0,
+                            exact_power=True, use_cached=False)
                 quad = 0.5 * _dot(xp, delta, cdelta)
                 if self.include_damping_in_quad_change:
                     quad = quad + 0.5 * lam * _dot(xp, delta, delta)

@@ -274,7 +274,8 @@ def extract_convolution_patches(inputs, filter_shape, padding, strides=None, dil
     xp = namespace_of(func, inputs=inputs)
     check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
     geo = ConvGeometry.build(func, tuple(inputs.shape), filter_shape, strides=strides,
-                             padding=padding, dilation=dilation_rate, data_format=data_format)
+                             padding=padding, dilation=dilation_rate, data_format=data_format,
+                             input_name="inputs")
     return _extract_convolution_patches(xp, inputs, geo)
 
 

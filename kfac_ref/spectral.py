@@ -44,6 +44,7 @@ from ._backend import (
     check_scalar,
     check_symmetric,
     describe,
+    is_array,
     namespace_of,
 )
 from ._support import DASK_NO_EIGH, capabilities
@@ -319,10 +320,14 @@ def _check_probes(func, name, z, dim=None):
 
 
 def _apply(func, matmat, x):
+    """``matmat(x)``, checked as an argument: an array of ``x``'s shape, namespace, device
+    and precision, finite (a value check)."""
     y = matmat(x)
-    if tuple(getattr(y, "shape", ())) != tuple(x.shape):
+    if not is_array(y) or tuple(y.shape) != tuple(x.shape):
         raise KFACValueError(f"{func}: matmat must return an array of the shape of its input "
                              f"{tuple(x.shape)}; got {describe(y)}.")
+    namespace_of(func, **{"matmat's input": x, "matmat's result": y})
+    check_array(func, "matmat's result", y)
     return y
 
 

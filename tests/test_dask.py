@@ -21,25 +21,43 @@ from array_api_compat import array_namespace
 
 import kfac_ref as K
 import kfac_ref.curvature as curv
-import kfac_ref.nn as knn
 from kfac_ref import (
-    averaging,
     blocks,
     compute_cov,
-    conv_geometry,
     factors,
     laplace,
     losses,
     optim,
-    patches,
-    spectral,
 )
-from kfac_ref.blocks import kfac_jax as kj
-from kfac_ref.conv_geometry import ConvGeometry
 from kfac_ref.operators import CurvatureOperator
 
 da = pytest.importorskip("dask.array")
 dask = pytest.importorskip("dask")
+from api_calls import (  # noqa: E402  (the corpus of valid calls, shared with the fuzzer)
+    _A,
+    _B,
+    _G,
+    _NET,
+    _NV,
+    _NX,
+    _NY,
+    _V32,
+    _W,
+    DASK_CALLS,
+    DASK_FACTOR_CLASSES,
+    EIGEN_CALLS,
+    _ekfac_product,
+    _estimator,
+    _factor_run,
+    _flat,
+    _gauss,
+    _kj_products,
+    _laplace_problem,
+    _params,
+    _problem,
+    _series_inverse,
+    _spd,
+)
 from dask.callbacks import Callback  # noqa: E402
 
 RTOL = 1e-12
@@ -212,241 +230,15 @@ def _dask(a):
     return da.from_array(a, chunks=(a.shape[0] // 2, *a.shape[1:]))
 
 
-def _flat(result):
-    if isinstance(result, (tuple, list)):
-        return [leaf for part in result for leaf in _flat(part)]
-    return [result]
-
-
-_W = np.random.default_rng(20261206)
-
-
-def _spd(n):
-    q, _ = np.linalg.qr(_W.standard_normal((n, n)))
-    m = (q * _W.uniform(0.5, 2.0, n)) @ q.T
-    return (m + m.T) / 2.0
-
-
-_A, _B, _C = _spd(4), _spd(3), _spd(3) * 0.1
-_X = _W.standard_normal((10, 4))
-_G = _W.standard_normal((10, 3))
-_V = _W.standard_normal(12)
-_V2 = _W.standard_normal((12, 2))
-_IMG = _W.standard_normal((4, 5, 5, 2))
-_IMG_G = _W.standard_normal((4, 5, 5, 3))
-_SEQ = _W.standard_normal((6, 4, 3))
-_IDS = _W.integers(0, 6, size=(10,))
-_MU = _W.standard_normal(3)
-_S_A, _Q_A = np.linalg.eigh(_A)
-_S_B, _Q_B = np.linalg.eigh(_B)
-_SKETCH = _W.standard_normal((4, 2))
-_PROBES = _W.standard_normal((4, 6))
-
-# The public objects that run on Dask arrays, each with a call: ``f`` turns host data into
-# the arrays of the call (NumPy for the reference, Dask for the lazy run).
-DASK_CALLS = {
-    "kfac_ref.linalg.append_homog": lambda f: K.append_homog(f(_X)),
-    "kfac_ref.linalg.damped_inverse": lambda f: K.damped_inverse(f(_A), 0.1),
-    "kfac_ref.linalg.damped_cholesky": lambda f: K.damped_cholesky(f(_A), 0.1),
-    "kfac_ref.linalg.damped_cholesky_inverse": lambda f: K.damped_cholesky_inverse(f(_A), 0.1),
-    "kfac_ref.linalg.factor_norm": lambda f: [K.factor_norm(f(_A), n)
-                                              for n in ("avg_diag", "avg_fro", "1_norm")],
-    "kfac_ref.linalg.pi_tracenorm": lambda f: K.pi_tracenorm(f(_A), f(_B)),
-    "kfac_ref.linalg.pi_adjusted_damping": lambda f: K.pi_adjusted_damping(f(_A), f(_B), 0.1),
-    "kfac_ref.linalg.kron": lambda f: K.kron(f(_A), f(_B)),
-    "kfac_ref.linalg.kron_matvec": lambda f: K.kron_matvec(f(_A), f(_B), f(_V)),
-    "kfac_ref.linalg.kron_matmat": lambda f: K.kron_matmat(f(_A), f(_B), f(_V2)),
-    "kfac_ref.linalg.kron_eigenbasis_matpower": lambda f: K.kron_eigenbasis_matpower(
-        f(_S_A), f(_Q_A), f(_S_B), f(_Q_B), f(_V.reshape(4, 3)), -1.0, 0.1),
-    "kfac_ref.spectral.kron_trace": lambda f: [
-        spectral.kron_trace(f(_A), f(_B), 0.1, exact=e) for e in (True, False)],
-    "kfac_ref.spectral.hutchinson_trace": lambda f: spectral.hutchinson_trace(
-        lambda v: f(_A) @ v, f(_PROBES)),
-    "kfac_ref.spectral.hutchpp_trace": lambda f: spectral.hutchpp_trace(
-        lambda v: f(_A) @ v, f(_SKETCH), f(_PROBES)),
-    "kfac_ref.factors.fully_connected_diagonal_factor": lambda f:
-        factors.fully_connected_diagonal_factor(f(_X), f(_G), has_bias=True),
-    "kfac_ref.factors.conv_patch_matrix": lambda f: factors.conv_patch_matrix(
-        f(_IMG), (3, 3, 2, 3), "SAME"),
-    "kfac_ref.factors.conv_per_example_gradients": lambda f:
-        factors.conv_per_example_gradients(f(_IMG), f(_IMG_G), (3, 3, 2, 3), (1, 1), "SAME"),
-    "kfac_ref.factors.conv_diagonal_factor": lambda f: factors.conv_diagonal_factor(
-        f(_IMG), f(_IMG_G), (3, 3, 2, 3), (1, 1), "SAME"),
-    "kfac_ref.factors.conv_input_sua_statistics": lambda f:
-        factors.conv_input_sua_statistics(f(_IMG)),
-    "kfac_ref.factors.conv_input_sua_factor": lambda f: factors.conv_input_sua_factor(
-        f(_B), f(_MU), 4, True, 0.1),
-    "kfac_ref.factors.conv_input_sua_inverse": lambda f:
-        factors.conv_input_sua_inverse(f(_B), f(_MU), 4, True, 0.1),
-    "kfac_ref.factors.params_grads_to_vector": lambda f:
-        factors.params_grads_to_vector([f(_X), f(_G)]),
-    "kfac_ref.factors.naive_diagonal_factor": lambda f:
-        factors.naive_diagonal_factor([f(_X), f(_G)], 10),
-    "kfac_ref.factors.full_factor": lambda f: factors.full_factor([f(_X), f(_G)], 10),
-    "kfac_ref.factors.embedding_input_kronecker_factor": lambda f:
-        factors.embedding_input_kronecker_factor(f(_IDS), 6),
-    "kfac_ref.factors.diagonal_kronecker_factor": lambda f:
-        factors.diagonal_kronecker_factor(f(_X), has_bias=True),
-    "kfac_ref.factors.scale_and_shift_factor": lambda f:
-        factors.scale_and_shift_factor(f(_SEQ), f(_SEQ), (1,), (1,)),
-    "kfac_ref.factors.conv_input_factor_tap": lambda f: factors.conv_input_factor_tap(
-        ConvGeometry.build("t", _IMG.shape, (3, 3, 2, 3), padding="SAME"), True)(
-        f(factors.conv_patch_matrix(_IMG, (3, 3, 2, 3), "SAME"))),
-    "kfac_ref.factors.fully_connected_multi_kf_cov_dt1": lambda f:
-        factors.fully_connected_multi_kf_cov_dt1(f(_X), 2, has_bias=True),
-}
-
-_V32 = _W.standard_normal((4, 3))
-_DIAG = _W.uniform(1.0, 2.0, 12)
-_EV_A, _EV_B = np.linalg.eigvalsh(_A) * 0.5, np.linalg.eigvalsh(_B) * 0.5
-_BLOCK_CALLS = {
-    "kfac_ref.averaging.MovingAverageVariable": lambda f: [
-        averaging.MovingAverageVariable.zeros_like(f(_A)).update(f(_A), 0.9).value,
-        averaging.MovingAverageVariable(f(_A), 1.0).update(f(_A * 2.0), 0.9, 0.5).value],
-    "kfac_ref.averaging.WeightedMovingAverage": lambda f:
-        averaging.WeightedMovingAverage(f(_A)).update(f(_A * 2.0), 0.9, 1.0).value,
-    "kfac_ref.averaging.sync_statistics": lambda f: averaging.sync_statistics(
-        [f(_A), f(_A * 2.0)]),
-    "kfac_ref.averaging.weighted_accumulate": lambda f: averaging.weighted_accumulate(
-        f(_A), f(_A * 2.0), 0.3, 0.7),
-    "kfac_ref.patches.extract_convolution_patches": lambda f:
-        patches.extract_convolution_patches(f(_IMG), (3, 3, 2, 3), "SAME"),
-    "kfac_ref.patches.extract_image_patches": lambda f: patches.extract_image_patches(
-        f(_IMG), (1, 3, 3, 1), (1, 1, 1, 1), (1, 1, 1, 1), "SAME"),
-    "kfac_ref.patches.extract_pointwise_conv2d_patches": lambda f:
-        patches.extract_pointwise_conv2d_patches(f(_IMG), (1, 1, 2, 3)),
-    "kfac_ref.patches.subsample_rows": lambda f: patches.subsample_rows(
-        f(_X), 4, np.random.default_rng(1)),
-    "kfac_ref.conv_geometry.to_channels_last": lambda f: conv_geometry.to_channels_last(
-        array_namespace(f(_IMG)), f(_IMG), False),
-    "kfac_ref.conv_geometry.from_channels_last": lambda f: conv_geometry.from_channels_last(
-        array_namespace(f(_IMG)), f(_IMG), False),
-    "kfac_ref.conv_geometry.ConvGeometry": lambda f: [
-        ConvGeometry.build("t", (4, 2, 5, 5), (3, 3, 2, 3), padding="SAME",
-                           data_format="NCHW").to_channels_last(array_namespace(f(_IMG)),
-                                                                f(_IMG.transpose(0, 3, 1, 2)))],
-    "kfac_ref.blocks.diagonal_block_matpower": lambda f: blocks.diagonal_block_matpower(
-        f(_DIAG), f(_V), -0.5, 0.1),
-    "kfac_ref.blocks.scaled_identity_matpower": lambda f: blocks.scaled_identity_matpower(
-        f(_V), -0.5, 0.1, scale=2.0),
-    "kfac_ref.blocks.kronecker_block_matpower": lambda f: [
-        blocks.kronecker_block_matpower(f(_A), f(_B), f(_V32), p, 0.1) for p in (1.0, -1.0)],
-    "kfac_ref.blocks.series_gamma": lambda f: blocks.series_gamma(f(np.array([0.3, 0.5])), 3),
-    "kfac_ref.blocks.series_option1_multiply_inverse": lambda f:
-        blocks.series_option1_multiply_inverse(f(_Q_A), f(_EV_A), f(_Q_B), f(_EV_B), 3,
-                                               f(_V32)),
-    "kfac_ref.blocks.series_option2_multiply_inverse": lambda f:
-        blocks.series_option2_multiply_inverse(f(_A * 0.1), f(_Q_A), f(_EV_A), f(_B * 0.1),
-                                               f(_Q_B), f(_EV_B), 3, f(_V32)),
-}
-DASK_CALLS.update(_BLOCK_CALLS)
-_LABELS = np.eye(3)[_W.integers(0, 3, 10)]
-_VAR = _W.uniform(0.5, 1.5, (10, 3))
-
-
-def _loss_quantities(loss):
-    """What a K-FAC step reads from a loss: value, gradient, the Fisher and its factor
-    applied to the replicated one-hot vectors, and a sample."""
-    return [loss.evaluate(), loss.grad_of_evaluate(), loss.fisher_matrix(),
-            [loss.multiply_fisher_factor_replicated_one_hot([k])
-             for k in range(loss.fisher_factor_inner_shape[-1])],
-            loss.sample(np.random.default_rng(3))]
-
-
-DASK_CALLS.update({
-    "kfac_ref.losses.OneHotCategoricalLogitsNegativeLogProbLoss": lambda f: _loss_quantities(
-        losses.OneHotCategoricalLogitsNegativeLogProbLoss(f(_G), f(_LABELS))),
-    "kfac_ref.losses.NormalMeanVarianceNegativeLogProbLoss": lambda f: _loss_quantities(
-        losses.NormalMeanVarianceNegativeLogProbLoss(f(_G), f(_VAR), f(_G[::-1]))),
-})
-
-
-def _huber_parts():
-    """A Huber loss (δ = 0.5) by its value, gradient and Hessian square root."""
-    def value(f, y):
-        xp, r = array_namespace(f), f - y
-        a = xp.abs(r)
-        return xp.sum(xp.where(a <= 0.5, 0.5 * r * r, 0.5 * (a - 0.25)), axis=-1)
-
-    def gradient(f, y):
-        return array_namespace(f).clip(f - y, min=-0.5, max=0.5)
-
-    def hessian_sqrt(f, y):
-        xp = array_namespace(f)
-        inside = xp.astype(xp.abs(f - y) <= 0.5, f.dtype)
-        return inside[:, :, None] * xp.eye(f.shape[1], dtype=f.dtype)[None, :, :]
-
-    return {"value": value, "gradient": gradient, "hessian_sqrt": hessian_sqrt}
-
-
-def _custom_nll(f, y):
-    """The unit-variance normal negative log-likelihood as a CustomNegativeLogProbLoss."""
-    xp = array_namespace(f)
-    return losses.CustomNegativeLogProbLoss(
-        f, y, value=lambda o, t: xp.sum((o - t) ** 2, axis=-1) / 2.0,
-        gradient=lambda o, t: o - t,
-        hessian_sqrt=lambda o, t: xp.ones((o.shape[0], 1, 1), dtype=o.dtype) * xp.eye(
-            o.shape[1], dtype=o.dtype),
-        sample=lambda o, rng: o + xp.asarray(rng.standard_normal(tuple(o.shape)),
-                                             dtype=o.dtype))
-
-
-DASK_CALLS.update({
-    "kfac_ref.losses.CustomLoss": lambda f: (lambda loss: [
-        loss.evaluate(), loss.grad_of_evaluate(), loss.ggn_matrix(),
-        [loss.multiply_ggn_factor_replicated_one_hot([k]) for k in range(3)]])(
-        losses.CustomLoss(f(_G), f(_G[::-1] * 0.3), **_huber_parts())),
-    "kfac_ref.losses.CustomNegativeLogProbLoss": lambda f: _loss_quantities(
-        _custom_nll(f(_G), f(_G[::-1]))),
-})
-DASK_CALLS.update({
-    "kfac_ref.blocks.kfac_jax.nearest_kronecker_factors": lambda f:
-        kj.nearest_kronecker_factors(f(_X), f(_G)),
-    "kfac_ref.blocks.kfac_jax.tnt_scale": lambda f: kj.tnt_scale(f(_A), f(_B)),
-    "kfac_ref.blocks.tf.compute_pi_tracenorm": lambda f: blocks.tf.compute_pi_tracenorm(
-        f(_A), f(_B)),
-    "kfac_ref.blocks.tf.compute_pi_adjusted_damping": lambda f:
-        blocks.tf.compute_pi_adjusted_damping(f(_A), f(_B), 0.5),
-})
 # the base classes' machinery runs in every loss above
 _LOSS_BASES = ("LossFunction", "NegativeLogProbLoss", "NaturalParamsNegativeLogProbLoss")
 
-# a host-side answer from the array's metadata (a Python int), compared as such
-DASK_CALLS["kfac_ref.patches.temporary_bytes_bound"] = lambda f: patches.temporary_bytes_bound(
-    f(_IMG))
-
 # The public objects that need a function the Dask namespace lacks, each with a call that
 # must raise kfac_ref's error naming the function, the argument and what is missing.
-DASK_REFUSED = {
-    "kfac_ref.linalg.clipped_eigh": ("linalg.eigh", lambda f: K.clipped_eigh(f(_A))),
-    "kfac_ref.linalg.damped_matpower": ("linalg.eigh", lambda f: K.damped_matpower(
-        f(_A), -0.5, 0.1)),
-    "kfac_ref.linalg.kron_damped_matpower_matvec": ("linalg.eigh", lambda f:
-        K.kron_damped_matpower_matvec(f(_A), f(_B), f(_V), -0.5, 0.1)),
-    "kfac_ref.linalg.kron_damped_inverse_matvec": ("linalg.eigh", lambda f:
-        K.kron_damped_inverse_matvec(f(_A), f(_B), f(_V), 0.1)),
-    "kfac_ref.spectral.kron_eigenvalues": ("linalg.eigh", lambda f: spectral.kron_eigenvalues(
-        f(_A), f(_B), 0.1)),
-    "kfac_ref.spectral.kron_slogdet": ("linalg.eigh", lambda f: spectral.kron_slogdet(
-        f(_A), f(_B), 0.1)),
-    "kfac_ref.factors.series_option1_quantities": ("linalg.eigh", lambda f:
-        factors.series_option1_quantities(f(_B), f(_C), 0.1)),
-    "kfac_ref.factors.series_option2_quantities": ("linalg.eigh", lambda f:
-        factors.series_option2_quantities(f(_B), f(_C), 0.1)),
-    # differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
-    "kfac_ref.losses.AutodiffLoss": (None, lambda f: losses.AutodiffLoss(
-        f(_G), loss=lambda o, t: (o * o).sum())),
-    "kfac_ref.blocks.full_block_matpower": ("linalg.eigh", lambda f:
-        blocks.full_block_matpower(f(_A), f(_X[0]), -0.5, 0.1)),
-    "kfac_ref.blocks.kronecker_block_eigenvalues": ("linalg.eigh", lambda f:
-        blocks.kronecker_block_eigenvalues(f(_A), f(_B))),
-    "kfac_ref.blocks.kronecker_difference_inverse": ("linalg.eigh", lambda f:
-        blocks.kronecker_difference_inverse(f(_A), f(_B), f(_A * 0.1), f(_B * 0.1), f(_V32))),
-    "kfac_ref.blocks.block_tridiagonal_multiply_inverse": ("linalg.eigh", lambda f:
-        blocks.block_tridiagonal_multiply_inverse(
-            [f(_A), f(_A)], [f(_B), f(_B)], [f(_A * 0.1)], [f(_B * 0.1)], [f(_V32), f(_V32)],
-            0.1)),
-}
+DASK_REFUSED = {name: ("linalg.eigh", call) for name, call in EIGEN_CALLS.items()}
+# differentiated by the outputs' own library: refused for NumPy (declared) and Dask alike
+DASK_REFUSED["kfac_ref.losses.AutodiffLoss"] = (None, lambda f: losses.AutodiffLoss(
+    f(_G), loss=lambda o, t: (o * o).sum()))
 
 # what kronecker_block_matpower refuses on Dask (the eigen paths), tested below
 _KRON_BLOCK_REFUSED = {
@@ -457,330 +249,10 @@ _KRON_BLOCK_REFUSED = {
         f(_A), f(_B), f(_V32), -1.0, 0.1, norm_type="2_norm")],
 }
 
-# --------------------------------------------------------------------------------------
-# Networks, exact curvature, estimators, the optimiser, the Laplace evidence and operators
-# on Dask arrays: parameters and a batch chunked along its first axis
-# --------------------------------------------------------------------------------------
-_N = np.random.default_rng(20261207)
-
-
-def _gauss(f, y):
-    return losses.NormalMeanNegativeLogProbLoss(f, y, variance=0.5)
-
-
-def _ce(f, y):
-    return losses.CategoricalLogitsNegativeLogProbLoss(f, targets=y)
-
-
-_NET = knn.Sequential([("d1", knn.Dense(3, 4)), ("a1", knn.Activation("tanh")),
-                       ("d2", knn.Dense(4, 2))])
-_NX, _NY = _N.standard_normal((8, 3)), _N.standard_normal((8, 2))
-_NP = _NET.init_params(_N, np.zeros(1))
-_NV = _N.standard_normal(_NET.num_params)
-_CONV = knn.Sequential([("c", knn.Conv2D(2, 2, (2, 2), padding="SAME")),
-                        ("p", knn.MeanPool()), ("d", knn.Dense(2, 3))])
-_CX, _CY = _N.standard_normal((4, 3, 3, 2)), _N.integers(0, 3, 4)
-_CP = _CONV.init_params(_N, np.zeros(1))
-_CV = _N.standard_normal(_CONV.num_params)
-
-
-def _params(f, params=_NP):
-    return tuple(tuple(f(a) for a in layer) for layer in params)
-
-
-def _problem(f):
-    """(net, loss, params, batch) of the MLP under a Gaussian loss."""
-    return _NET, _gauss, _params(f), (f(_NX), f(_NY))
-
-
-def _estimator(f, cls=curv.BlockDiagonalCurvature, mode="ggn_exact", **init_kw):
-    """An estimator of the MLP after two curvature updates (EMA 0.5) in ``mode``."""
-    est = cls(_NET, _gauss, default_estimation_mode=mode)
-    fa = (_params(f), (f(_NX), f(_NY)))
-    st = est.init(None, fa, **init_kw)
-    for _ in range(2):
-        st = est.update_curvature_matrix_estimate(st, 0.5, 1.0, 8, np.random.default_rng(3),
-                                                  fa)
-    return est, st
-
-
-def _estimator_products(f, cls=curv.BlockDiagonalCurvature, mode="ggn_exact"):
-    kfac = cls is curv.BlockDiagonalCurvature
-    est, st = _estimator(f, cls, mode, **({"approx_powers_to_cache": -1.0} if kfac else {}))
-    out = [est.to_dense_matrix(st), est.to_diagonal_block_dense_matrix(st),
-           est.multiply_matpower(st, f(_NV), 0.1, 1.0, False, False),
-           est.multiply_matpower(st, _NET.unflatten(f(_NV)), 0.1, 1.0, True, False)]
-    if kfac:  # the factored (Cholesky) inverse, fresh and cached
-        out.append(est.multiply_matpower(st, f(_NV), 0.1, -1.0, False, False))
-        cached = est.update_cache(st, 0.1, None, -1.0, False)
-        out.append(est.multiply_matpower(cached, f(_NV), 0.1, -1.0, False, True))
-        out.append(est.to_dense_matrix(est.sync(st, batch_sizes=[8])))
-    return out
-
-
-def _implicit(f):
-    est = curv.ImplicitExactCurvature(_NET, _gauss)
-    fa = (_params(f), (f(_NX), f(_NY)))
-    v = _NET.unflatten(f(_NV))
-    return [est.multiply_ggn(fa, v), est.multiply_fisher(fa, v), est.multiply_hessian(fa, v),
-            est.multiply_fisher_factor_transpose(fa, v), est.multiply_ggn_factor_transpose(fa, v),
-            est.multiply_fisher_factor(fa, f(_NY)), est.multiply_ggn_factor(fa, f(_NY)),
-            est.multiply_jacobian(fa, v), est.multiply_jacobian_transpose(fa, ((f(_NY),),))]
-
-
-def _reduced_conv(f):
-    """KFAC-reduce of a convolution (ReducedConv2DTwoKroneckerFactored) in an estimator."""
-    est = curv.BlockDiagonalCurvature(_CONV, _ce, weight_sharing="reduce")
-    fa = (_params(f, _CP), (f(_CX), f(_CY)))
-    st = est.update_curvature_matrix_estimate(est.init(None, fa), 0.0, 1.0, 4, None, fa,
-                                              "ggn_exact")
-    assert type(est.blocks[0]).__name__ == "ReducedConv2DTwoKroneckerFactored"
-    return [est.to_dense_matrix(st), est.multiply_matpower(st, f(_CV), 0.1, -1.0, False, False)]
-
-
-def _conv_foof(f, weight_sharing):
-    """FOOF on a convolution (Conv2DFOOF, KFAC-reduce: ReducedConv2DFOOF) in an estimator."""
-    est = curv.BlockDiagonalCurvature(_CONV, _ce, layer_to_block={"conv2d": "foof"},
-                                      weight_sharing=weight_sharing)
-    fa = (_params(f, _CP), (f(_CX), f(_CY)))
-    st = est.update_curvature_matrix_estimate(est.init(None, fa), 0.0, 1.0, 4, None, fa,
-                                              "ggn_exact")
-    want = {"expand": "Conv2DFOOF", "reduce": "ReducedConv2DFOOF"}[weight_sharing]
-    assert type(est.blocks[0]).__name__ == want
-    return [est.to_dense_matrix(st), est.multiply_matpower(st, f(_CV), 0.1, -1.0, False, False)]
-
-
-DASK_CALLS.update({
-    "kfac_ref.curvature.kfra_factors": lambda f: [
-        m for pair in curv.kfra_factors(*_problem(f)) for m in pair],
-    "kfac_ref.blocks.kfac_jax.Conv2DFOOF": lambda f: _conv_foof(f, "expand"),
-    "kfac_ref.blocks.kfac_jax.ReducedConv2DFOOF": lambda f: _conv_foof(f, "reduce"),
-    "kfac_ref.curvature.ggn_matrix": lambda f: curv.ggn_matrix(*_problem(f)),
-    "kfac_ref.curvature.fisher_matrix": lambda f: curv.fisher_matrix(*_problem(f)),
-    "kfac_ref.curvature.hessian_matrix": lambda f: curv.hessian_matrix(*_problem(f)),
-    "kfac_ref.curvature.empirical_fisher_matrix": lambda f: [
-        curv.empirical_fisher_matrix(*_problem(f), normalization=n)
-        for n in curv.EMPIRICAL_FISHER_NORMALIZATIONS],
-    "kfac_ref.curvature.ggn_vector_product": lambda f: curv.ggn_vector_product(
-        *_problem(f), f(_NV)),
-    "kfac_ref.curvature.fisher_vector_product": lambda f: curv.fisher_vector_product(
-        *_problem(f), f(_NV)),
-    "kfac_ref.curvature.hessian_vector_product": lambda f: curv.hessian_vector_product(
-        *_problem(f), f(_NV)),
-    "kfac_ref.curvature.empirical_fisher_vector_product": lambda f:
-        curv.empirical_fisher_vector_product(*_problem(f), f(_NV)),
-    "kfac_ref.curvature.loss_value_and_grad": lambda f: curv.loss_value_and_grad(*_problem(f)),
-    "kfac_ref.curvature.jacobian": lambda f: [
-        curv.jacobian(_NET, _params(f), f(_NX)),
-        curv.jacobian(_CONV, _params(f, _CP), f(_CX))],
-    "kfac_ref.curvature.jacobian_vector_product": lambda f: curv.jacobian_vector_product(
-        _NET, _params(f), f(_NX), f(_NV)),
-    "kfac_ref.curvature.jacobian_transpose_vector_product": lambda f:
-        curv.jacobian_transpose_vector_product(_NET, _params(f), f(_NX), f(_NY)),
-    "kfac_ref.curvature.ggn_factor_product": lambda f: curv.ggn_factor_product(
-        *_problem(f), f(_NY)),
-    "kfac_ref.curvature.fisher_factor_product": lambda f: curv.fisher_factor_product(
-        *_problem(f), f(_NY)),
-    "kfac_ref.curvature.ggn_factor_transpose_product": lambda f:
-        curv.ggn_factor_transpose_product(*_problem(f), f(_NV)),
-    "kfac_ref.curvature.fisher_factor_transpose_product": lambda f:
-        curv.fisher_factor_transpose_product(*_problem(f), f(_NV)),
-    "kfac_ref.curvature.monte_carlo_fisher_matrix": lambda f: curv.monte_carlo_fisher_matrix(
-        *_problem(f), np.random.default_rng(2), num_samples=2),
-    "kfac_ref.curvature.estimated_matrix": lambda f: [
-        curv.estimated_matrix(*_problem(f), m, rng=np.random.default_rng(2))
-        for m in curv.ESTIMATION_MODES],
-    "kfac_ref.curvature.estimation_output_vectors": lambda f: [
-        curv.estimation_output_vectors(*_problem(f), m, rng=np.random.default_rng(2))
-        for m in curv.ESTIMATION_MODES],
-    "kfac_ref.curvature.block_diag": lambda f: curv.block_diag([f(_A), f(_B)]),
-    "kfac_ref.curvature.relative_frobenius_error": lambda f: curv.relative_frobenius_error(
-        f(_A), f(_A * 1.1)),
-    # every estimation mode; products at power 1, the factored inverse, cache and sync
-    "kfac_ref.curvature.BlockDiagonalCurvature": lambda f: [
-        _estimator_products(f, mode=m) for m in curv.ESTIMATION_MODES],
-    "kfac_ref.curvature.BlockDiagonalState": lambda f: list(
-        _estimator(f)[1].blocks_states[0].statistics[0].value),
-    "kfac_ref.curvature.ExplicitExactCurvature": lambda f: _estimator_products(
-        f, curv.ExplicitExactCurvature),
-    "kfac_ref.curvature.ImplicitExactCurvature": _implicit,
-    "kfac_ref.blocks.kfac_jax.ReducedConv2DTwoKroneckerFactored": _reduced_conv,
-})
-
-
-def _layer_products(f, layer, shape, ids=False):
-    """A layer's forward pass, tangent, input cotangent, parameter gradients (summed and
-    per example) and second-order pass, as the network's passes call them."""
-    rng = np.random.default_rng(9)
-    x = rng.integers(0, 6, shape) if ids else rng.standard_normal(shape)
-    p = tuple(f(a) for a in layer.init_params(rng, np.zeros(1)))
-    y = layer.forward(p, f(x))
-    g = f(rng.standard_normal(tuple(y.shape)))
-    out = [y]
-    if p:
-        out += [layer.param_grads(p, f(x), g), layer.param_grads(p, f(x), g, per_example=True)]
-    if not ids:
-        dx = f(rng.standard_normal(shape))
-        t = tuple(f(rng.standard_normal(tuple(a.shape))) for a in p)
-        out += [layer.jvp(p, f(x), t, dx), layer.vjp_input(p, f(x), g),
-                layer.rvjp(p, f(x), t, dx, g, g)]
-    return out
-
-
-_LAYERS = {
-    "Dense": (lambda: knn.Dense(3, 2), (6, 3)),
-    "Conv2D": (lambda: knn.Conv2D(2, 3, (2, 2), padding="SAME"), (4, 3, 3, 2)),
-    "ScaleAndShift": (lambda: knn.ScaleAndShift(2), (4, 3, 2)),
-    "Activation": (lambda: knn.Activation("tanh"), (6, 3)),
-    "Flatten": (lambda: knn.Flatten(), (4, 3, 2)),
-    "MeanPool": (lambda: knn.MeanPool(), (4, 3, 3, 2)),
-}
-for _name, (_make, _shape) in _LAYERS.items():
-    DASK_CALLS[f"kfac_ref.nn.{_name}"] = (
-        lambda make, shape: lambda f: _layer_products(f, make(), shape))(_make, _shape)
-
-
-def _sequential(f):
-    p, x, g = _params(f), f(_NX), f(_NY)
-    v = _NET.unflatten(f(_NV))
-    fp = _NET.forward_pass(p, x)
-    return [_NET.forward(p, x), fp.output, list(fp.inputs), _NET.jvp(p, x, v),
-            _NET.vjp(p, x, g), _NET.vjp(p, x, g, per_example=True), _NET.flatten(p),
-            _NET.unflatten(f(_NV)), _NET.backward_with_cotangents(p, x, g),
-            _NET.second_order_backward(p, x, v, lambda fo, fd: (fo - g, fd)),
-            _NET.init_params(np.random.default_rng(1), f(np.zeros(1)))]
-
-
-_PERM = knn.torch_permutation(_NET)
-DASK_CALLS.update({
-    "kfac_ref.nn.Embedding": lambda f: _layer_products(f, knn.Embedding(6, 3), (8,), ids=True),
-    "kfac_ref.nn.Sequential": _sequential,
-    "kfac_ref.nn.ForwardPass": lambda f: (lambda fp: [fp.output, *fp.inputs])(
-        _NET.forward_pass(_params(f), f(_NX))),
-    "kfac_ref.nn.activation_derivatives": lambda f: [
-        knn.activation_derivatives(k, f(_NX)) for k in knn.ACTIVATIONS],
-    "kfac_ref.nn.permute_vector": lambda f: knn.permute_vector(f(_NV), _PERM),
-    "kfac_ref.nn.permute_matrix": lambda f: knn.permute_matrix(
-        f(np.outer(_NV, _NV[::-1])), _PERM),
-    "kfac_ref.nn.to_torch_parameters": lambda f: list(
-        knn.to_torch_parameters(_NET, _params(f)).values()),
-    "kfac_ref.nn.to_kfac_jax_params": lambda f: [
-        v for d in knn.to_kfac_jax_params(_NET, _params(f)).values() for v in d.values()],
-})
 # the base class's machinery runs in every layer above
 _NN_BASES = ("Layer",)
-
-_QV, _QC, _QG = _N.standard_normal((2, 5)), _spd(5), _N.standard_normal(5)
-_QA, _QD, _QB = _QV @ _QC @ _QV.T, _QV @ _QV.T, _QV @ _QG
-
-
-def _optimizer_run(f, **options):
-    """Two steps of K-FAC on the MLP: the parameters, the damping and the step's loss."""
-    est = curv.BlockDiagonalCurvature(_NET, _gauss, default_estimation_mode="ggn_exact")
-    opt = optim.KFACOptimizer(_NET, _gauss, est, exact_power=False, **options)
-    params, batch = _params(f), (f(_NX), f(_NY))
-    state = opt.init(params, batch)
-    for _ in range(2):
-        params, state = opt.step(state, params, batch)
-    return [params, state.damping, state.velocity, state.stats.loss, state.stats.damping]
-
-
-def _preconditioned(f):
-    est, st = _estimator(f)
-    g = curv.loss_value_and_grad(*_problem(f))[1]
-    return optim.preconditioned_direction(est, st, g, 0.2, exact_power=False)
-
-
-DASK_CALLS.update({
-    "kfac_ref.optim.quadratic_model": lambda f: [
-        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3),
-        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3, include_damping_in_change=True),
-        optim.quadratic_model(f(_QA), f(_QD), f(_QB), 0.3, fixed_coefficients=(None, 0.4))],
-    "kfac_ref.optim.norm_constraint_coefficient": lambda f: optim.norm_constraint_coefficient(
-        f(_QG), f(_QG * 2.0 + 0.1), 0.5, 0.01),
-    "kfac_ref.optim.adapt_damping": lambda f: [
-        optim.adapt_damping(1.0, f(np.array(1.0)), f(np.array(new)), f(np.array(-1.0)), 0.5,
-                            rule=rule)
-        for new in (0.9, 0.5, 0.1) for rule in optim.DAMPING_RULES],
-    "kfac_ref.optim.preconditioned_direction": _preconditioned,
-    # fixed learning rate and momentum; the quadratic model with damping adaptation; adam
-    # momentum with a norm constraint and weight decay (the factored inverse: exact_power
-    # needs an eigendecomposition, refused below)
-    "kfac_ref.optim.KFACOptimizer": lambda f: [
-        _optimizer_run(f, learning_rate=0.1, momentum=0.5),
-        _optimizer_run(f, momentum_type="qmodel", adapt_damping=True,
-                       damping_adaptation_interval=1),
-        _optimizer_run(f, momentum_type="adam", learning_rate=0.1, momentum=0.5,
-                       norm_constraint=0.01, weight_decay=0.01)],
-})
 # the optimiser's state and step statistics are read in every run above
 _OPTIM_STATES = ("OptimizerState", "StepStats")
-
-
-def _laplace_problem(f, structure):
-    import test_laplace
-
-    params, curvature, _ = test_laplace.problem(np.random.default_rng(12), structure)
-    return ([f(p) for p in params],
-            [tuple(f(a) for a in c) if isinstance(c, tuple) else f(c) for c in curvature])
-
-
-# the structures whose eigenvalues need no eigendecomposition; "kron", "kron_factored" and
-# "full" are refused (below)
-_LAPLACE_LAZY = ("ekfac", "diagonal")
-_PRIORS = np.array([0.7, 1.3])  # one prior precision per group
-DASK_CALLS.update({
-    "kfac_ref.laplace.laplace_log_marginal_likelihood": lambda f: [
-        laplace.laplace_log_marginal_likelihood(-7.25, *_laplace_problem(f, s), 0.7,
-                                                structure=s, temperature=0.9)
-        for s in _LAPLACE_LAZY],
-    "kfac_ref.laplace.laplace_log_marginal_likelihood_grad": lambda f: [
-        laplace.laplace_log_marginal_likelihood_grad(*_laplace_problem(f, s), f(_PRIORS),
-                                                     structure=s) for s in _LAPLACE_LAZY],
-})
-
-
-def _operators(f):
-    est, st = _estimator(f)
-    kfac = CurvatureOperator.from_estimator(est, st, 0.1)
-    exact = [CurvatureOperator.from_exact(*_problem(f), curvature=c)
-             for c in ("ggn", "fisher", "empirical_fisher", "hessian")]
-    m = f(_A)
-    dense = CurvatureOperator(lambda v: m @ v, m, 4)
-    two = f(np.stack([_NV, _NV * 2.0], axis=1))
-    return [kfac.matvec(f(_NV)), kfac.matmat(two), kfac.to_dense(), kfac.trace(),
-            [(op.matvec(f(_NV)), op.rmatmat(two)) for op in exact],
-            dense.matvec(f(np.ones(4))), dense.to_dense(), dense.trace(), dense @ f(_PROBES),
-            dense.hutchinson_trace(4, np.random.default_rng(1))]
-
-
-DASK_CALLS["kfac_ref.operators.CurvatureOperator"] = _operators
-
-
-def _ekfac_product(f, conv=False):
-    rng = np.random.default_rng(4)
-    if conv:
-        block = kj.Conv2DEKFAC(inputs_shape=(6, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
-                               padding="VALID")
-        data = {"inputs": rng.standard_normal((6, 3, 3, 1)),
-                "outputs_grad": rng.standard_normal((6, 2, 2, 2))}
-    else:
-        block = kj.DenseEKFAC(3, 2)
-        data = {"inputs": rng.standard_normal((6, 3)),
-                "outputs_grad": rng.standard_normal((6, 2))}
-    state = block.update_curvature_matrix_estimate(
-        block.init(f(np.zeros(1))), {k: f(v) for k, v in data.items()}, 0.0, 1.0, 6)
-    vec = tuple(f(rng.standard_normal(s)) for s in block.parameters_shapes)
-    return block.multiply(state, vec, 0.1, exact_power=False, use_cached=False)
-
-
-def _series_inverse(f):
-    a, g = _spd(4), _spd(3)
-    block = blocks.tf.FullyConnectedSeriesFB(f(a), f(g), 0.1, 3, True, input_cov_dt1=f(a * 0.1),
-                                             output_cov_dt1=f(g * 0.1))
-    return block.multiply_inverse((f(np.ones((3, 3))), f(np.ones(3))))
-
-
 def _dense_full_product(f):
     import test_blocks_kfac_jax as shared
 
@@ -858,13 +330,15 @@ DASK_PARTIAL_REFUSALS = {
     "kfac_ref.curvature.ExplicitExactCurvature": _estimator_refusals(
         curv.ExplicitExactCurvature),
     "kfac_ref.optim.KFACOptimizer": [
-        ("BlockDiagonalCurvature.update_cache: " + _NO_EIGH_AT.format("linalg.eigh"),
+        ("KFACOptimizer.step: BlockDiagonalCurvature.update_cache: "
+         + _NO_EIGH_AT.format("linalg.eigh"),
          lambda f: (lambda opt, p, b: opt.step(opt.init(p, b), p, b))(
              optim.KFACOptimizer(_NET, _gauss, curv.BlockDiagonalCurvature(
                  _NET, _gauss, default_estimation_mode="ggn_exact"), learning_rate=0.1,
                  momentum=0.5), _params(f), (f(_NX), f(_NY))))],
     "kfac_ref.optim.preconditioned_direction": [
-        ("BlockDiagonalCurvature.multiply_matpower: " + _NO_EIGH_AT.format("linalg.eigh"),
+        ("preconditioned_direction: BlockDiagonalCurvature.multiply_matpower: "
+         + _NO_EIGH_AT.format("linalg.eigh"),
          lambda f: (lambda est, st: optim.preconditioned_direction(
              est, st, f(_NV), 0.2, exact_power=True))(*_estimator(f)))],
     "kfac_ref.laplace.laplace_log_marginal_likelihood": _laplace_refusals(
@@ -903,49 +377,6 @@ def test_dask_eigen_paths_of_supported_objects_refused(name):
 
 
 
-# The stateful factor classes on Dask: statistics, the Cholesky-based inverses and (for
-# diagonal factors) every power run lazily; a dense factor's eigendecomposition paths raise
-# at the call (tests below).  Each: constructor, update_cov's arguments, dense or diagonal.
-_SEQ8 = _W.standard_normal((8, 4, 3))
-DASK_FACTOR_CLASSES = {
-    "FullyConnectedKroneckerFactor": (
-        lambda: factors.FullyConnectedKroneckerFactor(has_bias=True), lambda f: (f(_X),), True),
-    "FullyConnectedDiagonalFactor": (
-        lambda: factors.FullyConnectedDiagonalFactor(has_bias=True),
-        lambda f: (f(_X), f(_G)), False),
-    "ConvInputKroneckerFactor": (
-        lambda: factors.ConvInputKroneckerFactor((3, 3, 2, 3), "SAME"),
-        lambda f: (f(_IMG),), True),
-    "ConvOutputKroneckerFactor": (
-        lambda: factors.ConvOutputKroneckerFactor(), lambda f: (f(_IMG_G),), True),
-    "ConvDiagonalFactor": (
-        lambda: factors.ConvDiagonalFactor((3, 3, 2, 3), (1, 1), "SAME"),
-        lambda f: (f(_IMG), f(_IMG_G)), False),
-    "ConvInputMultiKF": (  # uses folded into the batch axis
-        lambda: factors.ConvInputMultiKF((3, 3, 2, 3), "SAME", 2), lambda f: (f(_IMG),), True),
-    "ConvOutputMultiKF": (
-        lambda: factors.ConvOutputMultiKF(2), lambda f: (f(_IMG_G),), True),
-    "ConvInputSUAKroneckerFactor": (
-        lambda: factors.ConvInputSUAKroneckerFactor((3, 3, 2, 3), has_bias=True),
-        lambda f: (f(_IMG),), "sua"),
-    "NaiveDiagonalFactor": (
-        lambda: factors.NaiveDiagonalFactor(10), lambda f: (f(_X),), False),
-    "FullFactor": (lambda: factors.NaiveFullFactor(10), lambda f: (f(_X),), True),
-    "EmbeddingInputKroneckerFactor": (
-        lambda: factors.EmbeddingInputKroneckerFactor(6), lambda f: (f(_IDS),), False),
-    "DiagonalKroneckerFactor": (
-        lambda: factors.DiagonalKroneckerFactor(has_bias=True), lambda f: (f(_X),), False),
-    "DiagonalMultiKF": (
-        lambda: factors.DiagonalMultiKF(2, has_bias=True), lambda f: (f(_X),), False),
-    "ScaleAndShiftFullFactor": (
-        lambda: factors.ScaleAndShiftFullFactor((1,), (1,)), lambda f: (f(_SEQ8), f(_SEQ8)),
-        True),
-    "ScaleAndShiftDiagonalFactor": (
-        lambda: factors.ScaleAndShiftDiagonalFactor((1,), (1,)),
-        lambda f: (f(_SEQ8), f(_SEQ8)), False),
-    "FullyConnectedMultiKF": (
-        lambda: factors.FullyConnectedMultiKF(2, has_bias=True), lambda f: (f(_X),), True),
-}
 # the base classes' machinery (moving averages, registrations, caches) runs in every one
 _FACTOR_BASES = ("FisherFactor", "DenseSquareMatrixFactor", "DiagonalFactor")
 
@@ -1060,26 +491,6 @@ def test_dask_not_positive_definite_gives_nan_not_a_foreign_error(func):
     assert np.isnan(got).any()
 
 
-def _factor_run(name, f):
-    """Two covariance updates, then every quantity a factor of this kind caches."""
-    make, data, dense = DASK_FACTOR_CLASSES[name]
-    fac = make()
-    for _ in range(2):
-        fac = fac.update_cov(*data(f), ema_decay=0.9)
-    fac = fac.register_inverse(0.1)
-    if dense is True:
-        fac = fac.register_cholesky(0.1).register_cholesky_inverse(0.1)
-    elif dense is False:
-        fac = fac.register_matpower(-0.5, 0.1)
-    fac = fac.update_inverses()
-    out = [fac.cov, fac.get_inverse(0.1), fac.get_matpower(1, 0.1)]
-    if dense is True:
-        out += [fac.get_cholesky(0.1), fac.get_cholesky_inverse(0.1)]
-    elif dense is False:
-        out.append(fac.get_matpower(-0.5, 0.1))
-    return out, fac
-
-
 @pytest.mark.parametrize("name", sorted(DASK_FACTOR_CLASSES))
 def test_dask_factor_class_agrees_with_numpy(name):
     """A factor updated with Dask arrays holds lazy statistics and inverses that, computed,
@@ -1168,25 +579,6 @@ class _DaskCell:
     """The ``asarray`` the block tests' builders call, making Dask arrays."""
 
     asarray = staticmethod(_dask)
-
-
-def _kj_products(name, cell):
-    import test_blocks_kfac_jax as shared
-
-    block, state, _, _ = shared.make_state(cell, np.random.default_rng(0), name)
-    vec = tuple(cell.asarray(np.random.default_rng(1).standard_normal(s))
-                for s in block.parameters_shapes)
-    calls = {
-        "multiply": lambda: block.multiply(state, vec, 0.1, exact_power=False,
-                                           use_cached=False),
-        "multiply_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=False,
-                                                           use_cached=False),
-        "exact_inverse": lambda: block.multiply_inverse(state, vec, 0.1, exact_power=True,
-                                                        use_cached=False),
-        "eigenvalues": lambda: block.eigenvalues(state),
-        "to_dense_matrix": lambda: block.to_dense_matrix(state),
-    }
-    return {k: c for k, c in calls.items()}
 
 
 @pytest.mark.parametrize("name", _KJ_BLOCKS)

@@ -468,3 +468,169 @@ def test_optimizer_refuses_an_unknown_estimation_mode_at_construction(problem):
     with pytest.raises(KFACValueError, match=r"^KFACOptimizer: estimation_mode must be one of"):
         KFACOptimizer(net, sq, BlockDiagonalCurvature(net, sq), learning_rate=0.1,
                       estimation_mode="bogus")
+
+
+# ------------------------------------------------------------------------------------------
+# Found by tools/fuzz_api.py: each argument checked at the door, named in the message
+# ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block,match", [
+    ([np.eye(2), np.array([[1.0, np.nan], [np.nan, 1.0]])], r"blocks\[1\] must be finite"),
+    ([np.eye(2), np.eye(3).astype(np.int64)], r"blocks\[1\] must be an array of real float"),
+    ([np.eye(2), np.ones(3)], r"blocks\[1\] must be a 2-D array"),
+    ([np.eye(2), np.ones((2, 3))], r"blocks\[1\] must be a square matrix"),
+    ([], r"blocks must be a non-empty list"),
+])
+def test_block_diag_checks_each_block(block, match):
+    from kfac_ref.curvature import block_diag
+
+    with pytest.raises((KFACTypeError, KFACValueError), match="^block_diag: " + match):
+        block_diag(block)
+
+
+@pytest.mark.parametrize("name", ["FullFB", "NaiveFullFB", "ScaleAndShiftFullFB"])
+@pytest.mark.parametrize("bad,match", [
+    (lambda m: np.where(np.eye(len(m)) > 0, np.nan, m), "factor must be finite"),
+    (lambda m: m.astype(np.int64), "factor must be an array of real floating dtype"),
+    (lambda m: m[:, :1], "factor must be a square matrix"),
+    (lambda m: m.reshape(-1), "factor must be a 2-D array"),
+])
+def test_tf_full_blocks_check_their_factor(name, bad, match):
+    from kfac_ref.blocks import tf
+
+    n = 6 if name == "ScaleAndShiftFullFB" else 12
+    args = () if name == "ScaleAndShiftFullFB" else ([(3, 3), (3,)],)
+    with pytest.raises((KFACTypeError, KFACValueError), match=f"^{name}: {match}"):
+        getattr(tf, name)(bad(np.eye(n)), 0.3, *args)
+
+
+def test_tf_full_block_refuses_a_vector_of_the_wrong_size():
+    from kfac_ref.blocks import tf
+
+    block = tf.ScaleAndShiftFullFB(np.eye(6), 0.3)
+    with pytest.raises(KFACValueError, match=r"^ScaleAndShiftFullFB.multiply_matpower: vector "
+                                             r"must have 6 entries in all; got 4"):
+        block.multiply_matpower((np.ones(3), np.ones(1)), -0.5)
+
+
+@pytest.mark.parametrize("func,args", [
+    ("conv_patch_matrix", lambda x: (x, (3, 3, 2, 3), "SAME")),
+    ("conv_input_sua_statistics", lambda x: (x,)),
+])
+def test_data_format_rank_errors_name_the_array(func, args):
+    from kfac_ref import factors
+
+    x = np.ones((1, 4, 5, 5, 2))
+    with pytest.raises(KFACValueError, match=f"^{func}: inputs must be a 4-D array "
+                                             r"\(data_format 'NHWC' describes 4-D arrays\); "
+                                             "got a 5-D array"):
+        getattr(factors, func)(*args(x))
+
+
+def test_conv_input_factor_tap_checks_its_patches():
+    from kfac_ref import factors
+    from kfac_ref.conv_geometry import ConvGeometry
+
+    tap = factors.conv_input_factor_tap(
+        ConvGeometry.build("t", (4, 5, 5, 2), (3, 3, 2, 3), padding="SAME"), True)
+    good = np.ones((100, 18))
+    tap(good)
+    with pytest.raises(KFACValueError, match="^conv_input_factor_tap: patches must be finite"):
+        tap(np.where(good > 0, np.nan, good))
+    with pytest.raises(KFACTypeError, match="^conv_input_factor_tap: patches must be an array "
+                                            "of real floating"):
+        tap(good.astype(np.int64))
+    with pytest.raises(KFACValueError, match="^conv_input_factor_tap: patches must end in the "
+                                             "geometry's 18 patch entries"):
+        tap(np.ones((100, 17)))
+
+
+def test_a_zero_dimensional_tower_is_named():
+    from kfac_ref import factors
+
+    fac = factors.FullyConnectedKroneckerFactor()
+    with pytest.raises((KFACTypeError, KFACValueError),
+                       match="^FullyConnectedKroneckerFactor.update_cov: tensors"):
+        fac.update_cov(np.asarray(1.0), ema_decay=0.9)
+
+
+@pytest.mark.parametrize("estimator", ["hutchinson_trace", "hutchpp_trace"])
+@pytest.mark.parametrize("result,match", [
+    (lambda v: v.astype(np.float32), r"matmat's result must have the floating dtype of "
+                                     r"matmat's input"),
+    (lambda v: array_api_strict.asarray(v), "all arrays must come from one array namespace"),
+    (lambda v: np.where(v > 0, np.nan, v), "matmat's result must be finite"),
+    (lambda v: v.astype(np.complex128), "matmat's result must be an array of real floating"),
+])
+def test_trace_estimators_check_what_matmat_returns(estimator, result, match):
+    from kfac_ref import spectral
+
+    rng = np.random.default_rng(2)
+    args = (rng.standard_normal((4, 2)), rng.standard_normal((4, 3)))
+    args = args if estimator == "hutchpp_trace" else args[1:]
+    with pytest.raises((KFACTypeError, KFACValueError), match=f"^{estimator}: {match}"):
+        getattr(spectral, estimator)(lambda v: result(2.0 * v), *args)
+
+
+def test_curvature_operator_checks_what_matvec_returns():
+    from kfac_ref.operators import CurvatureOperator
+
+    m = np.eye(4)
+    op = CurvatureOperator(lambda v: array_api_strict.asarray(m @ v), m, 4)
+    with pytest.raises(KFACTypeError, match="^CurvatureOperator: all arrays must come from one "
+                                            "array namespace; like .* but matvec's result"):
+        op.to_dense()
+
+
+@pytest.mark.parametrize("func", ["to_channels_last", "from_channels_last"])
+def test_layout_moves_check_their_array(func):
+    from kfac_ref import conv_geometry
+
+    xp = array_api_strict
+    with pytest.raises(KFACTypeError, match=f"^{func}: (x|y) must be an array; got a list"):
+        getattr(conv_geometry, func)(xp, [[[1.0]]], False)
+    with pytest.raises(KFACValueError, match=f"^{func}: (x|y) must be an array of at least 3 "):
+        getattr(conv_geometry, func)(xp, xp.ones((2, 3)), False)
+
+
+def test_block_tridiagonal_checks_diagonals_before_off_diagonals():
+    from kfac_ref import blocks
+
+    a, g, x = np.eye(2), np.eye(3), np.ones((2, 3))
+    with pytest.raises(KFACValueError, match=r"^block_tridiagonal_multiply_inverse: "
+                                             r"a_diag\[1\] must be a 2-D array"):
+        blocks.block_tridiagonal_multiply_inverse([a, np.asarray(1.0)], [g, g], [a], [g * 0.1],
+                                                  [x, x], 0.1)
+
+
+def test_optimizer_step_names_the_batch_and_itself_for_estimator_errors(problem):
+    """A namespace mix in the batch is named by the optimiser (batch[1]); an error the
+    estimator raises while stepping is put under KFACOptimizer.step."""
+    net, params, (x, y) = problem
+    opt = KFACOptimizer(net, sq, BlockDiagonalCurvature(net, sq), learning_rate=0.1,
+                        momentum=0.5)
+    state = opt.init(params, (x, y))
+    with pytest.raises(KFACTypeError, match=r"^KFACOptimizer.step: .*batch\[1\] is from "
+                                            r"array_api_strict"):
+        opt.step(state, params, (x, array_api_strict.asarray(y)))
+
+
+def test_errors_named_inner_puts_an_inner_public_error_under_the_caller():
+    from kfac_ref._backend import errors_named
+
+    with pytest.raises(KFACValueError, match="^outer: inner: x must be"), \
+            errors_named("outer", inner=True):
+        raise KFACValueError("inner: x must be finite; got NaN.")
+    with pytest.raises(KFACValueError, match="^outer: x must be finite"), \
+            errors_named("outer", inner=True):
+        raise KFACValueError("outer: x must be finite; got NaN.")
+    with pytest.raises(KFACValueError, match="^inner: x"), errors_named("outer"):
+        raise KFACValueError("inner: x must be finite; got NaN.")
+
+
+def test_approximation_report_names_a_batch_that_is_not_an_array(problem):
+    from kfac_ref.curvature import approximation_report
+
+    net, params, (x, y) = problem
+    with pytest.raises(KFACTypeError, match=r"^approximation_report: batch\[0\] must be an "
+                                            r"array; got a list"):
+        approximation_report(net, sq, params, (x.tolist(), y))

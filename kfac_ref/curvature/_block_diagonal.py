@@ -12,12 +12,16 @@ from .._backend import (
     KFACTypeError,
     KFACValueError,
     any_true,
+    array_namespace,
     check_array,
     check_int,
     check_option,
     check_scalar,
+    check_square,
+    describe,
     errors_named,
     is_lazy,
+    kernel_of,
     namespace_of,
     value_checks,
     value_checks_enabled,
@@ -504,7 +508,8 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         .. math:: \mathrm{diag}(C_1, \dots, C_L) \in \mathbb R^{P\times P}
         """
-        return block_diag(self.to_diagonal_block_dense_matrix(state))
+        blocks = self.to_diagonal_block_dense_matrix(state)
+        return block_diag.kernel(array_namespace(blocks[0]), blocks)
 
     def sync(self, state, pmap_axis_name=None, *, batch_sizes=None):
         r"""The states of several shards combined into one (kfac-jax ``sync``; does not sync
@@ -610,7 +615,17 @@ def block_diag(blocks):
     .. math:: \mathrm{diag}(B_1, \dots, B_L)
     """
     func = "block_diag"
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        raise KFACTypeError(f"{func}: blocks must be a non-empty list of square matrices; "
+                            f"got {describe(blocks)}.")
     xp = namespace_of(func, **{f"blocks[{i}]": b for i, b in enumerate(blocks)})
+    for i, b in enumerate(blocks):
+        check_square(func, f"blocks[{i}]", b)
+    return _block_diag(xp, blocks)
+
+
+@kernel_of(block_diag)
+def _block_diag(xp, blocks):
     sizes = [int(b.shape[0]) for b in blocks]
     total = sum(sizes)
     rows, start = [], 0

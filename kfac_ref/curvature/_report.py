@@ -162,8 +162,9 @@ def approximation_report(net, loss_fn, params, batch, approximations=None, curva
               for j, a in enumerate(p if isinstance(p, (tuple, list)) else (p,))}
     check_eager(func, "it builds estimators and returns Python floats",
                 **leaves, **{"batch[0]": x, "batch[1]": y})
+    check_array(func, "batch[0]", x, dtype=None, finite=False)  # the network checks more
     if approximations is None:
-        approximations = default_approximations(net, tuple(batch[0].shape))
+        approximations = default_approximations(net, tuple(x.shape))
     if not isinstance(approximations, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Mapping) for k, v in approximations.items()):
         raise KFACTypeError(f"{func}: approximations must be a mapping name -> keyword "

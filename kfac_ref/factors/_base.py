@@ -165,7 +165,7 @@ def check_dense_rows(func, name, tensor):
 def check_equal_batches(func, name, arrays, axis=0):
     """All towers/sources must share the batch size (TF's ``check_partial_batch_sizes``:
     per-tower statistics are averaged, which is only right for equal tower batches)."""
-    sizes = [a.shape[axis] if a.ndim > axis else None for a in arrays]
+    sizes = [a.shape[axis] if 0 <= axis < a.ndim else None for a in arrays]
     if len(set(sizes)) > 1:
         raise KFACValueError(
             f"{func}: all arrays in {name} must have the same batch size (towers are averaged); "

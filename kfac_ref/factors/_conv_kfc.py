@@ -28,6 +28,7 @@ from .._backend import (
     check_option,
     check_rng,
     check_scalar,
+    describe,
     kernel_of,
     namespace_of,
 )
@@ -111,7 +112,7 @@ def _inputs_geometry(func, inputs, filter_shape, padding, strides, dilation, dat
     check_array(func, "inputs", inputs, min_ndim=3, layout="[N, *spatial, C_in]")
     return ConvGeometry.build(func, tuple(inputs.shape), filter_shape, strides=strides,
                               padding=padding, dilation=dilation, data_format=data_format,
-                              dilation_name=dilation_name)
+                              dilation_name=dilation_name, input_name="inputs")
 
 
 def _check_patch_args(func, inputs, filter_shape, padding, strides, dilation, data_format,
@@ -237,6 +238,11 @@ def conv_input_factor_tap(geometry, has_bias=False):
 
     def tap(patches):
         xp = namespace_of(func, patches=patches)
+        check_array(func, "patches", patches, min_ndim=1, layout="[..., kh·kw·C_in]")
+        if patches.shape[-1] != size and math.prod(patches.shape[-3:]) != size:
+            raise KFACValueError(f"{func}: patches must end in the geometry's {size} patch "
+                                 f"entries (last axis, or the last three); got "
+                                 f"{describe(patches)}.")
         return compute_cov.kernel(xp, patch_rows(xp, patches, size, has_bias), None, rows)
 
     return tap
@@ -406,7 +412,7 @@ def _check_outputs_grad(func, outputs_grad, data_format, *, name="outputs_grad",
                         layout="[N, *spatial, C_out]"):
     """Check an output-shaped array and its layout; return True for channels last."""
     check_array(func, name, outputs_grad, min_ndim=2, layout=layout)
-    return is_channels_last(func, data_format, outputs_grad.ndim)
+    return is_channels_last(func, data_format, outputs_grad.ndim, array_name=name)
 
 
 @capabilities(dask="yes")

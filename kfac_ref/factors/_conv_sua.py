@@ -98,7 +98,7 @@ def conv_input_sua_statistics(inputs, data_format="NHWC", subtract_mean=True):
 
 def _check_sua_inputs(func, inputs, data_format, name="inputs"):
     check_array(func, name, inputs, min_ndim=3, layout="[N, *spatial, C]")
-    channels_last = is_channels_last(func, data_format, inputs.ndim)
+    channels_last = is_channels_last(func, data_format, inputs.ndim, array_name=name)
     if math.prod(inputs.shape) == 0:
         raise KFACValueError(f"{func}: {name} must have at least one pixel; got shape "
                              f"{tuple(inputs.shape)}.")

@@ -159,6 +159,7 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
     for i in range(n):
         check_symmetric(func, f"a_diag[{i}]", a_diag[i])
         check_symmetric(func, f"g_diag[{i}]", g_diag[i])
+    for i in range(n):
         p, q = a_diag[i].shape[0], g_diag[i].shape[0]
         check_array(func, f"xs[{i}]", xs[i], ndim=2, shape=(p, q), layout=f"[{p}, {q}]")
         if i < n - 1:

@@ -15,6 +15,7 @@ from ..._backend import (
     check_bool,
     check_int,
     check_scalar,
+    check_square,
     describe,
     errors_named,
     eye_like,
@@ -111,6 +112,8 @@ class FullFB(_FlatVector, FisherBlock):
     def __init__(self, factor, damping, params_shapes=None):
         func = type(self).__name__
         self._cov = cov_of(func, "factor", factor)
+        namespace_of(func, factor=self._cov)
+        check_square(func, "factor", self._cov)
         self._set_damping(func, damping, params_shapes)
 
     def multiply_matpower(self, vector, exp):
@@ -120,6 +123,9 @@ class FullFB(_FlatVector, FisherBlock):
         """
         func = f"{type(self).__name__}.multiply_matpower"
         xp, flat, back = self._flat(func, vector, self._cov)
+        if flat.shape != (self._cov.shape[0],):
+            raise KFACValueError(f"{func}: vector must have {self._cov.shape[0]} entries in "
+                                 f"all; got {flat.shape[0]}.")
         p = self._exp(exp)
         # the covariance was validated at construction: the formula's kernel directly
         with errors_named(func):
