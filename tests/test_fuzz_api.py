@@ -139,3 +139,37 @@ def test_the_command_line_exits_zero_when_clean(argv, capsys, tmp_path):
     assert fuzz_api.main([*argv, "--json", str(out)]) == 0
     assert "clear" in capsys.readouterr().out
     assert out.read_text().startswith("[")
+
+
+# --------------------------------------------------------------------------------------
+# The policy for unchecked values (value checks off): a NaN gives a result, not an error
+# --------------------------------------------------------------------------------------
+def test_value_checks_off_no_nan_gives_an_exception_over_the_corpus():
+    cases = fuzz_api.fuzz(value_checks_off=True)
+    bad = [c for c in cases if c.cls == "unclear"]
+    assert not bad, fuzz_api.table(bad)
+    assert sum(c.cls == "clear" for c in cases) > 500  # most NaNs reach a result
+
+
+def _lapack_on_nan(x, y):
+    """A decomposition left to the library: LAPACK raises on NaN even with checks off."""
+    return np.linalg.eigh(np.asarray(x) @ np.asarray(x).T)[0] + np.sum(y)
+
+
+def _switched_off_check_ignored(x, y):
+    """A value check that ignores the switch."""
+    if not np.all(np.isfinite(x)):
+        raise KFACValueError("f: x must be finite; got NaN.")
+    return x + y
+
+
+@pytest.mark.parametrize("func", [_lapack_on_nan, _switched_off_check_ignored])
+def test_the_value_policy_classifier_fails_an_exception(func):
+    cases = fuzz_api.policy_entry("planted", lambda f: func(f(np.ones((3, 3))),
+                                                            f(np.ones((3, 3)))))
+    assert {c.cls for c in cases if c.index == 0} == {"unclear"}
+
+
+def test_the_value_policy_classifier_passes_nan_out():
+    cases = fuzz_api.policy_entry("planted", lambda f: f(np.ones(3)) + f(np.ones(3)))
+    assert [c.cls for c in cases] == ["clear", "clear"]

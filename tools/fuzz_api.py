@@ -29,9 +29,17 @@ the function that calls it.  A strict array carries a mark (its values times 1 +
 that a NumPy result computed from it is seen as a namespace mix.  The public objects that
 take no arrays (``kfac_ref.capabilities``, option registries) have nothing to corrupt.
 
+With ``--value-checks-off`` the fuzzer checks the policy for values that are not checked
+instead (:func:`kfac_ref.value_checks` off, as for traced and lazy arrays): a NaN planted in
+each floating array, one at a time, must give a result, never an exception (``unclear``:
+a library's own error, or a value check that did not switch off).  A result with NaN is
+``clear``; a finite one is ``accepted`` (the array may not reach every output: targets of
+a GGN, the last bias of a Gauss-Newton matrix; the fuzzer cannot tell).
+
 Run::
 
     python tools/fuzz_api.py                 # table of counts; the non-clear cases
+    python tools/fuzz_api.py --value-checks-off   # the policy for unchecked values
     python tools/fuzz_api.py --json out.json # every case, machine readable
     python tools/fuzz_api.py --only kfac_ref.linalg   # entries whose name starts so
     python tools/fuzz_api.py --max-indices 16  # at most 16 arrays per call (the test's part)
@@ -339,6 +347,35 @@ def fuzz_entry(name, call, corruptions=CORRUPTIONS, allowed=ALLOWED, max_indices
     return cases
 
 
+def policy_entry(name, call, max_indices=None):
+    """The value-checks-off cases of one corpus entry: a NaN planted in each floating array
+    (at most ``max_indices`` of them, spread evenly), the call run with value checks off."""
+    import kfac_ref
+
+    base_f = _Counter()
+    _run(call, base_f)
+    cases = []
+    for i in _spread(len(base_f.hosts), max_indices):
+        a = base_f.hosts[i]
+        applies, make, _ = CORRUPTIONS["nan"]
+        if not applies(a):
+            continue
+        what = f"array {i} ({a.dtype}{list(a.shape)}) nan, value checks off"
+        try:
+            with kfac_ref.value_checks(False):
+                out = _run(call, _Counter(i, make))
+        except Exception as exc:  # noqa: BLE001  (every exception breaks the policy)
+            cases.append(Case(name, i, "nan-unchecked", "unclear",
+                              f"{what}: {type(exc).__name__}: {exc}"))
+            continue
+        if _finite([_host(x) for x in _leaves(out)]):
+            cases.append(Case(name, i, "nan-unchecked", "accepted",
+                              f"{what}: finite result (not judged)"))
+        else:
+            cases.append(Case(name, i, "nan-unchecked", "clear", f"{what}: NaN out"))
+    return cases
+
+
 def corpus():
     """The corpus: name -> call (DASK_CALLS and NUMPY_CALLS of tests/api_calls.py)."""
     import api_calls
@@ -350,14 +387,17 @@ def corpus():
 SKIPPED: dict[str, str] = {}
 
 
-def fuzz(names=None, progress=None, max_indices=None):
+def fuzz(names=None, progress=None, max_indices=None, value_checks_off=False):
     calls = corpus()
     cases = []
     for name in sorted(calls) if names is None else names:
         if name in SKIPPED:
             continue
         t0 = time.perf_counter()
-        cases += fuzz_entry(name, calls[name], max_indices=max_indices)
+        if value_checks_off:
+            cases += policy_entry(name, calls[name], max_indices=max_indices)
+        else:
+            cases += fuzz_entry(name, calls[name], max_indices=max_indices)
         if progress:
             progress(name, time.perf_counter() - t0)
     return cases
@@ -382,12 +422,15 @@ def main(argv=None):
     ap.add_argument("-v", "--verbose", action="store_true", help="print each entry's time")
     ap.add_argument("--max-indices", type=int, metavar="M",
                     help="corrupt at most M arrays of each call, spread evenly (default all)")
+    ap.add_argument("--value-checks-off", action="store_true",
+                    help="check the policy for unchecked values instead (NaN planted, value "
+                         "checks off: a result, never an exception)")
     args = ap.parse_args(argv)
     names = None
     if args.only:
         names = sorted(n for n in corpus() if any(n.startswith(p) for p in args.only))
     progress = (lambda n, t: print(f"{t:7.2f}s {n}", file=sys.stderr)) if args.verbose else None
-    cases = fuzz(names, progress, args.max_indices)
+    cases = fuzz(names, progress, args.max_indices, args.value_checks_off)
     print(table(cases))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
