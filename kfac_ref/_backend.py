@@ -50,6 +50,7 @@ import contextlib
 import contextvars
 import math
 import numbers
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -125,21 +126,28 @@ def kernel_error(message: str) -> KFACValueError:
 
 
 @contextlib.contextmanager
-def errors_named(func: str, *, inner: bool = False) -> Iterator[None]:
+def errors_named(func: str, *, inner: bool = False,
+                 arguments: dict[str, str] | None = None) -> Iterator[None]:
     """Reword a kernel's :func:`kernel_error` as ``"<func>: <message>"``, ``func`` the public
     function or method the user called (other errors pass unchanged).
 
     With ``inner=True`` the errors of the public objects ``func`` calls on the user's
     behalf (an optimiser's estimator, say) are put under ``func`` too, the inner name kept:
     ``"KFACOptimizer.step: BlockDiagonalCurvature.update_cache: ..."`` — the user called
-    ``func``, not the inner method.  Errors already under ``func`` pass unchanged."""
+    ``func``, not the inner method.  ``arguments`` maps the inner call's argument names to
+    the user's (``{"parameter_structured_vector": "grad"}``), so the message names what the
+    user passed.  Errors already under ``func`` pass unchanged."""
     try:
         yield
     except (KFACValueError, KFACTypeError) as exc:
         unnamed = getattr(exc, "unnamed", False)
         if not (unnamed or (inner and not str(exc).startswith(f"{func}:"))):
             raise
-        raise type(exc)(f"{func}: {exc}") from None
+        message = str(exc)
+        for theirs, ours in (arguments or {}).items():
+            # whole names only (not inside another name or after a dot)
+            message = re.sub(rf"(?<![\w.]){re.escape(theirs)}(?![\w])", ours, message)
+        raise type(exc)(f"{func}: {message}") from None
 
 
 def _fail(func: str, name: str, expected: str, got: str, kind: type = KFACValueError):

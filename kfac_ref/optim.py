@@ -138,7 +138,9 @@ def preconditioned_direction(estimator, estimator_state, grad, damping, exact_po
     lam = check_scalar(func, "damping", damping, nonnegative=True)
     exact_power = check_bool(func, "exact_power", exact_power)
     use_cached = check_bool(func, "use_cached", use_cached)
-    with errors_named(func, inner=True):  # the estimator's errors, under the user's call
+    # the estimator's errors, under the user's call and the user's argument names
+    with errors_named(func, inner=True, arguments={"parameter_structured_vector": "grad",
+                                                   "state": "estimator_state"}):
         out = estimator.multiply_matpower(estimator_state, grad, identity_weight=lam,
                                           power=-1.0, exact_power=exact_power,
                                           use_cached=use_cached)

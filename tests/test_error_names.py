@@ -634,3 +634,23 @@ def test_approximation_report_names_a_batch_that_is_not_an_array(problem):
     with pytest.raises(KFACTypeError, match=r"^approximation_report: batch\[0\] must be an "
                                             r"array; got a list"):
         approximation_report(net, sq, params, (x.tolist(), y))
+
+
+def test_preconditioned_direction_names_the_users_arguments(problem):
+    """The estimator's errors are raised under the call the user made, with the user's
+    argument names: ``grad`` (the estimator calls it ``parameter_structured_vector``) and
+    ``estimator_state`` (its ``state``)."""
+    from kfac_ref.optim import preconditioned_direction
+
+    net, params, batch = problem
+    est = BlockDiagonalCurvature(net, sq)
+    st = updated(est, params, batch)
+    with pytest.raises(KFACValueError, match=r"^preconditioned_direction: BlockDiagonalCurvature"
+                                             r"\.multiply_matpower: grad must"):
+        preconditioned_direction(est, st, np.ones(est.dim + 1), 0.1, exact_power=False)
+    with pytest.raises(KFACValueError, match=r"preconditioned_direction: .*: grad must be finite"):
+        preconditioned_direction(est, st, np.full(est.dim, np.nan), 0.1, exact_power=False)
+    bad = nan_state(est, updated(est, params, batch))
+    with pytest.raises(KFACValueError, match=r"preconditioned_direction: .*: estimator_state\."
+                                             r"blocks_states\[1\]\.statistics\[0\] must be"):
+        preconditioned_direction(est, bad, np.ones(est.dim), 0.1, exact_power=True)
