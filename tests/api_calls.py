@@ -543,7 +543,9 @@ def _operators(f):
 DASK_CALLS["kfac_ref.operators.CurvatureOperator"] = _operators
 
 
-def _ekfac_product(f, conv=False):
+def _ekfac_case(f, conv=False):
+    """An EKFAC block (dense or conv), its state after one update from ``f``'s arrays, and a
+    parameter-shaped vector."""
     rng = np.random.default_rng(4)
     if conv:
         block = kj.Conv2DEKFAC(inputs_shape=(6, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
@@ -557,6 +559,11 @@ def _ekfac_product(f, conv=False):
     state = block.update_curvature_matrix_estimate(
         block.init(f(np.zeros(1))), {k: f(v) for k, v in data.items()}, 0.0, 1.0, 6)
     vec = tuple(f(rng.standard_normal(s)) for s in block.parameters_shapes)
+    return block, state, vec
+
+
+def _ekfac_product(f, conv=False):
+    block, state, vec = _ekfac_case(f, conv)
     return block.multiply(state, vec, 0.1, exact_power=False, use_cached=False)
 
 
@@ -694,19 +701,7 @@ def _kj_all(name):
 
 def _ekfac_all(f, conv=False):
     """EKFAC's products: damped power 1 (fresh), the exact inverse with its cache."""
-    rng = np.random.default_rng(4)
-    if conv:
-        block = kj.Conv2DEKFAC(inputs_shape=(6, 3, 3, 1), kernel_shape=(2, 2, 1, 2), strides=1,
-                               padding="VALID")
-        data = {"inputs": rng.standard_normal((6, 3, 3, 1)),
-                "outputs_grad": rng.standard_normal((6, 2, 2, 2))}
-    else:
-        block = kj.DenseEKFAC(3, 2)
-        data = {"inputs": rng.standard_normal((6, 3)),
-                "outputs_grad": rng.standard_normal((6, 2))}
-    state = block.update_curvature_matrix_estimate(
-        block.init(f(np.zeros(1))), {k: f(v) for k, v in data.items()}, 0.0, 1.0, 6)
-    vec = tuple(f(rng.standard_normal(s)) for s in block.parameters_shapes)
+    block, state, vec = _ekfac_case(f, conv)
     return [block.multiply(state, vec, 0.1, exact_power=False, use_cached=False),
             block.multiply_inverse(state, vec, 0.1, exact_power=True, use_cached=False),
             block.to_dense_matrix(state), block.eigenvalues(state)]

@@ -41,6 +41,7 @@ from api_calls import (  # noqa: E402  (the corpus of valid calls, shared with t
     _NV,
     _NX,
     _NY,
+    _TF_BLOCK_NAMES,
     _V32,
     _W,
     DASK_CALLS,
@@ -672,12 +673,7 @@ def _tf_blocks(cell):
     return out
 
 
-_TF_BLOCKS = ("FullyConnectedKFACBasicFB", "FullyConnectedKFACBasicFB-diag-input",
-              "FullyConnectedMultiIndepFB", "ConvKFCBasicFB", "ConvKFCBasicMultiIndepFB",
-              "EmbeddingKFACFB", "FullyConnectedDiagonalFB", "NaiveDiagonalFB", "FullFB",
-              "NaiveFullFB", "DiagonalFB", "ScaleAndShiftFullFB", "ScaleAndShiftDiagonalFB",
-              "ConvDiagonalFB", "EmbeddingKFACMultiIndepFB", "DepthwiseConvDiagonalFB",
-              "DepthwiseConvKFCBasicFB")
+_TF_BLOCKS = _TF_BLOCK_NAMES
 _TF_DIAGONAL = {"FullyConnectedDiagonalFB", "NaiveDiagonalFB", "DiagonalFB",
                 "ScaleAndShiftDiagonalFB", "ConvDiagonalFB", "DepthwiseConvDiagonalFB"}
 # the base classes' machinery runs in every block above
