@@ -483,6 +483,13 @@ def optional_linalg(xp: Any, name: str) -> Callable:
     return lambda matrix: _decomposition(xp, name, fn, matrix)
 
 
+def is_linalg_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is an array library's linear-algebra failure (NumPy's and CuPy's
+    ``LinAlgError``, PyTorch's ``torch.linalg.LinAlgError``), recognised by class name so
+    that no backend is imported."""
+    return any("LinAlgError" in c.__name__ for c in type(exc).__mro__)
+
+
 #: the decompositions whose outputs follow the bad-values policy of :func:`_decomposition`
 _DECOMPOSITIONS = ("eigh", "eigvalsh", "svd")
 
@@ -499,7 +506,7 @@ def _decomposition(xp: Any, name: str, fn: Callable, matrix: Any):
     try:
         out = fn(matrix)
     except Exception as exc:  # noqa: BLE001 - only the libraries' LinAlgError is handled
-        if not any("LinAlgError" in c.__name__ for c in type(exc).__mro__):
+        if not is_linalg_error(exc):
             raise
         out = None
     finite = xp.all(xp.isfinite(matrix), axis=(-2, -1))

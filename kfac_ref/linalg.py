@@ -101,12 +101,12 @@ from ._backend import (
     checks_values,
     cholesky_inverse,
     cholesky_lower,
-    device_of,
     errors_named,
     eye_like,
     gram_is_exactly_symmetric,
     is_array,
     is_lazy,
+    is_linalg_error,
     kernel_error,
     kernel_of,
     lower_triangular_inverse,
@@ -522,8 +522,8 @@ def _damped_cholesky(xp, matrix, damping=0.0):
     try:
         l_factor = cholesky_lower(xp, damped)
     except Exception as exc:  # backends raise their own LinAlgError types
-        if not checks_values(damped):  # the policy of unchecked values: NaN, not an error
-            return xp.full(damped.shape, xp.nan, dtype=damped.dtype, device=device_of(damped))
+        if is_linalg_error(exc) and not checks_values(damped):
+            return xp.full_like(damped, xp.nan)  # the policy of unchecked values: NaN
         raise kernel_error(
             f"matrix + damping·I must be positive definite; the Cholesky "
             f"factorisation failed ({type(exc).__name__}: {exc}). Add damping."
