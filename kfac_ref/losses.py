@@ -1115,11 +1115,10 @@ class OneHotCategoricalLogitsNegativeLogProbLoss(CategoricalLogitsNegativeLogPro
         return targets
 
     def _sample(self, rng):
-        xp = self._xp
-        g = draw_noise(rng, self._logits, "gumbel", self._logits.shape)
-        rows = self._one_hot_targets(xp.argmax(self._logits + g, axis=-1))
-        # a row with a NaN logit has no distribution: a NaN row, not a one-hot guess
-        return xp.where(xp.any(xp.isnan(self._logits), axis=-1, keepdims=True), xp.nan, rows)
+        draws = super()._sample(rng)  # class -1 where a row has a NaN logit
+        # that row has no distribution: a NaN row, not a one-hot guess
+        return self._xp.where((draws == -1)[:, None], self._xp.nan,
+                              self._one_hot_targets(draws))
 
 
 # --------------------------------------------------------------------------------------
