@@ -83,17 +83,15 @@ def is_channels_last(func, data_format, ndim=None, *, name="data_format", array_
             f"{func}: {name} must be None or one of "
             f"{', '.join(repr(d) for d in DATA_FORMATS)}; got {describe(data_format)}."
         )
-    if ndim is not None and len(data_format) != ndim and array_name is not None:
+    if ndim is not None and len(data_format) != ndim:
         r = len(data_format)
+        if array_name is None:
+            raise KFACValueError(f"{func}: {name} {data_format!r} describes {r}-D arrays; "
+                                 f"got a {ndim}-D array.")
         what, got = ((f"have {r} entries", f"{ndim} entries") if array_name.endswith("shape")
                      else (f"be a {r}-D array", f"a {ndim}-D array"))
         raise KFACValueError(f"{func}: {array_name} must {what} ({name} {data_format!r} "
                              f"describes {r}-D arrays); got {got}.")
-    if ndim is not None and len(data_format) != ndim:
-        raise KFACValueError(
-            f"{func}: {name} {data_format!r} describes {len(data_format)}-D arrays; got a "
-            f"{ndim}-D array."
-        )
     return data_format.endswith("C")
 
 
