@@ -703,7 +703,7 @@ def cholesky_lower(xp, matrix):
     if kind == "blocks":
         return _on_one_block(cholesky_lower, matrix)
     if kind == "scipy":
-        from scipy.linalg import lapack
+        from scipy.linalg import lapack  # backend glue: this library's own kernel
 
         (potrf,) = lapack.get_lapack_funcs(("potrf",), (matrix,))
         # the transpose of a C-ordered symmetric matrix is itself, in the Fortran order
@@ -737,22 +737,22 @@ def lower_triangular_inverse(xp, l_factor):
     if kind == "blocks":
         return _on_one_block(lower_triangular_inverse, l_factor)
     if kind == "scipy":
-        from scipy.linalg import lapack
+        from scipy.linalg import lapack  # backend glue: this library's own kernel
 
         (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
         inv, _ = trtri(l_factor, lower=True)
         return xp.tril(xp.asarray(inv))
     eye = eye_like(l_factor, n)
     if kind == "torch":
-        import torch
+        import torch  # backend glue: this library's own kernel
 
         return torch.linalg.solve_triangular(l_factor, eye, upper=False)
     if kind == "cupy":
-        from cupyx.scipy.linalg import solve_triangular
+        from cupyx.scipy.linalg import solve_triangular  # backend glue: this library's own kernel
 
         return solve_triangular(l_factor, eye, lower=True)
     if kind == "jax":
-        from jax.scipy.linalg import solve_triangular
+        from jax.scipy.linalg import solve_triangular  # backend glue: this library's own kernel
 
         return solve_triangular(l_factor, eye, lower=True)
     # No triangular solve in the array API: a general solve against I (exact enough for the
@@ -768,7 +768,7 @@ def cholesky_inverse(xp, l_factor):
     if kind == "blocks":
         return _on_one_block(cholesky_inverse, l_factor)
     if kind == "scipy":
-        from scipy.linalg import lapack
+        from scipy.linalg import lapack  # backend glue: this library's own kernel
 
         (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
         inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
@@ -777,12 +777,12 @@ def cholesky_inverse(xp, l_factor):
         # mirror the lower triangle in one pass (one `where`, not two `tril`s and a sum)
         return xp.where(idx[:, None] >= idx[None, :], low, xp.matrix_transpose(low))
     if kind == "torch":
-        import torch
+        import torch  # backend glue: this library's own kernel
 
         out = torch.cholesky_inverse(l_factor, upper=False)
         return (out + out.mT) / 2.0
     if kind == "jax":
-        from jax.scipy.linalg import cho_solve
+        from jax.scipy.linalg import cho_solve  # backend glue: this library's own kernel
 
         out = cho_solve((l_factor, True), eye_like(l_factor, l_factor.shape[0]))
         return (out + out.T) / 2.0
