@@ -673,3 +673,64 @@ def test_a_user_block_that_takes_no_tap_is_updated_without_one(xp, rng):
     for s1, s2 in zip(got.blocks_states[0].statistics, want.blocks_states[0].statistics,
                       strict=True):
         xp.assert_close(s1.value, xp.to_numpy(s2.value), rtol=tol(xp))
+
+
+_SEMIDEFINITE_NETS = {
+    "dense": lambda: nn.Sequential([("d1", nn.Dense(3, 4)), ("a", nn.Activation("tanh")),
+                                    ("d2", nn.Dense(4, 3))]),
+    "conv2d": lambda: nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2))), ("a", nn.Activation("tanh")),
+                                     ("f", nn.Flatten()), ("d", nn.Dense(8, 3))]),
+}
+
+
+@pytest.mark.parametrize("kind,name", [
+    (kind, name) for kind in _SEMIDEFINITE_NETS
+    for name, cls in B.registered_layer_blocks()[kind].items() if cls.semidefinite_statistics])
+def test_declared_semidefinite_statistics_are_semidefinite(rng, kind, name):
+    """A block's ``semidefinite_statistics`` lets the estimator scan only their diagonals:
+    the declaration must hold (every eigenvalue ≥ −rounding, symmetric) for each family
+    that makes it, after two updates from random data."""
+    net = _SEMIDEFINITE_NETS[kind]()
+    params = net.init_params(rng, np.zeros(1))
+    n = 7
+    x = rng.standard_normal((n, 3, 3, 2) if kind == "conv2d" else (n, 3))
+    batch = (x, rng.integers(0, 3, size=n))
+    est = BlockDiagonalCurvature(net, ce, layer_to_block={kind: name})
+    state = est.init(None, (params, batch))
+    for mode in ("fisher_empirical", "fisher_gradients"):
+        state = est.update_curvature_matrix_estimate(state, 0.5, 0.5, n, rng, (params, batch),
+                                                     mode)
+    for block, st in zip(est.blocks, state.blocks_states, strict=True):
+        for i in block.semidefinite_statistics:
+            s = np.asarray(st.statistics[i].value)
+            assert s.ndim == 2 and s.shape[0] == s.shape[1]
+            scale = max(float(np.max(np.abs(s))), 1e-300)
+            np.testing.assert_allclose(s, s.T, rtol=0, atol=1e-13 * scale)
+            assert np.linalg.eigvalsh((s + s.T) / 2).min() >= -1e-12 * scale, (name, i)
+            assert np.abs(s).max() <= np.sqrt(np.outer(np.diag(s), np.diag(s))).max() * (
+                1 + 1e-12)
+
+
+def test_an_update_scans_the_diagonal_of_a_semidefinite_statistic(monkeypatch):
+    """The statistics entering the state: a Kronecker factor's diagonal (n entries) is
+    scanned, not the factor (n² entries); a statistic without the declaration in full."""
+    import kfac_ref._backend as backend
+
+    rng = np.random.default_rng(4)
+    net = _SEMIDEFINITE_NETS["dense"]()
+    params = net.init_params(rng, np.zeros(1))
+    batch = (rng.standard_normal((6, 3)), rng.integers(0, 3, size=6))
+    sizes = {}
+    for name in ("kronecker", "kpsvd"):
+        est = BlockDiagonalCurvature(net, ce, layer_to_block={"dense": name})
+        state = est.init(None, (params, batch))
+        scanned = []
+        real = backend.all_finite
+        monkeypatch.setattr(backend, "all_finite",
+                            lambda ns, x, seen=scanned: seen.append(x.shape) or real(ns, x))
+        est.update_curvature_matrix_estimate(state, 0.0, 1.0, 6, rng, (params, batch),
+                                             "ggn_exact")
+        monkeypatch.undo()
+        sizes[name] = scanned[-4:]  # the four statistics, scanned last
+    assert sizes["kronecker"] == [(4,), (4,), (5,), (3,)]
+    assert sizes["kpsvd"] == [(4, 4), (4, 4), (5, 5), (3, 3)]

@@ -229,9 +229,9 @@ def test_overflowing_statistics_are_refused_where_they_enter_the_state():
     net, params, (x, y) = overflowing_problem()
     est = BlockDiagonalCurvature(net, sq)
     with np.errstate(over="ignore", invalid="ignore"), pytest.raises(
-            KFACValueError, match=r"update_curvature_matrix_estimate: the updated "
-                                  r"state\.blocks_states\[0\]\.statistics\[0\] \(layer 'd1'\) "
-                                  r"must be finite .* overflowed float64"):
+            KFACValueError, match=r"update_curvature_matrix_estimate: the diagonal of the "
+                                  r"updated state\.blocks_states\[0\]\.statistics\[0\] "
+                                  r"\(layer 'd1'\) must be finite .* overflowed float64"):
         updated(est, params, (x, y))
 
 
@@ -248,14 +248,14 @@ def test_overflowing_explicit_estimate_is_refused_in_the_state_name():
     assert "WeightedMovingAverage" not in str(e.value)
 
 
-def nan_state(est, state, block=1, statistic=0):
+def nan_state(est, state, block=1, statistic=0, entry=(0, 0)):
     """``state`` with one NaN in a statistic, built with value checks off (the only way past
     the scans of WeightedMovingAverage and of the estimator's update)."""
     import kfac_ref
 
     bs = state.blocks_states[block]
     raw = np.array(bs.statistics[statistic].raw)
-    raw[0, 0] = np.nan
+    raw[entry] = np.nan
     with kfac_ref.value_checks(False):
         average = replace(bs.statistics[statistic], raw=raw)
         stats = tuple(average if i == statistic else s for i, s in enumerate(bs.statistics))
@@ -284,6 +284,23 @@ def test_nan_statistics_name_the_state_field_not_a_linalg_error(problem, exact_p
                                              r"\.statistics\[0\] \(layer 'd2'\)"):
         est.update_curvature_matrix_estimate(bad, 1.0, 1.0, 5, None, (params, batch),
                                              "ggn_exact")
+
+
+def test_an_off_diagonal_nan_is_named_by_the_next_product(problem):
+    """The update scans a Kronecker factor's diagonal only (a semidefinite statistic's
+    diagonal bounds its entries), so a hand-made state's off-diagonal NaN passes it; the
+    next product or cache refresh names the field instead of returning NaN."""
+    net, params, batch = problem
+    est = BlockDiagonalCurvature(net, sq)
+    bad = nan_state(est, updated(est, params, batch), entry=(0, 1))
+    bad = est.update_curvature_matrix_estimate(bad, 1.0, 1.0, 5, None, (params, batch),
+                                               "ggn_exact")
+    field = r"state\.blocks_states\[1\]\.statistics\[0\] must be finite"
+    for exact_power in (True, False):
+        with pytest.raises(KFACValueError, match=r"multiply_matpower: " + field):
+            est.multiply_matpower(bad, np.ones(est.dim), 1e-3, -1.0, exact_power, False)
+    with pytest.raises(KFACValueError, match=r"update_cache: " + field):
+        est.update_cache(bad, 1e-3, None, -1.0, False)
 
 
 def test_statistics_scan_respects_value_checks_off():

@@ -332,11 +332,16 @@ class BlockDiagonalCurvature(EstimatorBase):
         return BlockDiagonalState(tuple(states))
 
     def _check_statistics(self, func, states):
-        for k, st in enumerate(states):
+        for k, (st, block) in enumerate(zip(states, self.blocks, strict=True)):
             for i, average in enumerate(st.statistics):
                 name = (f"the updated state.blocks_states[{k}].statistics[{i}] (layer "
                         f"{self.net.names[self.layer_indices[k]]!r})")
                 raw = average.raw
+                if i in block.semidefinite_statistics and getattr(raw, "ndim", None) == 2:
+                    # a finite diagonal bounds every entry of a semidefinite statistic
+                    # (CurvatureBlock.semidefinite_statistics): n entries scanned, not n²
+                    name = f"the diagonal of {name}"
+                    raw = array_namespace(raw).linalg.diagonal(raw)
                 if isinstance(raw, (int, float)) and not isinstance(raw, bool):
                     # a family may keep a scalar statistic (NumPy reductions give
                     # numpy.float64, a float): only its finiteness is checked
@@ -350,7 +355,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                 except KFACValueError as exc:
                     raise KFACValueError(
                         f"{exc} The statistics of func_args overflowed "
-                        f"{average.raw.dtype}, or state held non-finite statistics."
+                        f"{raw.dtype}, or state held non-finite statistics."
                     ) from None
 
     def _layer_taps(self, input_shapes):

@@ -186,6 +186,15 @@ class CurvatureBlock(abc.ABC):
     estimation_keys = ("inputs", "outputs_grad")
     """The keys of ``estimation_data`` the block reads."""
 
+    semidefinite_statistics = ()
+    r"""Indices of the statistics that are non-negatively weighted averages of outer
+    products :math:`v v^\top` (so positive semidefinite): for those
+    :math:`|S_{ij}| \le \sqrt{S_{ii} S_{jj}}` (Cauchy–Schwarz), and a NaN or Inf in the
+    averaged data reaches the diagonal as a sum of squares, so a finite diagonal proves
+    every entry finite.  :class:`~kfac_ref.curvature.BlockDiagonalCurvature` scans only
+    their diagonals when an update enters the state (a length-:math:`n` scan instead of
+    :math:`n^2`)."""
+
     def __init__(self, parameters_shapes, *, name=None, eigenvalue_clipping_threshold=0.0,
                  strict_cache=True):
         func = type(self).__name__

@@ -80,6 +80,8 @@ class EigenbasisKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     Abstract: a subclass gives the batch statistics (``_batch_statistics``).
     """
 
+    semidefinite_statistics = (0, 1, 2)  # A, G and the gradients' second moment
+
     def __init__(self, parameters_shapes, *, symmetrize=True, **kwargs):
         super().__init__(parameters_shapes, **kwargs)
         func = type(self).__name__

@@ -36,6 +36,8 @@ class Full(CurvatureBlock):
     Abstract: a subclass gives the batch statistic (``_batch_statistics``).
     """
 
+    semidefinite_statistics = (0,)  # the second moment of the per-example gradients
+
     def _statistics_shapes(self):
         return ((self.dim, self.dim),)
 

@@ -82,6 +82,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
       differ by rounding only.
     """
 
+    semidefinite_statistics = (0, 1)  # A and G: averages of outer products
+
     def __init__(self, parameters_shapes, *, approx_power_one="factored",
                  restrict_approx_powers=True, zero_factor_fallback="identity",
                  norm_type="avg_diag", symmetrize=True, **kwargs):

@@ -467,6 +467,10 @@ class DenseKPSVD(_StackedRows, DenseTwoKroneckerFactored):
     :class:`DenseTwoKroneckerFactored`, plus ``power_iterations`` (int, default 20).
     """
 
+    # the power iteration's pairs are not declared semidefinite: rounding in its weights
+    # can leave them indefinite, where a finite diagonal bounds nothing; scanned in full
+    semidefinite_statistics = ()
+
     def __init__(self, *args, power_iterations=20, **kwargs):
         super().__init__(*args, **kwargs)
         self.power_iterations = check_int(type(self).__name__, "power_iterations",
