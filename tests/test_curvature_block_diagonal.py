@@ -721,11 +721,11 @@ def test_an_update_scans_the_diagonal_of_a_semidefinite_statistic(monkeypatch):
     params = net.init_params(rng, np.zeros(1))
     batch = (rng.standard_normal((6, 3)), rng.integers(0, 3, size=6))
     sizes = {}
+    real = backend.all_finite
     for name in ("kronecker", "kpsvd"):
         est = BlockDiagonalCurvature(net, ce, layer_to_block={"dense": name})
         state = est.init(None, (params, batch))
         scanned = []
-        real = backend.all_finite
         monkeypatch.setattr(backend, "all_finite",
                             lambda ns, x, seen=scanned: seen.append(x.shape) or real(ns, x))
         est.update_curvature_matrix_estimate(state, 0.0, 1.0, 6, rng, (params, batch),
