@@ -9,8 +9,6 @@ from __future__ import annotations
 from .._backend import check_array, namespace_of
 from ..conv_geometry import ConvGeometry, to_channels_last
 
-__all__ = ["conv_geometry", "check_conv_outputs_grad", "pooled_conv_data"]
-
 
 def conv_geometry(func, inputs_shape, kernel_shape, strides, padding, dilation_rate,
                   data_format, *, filter_name="kernel_shape"):

@@ -33,8 +33,6 @@ from ..blocks.kfac_jax import CurvatureBlock, layer_block, registered_layer_bloc
 from . import _exact as exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
-__all__ = ["WEIGHT_SHARING_MODES", "BlockDiagonalState", "BlockDiagonalCurvature", "block_diag"]
-
 WEIGHT_SHARING_MODES = ("expand", "reduce")
 """KFAC-expand and KFAC-reduce (Eschenhagen et al. 2023) for dense layers on ``[N, T, d]``."""
 

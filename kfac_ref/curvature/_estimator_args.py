@@ -12,8 +12,6 @@ from .._backend import (
 )
 from ._exact import ESTIMATION_MODES
 
-__all__ = ["EstimatorBase", "unpack_func_args", "flat_or_structured"]
-
 
 def unpack_func_args(func, func_args):
     if not (isinstance(func_args, (tuple, list)) and len(func_args) == 2):
@@ -43,8 +41,6 @@ def flat_or_structured(func, net, vector, **others):
     if others:
         namespace_of(func, **{VECTOR: vector}, **others)
     return vector, lambda v: v
-
-
 
 
 class EstimatorBase:

@@ -76,30 +76,6 @@ from ..linalg import compute_cov
 from ..losses import LossFunction, NegativeLogProbLoss
 from ..nn._network import Sequential
 
-__all__ = [
-    "ESTIMATION_MODES",
-    "EMPIRICAL_FISHER_NORMALIZATIONS",
-    "jacobian",
-    "jacobian_vector_product",
-    "jacobian_transpose_vector_product",
-    "loss_value_and_grad",
-    "ggn_matrix",
-    "fisher_matrix",
-    "empirical_fisher_matrix",
-    "monte_carlo_fisher_matrix",
-    "hessian_matrix",
-    "estimated_matrix",
-    "ggn_vector_product",
-    "fisher_vector_product",
-    "empirical_fisher_vector_product",
-    "hessian_vector_product",
-    "fisher_factor_product",
-    "fisher_factor_transpose_product",
-    "ggn_factor_product",
-    "ggn_factor_transpose_product",
-    "estimation_output_vectors",
-]
-
 ESTIMATION_MODES = ("fisher_gradients", "fisher_empirical", "fisher_curvature_prop",
                     "fisher_exact", "ggn_curvature_prop", "ggn_exact")
 """kfac-jax's estimation modes (see :func:`estimation_output_vectors`)."""

@@ -30,8 +30,6 @@ from ..linalg import clipped_eigh, damped_matpower, kron_eigenbasis_matpower
 from . import _exact as exact
 from ._estimator_args import EstimatorBase, flat_or_structured, unpack_func_args
 
-__all__ = ["ExplicitState", "ExplicitExactCurvature"]
-
 
 # ------------------------------------------------------------------------------------------
 # Explicit exact curvature

@@ -8,8 +8,6 @@ from .._support import capabilities
 from . import _exact as exact
 from ._estimator_args import flat_or_structured, unpack_func_args
 
-__all__ = ["ImplicitExactCurvature"]
-
 
 # ------------------------------------------------------------------------------------------
 # Implicit exact curvature

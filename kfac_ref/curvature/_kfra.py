@@ -65,8 +65,6 @@ from ..linalg import compute_cov
 from ..nn import Activation, Dense, Sequential
 from ._exact import evaluate_batch
 
-__all__ = ["kfra_factors"]
-
 
 @capabilities(dask="yes")
 def kfra_factors(net, loss_fn, params, batch):

@@ -38,8 +38,6 @@ from ._exact import (
     unpack_batch,
 )
 
-__all__ = ["approximation_report", "relative_frobenius_error", "default_approximations"]
-
 _CURVATURES = {"ggn": ("ggn_exact", ggn_matrix),
                "fisher": ("fisher_exact", fisher_matrix),
                "empirical_fisher": ("fisher_empirical", empirical_fisher_matrix)}

@@ -67,14 +67,6 @@ from ..linalg import (
     damped_matpower,
 )
 
-__all__ = [
-    "EIGENVALUE_DECOMPOSITION_THRESHOLD",
-    "EIGENVALUE_CLIPPING_THRESHOLD",
-    "FisherFactor",
-    "DenseSquareMatrixFactor",
-    "DiagonalFactor",
-]
-
 EIGENVALUE_DECOMPOSITION_THRESHOLD = 4
 """TF K-FAC master's threshold: with at least this many registered inverses (or any other
 registered power) the inverses come from one eigendecomposition (TF K-FAC's older

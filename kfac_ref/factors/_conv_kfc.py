@@ -55,19 +55,6 @@ from ._base import (
     input_towers_and_sources,
 )
 
-__all__ = [
-    "EXTRACT_PATCHES_FNS",
-    "conv_patch_matrix",
-    "conv_input_kronecker_factor",
-    "conv_output_kronecker_factor",
-    "conv_diagonal_factor",
-    "ConvInputKroneckerFactor",
-    "ConvOutputKroneckerFactor",
-    "ConvDiagonalFactor",
-    "ConvInputMultiKF",
-    "ConvOutputMultiKF",
-    "conv_input_factor_tap",
-]
 
 def _chunk_bounds(xp, n, entries_per_example, max_temporary_bytes, like):
     """:func:`kfac_ref.patches.example_chunks` for arrays like ``like`` (the bound from

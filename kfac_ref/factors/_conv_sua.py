@@ -43,15 +43,6 @@ from ._base import (
     exp_value,
 )
 
-__all__ = [
-    "SUA_ORDERS",
-    "conv_input_sua_statistics",
-    "conv_input_sua_factor",
-    "conv_input_sua_inverse",
-    "ConvInputSUAKroneckerFactor",
-]
-
-
 # --------------------------------------------------------------------------------------
 # Spatially uncorrelated activations (SUA): TF master's ConvInputSUAKroneckerFactor
 # --------------------------------------------------------------------------------------

@@ -20,13 +20,6 @@ from ._base import (
     per_source_and_tower,
 )
 
-__all__ = [
-    "fully_connected_kronecker_factor",
-    "fully_connected_diagonal_factor",
-    "FullyConnectedKroneckerFactor",
-    "FullyConnectedDiagonalFactor",
-]
-
 
 def fold_uses(xp, tensor):
     """[T, N, d] -> [T·N, d] (time-major rows t·N + n); [N, d] unchanged."""

@@ -28,15 +28,6 @@ from ._base import (
     is_array,
 )
 
-__all__ = [
-    "params_grads_to_vector",
-    "naive_diagonal_factor",
-    "full_factor",
-    "NaiveDiagonalFactor",
-    "FullFactor",
-    "NaiveFullFactor",
-]
-
 
 def _as_param_list(func, params_grads):
     if is_array(params_grads):

@@ -33,14 +33,6 @@ from ._base import (
     check_equal_batches,
 )
 
-__all__ = [
-    "embedding_input_kronecker_factor",
-    "diagonal_kronecker_factor",
-    "EmbeddingInputKroneckerFactor",
-    "DiagonalKroneckerFactor",
-    "DiagonalMultiKF",
-]
-
 
 def _float_dtype(func, xp, like, dtype):
     """The explicit ``dtype``, else the float of the ids' width: float64 for 64-bit ids where

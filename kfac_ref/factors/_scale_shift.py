@@ -34,13 +34,6 @@ from ._base import (
     per_source_and_tower,
 )
 
-__all__ = [
-    "SCALE_AND_SHIFT_APPROX",
-    "scale_and_shift_factor",
-    "ScaleAndShiftFullFactor",
-    "ScaleAndShiftDiagonalFactor",
-]
-
 SCALE_AND_SHIFT_APPROX = ("full", "diagonal")
 """The two estimates of a scale-and-shift layer's curvature (``approx=``): ``"full"`` (the
 whole sum-of-squares matrix of the scale and shift gradients, TF's ``ScaleAndShiftFullFB``)

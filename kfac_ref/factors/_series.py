@@ -37,14 +37,6 @@ from ..linalg import append_homog, compute_cov, damped_matpower
 from ._base import as_sources_towers, check_bool, check_equal_batches, damping_key, damping_value
 from ._dense import FullyConnectedKroneckerFactor, fold_uses, fully_connected_kronecker_factor
 
-__all__ = [
-    "OPTION1_EIG_METHODS",
-    "fully_connected_multi_kf_cov_dt1",
-    "series_option1_quantities",
-    "series_option2_quantities",
-    "FullyConnectedMultiKF",
-]
-
 OPTION1_EIG_METHODS = ("self_adjoint", "svd", "eigh")
 """How option 1 decomposes :math:`\\hat\\Psi`: TF's ``posdef_eig`` methods
 (``"self_adjoint"``: eigh then :math:`|\\psi|`, TF's default; ``"svd"``: singular values and

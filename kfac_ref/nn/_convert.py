@@ -36,16 +36,6 @@ from .._backend import (
 from .._support import capabilities
 from ._network import Sequential
 
-__all__ = [
-    "torch_permutation",
-    "kfac_jax_permutation",
-    "permute_vector",
-    "permute_matrix",
-    "to_torch_parameters",
-    "to_kfac_jax_params",
-    "HAIKU_NAMES",
-]
-
 HAIKU_NAMES = {
     "dense": {"w": "w", "b": "b"},
     "conv2d": {"w": "w", "b": "b"},

@@ -63,18 +63,6 @@ from ..patches import (
     temporary_bytes_bound,
 )
 
-__all__ = [
-    "Layer",
-    "Dense",
-    "Conv2D",
-    "ScaleAndShift",
-    "Embedding",
-    "Activation",
-    "MeanPool",
-    "Flatten",
-    "ACTIVATIONS",
-]
-
 _ABSENT = object()  # an argument the validated method does not take
 
 ACTIVATIONS = ("identity", "tanh", "sigmoid", "relu", "softplus")

@@ -59,8 +59,6 @@ from .._backend import (
 from .._support import capabilities
 from ._layers import Layer
 
-__all__ = ["Sequential", "ForwardPass"]
-
 
 @capabilities(dask="yes")
 class ForwardPass:

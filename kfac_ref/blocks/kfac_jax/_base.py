@@ -35,8 +35,6 @@ from ...averaging import WeightedMovingAverage
 from ...linalg import FACTOR_NORMS
 from .._math import flatten, from_mat2d, to_mat2d, unflatten, validated_internals
 
-__all__ = ["BlockState", "CurvatureBlock"]
-
 
 @capabilities(jit="yes", dask="yes",
               formula="a state container: the block's moving averages and cache")

@@ -20,9 +20,6 @@ from ._layers import (
 )
 from ._registry import register_layer_block
 
-__all__ = ["Diagonal", "NaiveDiagonal", "DenseDiagonal", "Conv2DDiagonal",
-           "ScaleAndShiftDiagonal"]
-
 
 @capabilities(dask="yes")
 class Diagonal(CurvatureBlock):

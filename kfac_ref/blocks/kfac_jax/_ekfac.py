@@ -33,8 +33,6 @@ from ._base import CurvatureBlock, MatrixWorkingForm
 from ._layers import ConvLayer, DenseLayer
 from ._registry import register_layer_block
 
-__all__ = ["EigenbasisKroneckerFactored", "DenseEKFAC", "Conv2DEKFAC"]
-
 
 def _to_kfe(xp, q_a, q_g, x):
     """:math:`Q_A^\\top X Q_G` for ``x`` of shape ``[..., K, C]`` (the KFE coordinates)."""

@@ -18,8 +18,6 @@ from ._layers import (
 )
 from ._registry import register_layer_block
 
-__all__ = ["Full", "NaiveFull", "DenseFull", "Conv2DFull", "ScaleAndShiftFull"]
-
 
 @capabilities(dask=DASK_NO_EIGH)
 class Full(CurvatureBlock):

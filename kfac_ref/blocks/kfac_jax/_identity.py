@@ -7,8 +7,6 @@ from ..._support import capabilities
 from .._math import scaled_identity_matpower
 from ._base import CurvatureBlock
 
-__all__ = ["ScaledIdentity"]
-
 
 @capabilities(dask="yes")
 class ScaledIdentity(CurvatureBlock):

@@ -34,6 +34,7 @@ from ...linalg import (
     kron_factored_powers,
     kron_zero_factor,
 )
+from .._conv import pooled_conv_data
 from .._math import (
     apply_kron,
     kron_product_path,
@@ -42,11 +43,8 @@ from .._math import (
     validated_internals,
 )
 from ._base import BlockState, CurvatureBlock, MatrixWorkingForm
-from ._layers import ConvLayer, DenseLayer, check_layer_kind, pooled_conv_data
+from ._layers import ConvLayer, DenseLayer, check_layer_kind
 from ._registry import register_layer_block
-
-__all__ = ["TwoKroneckerFactored", "DenseTwoKroneckerFactored", "Conv2DTwoKroneckerFactored",
-           "ReducedConv2DTwoKroneckerFactored"]
 
 KFAC_JAX_APPROX_POWERS = (-1.0, -0.5, 0.5, 1.0)
 """Powers kfac-jax's Kronecker blocks compute approximately (π-damped factors)."""

@@ -18,11 +18,8 @@ from ..._backend import (
     describe,
     namespace_of,
 )
-from .._conv import check_conv_outputs_grad, conv_geometry, pooled_conv_data
+from .._conv import check_conv_outputs_grad, conv_geometry
 from ._base import check_rows
-
-__all__ = ["ConvLayer", "DenseLayer", "ParamsGradsSources", "ScaleAndShiftLayer",
-           "check_layer_kind", "pooled_conv_data"]
 
 
 def check_layer_kind(cls, layer, kind):

@@ -52,9 +52,6 @@ from ._kronecker import (
 from ._layers import SOURCE_REDUCTIONS, ParamsGradsSources, check_layer_kind
 from ._registry import register_layer_block
 
-__all__ = ["NaiveTNT", "DenseTNT", "Conv2DTNT", "DenseFOOF", "Conv2DFOOF", "ReducedConv2DFOOF",
-           "DenseKPSVD", "tnt_scale", "nearest_kronecker_factors"]
-
 
 @capabilities(dask="yes")
 def tnt_scale(a, g):

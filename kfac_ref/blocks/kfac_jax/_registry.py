@@ -10,9 +10,6 @@ from ..._backend import KFACTypeError, KFACValueError, check_bool, describe
 from ..._support import capabilities
 from ._base import CurvatureBlock
 
-__all__ = ["register_layer_block", "layer_block", "registered_layer_blocks",
-           "default_layer_to_block"]
-
 _REGISTRY: dict[str, dict[str, type]] = {}
 _DEFAULTS: dict[str, str] = {}
 
