@@ -3,7 +3,6 @@ r"""The block-diagonal K-FAC estimator (kfac-jax ``BlockDiagonalCurvature``); do
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -577,24 +576,31 @@ class BlockDiagonalCurvature(EstimatorBase):
         return BlockDiagonalState(tuple(out))
 
 
-@contextlib.contextmanager
-def _statistics_named(func, state):
+class _statistics_named:  # noqa: N801 (used as a function, like errors_named)
     """Turn a failure of the blocks' kernels on a state with non-finite statistics (one
     built with value checks off: the statistics are scanned when they enter a state, see
     :meth:`BlockDiagonalCurvature.update_curvature_matrix_estimate`) into a
     :class:`KFACValueError` naming the statistic, in place of a kernel's unnamed error (the
     NaN spectrum of a non-finite factor refused by a negative power) or a library's own.
-    The scan runs only after a failure; a failure of a finite state passes unchanged."""
-    try:
-        yield
-    except Exception as exc:
-        if isinstance(exc, KFACTypeError):
-            raise  # not about values: an argument or namespace, already named
-        bad = _nonfinite_statistic(state)
+    The scan runs only after a failure; a failure of a finite state passes unchanged.  A
+    class for the cost of its enter and exit, as :func:`~kfac_ref._backend.errors_named`."""
+
+    __slots__ = ("func", "state")
+
+    def __init__(self, func, state):
+        self.func, self.state = func, state
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, kind, exc, tb):
+        if kind is None or not issubclass(kind, Exception) or issubclass(kind, KFACTypeError):
+            return False  # a KFACTypeError is not about values: already named
+        bad = _nonfinite_statistic(self.state)
         if bad is None:
-            raise
-        raise KFACValueError(f"{func}: state.{bad} must be finite (no NaN or Inf); got "
-                             f"non-finite entries ({type(exc).__name__}: {exc}).") from exc
+            return False
+        raise KFACValueError(f"{self.func}: state.{bad} must be finite (no NaN or Inf); got "
+                             f"non-finite entries ({kind.__name__}: {exc}).") from exc
 
 
 def _nonfinite_statistic(state):
