@@ -675,12 +675,27 @@ def test_a_user_block_that_takes_no_tap_is_updated_without_one(xp, rng):
         xp.assert_close(s1.value, xp.to_numpy(s2.value), rtol=tol(xp))
 
 
-_SEMIDEFINITE_NETS = {
-    "dense": lambda: nn.Sequential([("d1", nn.Dense(3, 4)), ("a", nn.Activation("tanh")),
-                                    ("d2", nn.Dense(4, 3))]),
-    "conv2d": lambda: nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2))), ("a", nn.Activation("tanh")),
-                                     ("f", nn.Flatten()), ("d", nn.Dense(8, 3))]),
+_SEMIDEFINITE_NETS = {  # a network with a layer of each kind, and its inputs
+    "dense": (lambda: nn.Sequential([("d1", nn.Dense(3, 4)), ("a", nn.Activation("tanh")),
+                                     ("d2", nn.Dense(4, 3))]),
+              lambda rng, n: rng.standard_normal((n, 3))),
+    "conv2d": (lambda: nn.Sequential([("c", nn.Conv2D(2, 2, (2, 2))),
+                                      ("a", nn.Activation("tanh")), ("f", nn.Flatten()),
+                                      ("d", nn.Dense(8, 3))]),
+               lambda rng, n: rng.standard_normal((n, 3, 3, 2))),
+    "scale_and_shift": (lambda: nn.Sequential([("d1", nn.Dense(3, 4)),
+                                               ("s", nn.ScaleAndShift(4)),
+                                               ("a", nn.Activation("tanh")),
+                                               ("d2", nn.Dense(4, 3))]),
+                        lambda rng, n: rng.standard_normal((n, 3))),
+    "embedding": (lambda: nn.Sequential([("e", nn.Embedding(5, 3)), ("f", nn.Flatten()),
+                                         ("d", nn.Dense(6, 3))]),
+                  lambda rng, n: rng.integers(0, 5, size=(n, 2))),
 }
+
+
+def test_every_layer_kind_is_in_the_semidefinite_check():
+    assert set(_SEMIDEFINITE_NETS) == set(B.registered_layer_blocks())
 
 
 @pytest.mark.parametrize("kind,name", [
@@ -690,11 +705,11 @@ def test_declared_semidefinite_statistics_are_semidefinite(rng, kind, name):
     """A block's ``semidefinite_statistics`` lets the estimator scan only their diagonals:
     the declaration must hold (every eigenvalue ≥ −rounding, symmetric) for each family
     that makes it, after two updates from random data."""
-    net = _SEMIDEFINITE_NETS[kind]()
+    make_net, make_x = _SEMIDEFINITE_NETS[kind]
+    net = make_net()
     params = net.init_params(rng, np.zeros(1))
     n = 7
-    x = rng.standard_normal((n, 3, 3, 2) if kind == "conv2d" else (n, 3))
-    batch = (x, rng.integers(0, 3, size=n))
+    batch = (make_x(rng, n), rng.integers(0, 3, size=n))
     est = BlockDiagonalCurvature(net, ce, layer_to_block={kind: name})
     state = est.init(None, (params, batch))
     for mode in ("fisher_empirical", "fisher_gradients"):
@@ -717,7 +732,7 @@ def test_an_update_scans_the_diagonal_of_a_semidefinite_statistic(monkeypatch):
     import kfac_ref._backend as backend
 
     rng = np.random.default_rng(4)
-    net = _SEMIDEFINITE_NETS["dense"]()
+    net = _SEMIDEFINITE_NETS["dense"][0]()
     params = net.init_params(rng, np.zeros(1))
     batch = (rng.standard_normal((6, 3)), rng.integers(0, 3, size=6))
     sizes = {}
