@@ -28,6 +28,9 @@ __all__ = ["run_adapter", "run_case", "read_pattern_file", "match_pattern", "STA
 #: seconds one case may take (every adapter call of the case, the statistical route's many
 #: seeded calls together); the slowest shipped cases take a few seconds
 DEFAULT_CASE_TIMEOUT = 60.0
+#: longest single wait for a case's thread: how late a Ctrl-C received by another thread is
+#: handled
+_JOIN_SLICE_S = 0.25
 
 
 class CaseTimeout(Exception):
@@ -139,7 +142,12 @@ def _isolated(fn, timeout):
 
     worker = threading.Thread(target=target, name="conformance-case", daemon=True)
     worker.start()
-    worker.join(timeout)
+    # wait in slices: the kernel may deliver a Ctrl-C to any thread of the process (the
+    # worker, a BLAS thread); Python then handles it only when the main thread next runs
+    # bytecode, which a single long join would postpone to the end of the limit
+    deadline = time.monotonic() + timeout
+    while worker.is_alive() and (left := deadline - time.monotonic()) > 0:
+        worker.join(min(left, _JOIN_SLICE_S))
     if worker.is_alive():
         raise CaseTimeout(f"timed out: the case ran longer than the per-case limit of "
                           f"{timeout:g} s (--case-timeout); its call could not be stopped and "

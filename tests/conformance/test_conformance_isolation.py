@@ -245,6 +245,35 @@ def test_a_real_ctrl_c_while_a_case_hangs(tmp_path):
     assert rep["interrupted"] and [r["status"] for r in rep["results"]] == ["pass"]
 
 
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_kill"), reason="POSIX threads")
+def test_a_ctrl_c_received_by_the_cases_thread_stops_the_wait():
+    """The kernel may hand a process's SIGINT to any of its threads.  One received by the
+    case's own thread still interrupts the runner's wait while the case goes on (the wait
+    is not held to the end of the per-case limit)."""
+    import signal
+    import time
+
+    from conformance.runner import _isolated
+
+    release = threading.Event()
+    finished = threading.Event()
+
+    def case():
+        time.sleep(0.5)  # the runner is waiting by then
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        release.wait(30)
+        finished.set()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _isolated(case, DEFAULT_CASE_TIMEOUT)
+        assert not finished.is_set(), "the wait ended only when the case did"
+    finally:
+        release.set()
+        signal.signal(signal.SIGINT, previous)
+
+
 # -- a sampler's output must be draws -------------------------------------------------------
 @pytest.fixture(scope="module")
 def sample_cases():
