@@ -227,7 +227,12 @@ def test_a_real_ctrl_c_while_a_case_hangs(tmp_path):
                   "        return np.kron(inputs['a'], inputs['g'])\n"
                   "ADAPTER = A()\n")
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-m", "conformance", "--adapter", path,
+    # the child handles Ctrl-C as Python in a terminal does, wherever the tests run: a shell
+    # starts background jobs with SIGINT ignored, and Python then installs no handler
+    start = ("import runpy, signal, sys; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); "
+             "sys.argv[0] = 'conformance'; runpy.run_module('conformance', run_name='__main__')")
+    proc = subprocess.Popen([sys.executable, "-c", start, "--adapter", path,
                              "--out", str(out), *KRON[:-1]],
                             cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
