@@ -178,6 +178,8 @@ def describe(x: Any) -> str:
 
 def device_of(x: Any):
     """The device of an array (``array_api_compat.device``), for device-preserving code."""
+    if type(x) is np.ndarray:  # the common case, without array_api_compat's probes
+        return "cpu"
     return array_api_compat.device(x)
 
 
@@ -398,9 +400,17 @@ def all_finite(xp, x) -> bool:
     return _read_flag(xp.all(xp.isfinite(x)), when_lazy=True)
 
 
+_SUM_SCAN: dict[Any, bool] = {}
+
+
 def _sum_scan(xp) -> bool:
-    return (array_api_compat.is_torch_namespace(xp) or array_api_compat.is_cupy_namespace(xp)
-            or array_api_compat.is_jax_namespace(xp))
+    try:
+        return _SUM_SCAN[xp]
+    except KeyError:
+        out = _SUM_SCAN[xp] = (array_api_compat.is_torch_namespace(xp)
+                               or array_api_compat.is_cupy_namespace(xp)
+                               or array_api_compat.is_jax_namespace(xp))
+        return out
 
 
 def any_true(xp, condition) -> bool:
@@ -607,7 +617,7 @@ def namespace_of(func: str, **arrays: Any):
                 _fail(func, name, "an array of an array-API-compatible library", describe(x),
                       KFACTypeError)
             xp = array_namespace(x)
-        found.append((name, x, xp, array_api_compat.device(x)))
+        found.append((name, x, xp, device_of(x)))
     if not found:
         if arrays:  # name the argument the caller got wrong, not "no arrays"
             name, value = next(iter(arrays.items()))
@@ -933,17 +943,19 @@ def check_scalar(
     checks are off)."""
     if value is None and allow_none:
         return None
-    if not integer and is_array(value):
-        xp = array_namespace(value)
-        if value.ndim != 0 or not is_floating(xp, value.dtype):
-            _fail(func, name, "a real number or a 0-D real floating array", describe(value),
-                  KFACTypeError)
-        if checks_values(value):
-            _check_scalar_value(func, name, host_float(value), value, nonnegative, positive)
-        return value
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        kind = "an integer" if integer else "a real number"
-        _fail(func, name, kind, describe(value), KFACTypeError)
+    if type(value) is not float and type(value) is not int:  # plain numbers skip the probes
+        if not integer and is_array(value):
+            xp = array_namespace(value)
+            if value.ndim != 0 or not is_floating(xp, value.dtype):
+                _fail(func, name, "a real number or a 0-D real floating array",
+                      describe(value), KFACTypeError)
+            if checks_values(value):
+                _check_scalar_value(func, name, host_float(value), value, nonnegative,
+                                    positive)
+            return value
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            kind = "an integer" if integer else "a real number"
+            _fail(func, name, kind, describe(value), KFACTypeError)
     if integer and not float(value).is_integer():
         _fail(func, name, "an integer", describe(value))
     v = int(value) if integer else float(value)

@@ -412,7 +412,8 @@ class BlockDiagonalCurvature(EstimatorBase):
                                 f"{len(self.blocks)} blocks; got {type(state).__name__}.")
 
     def _weights(self, func, identity_weight):
-        if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
+        if (type(identity_weight) is not float and isinstance(identity_weight, Sequence)
+                and not isinstance(identity_weight, str)):
             if len(identity_weight) != len(self.blocks):
                 raise KFACValueError(f"{func}: identity_weight must be a scalar or one value per "
                                      f"block ({len(self.blocks)}); got {len(identity_weight)}.")
@@ -467,7 +468,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         options = [bl.check_product_options(func, power, exact_power, use_cached,
                                             norm_to_scale_identity_weight_per_block)
                    for bl in self.blocks]
-        xp = namespace_of(func, vector=flat)
+        xp = array_namespace(flat)  # checked with the states above
         with _statistics_named(func, state):
             outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
                     for bl, st, sl, w, opts in zip(self.blocks, state.blocks_states,
