@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat
-import numpy as np  # host-side random draws (see host_draw) and LAPACK's LinAlgError
+import numpy as np  # backend glue: host_draw, LinAlgError, is_lazy's and device_of's fast paths
 
 from ._support import capabilities
 
@@ -190,6 +190,8 @@ def size_of(x: Any) -> int:
 
 def is_array(x: Any) -> bool:
     """True for an array of an array-API-compatible library (not a Python/NumPy scalar)."""
+    if type(x) in (float, int, bool):  # Python numbers, without array_api_compat's probes
+        return False
     return array_api_compat.is_array_api_obj(x) and not isinstance(x, (numbers.Number, bool))
 
 
@@ -943,19 +945,17 @@ def check_scalar(
     checks are off)."""
     if value is None and allow_none:
         return None
-    if type(value) is not float and type(value) is not int:  # plain numbers skip the probes
-        if not integer and is_array(value):
-            xp = array_namespace(value)
-            if value.ndim != 0 or not is_floating(xp, value.dtype):
-                _fail(func, name, "a real number or a 0-D real floating array",
-                      describe(value), KFACTypeError)
-            if checks_values(value):
-                _check_scalar_value(func, name, host_float(value), value, nonnegative,
-                                    positive)
-            return value
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            kind = "an integer" if integer else "a real number"
-            _fail(func, name, kind, describe(value), KFACTypeError)
+    if not integer and is_array(value):
+        xp = array_namespace(value)
+        if value.ndim != 0 or not is_floating(xp, value.dtype):
+            _fail(func, name, "a real number or a 0-D real floating array", describe(value),
+                  KFACTypeError)
+        if checks_values(value):
+            _check_scalar_value(func, name, host_float(value), value, nonnegative, positive)
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        kind = "an integer" if integer else "a real number"
+        _fail(func, name, kind, describe(value), KFACTypeError)
     if integer and not float(value).is_integer():
         _fail(func, name, "an integer", describe(value))
     v = int(value) if integer else float(value)

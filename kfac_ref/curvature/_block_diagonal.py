@@ -412,8 +412,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                                 f"{len(self.blocks)} blocks; got {type(state).__name__}.")
 
     def _weights(self, func, identity_weight):
-        if (type(identity_weight) is not float and isinstance(identity_weight, Sequence)
-                and not isinstance(identity_weight, str)):
+        if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
             if len(identity_weight) != len(self.blocks):
                 raise KFACValueError(f"{func}: identity_weight must be a scalar or one value per "
                                      f"block ({len(self.blocks)}); got {len(identity_weight)}.")

@@ -248,7 +248,7 @@ def _differ(cached, given):
     the host only while value checks run; inside a trace, or with value checks off, it
     passes like the other value checks)."""
     differ = cached != given
-    if type(differ) is not bool and is_array(differ):
+    if is_array(differ):
         return checks_values(differ) and bool(differ)
     return bool(differ)
 
