@@ -1191,7 +1191,8 @@ def kron_factored_powers(xp, a, b, power, damping, scale=1.0, norm_type="avg_dia
 def kron_factored_apply(xp, powers, x):
     r""":math:`c\,A_p X B_p` (row-major :math:`X` ``[..., p, q]``; a symmetric :math:`B_p`
     needs no transpose) from :func:`kron_factored_powers`; :math:`c X` for the zero-factor
-    identity."""
+    identity; :math:`A_p X B_p` when :math:`c` is None (folded into a factor by
+    :func:`kron_factored_fold`)."""
     a_pow, b_pow, coeff = powers[:3]
     if a_pow is None:
         return coeff * x
@@ -1200,7 +1201,24 @@ def kron_factored_apply(xp, powers, x):
     if len(powers) == 5:  # traced zero-factor test: the identity block where it holds
         zero, identity_coeff = powers[3:]
         return xp.where(zero, identity_coeff * x, coeff * prod)
-    return coeff * prod
+    return prod if coeff is None else coeff * prod
+
+
+def kron_factored_fold(powers):
+    r"""``(c A_p, B_p, None)`` from :func:`kron_factored_powers`' ``(A_p, B_p, c)``, the
+    coefficient multiplied into the factor power with fewer entries.
+
+    .. math:: c\,A_p X B_p = (c A_p)\, X B_p \quad\text{or}\quad A_p X\, (c B_p)
+
+    For powers that are cached: each product then skips a pass over :math:`X`.  The
+    zero-factor identity and the lazy zero-factor form are returned unchanged.
+    """
+    if len(powers) != 3 or powers[0] is None:
+        return powers
+    a_pow, b_pow, coeff = powers
+    if math.prod(a_pow.shape) <= math.prod(b_pow.shape):
+        return coeff * a_pow, b_pow, None
+    return a_pow, coeff * b_pow, None
 
 
 def kron_factored_cholesky_apply(xp, a, b, x, delta_a, delta_b, scale, *, transpose=False,

@@ -17,7 +17,7 @@ KERNELS = [
     linalg.power_of_eigenvalues, linalg.damped_matpower.kernel, linalg.damped_inverse.kernel,
     linalg.damped_cholesky.kernel, linalg.damped_cholesky_inverse.kernel,
     linalg.kron_damped_matpower_matvec.kernel, linalg.kron_eigenbasis_matpower.kernel,
-    linalg.kron_factored_powers, linalg.kron_factored_apply,
+    linalg.kron_factored_powers, linalg.kron_factored_apply, linalg.kron_factored_fold,
     linalg.kron_factored_cholesky_apply, linalg.kron_factor_dampings, linalg.kron_eigen,
 ]
 HOOKS = ["_multiply_fresh", "_multiply_cached", "_build_cache", "_eigenvalues"]

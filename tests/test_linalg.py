@@ -199,6 +199,35 @@ def test_second_moment_kernel_skips_the_clipping_test(xp, rng, rank):
     xp.assert_close(clipped, eigh_inverse(m, 0.3, 1.0))
 
 
+@pytest.mark.parametrize(("p", "q"), [(5, 3), (3, 5), (4, 4)])
+def test_a_folded_coefficient_gives_the_same_product(xp, rng, p, q):
+    """kron_factored_fold multiplies c = s^p into the factor power with fewer entries; the
+    product is the dense oracle's s^p (A + δ_A I)^p ⊗ (G + δ_G I)^p vec(X)."""
+    a, g = (xp.round_host(random_spd(rng, n)) for n in (p, q))
+    x = xp.round_host(rng.standard_normal((p, q)))
+    powers = K.linalg.kron_factored_powers(xp.xp, xp.asarray(a), xp.asarray(g), -1.0, 0.3,
+                                           4.0, second_moment=True)
+    folded = K.linalg.kron_factored_fold(powers)
+    assert folded[2] is None
+    smaller = 0 if p <= q else 1
+    xp.assert_close(folded[smaller], powers[2] * xp.to_numpy(powers[smaller]))
+    assert folded[1 - smaller] is powers[1 - smaller]
+    got = K.linalg.kron_factored_apply(xp.xp, folded, xp.asarray(x))
+    xp.check(got)
+    da, dg = K.linalg.kron_factor_dampings(np, a, g, 0.3 / 4.0)
+    dense = 4.0 * np.kron(a + da * np.eye(p), g + dg * np.eye(q))
+    want = np.linalg.solve(dense, x.reshape(-1)).reshape(p, q)
+    xp.assert_close(got, want)
+
+
+def test_folding_leaves_the_zero_factor_identity_unchanged(xp):
+    identity = (None, None, 0.5)
+    assert K.linalg.kron_factored_fold(identity) is identity
+    z = xp.asarray(np.zeros((2, 2)))
+    lazy_form = (z, z, 1.0, False, 0.5)  # five entries: the traced zero-factor form
+    assert K.linalg.kron_factored_fold(lazy_form) is lazy_form
+
+
 def test_damped_matpower_inverse_of_singular_matrix_still_raises(xp):
     m = xp.asarray(np.diag([1.0, 0.0]))
     with pytest.raises(KFACValueError, match="damped_matpower: matrix \\+ damping·I must be "

@@ -31,6 +31,7 @@ from ...linalg import (
     kron_eigen,
     kron_factor_norms,
     kron_factored_apply,
+    kron_factored_fold,
     kron_factored_powers,
     kron_zero_factor,
 )
@@ -169,7 +170,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                  if approx and (identity or self.norm_type != "off") else None)
         zero = kron_zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
-            p: (lam, self._prepare("factored", xp, a, g, p, lam, s, norms, zero))
+            p: (lam, kron_factored_fold(self._prepare("factored", xp, a, g, p, lam, s,
+                                                      norms, zero)))
             for p in approx})
         return out
 
