@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat
-import numpy as np  # backend glue: host_draw, LinAlgError, is_lazy's and device_of's fast paths
+import numpy as np  # glue: host_draw, LinAlgError, fast paths (all_finite, is_lazy, device_of)
 
 from ._support import capabilities
 
@@ -317,10 +317,12 @@ def deferred_value_checks(xp):
     when it is false and computes again outside this context, where the failing check
     raises the error (and takes the fall-back) it always did; so the numbers and errors
     are the eager ones, and a success costs one read.  Nested uses collect into the
-    outermost (their own status stays true).
+    outermost (their own status stays true).  NumPy arrays are on the host, where a read
+    costs nothing: their checks read at once, and a failure raises inside (the caller's
+    recomputation outside then raises or falls back as it would have).
     """
     status = {"ok": True}
-    if _DEFERRED.get() is not None:
+    if _DEFERRED.get() is not None or array_api_compat.is_numpy_namespace(xp):
         yield status
         return
     pending = []
@@ -392,11 +394,18 @@ def all_finite(xp, x) -> bool:
     :math:`\sum_i x_i` non-finite, so a finite sum proves every entry finite, and only a
     non-finite sum (a non-finite entry, or an overflow of finite ones) is re-checked
     entry-wise.  The sum needs no boolean temporary (PyTorch on CPU: 12 µs against 210 µs
-    for ``all(isfinite)`` of 2·10⁵ floats).  NumPy's fused ``isfinite`` is faster than its
-    pairwise sum (and NumPy warns when a sum overflows), so NumPy and NumPy-backed
-    namespaces keep ``all(isfinite)``.
+    for ``all(isfinite)`` of 2·10⁵ floats).  A contiguous float32/float64 NumPy array is
+    scanned by one BLAS dot product :math:`x^\top x` (``numpy.vdot``, which raises no
+    floating-point warning): its terms are non-negative, so no Inf − Inf can cancel, a NaN
+    propagates, and again only a non-finite result is re-checked entry-wise (on 2·10⁴ to
+    2·10⁶ floats, 1.3–3× faster than NumPy's fused ``isfinite``, which NumPy-backed arrays
+    of other dtypes and layouts keep; NumPy's pairwise sum is slower than both).
     """
-    if _sum_scan(xp) and _read_flag(xp.isfinite(xp.sum(x)), when_lazy=True):
+    if type(x) is np.ndarray:
+        if x.dtype.char in "fd" and x.flags.forc and math.isfinite(
+                np.vdot(flat := x.ravel(order="K"), flat)):
+            return True
+    elif _sum_scan(xp) and _read_flag(xp.isfinite(xp.sum(x)), when_lazy=True):
         return True
     # all(isfinite) is one pass fewer than any(~isfinite); an unreadable flag passes
     return _read_flag(xp.all(xp.isfinite(x)), when_lazy=True)

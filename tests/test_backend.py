@@ -1,5 +1,7 @@
 """Backend layer: namespace/device resolution, constructors, host RNG, validation messages."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -259,6 +261,29 @@ def test_finiteness_scan_finds_every_non_finite_entry_and_passes_an_overflowing_
                    ([-np.inf, 0.0], 1)):
         with pytest.raises(KFACValueError, match=rf"f: x must be finite .*; got {n} non-finite"):
             B.check_array("f", "x", xp.asarray(np.array(bad)))
+
+
+@pytest.mark.parametrize("layout", ["C", "F", "strided"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_the_numpy_scan_in_every_layout_and_dtype(layout, dtype, monkeypatch):
+    # float32/float64 in C or F order take the dot-product scan, the rest all(isfinite)
+    dots, real_vdot = [], np.vdot
+    monkeypatch.setattr(np, "vdot", lambda a, b: dots.append(a.shape) or real_vdot(a, b))
+    make = {"C": np.ascontiguousarray, "F": np.asfortranarray,
+            "strided": lambda a: a[:, ::2]}[layout]
+    base = np.arange(24, dtype=dtype).reshape(4, 6) / 7
+    assert B.all_finite(B.array_namespace(base), make(base))
+    for bad in (np.nan, np.inf, -np.inf):
+        arr = base.copy()
+        arr[2, 4] = bad
+        assert not B.all_finite(B.array_namespace(arr), make(arr))
+    # finite entries whose squares (and sum) overflow: re-checked entry-wise, no warning
+    big = np.full((4, 6), np.finfo(dtype).max, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert B.all_finite(B.array_namespace(big), make(big))
+    by_dot = layout != "strided" and dtype != np.float16
+    assert dots == ([(24,)] * 5 if by_dot else [])
 
 
 def test_remembered_namespaces_never_admit_a_scalar():
