@@ -637,10 +637,9 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
             return xp.max(xp.abs(matrix))
         return xp.max(xp.abs(optional_linalg(xp, "eigvalsh")((matrix + matrix.T) / 2.0)))
     n = matrix.shape[0]
-    if norm_type == "avg_diag":  # only the diagonal is read: scale it by its own max
+    if norm_type == "avg_diag":  # each term |d/n| <= max|d|: the sum cannot overflow
         diag = matrix if matrix.ndim == 1 else xp.linalg.diagonal(matrix)
-        unit = _nonzero_peak(xp, diag)
-        return unit * (xp.sum(diag / unit) / n)
+        return xp.sum(diag / n)
     # Scale by max|M| before summing: float32 squares overflow above ~1e19 and underflow
     # below ~1e-19.  A zero matrix keeps the scale 1 (its norm is 0).
     unit = _nonzero_peak(xp, matrix)
