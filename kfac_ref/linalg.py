@@ -635,7 +635,8 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
     if norm_type == "2_norm":
         if matrix.ndim == 1:
             return xp.max(xp.abs(matrix))
-        return xp.max(xp.abs(optional_linalg(xp, "eigvalsh")((matrix + matrix.T) / 2.0)))
+        # halves first: (M + Mᵀ)/2 overflows for entries above half the largest float
+        return xp.max(xp.abs(optional_linalg(xp, "eigvalsh")(matrix / 2.0 + matrix.T / 2.0)))
     n = matrix.shape[0]
     if norm_type == "avg_diag":  # each term |d/n| <= max|d|: the sum cannot overflow
         diag = matrix if matrix.ndim == 1 else xp.linalg.diagonal(matrix)

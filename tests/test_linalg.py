@@ -308,9 +308,10 @@ def test_factor_norm(xp, rng, norm_type):
 
 
 @pytest.mark.parametrize("norm_type", K.FACTOR_NORMS)
-@pytest.mark.parametrize("scale", [1e30, 1e-30])
+@pytest.mark.parametrize("scale", [1e30, 1e-30, 3e38])
 def test_factor_norm_is_scale_safe_in_float32(norm_type, scale):
-    """Squares of 1e±30 overflow/underflow float32; the norm of scale·I is still scale."""
+    """Squares of 1e±30 overflow/underflow float32, and so does a sum of 3e38s; the norm of
+    scale·I is still scale."""
     m = np.eye(4, dtype=np.float32) * np.float32(scale)
     got = K.factor_norm(m, norm_type)
     assert got.dtype == np.float32
