@@ -56,11 +56,11 @@ from .curvature import BlockDiagonalCurvature
 from .linalg import power_of_eigenvalues
 from .nn import Sequential
 from .spectral import (
-    hutchinson_trace_kernel,
-    hutchpp_trace_kernel,
-    kron_eigenvalues_kernel,
-    kron_slogdet_kernel,
-    kron_trace_kernel,
+    hutchinson_trace,
+    hutchpp_trace,
+    kron_eigenvalues,
+    kron_slogdet,
+    kron_trace,
     slogdet_of_eigenvalues,
 )
 
@@ -388,7 +388,7 @@ class CurvatureOperator:
         lam = block.effective_identity_weight(state, p.weight, norm_type)
         if isinstance(block, TwoKroneckerFactored):
             a, g = (f.value for f in state.statistics)
-            ev = kron_eigenvalues_kernel(xp, a, g, lam, block.scale(state),
+            ev = kron_eigenvalues.kernel(xp, a, g, lam, block.scale(state),
                                          _exact_damping(block, power, exact), block.norm_type,
                                          block.zero_factor_fallback,
                                          block.eigenvalue_clipping_threshold)
@@ -461,7 +461,7 @@ class CurvatureOperator:
             if isinstance(p.block, TwoKroneckerFactored) and power == 1.0:
                 a, g = (f.value for f in p.state.statistics)
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
-                t = kron_trace_kernel(xp, a, g, lam, p.block.scale(p.state),
+                t = kron_trace.kernel(xp, a, g, lam, p.block.scale(p.state),
                                       _exact_damping(p.block, power, exact), p.block.norm_type,
                                       p.block.zero_factor_fallback)
             else:
@@ -502,7 +502,7 @@ class CurvatureOperator:
             if isinstance(p.block, TwoKroneckerFactored) and power == 1.0:
                 a, g = (f.value for f in p.state.statistics)
                 lam = p.block.effective_identity_weight(p.state, p.weight, norm_type)
-                s, la = kron_slogdet_kernel(xp, a, g, lam, p.block.scale(p.state),
+                s, la = kron_slogdet.kernel(xp, a, g, lam, p.block.scale(p.state),
                                             _exact_damping(p.block, power, exact),
                                             p.block.norm_type, p.block.zero_factor_fallback,
                                             p.block.eigenvalue_clipping_threshold)
@@ -548,7 +548,7 @@ class CurvatureOperator:
         func = "CurvatureOperator.hutchinson_trace"
         m = check_int(func, "num_queries", num_queries, minimum=1)
         check_rng(func, "rng", rng)
-        return hutchinson_trace_kernel(self._xp, self._mm, self._rademacher(rng, m), func)
+        return hutchinson_trace.kernel(self._xp, self._mm, self._rademacher(rng, m))
 
     def hutchpp_trace(self, num_queries, rng):
         r"""Hutch++ estimate of :math:`\operatorname{tr}M` (Meyer et al. 2021) with
@@ -573,7 +573,7 @@ class CurvatureOperator:
                                  f"(a sketch of at most dim columns); got {m}.")
         sketch = self._rademacher(rng, k)
         probes = self._rademacher(rng, m - 2 * k)
-        return hutchpp_trace_kernel(self._xp, self._mm, sketch, probes, func)
+        return hutchpp_trace.kernel(self._xp, self._mm, sketch, probes)
 
 
 def _exact_damping(block, power, exact):

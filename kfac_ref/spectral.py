@@ -45,6 +45,7 @@ from ._backend import (
     check_symmetric,
     describe,
     is_array,
+    kernel_of,
     namespace_of,
 )
 from ._support import DASK_NO_EIGH, capabilities
@@ -93,7 +94,7 @@ def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_f
 
 
 # --------------------------------------------------------------------------------------
-# kernels shared with kfac_ref.operators
+# helpers of the kernels (internal API, shared with kfac_ref.operators)
 # --------------------------------------------------------------------------------------
 def factor_eigenvalues(xp, f, threshold):
     """Clipped eigenvalues of one factor (a 1-D factor is a diagonal).  Internal API."""
@@ -136,58 +137,6 @@ def _select(xp, identity, if_identity, otherwise):
     if identity is False:
         return otherwise
     return xp.where(identity, if_identity, otherwise)
-
-
-def kron_eigenvalues_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
-                            threshold):
-    """Unchecked :func:`kron_eigenvalues`."""
-    ea = factor_eigenvalues(xp, a, threshold)
-    eg = factor_eigenvalues(xp, g, threshold)
-    if exact:
-        return xp.reshape(scale * (ea[:, None] * eg[None, :]) + damping, (-1,))
-    da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
-                                      zero_factor_fallback)
-    ev = xp.reshape(scale * ((ea + da)[:, None] * (eg + dg)[None, :]), (-1,))
-    return _select(xp, identity, ev * 0.0 + damping, ev)
-
-
-def kron_trace_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback):
-    """Unchecked :func:`kron_trace`."""
-    p, q = a.shape[0], g.shape[0]
-    tr_a, tr_g = _factor_trace(xp, a), _factor_trace(xp, g)
-    if exact:
-        return scale * tr_a * tr_g + damping * (p * q)
-    da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
-                                      zero_factor_fallback)
-    tr = scale * (tr_a + p * da) * (tr_g + q * dg)
-    return _select(xp, identity, tr * 0.0 + damping * (p * q), tr)
-
-
-def kron_slogdet_kernel(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
-                        threshold):
-    """Unchecked :func:`kron_slogdet`."""
-    p, q = a.shape[0], g.shape[0]
-    undamped = isinstance(damping, (int, float)) and damping == 0.0
-    if exact and not undamped:
-        return slogdet_of_eigenvalues(xp, kron_eigenvalues_kernel(
-            xp, a, g, damping, scale, True, norm_type, zero_factor_fallback, threshold))
-    ea = factor_eigenvalues(xp, a, threshold)
-    eg = factor_eigenvalues(xp, g, threshold)
-    identity = False
-    if not exact:
-        da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
-                                          zero_factor_fallback)
-        ea, eg = ea + da, eg + dg
-    sign_a, log_a = slogdet_of_eigenvalues(xp, ea)
-    sign_g, log_g = slogdet_of_eigenvalues(xp, eg)
-    sign = sign_a**q * sign_g**p
-    logabs = (p * q) * math.log(scale) + q * log_a + p * log_g
-    if identity is False:
-        return sign, logabs
-    lam = log_a * 0.0 + damping
-    sign_i, log_i = slogdet_of_eigenvalues(xp, xp.reshape(lam, (1,)))
-    return (xp.where(identity, sign_i**(p * q), sign),
-            xp.where(identity, (p * q) * log_i, logabs))
 
 
 # --------------------------------------------------------------------------------------
@@ -236,7 +185,21 @@ def kron_eigenvalues(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg
     """
     args = _check_kron_args("kron_eigenvalues", a, g, damping, scale, exact, norm_type,
                             zero_factor_fallback, eigenvalue_clipping_threshold)
-    return kron_eigenvalues_kernel(*args)
+    return _kron_eigenvalues(*args)
+
+
+@kernel_of(kron_eigenvalues)
+def _kron_eigenvalues(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
+                      threshold):
+    """Unchecked kernel of :func:`kron_eigenvalues`."""
+    ea = factor_eigenvalues(xp, a, threshold)
+    eg = factor_eigenvalues(xp, g, threshold)
+    if exact:
+        return xp.reshape(scale * (ea[:, None] * eg[None, :]) + damping, (-1,))
+    da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
+                                      zero_factor_fallback)
+    ev = xp.reshape(scale * ((ea + da)[:, None] * (eg + dg)[None, :]), (-1,))
+    return _select(xp, identity, ev * 0.0 + damping, ev)
 
 
 @capabilities(dask="yes")
@@ -265,7 +228,20 @@ def kron_trace(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_diag"
     """
     *args, _ = _check_kron_args("kron_trace", a, g, damping, scale, exact, norm_type,
                                 zero_factor_fallback, 0.0, eigenvalues=False)
-    return kron_trace_kernel(*args)  # no clipping threshold: no eigenvalues
+    return _kron_trace(*args)  # no clipping threshold: no eigenvalues
+
+
+@kernel_of(kron_trace)
+def _kron_trace(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback):
+    """Unchecked kernel of :func:`kron_trace`."""
+    p, q = a.shape[0], g.shape[0]
+    tr_a, tr_g = _factor_trace(xp, a), _factor_trace(xp, g)
+    if exact:
+        return scale * tr_a * tr_g + damping * (p * q)
+    da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
+                                      zero_factor_fallback)
+    tr = scale * (tr_a + p * da) * (tr_g + q * dg)
+    return _select(xp, identity, tr * 0.0 + damping * (p * q), tr)
 
 
 @capabilities(dask=DASK_NO_EIGH)
@@ -297,19 +273,40 @@ def kron_slogdet(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_dia
     """
     args = _check_kron_args("kron_slogdet", a, g, damping, scale, exact, norm_type,
                             zero_factor_fallback, eigenvalue_clipping_threshold)
-    return kron_slogdet_kernel(*args)
+    return _kron_slogdet(*args)
+
+
+@kernel_of(kron_slogdet)
+def _kron_slogdet(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
+                  threshold):
+    """Unchecked kernel of :func:`kron_slogdet`."""
+    p, q = a.shape[0], g.shape[0]
+    undamped = isinstance(damping, (int, float)) and damping == 0.0
+    if exact and not undamped:
+        return slogdet_of_eigenvalues(xp, _kron_eigenvalues(
+            xp, a, g, damping, scale, True, norm_type, zero_factor_fallback, threshold))
+    ea = factor_eigenvalues(xp, a, threshold)
+    eg = factor_eigenvalues(xp, g, threshold)
+    identity = False
+    if not exact:
+        da, dg, identity = factored_split(xp, a, g, damping, scale, norm_type,
+                                          zero_factor_fallback)
+        ea, eg = ea + da, eg + dg
+    sign_a, log_a = slogdet_of_eigenvalues(xp, ea)
+    sign_g, log_g = slogdet_of_eigenvalues(xp, eg)
+    sign = sign_a**q * sign_g**p
+    logabs = (p * q) * math.log(scale) + q * log_a + p * log_g
+    if identity is False:
+        return sign, logabs
+    lam = log_a * 0.0 + damping
+    sign_i, log_i = slogdet_of_eigenvalues(xp, xp.reshape(lam, (1,)))
+    return (xp.where(identity, sign_i**(p * q), sign),
+            xp.where(identity, (p * q) * log_i, logabs))
 
 
 # --------------------------------------------------------------------------------------
 # stochastic trace estimators
 # --------------------------------------------------------------------------------------
-def _check_matmat(func, matmat):
-    if not callable(matmat):
-        raise KFACTypeError(f"{func}: matmat must be a callable X [d, k] -> M X [d, k]; got "
-                            f"{describe(matmat)}.")
-    return matmat
-
-
 def _check_probes(func, name, z, dim=None):
     check_array(func, name, z, ndim=2, layout="[d, m] (one probe vector per column)")
     if z.shape[1] < 1 or (dim is not None and z.shape[0] != dim):
@@ -319,31 +316,24 @@ def _check_probes(func, name, z, dim=None):
     return z
 
 
-def _apply(func, matmat, x):
-    """``matmat(x)``, checked as an argument: an array of ``x``'s shape, namespace, device
-    and precision, finite (a value check)."""
-    y = matmat(x)
-    if not is_array(y) or tuple(y.shape) != tuple(x.shape):
-        raise KFACValueError(f"{func}: matmat must return an array of the shape of its input "
-                             f"{tuple(x.shape)}; got {describe(y)}.")
-    namespace_of(func, **{"matmat's input": x, "matmat's result": y})
-    check_array(func, "matmat's result", y)
-    return y
+def _checked_matmat(func, matmat):
+    """``matmat`` with each result checked as an argument: an array of its input's shape,
+    namespace, device and precision, finite (a value check).  The kernels take it as any
+    other ``matmat``; kfac_ref's own operators pass theirs unchecked."""
+    if not callable(matmat):
+        raise KFACTypeError(f"{func}: matmat must be a callable X [d, k] -> M X [d, k]; got "
+                            f"{describe(matmat)}.")
 
+    def checked(x):
+        y = matmat(x)
+        if not is_array(y) or tuple(y.shape) != tuple(x.shape):
+            raise KFACValueError(f"{func}: matmat must return an array of the shape of its "
+                                 f"input {tuple(x.shape)}; got {describe(y)}.")
+        namespace_of(func, **{"matmat's input": x, "matmat's result": y})
+        check_array(func, "matmat's result", y)
+        return y
 
-def hutchinson_trace_kernel(xp, matmat, probes, func="hutchinson_trace"):
-    """Unchecked :func:`hutchinson_trace`."""
-    return xp.sum(probes * _apply(func, matmat, probes)) / probes.shape[1]
-
-
-def hutchpp_trace_kernel(xp, matmat, sketch, probes, func="hutchpp_trace"):
-    """Unchecked :func:`hutchpp_trace`."""
-    q, _ = xp.linalg.qr(_apply(func, matmat, sketch))
-    low_rank = xp.sum(q * _apply(func, matmat, q))
-    residual = probes - q @ (xp.matrix_transpose(q) @ probes)
-    projected = _apply(func, matmat, residual)
-    projected = projected - q @ (xp.matrix_transpose(q) @ projected)
-    return low_rank + xp.sum(residual * projected) / probes.shape[1]
+    return checked
 
 
 @capabilities(dask="yes")
@@ -377,9 +367,15 @@ def hutchinson_trace(matmat, probes):
     """
     func = "hutchinson_trace"
     xp = namespace_of(func, probes=probes)
-    _check_matmat(func, matmat)
+    checked = _checked_matmat(func, matmat)
     _check_probes(func, "probes", probes)
-    return hutchinson_trace_kernel(xp, matmat, probes, func)
+    return _hutchinson_trace(xp, checked, probes)
+
+
+@kernel_of(hutchinson_trace)
+def _hutchinson_trace(xp, matmat, probes):
+    """Unchecked kernel of :func:`hutchinson_trace`."""
+    return xp.sum(probes * matmat(probes)) / probes.shape[1]
 
 
 @capabilities(dask="yes")
@@ -415,10 +411,21 @@ def hutchpp_trace(matmat, sketch, probes):
     """
     func = "hutchpp_trace"
     xp = namespace_of(func, sketch=sketch, probes=probes)
-    _check_matmat(func, matmat)
+    checked = _checked_matmat(func, matmat)
     _check_probes(func, "sketch", sketch)
     _check_probes(func, "probes", probes, dim=sketch.shape[0])
     if sketch.shape[1] > sketch.shape[0]:
         raise KFACValueError(f"{func}: sketch must have at most d = {sketch.shape[0]} columns "
                              f"(a QR basis of its range); got {sketch.shape[1]}.")
-    return hutchpp_trace_kernel(xp, matmat, sketch, probes, func)
+    return _hutchpp_trace(xp, checked, sketch, probes)
+
+
+@kernel_of(hutchpp_trace)
+def _hutchpp_trace(xp, matmat, sketch, probes):
+    """Unchecked kernel of :func:`hutchpp_trace`."""
+    q, _ = xp.linalg.qr(matmat(sketch))
+    low_rank = xp.sum(q * matmat(q))
+    residual = probes - q @ (xp.matrix_transpose(q) @ probes)
+    projected = matmat(residual)
+    projected = projected - q @ (xp.matrix_transpose(q) @ projected)
+    return low_rank + xp.sum(residual * projected) / probes.shape[1]

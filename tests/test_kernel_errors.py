@@ -8,7 +8,7 @@ import inspect
 import numpy as np
 import pytest
 
-from kfac_ref import KFACValueError, linalg
+from kfac_ref import KFACValueError, linalg, spectral
 from kfac_ref.blocks import kfac_jax as kj
 from kfac_ref.blocks import kronecker_block_matpower
 from kfac_ref.blocks import tf as T
@@ -19,6 +19,8 @@ KERNELS = [
     linalg.kron_damped_matpower_matvec.kernel, linalg.kron_eigenbasis_matpower.kernel,
     linalg.kron_factored_powers, linalg.kron_factored_apply, linalg.kron_factored_fold,
     linalg.kron_factored_cholesky_apply, linalg.kron_factor_dampings, linalg.kron_eigen,
+    spectral.kron_eigenvalues.kernel, spectral.kron_trace.kernel, spectral.kron_slogdet.kernel,
+    spectral.hutchinson_trace.kernel, spectral.hutchpp_trace.kernel,
 ]
 HOOKS = ["_multiply_fresh", "_multiply_cached", "_build_cache", "_eigenvalues"]
 
