@@ -279,7 +279,8 @@ def kron_slogdet(a, g, damping=0.0, *, scale=1.0, exact=True, norm_type="avg_dia
 @kernel_of(kron_slogdet)
 def _kron_slogdet(xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback,
                   threshold):
-    """Unchecked kernel of :func:`kron_slogdet`."""
+    """Unchecked kernel of :func:`kron_slogdet`: from the factors' eigenvalues, except for
+    the exactly damped block (from its own eigenvalues)."""
     p, q = a.shape[0], g.shape[0]
     undamped = isinstance(damping, (int, float)) and damping == 0.0
     if exact and not undamped:
