@@ -300,6 +300,18 @@ class CurvatureOperator:
         cols = [self._mv(x[:, j], transpose) for j in range(x.shape[1])]
         return self._xp.stack(cols, axis=1)
 
+    def _estimator_matmat(self, func):
+        """The products a trace estimator takes: a user's matvec's results scanned once per
+        product matrix for NaN/Inf (its per-product checks are static, see :meth:`_mv`);
+        the blocks' own products as they are."""
+        if self._parts is not None:
+            return self._mm
+
+        def scanned(x):
+            return check_array(func, "matmat's result", self._mm(x))
+
+        return scanned
+
     def matvec(self, vector):
         r""":math:`Mv` for a flat vector ``[dim]``.
 
@@ -548,7 +560,8 @@ class CurvatureOperator:
         func = "CurvatureOperator.hutchinson_trace"
         m = check_int(func, "num_queries", num_queries, minimum=1)
         check_rng(func, "rng", rng)
-        return hutchinson_trace.kernel(self._xp, self._mm, self._rademacher(rng, m))
+        return hutchinson_trace.kernel(self._xp, self._estimator_matmat(func),
+                                       self._rademacher(rng, m))
 
     def hutchpp_trace(self, num_queries, rng):
         r"""Hutch++ estimate of :math:`\operatorname{tr}M` (Meyer et al. 2021) with
@@ -573,7 +586,7 @@ class CurvatureOperator:
                                  f"(a sketch of at most dim columns); got {m}.")
         sketch = self._rademacher(rng, k)
         probes = self._rademacher(rng, m - 2 * k)
-        return hutchpp_trace.kernel(self._xp, self._mm, sketch, probes)
+        return hutchpp_trace.kernel(self._xp, self._estimator_matmat(func), sketch, probes)
 
 
 def _exact_damping(block, power, exact):

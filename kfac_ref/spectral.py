@@ -320,7 +320,7 @@ def _check_probes(func, name, z, dim=None):
 def _checked_matmat(func, matmat):
     """``matmat`` with each result checked as an argument: an array of its input's shape,
     namespace, device and precision, finite (a value check).  The kernels take it as any
-    other ``matmat``; kfac_ref's own operators pass theirs unchecked."""
+    other ``matmat``."""
     if not callable(matmat):
         raise KFACTypeError(f"{func}: matmat must be a callable X [d, k] -> M X [d, k]; got "
                             f"{describe(matmat)}.")

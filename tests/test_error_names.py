@@ -598,6 +598,19 @@ def test_curvature_operator_checks_what_matvec_returns():
         op.to_dense()
 
 
+@pytest.mark.parametrize("estimator", ["hutchinson_trace", "hutchpp_trace"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_curvature_operator_trace_estimators_scan_what_matvec_returns(estimator, bad):
+    """A matvec's results are checked statically per product; the trace estimators scan
+    their products for NaN/Inf, as spectral's estimators do for a user's matmat."""
+    from kfac_ref.operators import CurvatureOperator
+
+    op = CurvatureOperator(lambda v: v * bad, np.zeros(4), 4)
+    with pytest.raises(KFACValueError, match=f"^CurvatureOperator.{estimator}: matmat's "
+                                             f"result must be finite"):
+        getattr(op, estimator)(6, np.random.default_rng(0))
+
+
 @pytest.mark.parametrize("func", ["to_channels_last", "from_channels_last"])
 def test_layout_moves_check_their_array(func):
     from kfac_ref import conv_geometry
