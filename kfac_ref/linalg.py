@@ -632,19 +632,21 @@ def check_norm_argument(func, name, matrix, norm_type="avg_diag"):
 def _factor_norm(xp, matrix, norm_type="avg_diag"):
     if matrix.ndim == 0:
         return xp.abs(matrix)
-    if norm_type == "2_norm":
-        if matrix.ndim == 1:
-            return xp.max(xp.abs(matrix))
-        # halves first: (M + Mᵀ)/2 overflows for entries above half the largest float
-        return xp.max(xp.abs(optional_linalg(xp, "eigvalsh")(matrix / 2.0 + matrix.T / 2.0)))
+    if norm_type == "2_norm" and matrix.ndim == 1:
+        return xp.max(xp.abs(matrix))
+    # Every sum, and the symmetrisation of the 2_norm, is taken on M / max|M|: float32
+    # squares overflow above ~1e19 and underflow below ~1e-19, a sum of entries near the
+    # largest float overflows, and halving the smallest subnormals gives 0.  A zero matrix
+    # keeps the scale 1 (its norm is 0).
     n = matrix.shape[0]
-    if norm_type == "avg_diag":  # each term |d/n| <= max|d|: the sum cannot overflow
+    if norm_type == "avg_diag":  # only the diagonal is read: scale it by its own max
         diag = matrix if matrix.ndim == 1 else xp.linalg.diagonal(matrix)
-        return xp.sum(diag / n)
-    # Scale by max|M| before summing: float32 squares overflow above ~1e19 and underflow
-    # below ~1e-19.  A zero matrix keeps the scale 1 (its norm is 0).
+        unit = _nonzero_peak(xp, diag)
+        return unit * (xp.sum(diag / unit) / n)
     unit = _nonzero_peak(xp, matrix)
     m = matrix / unit
+    if norm_type == "2_norm":
+        return unit * xp.max(xp.abs(optional_linalg(xp, "eigvalsh")((m + m.T) / 2.0)))
     if norm_type == "avg_fro":
         return unit * (xp.sqrt(xp.sum(m * m)) / math.sqrt(n))
     if m.ndim == 1:  # 1-norm of a diagonal matrix
@@ -1205,8 +1207,8 @@ def kron_factored_apply(xp, powers, x):
 
 
 def kron_factored_fold(powers):
-    r"""``(c A_p, B_p, None)`` from :func:`kron_factored_powers`' ``(A_p, B_p, c)``, the
-    coefficient multiplied into the factor power with fewer entries.
+    r"""``(c A_p, B_p, None)`` or ``(A_p, c B_p, None)`` from :func:`kron_factored_powers`'
+    ``(A_p, B_p, c)``: the coefficient multiplied into the factor power with fewer entries.
 
     .. math:: c\,A_p X B_p = (c A_p)\, X B_p \quad\text{or}\quad A_p X\, (c B_p)
 

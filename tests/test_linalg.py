@@ -308,11 +308,14 @@ def test_factor_norm(xp, rng, norm_type):
 
 
 @pytest.mark.parametrize("norm_type", K.FACTOR_NORMS)
-@pytest.mark.parametrize("scale", [1e30, 1e-30, 3e38])
-def test_factor_norm_is_scale_safe_in_float32(norm_type, scale):
-    """Squares of 1e±30 overflow/underflow float32, and so does a sum of 3e38s; the norm of
-    scale·I is still scale."""
-    m = np.eye(4, dtype=np.float32) * np.float32(scale)
+@pytest.mark.parametrize("scale", [1e30, 1e-30, 3e38, float(np.finfo(np.float32).max),
+                                   float(np.finfo(np.float32).smallest_subnormal)])
+@pytest.mark.parametrize("n", [4, 10])
+def test_factor_norm_is_scale_safe_in_float32(norm_type, scale, n):
+    """Squares of 1e±30 overflow/underflow float32, a sum of entries near the largest float
+    overflows (also a sum of n entries each divided by n first, rounded up), and halving
+    the smallest subnormal gives 0; the norm of scale·I is still scale."""
+    m = np.eye(n, dtype=np.float32) * np.float32(scale)
     got = K.factor_norm(m, norm_type)
     assert got.dtype == np.float32
     assert math.isclose(float(got), float(np.float32(scale)), rel_tol=1e-6)
