@@ -710,12 +710,15 @@ class CurvatureBlock(abc.ABC):
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
         # the value checks of the whole refresh (pivots, spectra) are read back once; when
         # one fails the refresh runs again with checks read at once, which raises the error
-        # (or takes the fall-back) of the failing check as it always did
+        # (or takes the fall-back) of the failing check as it always did.  On NumPy they
+        # are read at once already: the first error is the one to raise.
         try:
-            with deferred_value_checks(xp) as status:
+            with deferred_value_checks(xp) as status, errors_named(func):
                 cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
                                             eigenvalues)
         except KFACValueError:
+            if status["at_once"]:
+                raise
             status = {"ok": False}
         if not status["ok"]:
             with errors_named(func):
