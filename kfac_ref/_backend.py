@@ -400,12 +400,12 @@ def all_finite(xp, x) -> bool:
     non-finite sum (a non-finite entry, or an overflow of finite ones) is re-checked
     entry-wise.  The sum needs no boolean temporary (PyTorch on CPU: 12 µs against 210 µs
     for ``all(isfinite)`` of 2·10⁵ floats).  A contiguous native-endian float32/float64
-    NumPy array is
-    scanned by one BLAS dot product :math:`x^\top x` (``numpy.vdot``, which raises no
-    floating-point warning): its terms are non-negative, so no Inf − Inf can cancel, a NaN
-    propagates, and again only a non-finite result is re-checked entry-wise (on 2·10⁴ to
-    2·10⁶ floats, 1.3–3× faster than NumPy's fused ``isfinite``, which NumPy-backed arrays
-    of other dtypes and layouts keep; NumPy's pairwise sum is slower than both).
+    NumPy array is scanned by one BLAS dot product :math:`x^\top x` (``numpy.vdot``, which
+    raises no floating-point warning): its terms are non-negative, so no Inf − Inf can
+    cancel, a NaN propagates, and again only a non-finite result is re-checked entry-wise
+    (on 2·10⁴ to 2·10⁶ floats, 1.3–3× faster than NumPy's fused ``isfinite``, which
+    NumPy-backed arrays of other dtypes and layouts keep; NumPy's pairwise sum is slower
+    than both).
     """
     if type(x) is np.ndarray:
         if x.dtype.char in "fd" and x.dtype.isnative and x.flags.forc and math.isfinite(
