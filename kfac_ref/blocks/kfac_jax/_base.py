@@ -713,12 +713,13 @@ class CurvatureBlock(abc.ABC):
         # (or takes the fall-back) of the failing check as it always did.  On NumPy they
         # are read at once already: the first error is the one to raise.
         try:
-            with deferred_value_checks(xp) as status, errors_named(func):
+            with deferred_value_checks(xp) as status:
                 cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
                                             eigenvalues)
         except KFACValueError:
-            if status["at_once"]:
-                raise
+            if status["at_once"]:  # named as the second pass would name it
+                with errors_named(func):
+                    raise
             status = {"ok": False}
         if not status["ok"]:
             with errors_named(func):
