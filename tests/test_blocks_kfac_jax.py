@@ -490,3 +490,18 @@ def test_conv_block_output_channel_error_names_kernel_shape(rng):
                        r"out_channels; outputs_grad has 3 but kernel_shape is \(2, 2, 1, 2\)"):
         block.update_curvature_matrix_estimate(
             st, {"inputs": x, "outputs_grad": rng.standard_normal((N, 2, 2, 3))}, 0.0, 1.0, N)
+
+
+def test_a_failing_cache_refresh_runs_once_on_numpy(monkeypatch):
+    """NumPy reads a refresh's value checks at once: the first failure is the error, named
+    by the block, and the refresh is not computed a second time to find it (other
+    libraries defer the checks and compute again only after a failed read)."""
+    block = kj.DenseTwoKroneckerFactored(2, 2, has_bias=False)
+    state = block.init(np.zeros(1), approx_powers_to_cache=-1.0)
+    passes, real = [], kj.DenseTwoKroneckerFactored._cache_entries
+    monkeypatch.setattr(kj.DenseTwoKroneckerFactored, "_cache_entries",
+                        lambda self, *a: passes.append(1) or real(self, *a))
+    with pytest.raises(KFACValueError, match=r"^DenseTwoKroneckerFactored\.update_cache: a "
+                                             r"Kronecker factor is zero and damping is 0"):
+        block.update_cache(state, 0.0, None, -1.0, False)
+    assert passes == [1]
