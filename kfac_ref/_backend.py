@@ -57,7 +57,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import array_api_compat
-import numpy as np  # glue: host_draw, LinAlgError, fast paths (all_finite, is_lazy, device_of)
+import numpy as np  # glue: host_draw, LinAlgError, NumPy fast paths (all_finite, reshape, ...)
 
 from ._support import capabilities
 
@@ -81,6 +81,7 @@ __all__ = [
     "describe",
     "is_array",
     "size_of",
+    "reshape",
     "device_of",
     "check_array",
     "check_square",
@@ -181,6 +182,14 @@ def device_of(x: Any):
     if type(x) is np.ndarray:  # the common case, without array_api_compat's probes
         return "cpu"
     return array_api_compat.device(x)
+
+
+def reshape(xp: Any, x: Any, shape: tuple) -> Any:
+    """``xp.reshape(x, shape)``.  A NumPy array's own method skips NumPy's function dispatch
+    (0.2 µs against 0.9 µs): a Kronecker block's product reshapes twice."""
+    if type(x) is np.ndarray:
+        return x.reshape(shape)
+    return xp.reshape(x, shape)
 
 
 def size_of(x: Any) -> int:
@@ -384,7 +393,12 @@ def is_lazy(x: Any) -> bool:
 
 def checks_values(*arrays: Any) -> bool:
     """Whether value checks run for these arrays: switched on and none of them lazy."""
-    return _VALUE_CHECKS.get() and not any(a is not None and is_lazy(a) for a in arrays)
+    if not _VALUE_CHECKS.get():
+        return False
+    for a in arrays:  # a loop, not any(genexpr): every checked argument passes here
+        if a is not None and is_lazy(a):
+            return False
+    return True
 
 
 def all_finite(xp, x) -> bool:
@@ -409,7 +423,7 @@ def all_finite(xp, x) -> bool:
     """
     if type(x) is np.ndarray:
         if x.dtype.char in "fd" and x.dtype.isnative and x.flags.forc and math.isfinite(
-                np.vdot(flat := x.ravel(order="K"), flat)):
+                np.vdot(flat := x if x.ndim == 1 else x.ravel(order="K"), flat)):
             return True
     elif _sum_scan(xp) and _read_flag(xp.isfinite(xp.sum(x)), when_lazy=True):
         return True
@@ -626,10 +640,12 @@ def namespace_of(func: str, **arrays: Any):
     """
     found: list[tuple[str, Any, Any, Any]] = []
     for name, x in arrays.items():
-        if x is None or isinstance(x, (numbers.Number, bool)):
+        if x is None:
             continue
-        xp = _known_array_namespace(x)
+        xp = _known_array_namespace(x)  # a known array type skips the scalar probes
         if xp is None:
+            if isinstance(x, (numbers.Number, bool)):
+                continue
             if not is_array(x):
                 _fail(func, name, "an array of an array-API-compatible library", describe(x),
                       KFACTypeError)
@@ -640,7 +656,12 @@ def namespace_of(func: str, **arrays: Any):
             name, value = next(iter(arrays.items()))
             _fail(func, name, "an array", describe(value), KFACTypeError)
         raise KFACTypeError(f"{func}: expected at least one array argument; got none.")
-    name0, _, xp0, _ = found[0]
+    name0, x0, xp0, dev0 = found[0]
+    for _, x, xp, dev in found[1:]:
+        if xp is not xp0 or dev != dev0 or x.dtype != x0.dtype:
+            break
+    else:  # the common case: one namespace, device and dtype
+        return xp0
     known = [(name, dev) for name, _, _, dev in found if dev is not None]
     for name, _, xp, _ in found[1:]:
         if xp is not xp0:
@@ -834,6 +855,8 @@ def cholesky_inverse(xp, l_factor):
 # --------------------------------------------------------------------------------------
 def _static_size(x: Any) -> int | None:
     """Number of elements when every dimension is known (Dask may not know chunk sizes)."""
+    if type(x) is np.ndarray:
+        return x.size
     if any(d is None or (isinstance(d, float) and math.isnan(d)) for d in x.shape):
         return None
     return math.prod(x.shape)
@@ -887,7 +910,7 @@ def check_array(
             _fail(func, name, f"a {exp} array{what}", describe(x))
     if min_ndim is not None and x.ndim < min_ndim:
         _fail(func, name, f"an array of at least {min_ndim} dimensions{what}", describe(x))
-    if shape is not None:
+    if shape is not None and tuple(shape) != tuple(x.shape):  # else: None entries, or wrong
         ok = len(shape) == x.ndim and all(
             s is None or s == t for s, t in zip(shape, x.shape, strict=False)
         )
@@ -958,6 +981,9 @@ def check_scalar(
     that a hyper-parameter can live on the device or be traced (``jax.jit``).  The finite
     and sign checks of an array are value checks (skipped for lazy arrays and when value
     checks are off)."""
+    if type(value) is float and not integer:  # the common case, before the type probes
+        _check_scalar_value(func, name, value, value, nonnegative, positive)
+        return value
     if value is None and allow_none:
         return None
     if not integer and is_array(value):

@@ -293,3 +293,21 @@ def test_remembered_namespaces_never_admit_a_scalar():
     with pytest.raises(KFACTypeError, match=r"f: x must be an array; got np.float64\(1.0\)"):
         B.check_array("f", "x", np.float64(1.0))
     assert B.namespace_of("f", a=np.ones(2), b=np.float64(2.0)) is B.array_namespace(np.ones(2))
+
+
+def test_reshape_is_the_namespace_reshape(xp):
+    x = xp.asarray(np.arange(6.0))
+    got = B.reshape(B.array_namespace(x), x, (2, 3))
+    want = xp.xp.reshape(x, (2, 3))
+    assert type(got) is type(want) and got.dtype == x.dtype
+    assert B.device_of(got) == B.device_of(x)
+    np.testing.assert_array_equal(xp.to_numpy(got), xp.to_numpy(want))
+
+
+def test_check_array_shape_with_and_without_free_entries():
+    x = np.ones((3, 4))
+    assert B.check_array("f", "x", x, shape=(3, 4)) is x
+    assert B.check_array("f", "x", x, shape=[None, 4]) is x
+    for bad in ((4, 3), (3, None, 1), (3,)):
+        with pytest.raises(KFACValueError, match="must be an array of shape"):
+            B.check_array("f", "x", x, shape=bad)

@@ -27,6 +27,7 @@ from ..._backend import (
     describe,
     errors_named,
     namespace_of,
+    reshape,
     zeros_like_shape,
 )
 from ..._pytrees import ensure_for, frozen, join, split, state_class
@@ -795,7 +796,7 @@ class MatrixWorkingForm:
         return (kernel, bias) if has_bias else (kernel,)
 
     def _flat_to_working_form(self, xp, flat):
-        return xp.reshape(flat, (self.input_size, self.output_size))
+        return reshape(xp, flat, (self.input_size, self.output_size))
 
     def _working_form_to_flat(self, xp, work):
-        return xp.reshape(work, (-1,))
+        return reshape(xp, work, (-1,))
