@@ -437,6 +437,61 @@ def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
                               norm_to_scale_identity_weight_per_block="frobenius")
 
 
+def test_a_state_is_walked_once(xp, rng, monkeypatch):
+    # a product walks a state's block states (structure, one namespace across them) the first
+    # time it meets the state object; states the estimator made are not walked at all;
+    # a state that failed is not remembered; the vector is still checked against the states
+    net = mlp()
+    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
+    est = BlockDiagonalCurvature(net, ce)
+    st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
+    st = est.update_cache(st, 0.1, None, -1.0, False)
+    v = xp.asarray(rng.standard_normal(net.num_params))
+    walked = []
+    real = B.CurvatureBlock.check_state_structure
+    monkeypatch.setattr(B.CurvatureBlock, "check_state_structure",
+                        lambda self, func, state: walked.append(state) or real(self, func, state))
+    want = est.multiply_matpower(st, v, 0.1, -1.0, False, True)
+    assert walked == []  # made by update_cache
+    rebuilt = C.BlockDiagonalState(tuple(st.blocks_states))
+    for walks in (len(est.blocks), 0):
+        walked.clear()
+        got = est.multiply_matpower(rebuilt, v, 0.1, -1.0, False, True)
+        assert len(walked) == walks
+        assert_allclose_normwise(xp.to_numpy(got), xp.to_numpy(want), 0.0)
+    states = st.blocks_states
+    swapped = C.BlockDiagonalState((states[1], states[0]) + states[2:])
+    for _ in range(2):
+        with pytest.raises(KFACValueError, match="statistics of shapes"):
+            est.multiply_matpower(swapped, v, 0.1, -1.0, False, True)
+    other = (xp.xp.asarray(np.zeros(net.num_params), dtype=xp.xp.float32, device=xp.device)
+             if xp.float64 else np.zeros(net.num_params))
+    with pytest.raises(KFACTypeError, match="parameter_structured_vector"):
+        est.multiply_matpower(rebuilt, other, 0.1, -1.0, False, True)
+    # init makes new blocks: the states checked against the old ones are walked again
+    est.layer_to_block = {"dense": B.DenseDiagonal}
+    est.init(None, (bp, batch))
+    with pytest.raises(KFACValueError, match="statistics of shapes"):
+        est.multiply_matpower(rebuilt, v, 0.1, -1.0, False, True)
+
+
+def test_an_estimator_pickles_without_the_states_it_remembers(rng):
+    import pickle
+    import types
+
+    net = mlp()
+    bp, batch = make_data(types.SimpleNamespace(asarray=np.asarray), rng, net, ce, 3, (3,))
+    est = BlockDiagonalCurvature(net, ce)
+    st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
+    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
+    st = est.update_cache(st, 0.1, None, -1.0, False)
+    v = rng.standard_normal(net.num_params)
+    twin = pickle.loads(pickle.dumps(est))
+    np.testing.assert_array_equal(twin.multiply_matpower(st, v, 0.1, -1.0, False, True),
+                                  est.multiply_matpower(st, v, 0.1, -1.0, False, True))
+
+
 def test_factory_must_return_a_curvature_block(xp, rng):
     net = mlp()
     bp, batch = make_data(xp, rng, net, ce, 3, (3,))

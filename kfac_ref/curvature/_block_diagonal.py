@@ -4,6 +4,7 @@ r"""The block-diagonal K-FAC estimator (kfac-jax ``BlockDiagonalCurvature``); do
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -171,6 +172,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         self.block_kwargs = dict(block_kwargs or {})
         self._blocks = None
         self._input_shapes = None
+        self._checked_states = weakref.WeakValueDictionary()
 
     # -- structure ------------------------------------------------------------------------------
     @property
@@ -264,9 +266,10 @@ class BlockDiagonalCurvature(EstimatorBase):
                  for i, bl in zip(self.layer_indices, self._blocks, strict=True)}
         self._taps = tuple(wants.get(i, False) for i in range(len(self.net.layers)))
         like = params[self.layer_indices[0]][0]
-        return BlockDiagonalState(tuple(
+        self._checked_states = weakref.WeakValueDictionary()  # checked against old blocks
+        return self._checked(BlockDiagonalState(tuple(
             b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
-            for b in self._blocks))
+            for b in self._blocks)))
 
     def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,
                                          func_args, estimation_mode=None):
@@ -284,11 +287,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         if self._blocks is None:
             raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
                                  f"got an uninitialised estimator.")
-        self._check_state(func, state)
-        likes = {}
-        for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
-            bl.check_state_structure(func, st)
-            likes[f"state.blocks_states[{k}]"] = st.like
+        likes = self._state_like(func, state)
         # the state against the parameters, in the user's names (the blocks would name their
         # own internal arguments), before the forward pass
         first = self.layer_indices[0]
@@ -326,7 +325,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         # state may have been built with value checks off: the statistics are scanned here,
         # where they enter the state, so that no product or cache refresh meets them later
         self._check_statistics(func, states)
-        return BlockDiagonalState(tuple(states))
+        return self._checked(BlockDiagonalState(tuple(states)))
 
     def _check_statistics(self, func, states):
         for k, (st, block) in enumerate(zip(states, self.blocks, strict=True)):
@@ -411,6 +410,42 @@ class BlockDiagonalCurvature(EstimatorBase):
             raise KFACTypeError(f"{func}: state must be a BlockDiagonalState from init with "
                                 f"{len(self.blocks)} blocks; got {type(state).__name__}.")
 
+    def _state_like(self, func, state):
+        """``{"state.blocks_states[0]": like}`` (empty without blocks) after checking
+        ``state`` against the blocks: its type, each block state's structure, and one
+        namespace, device and precision across the block states, so that an argument checked
+        against the first block state's ``like`` agrees with all of them.
+
+        A state is immutable: one that passed, or that this estimator made (``init``,
+        ``update_curvature_matrix_estimate``, ``update_cache``), is remembered by identity,
+        weakly, and not walked again; ``init`` makes new blocks and forgets them.
+        """
+        if self._checked_states.get(id(state)) is not state:
+            self._check_state(func, state)
+            likes = {}
+            for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
+                bl.check_state_structure(func, st)
+                likes[f"state.blocks_states[{k}]"] = st.like
+            if likes:
+                namespace_of(func, **likes)
+            self._checked(state)
+        if not state.blocks_states:
+            return {}
+        return {"state.blocks_states[0]": state.blocks_states[0].like}
+
+    def __getstate__(self):
+        # the remembered states are weak references to this process's objects
+        return {k: v for k, v in self.__dict__.items() if k != "_checked_states"}
+
+    def __setstate__(self, attributes):
+        self.__dict__.update(attributes)
+        self._checked_states = weakref.WeakValueDictionary()
+
+    def _checked(self, state):
+        """``state``, remembered as checked against the blocks (see :meth:`_state_like`)."""
+        self._checked_states[id(state)] = state
+        return state
+
     def _weights(self, func, identity_weight):
         if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
             if len(identity_weight) != len(self.blocks):
@@ -436,10 +471,10 @@ class BlockDiagonalCurvature(EstimatorBase):
         ws = self._weights(func, identity_weight)
         # a kernel's unnamed error (a namespace without linalg.eigh) in this method's name
         with errors_named(func), _statistics_named(func, state):
-            return BlockDiagonalState(tuple(
+            return self._checked(BlockDiagonalState(tuple(
                 bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
                                 norm_to_scale_identity_weight_per_block)
-                for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True)))
+                for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True))))
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
                           exact_power, use_cached, pmap_axis_name=None,
@@ -450,29 +485,28 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         ``identity_weight`` is a scalar or one value per block; with
         ``norm_to_scale_identity_weight_per_block`` each is multiplied by its block's norm.
-        The arguments are checked once here (one namespace check over the vector and every
-        block's state, one finiteness scan of the vector); the blocks then run their
-        unchecked product kernels.
+        The arguments are checked once here (the state's structure and one namespace over
+        its block states, then the vector against them and one finiteness scan of the
+        vector); the blocks then run their unchecked product kernels.  A state this
+        estimator made or checked before is not walked again (states are immutable).
         """
         func = "BlockDiagonalCurvature.multiply_matpower"
-        self._check_state(func, state)
-        likes = {}
-        for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
-            bl.check_state_structure(func, st)
-            likes[f"state.blocks_states[{k}]"] = st.like
         # the vector (every member of a structured one) against the states: one namespace,
         # device and precision, before anything is concatenated
-        flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **likes)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector,
+                                        **self._state_like(func, state))
         ws = self._weights(func, identity_weight)
-        options = [bl.check_product_options(func, power, exact_power, use_cached,
-                                            norm_to_scale_identity_weight_per_block)
-                   for bl in self.blocks]
+        # the scalar options once, then whether each block takes an approximate power
+        opts = self.blocks[0].check_product_options(func, power, exact_power, use_cached,
+                                                    norm_to_scale_identity_weight_per_block)
+        if not opts[1]:
+            for bl in self.blocks[1:]:
+                bl.check_approx_power(func, opts[0])
         xp = array_namespace(flat)  # checked with the states above
         with _statistics_named(func, state):
             outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
-                    for bl, st, sl, w, opts in zip(self.blocks, state.blocks_states,
-                                                   self._block_slices, ws, options,
-                                                   strict=True)]
+                    for bl, st, sl, w in zip(self.blocks, state.blocks_states,
+                                             self._block_slices, ws, strict=True)]
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):

@@ -39,7 +39,8 @@ kfac-jax's weighted moving average (``ema_old``, ``ema_new``;
 :class:`kfac_ref.averaging.WeightedMovingAverage`).  Each input array is validated once, by
 the method the user called.  A caller that holds many blocks checks their products' arguments
 once for all of them — :meth:`CurvatureBlock.check_state_structure`,
-:meth:`CurvatureBlock.check_product_options`, one namespace check over the vector and every
+:meth:`CurvatureBlock.check_product_options` (or, with the scalar options checked,
+:meth:`CurvatureBlock.check_approx_power`), one namespace check over the vector and every
 state — and then calls :meth:`CurvatureBlock.multiply_matpower_kernel`, which checks nothing
 but what depends on the cache (as :class:`kfac_ref.curvature.BlockDiagonalCurvature` does).
 

@@ -166,7 +166,7 @@ class CurvatureBlock(abc.ABC):
     ``_working_form_to_flat(xp, work)`` (the Kronecker families work on the ``[W; b]``
     matrix, which is the block's flat slice reshaped, so a flat product copies nothing),
     ``_check_estimation_arrays`` (the checks of ``estimation_data``),
-    ``_check_approx_power``, :meth:`from_layer`, :meth:`layer_estimation_data` and
+    :meth:`check_approx_power`, :meth:`from_layer`, :meth:`layer_estimation_data` and
     :meth:`update_from_output_vectors` (one update from several back-propagated vectors).
 
     Parameters
@@ -382,7 +382,11 @@ class CurvatureBlock(abc.ABC):
             check_array(func, k, v)
         return arrays
 
-    def _check_approx_power(self, func, power):
+    def check_approx_power(self, func, power):
+        """Return ``power`` when the block has an approximate (``exact_power=False``)
+        product for it; raise :class:`~kfac_ref.KFACValueError` otherwise.  Every power here;
+        the Kronecker families take kfac-jax's powers only, unless
+        ``restrict_approx_powers=False``."""
         return power
 
     # -- state ---------------------------------------------------------------------------
@@ -406,7 +410,7 @@ class CurvatureBlock(abc.ABC):
         exact = powers_set(func, "exact_powers_to_cache", exact_powers_to_cache)
         approx = powers_set(func, "approx_powers_to_cache", approx_powers_to_cache)
         for p in approx:
-            self._check_approx_power(func, p)
+            self.check_approx_power(func, p)
         cache_eigenvalues = check_bool(func, "cache_eigenvalues", cache_eigenvalues)
         stats = tuple(WeightedMovingAverage.zeros_like(zeros_like_shape(like, shape))
                       for shape in self._statistics_shapes())
@@ -581,7 +585,7 @@ class CurvatureBlock(abc.ABC):
         exact = check_bool(func, "exact_power", exact_power)
         use_cached = check_bool(func, "use_cached", use_cached)
         if not exact:
-            self._check_approx_power(func, power)
+            self.check_approx_power(func, power)
         return power, exact, use_cached, _check_norm(func, norm_type)
 
     def multiply_matpower_kernel(self, func, xp, state, vector, identity_weight, power,
@@ -703,7 +707,7 @@ class CurvatureBlock(abc.ABC):
                 raise KFACValueError(f"{func}: exact_powers must be declared in init "
                                      f"({d_exact}); got {p}.")
         for p in approx:
-            self._check_approx_power(func, p)
+            self.check_approx_power(func, p)
             if p not in d_approx:
                 raise KFACValueError(f"{func}: approx_powers must be declared in init "
                                      f"({d_approx}); got {p}.")

@@ -106,7 +106,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     def _statistics_shapes(self):
         return ((self.input_size, self.input_size), (self.output_size, self.output_size))
 
-    def _check_approx_power(self, func, power):
+    def check_approx_power(self, func, power):
         if self.restrict_approx_powers and power not in KFAC_JAX_APPROX_POWERS:
             raise KFACValueError(
                 f"{func}: power must be one of {KFAC_JAX_APPROX_POWERS} for an approximate "
@@ -133,15 +133,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
     def _multiply_cached(self, xp, state, vector, lam, power, exact):
-        a, g = self._cache_get(state, "factors", "update_cache")
-        s = self._cache_get(state, "scale", "update_cache")
         path = kron_product_path(power, exact, self.approx_power_one)
-        prepared = None
-        if path == "eigen":
-            prepared = self._cache_get(state, "eigen", "update_cache with exact_powers")
-        elif path == "factored" and power == 1.0:
-            prepared = self._prepare(path, xp, a, g, power, lam, s)
-        elif path == "factored":
+        if path == "factored" and power != 1.0:  # the cached factor powers, nothing else
             approx = self._cache_get(state, "approx", "update_cache with approx_powers")
             if power not in approx:
                 raise kernel_error(
@@ -154,6 +147,14 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                     f"cached approximate power {power} was built with ({lam_cached!r}); call "
                     f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
                     f"(cached weight used).")
+            return kron_factored_apply(xp, prepared, vector)
+        a, g = self._cache_get(state, "factors", "update_cache")
+        s = self._cache_get(state, "scale", "update_cache")
+        prepared = None
+        if path == "eigen":
+            prepared = self._cache_get(state, "eigen", "update_cache with exact_powers")
+        elif path == "factored":  # power one: the damped factors themselves
+            prepared = self._prepare(path, xp, a, g, power, lam, s)
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
     def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
