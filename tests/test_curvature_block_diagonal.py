@@ -392,19 +392,24 @@ def test_errors(xp, rng):
         est.to_dense_matrix(None)
 
 
-def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
-    # the estimator checks its arguments once (one finiteness scan of the flat vector, one
-    # namespace check over it and every block state) and runs the blocks' unchecked kernels;
-    # each bad argument is still refused, naming what is wrong
-    from kfac_ref import _backend
-
+def cached_mlp(xp, rng):
+    """``(net, data, estimator, state cached for the power −1 at weight 0.1, vector)``."""
     net = mlp()
     bp, batch = make_data(xp, rng, net, ce, 3, (3,))
     est = BlockDiagonalCurvature(net, ce)
     st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
     st = est.update_cache(st, 0.1, None, -1.0, False)
-    v = xp.asarray(rng.standard_normal(net.num_params))
+    return net, (bp, batch), est, st, xp.asarray(rng.standard_normal(net.num_params))
+
+
+def test_product_checks_once_for_all_blocks(xp, rng, monkeypatch):
+    # the estimator checks its arguments once (one finiteness scan of the flat vector, one
+    # namespace check over it and every block state) and runs the blocks' unchecked kernels;
+    # each bad argument is still refused, naming what is wrong
+    from kfac_ref import _backend
+
+    net, _, est, st, v = cached_mlp(xp, rng)
     scanned = []
     real = _backend.all_finite
     monkeypatch.setattr(_backend, "all_finite", lambda ns, x: scanned.append(x) or real(ns, x))
@@ -441,13 +446,7 @@ def test_a_state_is_walked_once(xp, rng, monkeypatch):
     # a product walks a state's block states (structure, one namespace across them) the first
     # time it meets the state object; states the estimator made are not walked at all;
     # a state that failed is not remembered; the vector is still checked against the states
-    net = mlp()
-    bp, batch = make_data(xp, rng, net, ce, 3, (3,))
-    est = BlockDiagonalCurvature(net, ce)
-    st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
-    st = est.update_cache(st, 0.1, None, -1.0, False)
-    v = xp.asarray(rng.standard_normal(net.num_params))
+    net, (bp, batch), est, st, v = cached_mlp(xp, rng)
     walked = []
     real = B.CurvatureBlock.check_state_structure
     monkeypatch.setattr(B.CurvatureBlock, "check_state_structure",
@@ -480,13 +479,7 @@ def test_an_estimator_pickles_without_the_states_it_remembers(rng):
     import pickle
     import types
 
-    net = mlp()
-    bp, batch = make_data(types.SimpleNamespace(asarray=np.asarray), rng, net, ce, 3, (3,))
-    est = BlockDiagonalCurvature(net, ce)
-    st = est.init(None, (bp, batch), approx_powers_to_cache=-1.0)
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, 3, None, (bp, batch), "ggn_exact")
-    st = est.update_cache(st, 0.1, None, -1.0, False)
-    v = rng.standard_normal(net.num_params)
+    _, _, est, st, v = cached_mlp(types.SimpleNamespace(asarray=np.asarray), rng)
     twin = pickle.loads(pickle.dumps(est))
     np.testing.assert_array_equal(twin.multiply_matpower(st, v, 0.1, -1.0, False, True),
                                   est.multiply_matpower(st, v, 0.1, -1.0, False, True))
