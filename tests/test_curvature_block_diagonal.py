@@ -464,6 +464,15 @@ def test_a_state_is_walked_once(xp, rng, monkeypatch):
     for _ in range(2):
         with pytest.raises(KFACValueError, match="statistics of shapes"):
             est.multiply_matpower(swapped, v, 0.1, -1.0, False, True)
+    # a list can change in place after a check: walked every time
+    listed = C.BlockDiagonalState(list(states))
+    for _ in range(2):
+        walked.clear()
+        est.multiply_matpower(listed, v, 0.1, -1.0, False, True)
+        assert len(walked) == len(est.blocks)
+    listed.blocks_states[0], listed.blocks_states[1] = states[1], states[0]
+    with pytest.raises(KFACValueError, match="statistics of shapes"):
+        est.multiply_matpower(listed, v, 0.1, -1.0, False, True)
     other = (xp.xp.asarray(np.zeros(net.num_params), dtype=xp.xp.float32, device=xp.device)
              if xp.float64 else np.zeros(net.num_params))
     with pytest.raises(KFACTypeError, match="parameter_structured_vector"):

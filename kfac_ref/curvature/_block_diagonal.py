@@ -418,7 +418,8 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         A state is immutable: one that passed, or that this estimator made (``init``,
         ``update_curvature_matrix_estimate``, ``update_cache``), is remembered by identity,
-        weakly, and not walked again; ``init`` makes new blocks and forgets them.
+        weakly, and not walked again; ``init`` makes new blocks and forgets them.  A state
+        built on lists (which can change in place) is walked every time.
         """
         if self._checked_states.get(id(state)) is not state:
             self._check_state(func, state)
@@ -428,7 +429,9 @@ class BlockDiagonalCurvature(EstimatorBase):
                 likes[f"state.blocks_states[{k}]"] = st.like
             if likes:
                 namespace_of(func, **likes)
-            self._checked(state)
+            if type(state.blocks_states) is tuple and all(
+                    type(st.statistics) is tuple for st in state.blocks_states):
+                self._checked(state)  # immutable down to the frozen averages: not a list
         if not state.blocks_states:
             return {}
         return {"state.blocks_states[0]": state.blocks_states[0].like}
