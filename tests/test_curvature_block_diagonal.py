@@ -473,6 +473,13 @@ def test_a_state_is_walked_once(xp, rng, monkeypatch):
     listed.blocks_states[0], listed.blocks_states[1] = states[1], states[0]
     with pytest.raises(KFACValueError, match="statistics of shapes"):
         est.multiply_matpower(listed, v, 0.1, -1.0, False, True)
+    # nor is a state the estimator made from block states holding lists (shared, not copied)
+    made = est.update_cache(C.BlockDiagonalState(tuple(
+        B.BlockState(list(s.statistics), s.cache, s.like) for s in states)), 0.1, None, -1.0,
+        False)
+    walked.clear()
+    est.multiply_matpower(made, v, 0.1, -1.0, False, True)
+    assert len(walked) == len(est.blocks)
     other = (xp.xp.asarray(np.zeros(net.num_params), dtype=xp.xp.float32, device=xp.device)
              if xp.float64 else np.zeros(net.num_params))
     with pytest.raises(KFACTypeError, match="parameter_structured_vector"):

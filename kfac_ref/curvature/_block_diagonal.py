@@ -429,9 +429,7 @@ class BlockDiagonalCurvature(EstimatorBase):
                 likes[f"state.blocks_states[{k}]"] = st.like
             if likes:
                 namespace_of(func, **likes)
-            if type(state.blocks_states) is tuple and all(
-                    type(st.statistics) is tuple for st in state.blocks_states):
-                self._checked(state)  # immutable down to the frozen averages: not a list
+            self._checked(state)
         if not state.blocks_states:
             return {}
         return {"state.blocks_states[0]": state.blocks_states[0].like}
@@ -445,8 +443,11 @@ class BlockDiagonalCurvature(EstimatorBase):
         self._checked_states = weakref.WeakValueDictionary()
 
     def _checked(self, state):
-        """``state``, remembered as checked against the blocks (see :meth:`_state_like`)."""
-        self._checked_states[id(state)] = state
+        """``state``, remembered as checked against the blocks (see :meth:`_state_like`)
+        when it is immutable down to the frozen averages: tuples, not lists."""
+        if type(state.blocks_states) is tuple and all(
+                type(st.statistics) is tuple for st in state.blocks_states):
+            self._checked_states[id(state)] = state
         return state
 
     def _weights(self, func, identity_weight):
