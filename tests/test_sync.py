@@ -140,6 +140,16 @@ def test_estimator_sync_one_shard_equal_shards_and_errors(rng):
         est.sync([whole, "state"])
     with pytest.raises(KFACValueError, match="sync: state must be a BlockDiagonalState or"):
         est.sync([])
+    # shards of two precisions are refused, naming the shard (each one is consistent)
+    import kfac_ref.curvature as C
+    from kfac_ref.blocks import kfac_jax as KB
+
+    single = C.BlockDiagonalState(tuple(
+        KB.BlockState(s.statistics, s.cache, np.zeros((), np.float32))
+        for s in whole.blocks_states))
+    with pytest.raises(KFACTypeError, match=r"sync: state\[1\]\.blocks_states\[0\] must "
+                                            r"have the floating dtype"):
+        est.sync([whole, single])
 
 
 class _Numpy:

@@ -586,13 +586,10 @@ class BlockDiagonalCurvature(EstimatorBase):
         if not shards:
             raise KFACValueError(f"{func}: state must be a BlockDiagonalState or a non-empty "
                                  f"list of them (one per shard); got an empty sequence.")
-        for k, st in enumerate(shards):
-            self._check_state(f"{func} (state[{k}])", st)
-            for bl, bs in zip(self.blocks, st.blocks_states, strict=True):
-                bl.check_state_structure(f"{func} (state[{k}])", bs)
-        namespace_of(func, **{f"state[{k}].blocks_states[{j}]": bs.like
+        # each shard checked as a state (once per state object), then the shards together
+        namespace_of(func, **{f"state[{k}].blocks_states[0]": like
                               for k, st in enumerate(shards)
-                              for j, bs in enumerate(st.blocks_states)})
+                              for like in self._state_like(f"{func} (state[{k}])", st).values()})
         if batch_sizes is not None:
             if not isinstance(batch_sizes, (list, tuple)) or len(batch_sizes) != len(shards):
                 raise KFACValueError(f"{func}: batch_sizes must be None or one size per shard "
