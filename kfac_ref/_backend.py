@@ -689,13 +689,24 @@ def namespace_of(func: str, **arrays: Any):
 # --------------------------------------------------------------------------------------
 # Triangular kernels: the array API standard has none, so each library's own is used
 # --------------------------------------------------------------------------------------
+_KERNELS_OF: dict = {}
+
+
 def _triangular_kernels(xp):
     """The backend's name for its triangular kernels: ``"scipy"``, ``"torch"``, ``"cupy"``,
     ``"jax"``, ``"blocks"`` or ``None`` (the array API has no triangular solve).
 
     ``"blocks"`` is a lazy library that runs an eager library's kernels on the blocks of its
     arrays (Dask): the factorisations run on the matrix as one block, through the eager
-    kernels of the block's own namespace (:func:`_on_one_block`)."""
+    kernels of the block's own namespace (:func:`_on_one_block`).  Looked up once per
+    namespace (a damped inverse asks three times per factor)."""
+    kind = _KERNELS_OF.get(xp, False)
+    if kind is False:
+        kind = _KERNELS_OF[xp] = _find_triangular_kernels(xp)
+    return kind
+
+
+def _find_triangular_kernels(xp):
     if array_api_compat.is_dask_namespace(xp):
         return "blocks"
     if array_api_compat.is_numpy_namespace(xp):
@@ -771,7 +782,7 @@ def cholesky_lower(xp, matrix):
         low, info = potrf(matrix.T, lower=True, clean=True)
         if info:
             raise np.linalg.LinAlgError(f"potrf: leading minor {info} is not positive")
-        return xp.asarray(low)
+        return low  # SciPy's LAPACK wrappers return NumPy arrays: the namespace's own
     factor = xp.linalg.cholesky((matrix + xp.matrix_transpose(matrix)) / 2.0)
     if kind is None:
         return _lower_of_either_factor(xp, factor)
@@ -801,7 +812,7 @@ def lower_triangular_inverse(xp, l_factor):
 
         (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
         inv, _ = trtri(l_factor, lower=True)
-        return xp.tril(xp.asarray(inv))
+        return xp.tril(inv)
     eye = eye_like(l_factor, n)
     if kind == "torch":
         import torch  # backend glue: this library's own kernel
@@ -831,11 +842,10 @@ def cholesky_inverse(xp, l_factor):
         from scipy.linalg import lapack  # backend glue: this library's own kernel
 
         (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
-        inv, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
-        low = xp.asarray(inv)
+        low, _ = potri(l_factor, lower=True)  # the lower triangle of (L Lᵀ)⁻¹
         idx = xp.arange(low.shape[0])
         # mirror the lower triangle in one pass (one `where`, not two `tril`s and a sum)
-        return xp.where(idx[:, None] >= idx[None, :], low, xp.matrix_transpose(low))
+        return xp.where(idx[:, None] >= idx[None, :], low, low.T)
     if kind == "torch":
         import torch  # backend glue: this library's own kernel
 
