@@ -3,7 +3,8 @@
     python -m benchmarks.plot RESULT.json [PEERS.json ...] OUT.png
 
 One horizontal bar per timed row (log scale), float32 and float64 side by side, with the
-goals marked (1.1 for updates and inverses, 1.5 for cached products); the full-update rows
+targets marked (:data:`TARGETS`: on a CPU every row within 1.2× of the hand-written maths; on
+a GPU updates within 2×, inverses 1.5×, cached products 1.3×); the full-update rows
 against peers (kfac_ref / peer), when the file has them, in a second panel.  Several result
 files (the main run and a ``--peers-only`` run per peer environment) are merged.
 """
@@ -92,6 +93,22 @@ def _labels(ax, labels):
     ax.invert_yaxis()
 
 
+#: the time-ratio targets marked on the first panel, by where the run was made: the array
+#: library's device ("gpu" for CuPy and CUDA tensors, else "cpu") -> [(ratio, label)]
+TARGETS = {
+    "cpu": [(1.2, "target 1.2× (every CPU row)")],
+    "gpu": [(1.3, "target 1.3× (cached products)"), (1.5, "target 1.5× (inverses)"),
+            (2.0, "target 2× (updates)")],
+}
+_TARGET_STYLES = (("tab:green", "--"), ("tab:olive", ":"), ("tab:red", (0, (5, 1, 1, 1))))
+
+
+def _device(meta):
+    """``"gpu"`` for a run whose kfac_ref arrays were on a GPU, else ``"cpu"``."""
+    backend = meta.get("backend", "numpy")
+    return "gpu" if backend == "cupy" or "cuda" in backend else "cpu"
+
+
 def _on(row):
     """`` [torch-cpu]`` for a peer row whose kfac_ref side did not run on NumPy."""
     backend = row.get("backend", "numpy")
@@ -112,13 +129,11 @@ def plot(result, path):
         ax = axes.pop(0)
         labels, _ = _bars(ax, rows, lambda r: f"{r['workload'].upper()} {r['row']}", "hand")
         _labels(ax, labels)
-        goals = [1.1, 1.5]
-        ax.axvline(1.1, color="tab:green", lw=0.8, ls="--", label="goal 1.1×")
-        ax.axvline(1.5, color="tab:olive", lw=0.8, ls=":", label="goal 1.5× (cached)")
-        if any(r["op"] == "chunking" for r in rows):
-            goals.append(1.3)
-            ax.axvline(1.3, color="tab:purple", lw=0.8, ls="-.",
-                       label="goal 1.3× (chunked / one shot)")
+        goals = []
+        for (ratio, label), (color, style) in zip(TARGETS[_device(m)], _TARGET_STYLES,
+                                                      strict=False):
+            goals.append(ratio)
+            ax.axvline(ratio, color=color, lw=0.8, ls=style, label=label)
         _ratio_axis(ax, _extent(rows, "hand") + goals)
         hand_lib = {"numpy": "NumPy", "cupy": "CuPy"}.get(m.get("hand", "numpy"), m.get("hand"))
         ax.set_xlabel(f"kfac_ref time / hand-written {hand_lib} time (median; bars: quartile "

@@ -12,7 +12,8 @@ Rows (per workload and dtype):
 * ``chunking``: the cost of the memory bound — the KFC input factor and ``nn.Conv2D``'s backward
   pass (input cotangent and weight gradient) of that convolution at N = 128 with an 8 MiB
   ``max_temporary_bytes`` (several chunks) against the same kfac_ref call in one shot; here the
-  "hand" column is kfac_ref unchunked, and the issue's goal is a ratio ≤ 1.3.
+  "hand" column is kfac_ref unchunked (the targets, as for every row, are
+  :data:`benchmarks.plot.TARGETS`).
 
 Before a row is timed, its hand baseline is run on the same inputs as kfac_ref (the same
 output vectors for the stochastic modes) and their results must agree to rounding; a row whose

@@ -56,3 +56,25 @@ def test_every_panel_has_several_ratio_labels_including_1(tmp_path, monkeypatch)
         assert len(shown) >= 3, labels
         assert "1×" in labels
         assert all(label.endswith("×") for label in labels)
+
+
+@pytest.mark.parametrize(("backend", "expected"), [
+    ("numpy", [1.2]), ("torch-cpu", [1.2]), ("cupy", [1.3, 1.5, 2.0]),
+    ("torch-cuda", [1.3, 1.5, 2.0])])
+def test_the_target_lines_follow_the_device_of_the_run(tmp_path, monkeypatch, backend,
+                                                       expected):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    result = _result()
+    result["meta"]["backend"] = backend
+    plot(result, tmp_path / "ratios.png")
+    ratio_panel = figures[0].axes[0]
+    # the vertical lines: x constant over the line; the first is the 1× reference
+    xs = [line.get_xdata()[0] for line in ratio_panel.get_lines()
+          if line.get_xdata()[0] == line.get_xdata()[-1]]
+    assert xs[0] == 1.0
+    assert sorted(xs[1:]) == expected
+    labels = ratio_panel.get_legend_handles_labels()[1]
+    assert len([label for label in labels if label.startswith("target")]) == len(expected)
