@@ -3,6 +3,7 @@
     python -m benchmarks                       # both workloads, float32 and float64, NumPy
     python -m benchmarks --quick               # tiny sizes, one repeat: a smoke test
     python -m benchmarks --backend cupy        # on a GPU (the hand baseline runs on CuPy too)
+    python -m benchmarks --workloads cnn-large # the CNN at N=512, twice the channels
     python -m benchmarks --out DIR             # where the JSON and Markdown go
                                                # (default ./benchmark-results/)
     python -m benchmarks --peers-only          # in a peer's environment: kfac_ref's full
@@ -55,7 +56,9 @@ def main(argv=None):
                         help="timed repeats per row (default 5, 1 with --quick)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "float64"],
                         choices=("float32", "float64"))
-    parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn"], choices=("mlp", "cnn"))
+    parser.add_argument("--workloads", nargs="+", default=["mlp", "cnn"],
+                        choices=tuple(suite.WORKLOADS),
+                        help="cnn-large: the CNN with N=512 and twice the channels (for GPUs)")
     parser.add_argument("--modes", nargs="+", default=list(ESTIMATION_MODES),
                         choices=ESTIMATION_MODES, help="estimation modes of the update rows")
     parser.add_argument("--no-memory", action="store_true", help="skip the conv memory rows")
@@ -73,7 +76,7 @@ def main(argv=None):
         parser.error(f"--repeats must be at least 1; got {args.repeats}")
     backend = suite.make_backend(args.backend)
     runner = suite.Runner(backend, quick=args.quick, repeats=args.repeats, modes=args.modes)
-    makers = {"mlp": suite.mlp_workload, "cnn": suite.cnn_workload}
+    makers = suite.WORKLOADS
     t0 = time.perf_counter()
     for name in args.workloads:
         wl = makers[name](args.quick)
@@ -81,7 +84,7 @@ def main(argv=None):
             print(f"{wl.title}, {dtype}, backend {backend.name}", flush=True)
             if not args.peers_only:
                 runner.run_workload(wl, dtype)
-            if not args.no_peers and args.backend in ("numpy", "torch"):
+            if not args.no_peers and args.backend in ("numpy", "torch", "cupy"):
                 runner.peer_rows(wl, dtype)
     if not (args.no_memory or args.peers_only):
         for dtype in args.dtypes:

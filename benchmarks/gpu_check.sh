@@ -8,9 +8,12 @@
 #      float32 and float64 (every row synchronises the device before and after it is timed);
 #   3. the same rows with kfac_ref on torch CUDA tensors and the hand baseline on CuPy, on the
 #      same GPU (two array libraries, so a comparison of libraries as much as of code);
-#   4. issue 33: a CNN with N=512 under the device-aware conv chunk bound against the old
-#      64 MiB bound, and the exact modes' updates on the benchmark MLP (CuPy, torch CUDA);
-#   5. the jit tests on a JAX GPU backend, where one is installed.
+#   4. the full update against the peers on the GPU: kfac_ref on torch CUDA tensors against
+#      curvlinops on the same GPU, and kfac-jax on JAX's default backend, where installed;
+#      the MLP, the CNN and the CNN at N=512 (cnn-large), float32;
+#   5. a CNN with N=512 under the device-aware conv chunk bound against the old 64 MiB
+#      bound, and the exact modes' updates on the benchmark MLP (CuPy, torch CUDA);
+#   6. the jit tests on a JAX GPU backend, where one is installed.
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]     # default OUTDIR: benchmark-results/gpu
 #
@@ -65,7 +68,7 @@ EOF
 
 # 2. the benchmark suite on CuPy arrays against the hand baseline on CuPy
 log "2. benchmarks: kfac_ref on CuPy, hand baseline on CuPy"
-timeout "${BENCH_TIMEOUT:-150}" "$py" -m benchmarks --backend cupy --repeats 5 --out "$out" \
+timeout "${BENCH_TIMEOUT:-150}" "$py" -m benchmarks --backend cupy --repeats 5 --no-peers --out "$out" \
   > "$out/bench-cupy.log" 2>&1 || status=1
 tail -n 4 "$out/bench-cupy.log"
 
@@ -76,12 +79,22 @@ if "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/
     --no-memory --out "$out" > "$out/bench-torch.log" 2>&1 || status=1
   tail -n 4 "$out/bench-torch.log"
 fi
-# 4. issue 33's targets that the suite does not time: a CNN out of the overhead regime
-#    (32x32, conv 3->64 -> 128/2, N=512) with the device-aware chunk bound against the old
-#    64 MiB one, and the exact modes (one batched loss call) on the benchmark MLP; CuPy and
-#    torch CUDA, float32, median of 5 synchronised runs after one warm-up.
-log "4. large CNN (device-aware chunk bound vs 64 MiB) and exact-mode MLP updates"
-timeout "${BENCH_TIMEOUT:-150}" "$py" - > "$out/issue33.log" 2>&1 <<'EOF' || status=1
+
+# 4. the peers on the GPU (a peer that is not installed is listed as skipped)
+if "$py" -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+  log "4. benchmarks: full update against the peers, kfac_ref on torch CUDA"
+  timeout "${PEERS_TIMEOUT:-120}" "$py" -m benchmarks --backend torch --peers-only \
+    --dtypes float32 --repeats 3 --workloads mlp cnn cnn-large --out "$out/peers" \
+    > "$out/bench-peers.log" 2>&1 || status=1
+  grep -E "^\| (mlp|cnn)|^- " "$out/bench-peers.log"
+fi
+
+# 5. what the suite does not time: a CNN out of the overhead regime (32x32, conv 3->64 ->
+#    128/2, N=512) with the device-aware chunk bound against the old 64 MiB one, and the
+#    exact modes (one batched loss call) on the benchmark MLP; CuPy and torch CUDA, float32,
+#    median of 5 synchronised runs after one warm-up.
+log "5. large CNN (device-aware chunk bound vs 64 MiB) and exact-mode MLP updates"
+timeout "${BENCH_TIMEOUT:-150}" "$py" - > "$out/large-cnn.log" 2>&1 <<'EOF' || status=1
 import os, statistics, time
 import numpy as np
 import kfac_ref.nn as nn
@@ -167,11 +180,11 @@ for lib in libs:
         t = median_s(update(mlp, xm, ym, mode, to, to_int), sync)
         print(f"  MLP {mode:17s} {t * 1e3:8.2f} ms")
 EOF
-tail -n 12 "$out/issue33.log"
+tail -n 12 "$out/large-cnn.log"
 
-# 5. the jit tests (states across jax.jit, a JAX key) on a JAX GPU backend, where installed
+# 6. the jit tests (states across jax.jit, a JAX key) on a JAX GPU backend, where installed
 if "$py" -c "import jax, sys; sys.exit(jax.default_backend() != 'gpu')" 2>/dev/null; then
-  log "5. jit tests on JAX's GPU backend"
+  log "6. jit tests on JAX's GPU backend"
   timeout "${TEST_TIMEOUT:-300}" "$py" -m pytest -q -p no:cacheprovider tests/test_jit_states.py \
     tests/test_transforms.py > "$out/jit-gpu.log" 2>&1 || status=1
   tail -n 3 "$out/jit-gpu.log"

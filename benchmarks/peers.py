@@ -6,13 +6,17 @@ of one batch (forward and backward passes included), the damped power −1 of ev
 gradient-shaped vector ``v``:
 
 * kfac_ref: ``update_curvature_matrix_estimate`` → ``update_cache(λ, power −1)`` →
-  ``multiply_matpower(v, use_cached=True)``, on NumPy arrays (or, with ``--backend torch``,
-  on torch tensors: the same code on the other array library);
+  ``multiply_matpower(v, use_cached=True)``, on the run's array library (``--backend``:
+  NumPy, torch tensors, CuPy);
 * curvlinops: ``KFACLinearOperator(...).compute_kronecker_factors()`` →
   ``KFACInverseLinearOperator(damping=λ, use_heuristic_damping=True) @ v`` (its Cholesky
-  inverses are formed on that first product), on torch CPU tensors;
+  inverses are formed on that first product), on torch tensors on kfac_ref's device
+  (:func:`torch_device`: the GPU when kfac_ref's arrays are CUDA tensors or CuPy arrays);
 * kfac-jax: the same three estimator calls as kfac_ref under one ``jax.jit`` (compiled
-  before timing), on JAX CPU arrays.
+  before timing), on JAX's default backend (its GPU where JAX has one).
+
+Each row records where the peer ran (``peer_on``: ``torch-cpu``, ``torch-cuda``,
+``jax-cpu``, ``jax-gpu``), next to where kfac_ref ran (``backend``).
 
 Estimation modes: ``ggn_exact`` (curvlinops' ``fisher_type="type-2"``), ``fisher_empirical``
 (``"empirical"``) and ``fisher_gradients`` (``"mc"`` with one sample).  Before a peer's rows
@@ -49,6 +53,12 @@ def installed(peer):
     return importlib.util.find_spec(peer) is not None
 
 
+def torch_device(backend_name):
+    """The torch device of the peers next to kfac_ref on ``backend_name``: ``"cuda"`` when
+    kfac_ref's arrays are on the GPU (torch CUDA tensors, CuPy arrays), else ``"cpu"``."""
+    return "cuda" if backend_name in ("torch-cuda", "cupy") else "cpu"
+
+
 def spec_inputs(host_params, x, y):
     """The portable spec's inputs (``w{i}``, ``b{i}`` per layer index, ``x``, ``targets``)."""
     inputs = {"x": x, "targets": y}
@@ -64,15 +74,16 @@ def spec_inputs(host_params, x, y):
 class Curvlinops:
     name = "curvlinops"
 
-    def __init__(self, wl, inputs, dtype, damping):
+    def __init__(self, wl, inputs, dtype, damping, device="cpu"):
         import torch
 
         from conformance.peers import nets
 
         model, x, pmods = nets.torch_build(wl.spec, inputs)  # float64, NCHW input
         tdt = getattr(torch, np.dtype(dtype).name)
-        self.model, self.x = model.to(tdt), x.to(tdt)
-        self.y = torch.as_tensor(np.asarray(inputs["targets"], dtype=np.int64))
+        self.model, self.x = model.to(device=device, dtype=tdt), x.to(device=device, dtype=tdt)
+        self.y = torch.as_tensor(np.asarray(inputs["targets"], dtype=np.int64), device=device)
+        self.on = f"torch-{device}"
         self.loss = torch.nn.CrossEntropyLoss(reduction="mean")  # the workload's objective
         self.params = [p for m in pmods for p in (m.weight, m.bias)]
         self.names = {id(m): n for n, m in self.model.named_modules()}
@@ -80,7 +91,8 @@ class Curvlinops:
         self.locations = wl.scales  # |T| of each parametric layer (1 for dense layers)
         self.damping = damping
         gen = torch.Generator().manual_seed(7)
-        self.v = torch.randn(sum(p.numel() for p in self.params), generator=gen, dtype=tdt)
+        self.v = torch.randn(sum(p.numel() for p in self.params), generator=gen,
+                             dtype=tdt).to(device)
 
     def operator(self, mode, seed=2147483647):
         from curvlinops import KFACLinearOperator
@@ -105,8 +117,8 @@ class Curvlinops:
         out = []
         for m, locations in zip(self.pmods, self.locations, strict=True):
             name = self.names[id(m)]
-            a = op._input_covariances[name].detach().double().numpy()
-            g = op._gradient_covariances[name].detach().double().numpy()
+            a = op._input_covariances[name].detach().double().cpu().numpy()
+            g = op._gradient_covariances[name].detach().double().cpu().numpy()
             if m.weight.ndim == 4:  # unfold order (C, kh, kw) → (kh, kw, C), bias stays last
                 c, kh, kw = m.weight.shape[1:]
                 perm = np.arange(c * kh * kw).reshape(c, kh, kw).transpose(1, 2, 0).ravel()
@@ -123,7 +135,8 @@ class Curvlinops:
 class KfacJax:
     name = "kfac_jax"
 
-    def __init__(self, wl, inputs, dtype, damping):
+    def __init__(self, wl, inputs, dtype, damping, device="cpu"):
+        """``device`` is unused: kfac-jax runs on JAX's default backend (``peer_on``)."""
         import jax
         import jax.numpy as jnp
         import kfac_jax
@@ -143,6 +156,7 @@ class KfacJax:
             lambda a: jnp.asarray(rng.standard_normal(a.shape).astype(a.dtype)), theta)
         self.damping = damping
         self._jitted = {}
+        self.on = f"jax-{jax.default_backend()}"
 
     def _compiled(self, mode):
         import jax
@@ -205,7 +219,7 @@ def peer_rows(runner, wl, dtype):
     for peer in PEERS:
         if not installed(peer):
             continue
-        contestant = PEER_CLASSES[peer](wl, inputs, dtype, DAMPING)
+        contestant = PEER_CLASSES[peer](wl, inputs, dtype, DAMPING, torch_device(b.name))
         ref = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n, None, fa, "ggn_exact")
         err = 0.0
         for bs, (a, g) in zip(ref.blocks_states, contestant.factors("ggn_exact"), strict=True):
@@ -220,11 +234,11 @@ def peer_rows(runner, wl, dtype):
                           lambda mode=mode, s=seeds, c=contestant: c.full_update(mode, next(s)),
                           runner.repeats, b.sync)
             row = {**base, "row": f"full update {mode} vs {peer}", "peer": peer, "mode": mode,
-                   "kfac_ref": t["kfac_ref"], "peer_time": t["hand"],
+                   "peer_on": contestant.on, "kfac_ref": t["kfac_ref"], "peer_time": t["hand"],
                    "ratio": t["kfac_ref"]["median_s"] / t["hand"]["median_s"], "check": chk}
             runner.rows.append(row)
             runner.log(f"  {wl.name:>4} {row['dtype']:>7} {row['row']:<40} kfac_ref "
-                       f"{t['kfac_ref']['median_s'] * 1e3:9.2f} ms  {peer} "
+                       f"{t['kfac_ref']['median_s'] * 1e3:9.2f} ms  {peer} ({contestant.on}) "
                        f"{t['hand']['median_s'] * 1e3:9.2f} ms  ratio {row['ratio']:6.2f}  "
                        f"{'ok' if chk['ok'] else 'CHECK FAILED'}")
 

@@ -110,9 +110,11 @@ def _device(meta):
 
 
 def _on(row):
-    """`` [torch-cpu]`` for a peer row whose kfac_ref side did not run on NumPy."""
+    """Where a peer row ran: `` (torch-cuda)`` for the peer (rows that record it), then
+    `` [torch-cpu]`` when kfac_ref's side did not run on NumPy."""
+    peer_on = f" ({row['peer_on']})" if "peer_on" in row else ""
     backend = row.get("backend", "numpy")
-    return "" if backend == "numpy" else f" [{backend}]"
+    return peer_on + ("" if backend == "numpy" else f" [{backend}]")
 
 
 def plot(result, path):
@@ -147,8 +149,8 @@ def plot(result, path):
                           f"{r['mode']} vs {r['peer']}{_on(r)}", "peer_time")
         _labels(ax, labels)
         _ratio_axis(ax, _extent(peer_rows, "peer_time"))
-        ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster; "
-                      "[torch-cpu]: kfac_ref on torch tensors)", fontsize=8)
+        ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster; (…): where the "
+                      "peer ran; […]: kfac_ref's array library when not NumPy)", fontsize=8)
         ax.set_title("Full update (factors, damped inverses, one product) against peers",
                      fontsize=9)
         ax.legend(fontsize=7, loc="lower right")

@@ -104,6 +104,8 @@ def test_peer_rows_check_the_factors_before_timing(peer, monkeypatch):
     got = rows(runner)
     assert len(got) == 2 * len(peers.PEER_MODES)
     assert all(r["check"]["ok"] and r["ratio"] > 0 for r in got)
+    # where the peer ran: on the host next to kfac_ref's NumPy arrays
+    assert {r["peer_on"] for r in got} == {"torch-cpu" if peer == "curvlinops" else "jax-cpu"}
     cls = peers.PEER_CLASSES[peer]
     real = cls.factors
     monkeypatch.setattr(cls, "factors", lambda self, mode: [(a, 2 * g) for a, g in
@@ -111,3 +113,27 @@ def test_peer_rows_check_the_factors_before_timing(peer, monkeypatch):
     runner.rows.clear()
     runner.peer_rows(suite.mlp_workload(True), np.float64)
     assert rows(runner) and not any(r["check"]["ok"] for r in rows(runner))
+
+
+@pytest.mark.parametrize(("backend", "device"), [
+    ("numpy", "cpu"), ("strict", "cpu"), ("torch-cpu", "cpu"), ("torch-cuda", "cuda"),
+    ("cupy", "cuda")])
+def test_the_torch_peers_run_on_kfac_refs_device(backend, device):
+    from benchmarks import peers
+
+    assert peers.torch_device(backend) == device
+
+
+def test_the_large_cnn_workload_agrees_with_its_baseline():
+    """``--workloads cnn-large`` (quick sizes here): every row of the workload is timed
+    behind the agreement check, as the default workloads' rows are."""
+    import numpy as np
+
+    from benchmarks import suite
+
+    wl = suite.WORKLOADS["cnn-large"](True)
+    assert wl.name == "cnn-large" and wl.title.endswith("N=8")
+    runner = suite.Runner(suite.make_backend("numpy"), quick=True, repeats=1, log=lambda s: None)
+    runner.run_workload(wl, np.float64)
+    assert {r["op"] for r in runner.rows} == TIMED_OPS
+    assert all(r["workload"] == "cnn-large" and r["check"]["ok"] for r in runner.rows)
