@@ -149,8 +149,8 @@ def plot(result, path):
                           f"{r['mode']} vs {r['peer']}{_on(r)}", "peer_time")
         _labels(ax, labels)
         _ratio_axis(ax, _extent(peer_rows, "peer_time"))
-        ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster; (…): where the "
-                      "peer ran; […]: kfac_ref's array library when not NumPy)", fontsize=8)
+        ax.set_xlabel("kfac_ref / peer full update (below 1: kfac_ref faster)\n(…): where the "
+                      "peer ran; […]: kfac_ref's array library when not NumPy", fontsize=8)
         ax.set_title("Full update (factors, damped inverses, one product) against peers",
                      fontsize=9)
         ax.legend(fontsize=7, loc="lower right")
