@@ -129,3 +129,56 @@ def test_a_failing_deferred_check_raises_its_usual_error():
     with pytest.raises(kfac_ref.KFACValueError) as cached:
         block.update_cache(state, 0.0, [], [-1.0], False)
     assert str(cached.value).replace("update_cache", "multiply_matpower") == str(fresh.value)
+
+
+def _three_block_estimator(fallback, rng, g_scale=1.0):
+    """A three-dense-layer estimator on torch tensors and its state after one update."""
+    import kfac_ref.nn as nn
+    from kfac_ref.curvature import BlockDiagonalCurvature
+    from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
+
+    net = nn.Sequential([("d1", nn.Dense(5, 6)), ("a1", nn.Activation("tanh")),
+                         ("d2", nn.Dense(6, 4)), ("a2", nn.Activation("tanh")),
+                         ("d3", nn.Dense(4, 3))])
+    params = tuple(tuple(_t(a) for a in p)
+                   for p in net.init_params(rng, np.zeros(1)))
+    batch = (_t(rng.standard_normal((8, 5))), torch.as_tensor(rng.integers(0, 3, 8)))
+    est = BlockDiagonalCurvature(
+        net, lambda f, y: CategoricalLogitsNegativeLogProbLoss(f, targets=y),
+        block_kwargs={"zero_factor_fallback": fallback})
+    with kfac_ref.value_checks(False):
+        state = est.init(None, (params, batch), approx_powers_to_cache=-1.0)
+        state = est.update_curvature_matrix_estimate(state, 0.0, 1.0, 8, None,
+                                                     (params, batch), "ggn_exact")
+    return est, state
+
+
+@pytest.mark.parametrize("fallback,expected", [("identity", 1 + 3), ("pi_one", 1)])
+def test_an_estimator_cache_refresh_reads_every_blocks_checks_once(reads, fallback, expected):
+    """``BlockDiagonalCurvature.update_cache`` reads the value checks of all three blocks
+    (their Cholesky pivots) back in one read; kfac-jax's zero-factor test, a branch each
+    block takes in Python, is one more read a block."""
+    est, state = _three_block_estimator(fallback, np.random.default_rng(6))
+    reads["n"] = 0
+    est.update_cache(state, 0.1, None, -1.0, False)
+    assert reads["n"] == expected
+
+
+def test_a_failing_check_of_one_block_raises_that_blocks_error():
+    """A singular damped factor in the second block of three (π = 1, no damping): the
+    estimator's one read fails, and the refresh run again raises the block's own error,
+    the one its refresh raises on its own."""
+    import dataclasses
+
+    est, state = _three_block_estimator("pi_one", np.random.default_rng(7))
+    a, g = state.blocks_states[1].statistics
+    zero_g = dataclasses.replace(g, raw=torch.zeros_like(g.raw))
+    blocks = list(state.blocks_states)
+    blocks[1] = dataclasses.replace(blocks[1], statistics=(a, zero_g))
+    state = dataclasses.replace(state, blocks_states=tuple(blocks))
+    with pytest.raises(kfac_ref.KFACValueError) as alone:
+        est.blocks[1].update_cache(state.blocks_states[1], 0.0, None, -1.0, False)
+    with pytest.raises(kfac_ref.KFACValueError) as together:
+        est.update_cache(state, 0.0, None, -1.0, False)
+    assert str(alone.value) in str(together.value)
+    assert "positive definite" in str(alone.value)

@@ -18,6 +18,7 @@ from .._backend import (
     check_option,
     check_scalar,
     check_square,
+    deferred_value_checks,
     describe,
     errors_named,
     is_lazy,
@@ -469,16 +470,32 @@ class BlockDiagonalCurvature(EstimatorBase):
         Unlike kfac-jax (its ``block_diagonal.py`` ``update_cache`` drops the per-block norm
         scaling; docs page *Findings*), the
         norm scaling is passed to the blocks, so cached and uncached products agree.
+
+        The value checks of every block's refresh (Cholesky pivots, spectra) are read back
+        to the host once for all the blocks; when one fails, the refresh runs again with
+        each check read at once, which raises that check's own error.
         """
         func = "BlockDiagonalCurvature.update_cache"
-        self._check_state(func, state)
+        likes = self._state_like(func, state)
         ws = self._weights(func, identity_weight)
+
+        def refresh():
+            return tuple(bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
+                                         norm_to_scale_identity_weight_per_block)
+                         for bl, st, w in zip(self.blocks, state.blocks_states, ws,
+                                              strict=True))
+
         # a kernel's unnamed error (a namespace without linalg.eigh) in this method's name
         with errors_named(func), _statistics_named(func, state):
-            return self._checked(BlockDiagonalState(tuple(
-                bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
-                                norm_to_scale_identity_weight_per_block)
-                for bl, st, w in zip(self.blocks, state.blocks_states, ws, strict=True))))
+            if not likes:
+                return self._checked(BlockDiagonalState(refresh()))
+            # the blocks' own deferred checks collect into this one (one read for all);
+            # NumPy reads each check at once, where a read costs nothing
+            with deferred_value_checks(array_namespace(*likes.values())) as status:
+                states = refresh()
+            if not status["ok"]:
+                states = refresh()
+            return self._checked(BlockDiagonalState(states))
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,
                           exact_power, use_cached, pmap_axis_name=None,
