@@ -74,6 +74,15 @@ def spec_inputs(host_params, x, y):
 class Curvlinops:
     name = "curvlinops"
 
+    @staticmethod
+    def unavailable(device):
+        """Why the peer cannot run next to kfac_ref on ``device``, or None."""
+        import torch
+
+        if device == "cuda" and not torch.cuda.is_available():
+            return "torch here has no CUDA device"
+        return None
+
     def __init__(self, wl, inputs, dtype, damping, device="cpu"):
         import torch
 
@@ -81,6 +90,8 @@ class Curvlinops:
 
         model, x, pmods = nets.torch_build(wl.spec, inputs)  # float64, NCHW input
         tdt = getattr(torch, np.dtype(dtype).name)
+        if device == "cuda":  # float32 convolutions in float32, as kfac_ref's (not cuDNN's TF32)
+            torch.backends.cudnn.allow_tf32 = False
         self.model, self.x = model.to(device=device, dtype=tdt), x.to(device=device, dtype=tdt)
         self.y = torch.as_tensor(np.asarray(inputs["targets"], dtype=np.int64), device=device)
         self.on = f"torch-{device}"
@@ -134,6 +145,16 @@ class Curvlinops:
 # --------------------------------------------------------------------------------------
 class KfacJax:
     name = "kfac_jax"
+
+    @staticmethod
+    def unavailable(device):
+        """Why the peer cannot run next to kfac_ref on ``device``, or None: next to a GPU
+        run it needs JAX's GPU backend (kfac-jax on the host would time the host)."""
+        import jax
+
+        if device == "cuda" and jax.default_backend() != "gpu":
+            return f"JAX's default backend here is {jax.default_backend()}, not a GPU"
+        return None
 
     def __init__(self, wl, inputs, dtype, damping, device="cpu"):
         """``device`` is unused: kfac-jax runs on JAX's default backend (``peer_on``)."""
@@ -198,7 +219,9 @@ PEER_CLASSES = {"curvlinops": Curvlinops, "kfac_jax": KfacJax}
 # --------------------------------------------------------------------------------------
 def peer_rows(runner, wl, dtype):
     """Append one row per (installed peer, mode) to ``runner.rows``; kfac_ref runs on the
-    runner's backend (NumPy, or torch tensors with ``--backend torch``)."""
+    runner's backend (NumPy, torch tensors or CuPy arrays), the peer on the same device
+    (:func:`torch_device`).  A peer that cannot run there is listed as skipped, with the
+    reason."""
     b = runner.b
     host_x, host_y, host_params = host_problem(wl, dtype, runner.seed)
     inputs = spec_inputs(host_params, host_x, host_y)
@@ -216,10 +239,18 @@ def peer_rows(runner, wl, dtype):
 
     base = {"workload": wl.name, "dtype": np.dtype(dtype).name, "backend": b.name,
             "op": "peer"}
+    device = torch_device(b.name)
     for peer in PEERS:
         if not installed(peer):
             continue
-        contestant = PEER_CLASSES[peer](wl, inputs, dtype, DAMPING, torch_device(b.name))
+        why = PEER_CLASSES[peer].unavailable(device)
+        if why is not None:
+            skipped = {"row": f"peer {peer}", "op": "peer_missing", "peer": peer,
+                       "status": f"skipped: {why}"}
+            if skipped not in runner.rows:
+                runner.rows.append(skipped)
+            continue
+        contestant = PEER_CLASSES[peer](wl, inputs, dtype, DAMPING, device)
         ref = est.update_curvature_matrix_estimate(st0, 0.0, 1.0, n, None, fa, "ggn_exact")
         err = 0.0
         for bs, (a, g) in zip(ref.blocks_states, contestant.factors("ggn_exact"), strict=True):

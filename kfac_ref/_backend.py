@@ -52,6 +52,7 @@ import math
 import numbers
 import re
 import sys
+import types
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -326,13 +327,17 @@ def deferred_value_checks(xp):
     when it is false and computes again outside this context, where the failing check
     raises the error (and takes the fall-back) it always did; so the numbers and errors
     are the eager ones, and a success costs one read.  Nested uses collect into the
-    outermost (their own status stays true).  NumPy arrays are on the host, where a read
-    costs nothing: their checks read at once, a failing one raises its own error inside
-    (or takes its fall-back), and ``status["at_once"]`` tells the caller that this error is
-    the one to raise, with nothing to compute again.
+    outermost: their own status stays true, and ``status["nested"]`` tells the caller that
+    an error raised inside is the outermost caller's to handle (it computes everything
+    again, so the first failing check raises first).  NumPy arrays are on the host, where
+    a read costs nothing: their checks read at once, a failing one raises its own error
+    inside (or takes its fall-back), and ``status["at_once"]`` tells the caller that this
+    error is the one to raise, with nothing to compute again.  :func:`read_checks_once`
+    is the caller's side.
     """
-    status = {"ok": True, "at_once": False}
+    status = {"ok": True, "at_once": False, "nested": False}
     if _DEFERRED.get() is not None:
+        status["nested"] = True
         yield status
         return
     if array_api_compat.is_numpy_namespace(xp):
@@ -353,6 +358,30 @@ def deferred_value_checks(xp):
     if status["ok"]:
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def read_checks_once(xp, compute, func):
+    """``compute()`` with its value checks read back once (:func:`deferred_value_checks`);
+    when one fails, ``compute()`` again with each check read at once, where the failing
+    check raises its own error (or takes its fall-back), in the name of ``func``
+    (:func:`errors_named`): the numbers and errors of an eager run at the cost of one read.
+    A value error raised inside is re-raised in that name when it is already the eager
+    one (NumPy), and as it is when it is an enclosing call's to handle (nested); other
+    errors pass unchanged."""
+    try:
+        with deferred_value_checks(xp) as status:
+            out = compute()
+    except KFACValueError:
+        if status["nested"]:
+            raise
+        with errors_named(func):
+            if status["at_once"]:
+                raise
+            return compute()
+    if status["ok"]:
+        return out
+    with errors_named(func):
+        return compute()
 
 
 def value_check(flag, fail):
@@ -699,7 +728,9 @@ def _triangular_kernels(xp):
     ``"blocks"`` is a lazy library that runs an eager library's kernels on the blocks of its
     arrays (Dask): the factorisations run on the matrix as one block, through the eager
     kernels of the block's own namespace (:func:`_on_one_block`).  Looked up once per
-    namespace (a damped inverse asks three times per factor)."""
+    namespace module (a damped inverse asks three times per factor)."""
+    if not isinstance(xp, types.ModuleType):  # any object may be a namespace: not cached
+        return _find_triangular_kernels(xp)
     kind = _KERNELS_OF.get(xp, False)
     if kind is False:
         kind = _KERNELS_OF[xp] = _find_triangular_kernels(xp)

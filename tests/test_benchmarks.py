@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +105,14 @@ def test_peer_rows_check_the_factors_before_timing(peer, monkeypatch):
     got = rows(runner)
     assert len(got) == 2 * len(peers.PEER_MODES)
     assert all(r["check"]["ok"] and r["ratio"] > 0 for r in got)
-    # where the peer ran: on the host next to kfac_ref's NumPy arrays
-    assert {r["peer_on"] for r in got} == {"torch-cpu" if peer == "curvlinops" else "jax-cpu"}
+    # where the peer ran: curvlinops on the host next to kfac_ref's NumPy arrays, kfac-jax on
+    # JAX's default backend
+    if peer == "curvlinops":
+        assert {r["peer_on"] for r in got} == {"torch-cpu"}
+    else:
+        import jax
+
+        assert {r["peer_on"] for r in got} == {f"jax-{jax.default_backend()}"}
     cls = peers.PEER_CLASSES[peer]
     real = cls.factors
     monkeypatch.setattr(cls, "factors", lambda self, mode: [(a, 2 * g) for a, g in
@@ -124,6 +131,62 @@ def test_the_torch_peers_run_on_kfac_refs_device(backend, device):
     assert peers.torch_device(backend) == device
 
 
+def _stub_peer(monkeypatch, why=None):
+    """A peer ``stub`` in place of the real ones, recording the device it was given."""
+    from benchmarks import peers
+
+    seen = []
+
+    class Stub:
+        name = "stub"
+
+        @staticmethod
+        def unavailable(device):
+            return why
+
+        def __init__(self, wl, inputs, dtype, damping, device):
+            seen.append(device)
+            self.on = f"stub-{device}"
+
+        def full_update(self, mode, seed):
+            return None
+
+        def factors(self, mode):  # wrong factors: the agreement check fails, rows stay
+            return [(np.zeros((1, 1)), np.zeros((1, 1)))] * 3
+
+    monkeypatch.setattr(peers, "PEERS", ("stub",))
+    monkeypatch.setattr(peers, "PEER_CLASSES", {"stub": Stub})
+    monkeypatch.setattr(peers, "installed", lambda peer: True)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch-cuda", "cupy"])
+def test_peer_rows_give_the_peer_kfac_refs_device(monkeypatch, backend):
+    """The peer is built for kfac_ref's device (here a NumPy backend under the name of
+    each library, so that the device logic runs without a GPU) and its rows say where it
+    ran; a peer that cannot run there is listed as skipped, once, with the reason."""
+    from benchmarks import peers, suite
+
+    seen = _stub_peer(monkeypatch)
+    runner = suite.Runner(suite.Backend(backend, lambda a: a, np.asarray), quick=True,
+                          repeats=1, log=lambda s: None)
+    runner.peer_rows(suite.mlp_workload(True), np.float64)
+    device = peers.torch_device(backend)
+    assert seen == [device]
+    rows = [r for r in runner.rows if r["op"] == "peer"]
+    assert len(rows) == len(peers.PEER_MODES)
+    assert {r["peer_on"] for r in rows} == {f"stub-{device}"}
+    assert not any(r["check"]["ok"] for r in rows)
+
+    seen = _stub_peer(monkeypatch, why="no such device here")
+    runner.rows.clear()
+    for dtype in (np.float32, np.float64):
+        runner.peer_rows(suite.mlp_workload(True), dtype)
+    assert seen == []
+    assert runner.rows == [{"row": "peer stub", "op": "peer_missing", "peer": "stub",
+                            "status": "skipped: no such device here"}]
+
+
 def test_the_large_cnn_workload_agrees_with_its_baseline():
     """``--workloads cnn-large`` (quick sizes here): every row of the workload is timed
     behind the agreement check, as the default workloads' rows are."""
@@ -131,6 +194,9 @@ def test_the_large_cnn_workload_agrees_with_its_baseline():
 
     from benchmarks import suite
 
+    full = suite.WORKLOADS["cnn-large"](False)  # built, not run: N=512, 64 and 128 channels
+    assert full.in_shape == (512, 32, 32, 3)
+    assert "conv 3→64, conv 64→128/2" in full.title
     wl = suite.WORKLOADS["cnn-large"](True)
     assert wl.name == "cnn-large" and wl.title.endswith("N=8")
     runner = suite.Runner(suite.make_backend("numpy"), quick=True, repeats=1, log=lambda s: None)

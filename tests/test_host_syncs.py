@@ -182,3 +182,28 @@ def test_a_failing_check_of_one_block_raises_that_blocks_error():
         est.update_cache(state, 0.0, None, -1.0, False)
     assert str(alone.value) in str(together.value)
     assert "positive definite" in str(alone.value)
+
+
+def test_the_first_failing_block_raises_first():
+    """Block 1 numerically singular (a pivot check, read back once for all blocks) and
+    block 2 with a zero factor under kfac-jax's fall-back (an error raised at once), no
+    damping: the user sees block 1's error, as when each block read its own checks."""
+    import dataclasses
+
+    est, state = _three_block_estimator("identity", np.random.default_rng(8))
+    blocks = list(state.blocks_states)
+    a0, g0 = blocks[0].statistics
+    d = g0.raw.shape[0]
+    tiny = torch.diag(torch.tensor([1.0] + [1e-20] * (d - 1), dtype=torch.float64))
+    blocks[0] = dataclasses.replace(
+        blocks[0], statistics=(a0, dataclasses.replace(g0, raw=tiny * g0.weight)))
+    a1, g1 = blocks[1].statistics
+    blocks[1] = dataclasses.replace(
+        blocks[1], statistics=(a1, dataclasses.replace(g1, raw=torch.zeros_like(g1.raw))))
+    state = dataclasses.replace(state, blocks_states=tuple(blocks))
+    with pytest.raises(kfac_ref.KFACValueError) as first:
+        est.blocks[0].update_cache(state.blocks_states[0], 0.0, None, -1.0, False)
+    assert "numerically singular" in str(first.value)
+    with pytest.raises(kfac_ref.KFACValueError) as together:
+        est.update_cache(state, 0.0, None, -1.0, False)
+    assert str(first.value) in str(together.value)

@@ -18,12 +18,12 @@ from .._backend import (
     check_option,
     check_scalar,
     check_square,
-    deferred_value_checks,
     describe,
     errors_named,
     is_lazy,
     kernel_of,
     namespace_of,
+    read_checks_once,
     value_checks,
     value_checks_enabled,
     zeros_like_shape,
@@ -487,14 +487,9 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         # a kernel's unnamed error (a namespace without linalg.eigh) in this method's name
         with errors_named(func), _statistics_named(func, state):
-            if not likes:
-                return self._checked(BlockDiagonalState(refresh()))
-            # the blocks' own deferred checks collect into this one (one read for all);
-            # NumPy reads each check at once, where a read costs nothing
-            with deferred_value_checks(array_namespace(*likes.values())) as status:
-                states = refresh()
-            if not status["ok"]:
-                states = refresh()
+            # the blocks' own deferred checks collect into this one (one read for all)
+            states = (read_checks_once(array_namespace(*likes.values()), refresh, func)
+                      if likes else refresh())
             return self._checked(BlockDiagonalState(states))
 
     def multiply_matpower(self, state, parameter_structured_vector, identity_weight, power,

@@ -23,10 +23,10 @@ from ..._backend import (
     check_int,
     check_option,
     check_scalar,
-    deferred_value_checks,
     describe,
     errors_named,
     namespace_of,
+    read_checks_once,
     reshape,
     zeros_like_shape,
 )
@@ -715,21 +715,9 @@ class CurvatureBlock(abc.ABC):
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
         # the value checks of the whole refresh (pivots, spectra) are read back once; when
         # one fails the refresh runs again with checks read at once, which raises the error
-        # (or takes the fall-back) of the failing check as it always did.  On NumPy they
-        # are read at once already: the first error is the one to raise.
-        try:
-            with deferred_value_checks(xp) as status:
-                cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
-                                            eigenvalues)
-        except KFACValueError:
-            if status["at_once"]:  # named as the second pass would name it
-                with errors_named(func):
-                    raise
-            status = {"ok": False}
-        if not status["ok"]:
-            with errors_named(func):
-                cache = self._cache_entries(xp, state, w, norm_type, exact, approx,
-                                            eigenvalues)
+        # (or takes the fall-back) of the failing check as it always did
+        cache = read_checks_once(xp, lambda: self._cache_entries(
+            xp, state, w, norm_type, exact, approx, eigenvalues), func)
         return BlockState(state.statistics, MappingProxyType(cache), state.like)
 
     def _cache_entries(self, xp, state, w, norm_type, exact, approx, eigenvalues):
