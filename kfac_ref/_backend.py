@@ -82,6 +82,7 @@ __all__ = [
     "describe",
     "is_array",
     "size_of",
+    "one_like",
     "reshape",
     "device_of",
     "check_array",
@@ -191,6 +192,16 @@ def reshape(xp: Any, x: Any, shape: tuple) -> Any:
     if type(x) is np.ndarray:
         return x.reshape(shape)
     return xp.reshape(x, shape)
+
+
+def one_like(xp: Any, x: Any) -> Any:
+    """A 1 in the namespace, device and dtype of the array ``x``, to fill a ``where``.  For
+    NumPy a scalar of ``x``'s dtype (0.2 µs against 2.5 µs for ``ones_like`` through
+    ``array_api_compat``; π and the scale-safe norms take one a factor); a Python ``1.0``
+    would make a float32 ``where`` float64 on NumPy < 2."""
+    if type(x) is np.ndarray or isinstance(x, np.generic):
+        return x.dtype.type(1)
+    return xp.ones_like(x)
 
 
 def size_of(x: Any) -> int:

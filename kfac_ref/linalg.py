@@ -111,6 +111,7 @@ from ._backend import (
     kernel_of,
     lower_triangular_inverse,
     namespace_of,
+    one_like,
     ones_like_shape,
     optional_linalg,
     value_check,
@@ -657,7 +658,7 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
 def _nonzero_peak(xp, x):
     """``max|x|``, or 1 where that is 0: the unit a norm's sum is taken in."""
     peak = xp.max(xp.abs(x))
-    return xp.where(peak > 0, peak, xp.ones_like(peak))
+    return xp.where(peak > 0, peak, one_like(xp, peak))
 
 
 @capabilities(jit="yes", dask="yes")
@@ -710,9 +711,7 @@ def _pi(xp, left, right, norm_type="avg_diag", *, norms=None):
     left_norm, right_norm = norms if norms is not None else (
         _factor_norm(xp, left, norm_type), _factor_norm(xp, right, norm_type))
     zero = (left_norm == 0) | (right_norm == 0)
-    # an array 1, not a Python 1.0: without NEP 50 (NumPy < 2) a Python float in `where`
-    # makes a float32 result float64
-    one = xp.ones_like(left_norm)
+    one = one_like(xp, left_norm)
     # sqrt of each norm, then the ratio: the ratio of two float32 norms can overflow.  A
     # zero norm replaces both by 1, so the ratio is then 1 itself.
     return xp.sqrt(xp.where(zero, one, left_norm)) / xp.sqrt(xp.where(zero, one, right_norm))

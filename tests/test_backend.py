@@ -304,6 +304,19 @@ def test_reshape_is_the_namespace_reshape(xp):
     np.testing.assert_array_equal(xp.to_numpy(got), xp.to_numpy(want))
 
 
+def test_one_like_fills_a_where_in_the_arrays_dtype_and_device(xp):
+    """A 1 that keeps a ``where`` in ``x``'s dtype (a NumPy scalar of that dtype for NumPy
+    arrays and scalars: a Python 1.0 would promote float32 to float64 on NumPy < 2)."""
+    x = xp.xp.max(xp.asarray(np.array([-3.0, 2.0])))  # 0-D (a NumPy scalar on NumPy)
+    ns = B.array_namespace(x)
+    one = B.one_like(ns, x)
+    got = ns.where(x < 0, x, one)
+    assert got.dtype == x.dtype and float(got) == 1.0
+    assert B.device_of(got) == B.device_of(x)
+    if isinstance(x, (np.ndarray, np.generic)):
+        assert type(one) is x.dtype.type
+
+
 def test_check_array_shape_with_and_without_free_entries():
     x = np.ones((3, 4))
     assert B.check_array("f", "x", x, shape=(3, 4)) is x
