@@ -14,6 +14,12 @@ from kfac_ref.losses import CategoricalLogitsNegativeLogProbLoss
 DAMPING = 1e-2  # identity weight of the damped inverses and cached products
 
 
+def on_gpu(backend_name):
+    """Whether a run's kfac_ref arrays are on a GPU: CuPy arrays or torch CUDA tensors (the
+    backend names of :func:`benchmarks.suite.make_backend`)."""
+    return backend_name in ("cupy", "torch-cuda")
+
+
 def ce(f, y):
     return CategoricalLogitsNegativeLogProbLoss(f, targets=y)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from kfac_ref.curvature import BlockDiagonalCurvature
 
-from .common import DAMPING, agreement, ce, host_problem, rel_err, time_pair
+from .common import DAMPING, agreement, ce, host_problem, on_gpu, rel_err, time_pair
 
 PEERS = ("curvlinops", "kfac_jax")
 PEER_MODES = ("ggn_exact", "fisher_empirical", "fisher_gradients")
@@ -56,7 +56,7 @@ def installed(peer):
 def torch_device(backend_name):
     """The torch device of the peers next to kfac_ref on ``backend_name``: ``"cuda"`` when
     kfac_ref's arrays are on the GPU (torch CUDA tensors, CuPy arrays), else ``"cpu"``."""
-    return "cuda" if backend_name in ("torch-cuda", "cupy") else "cpu"
+    return "cuda" if on_gpu(backend_name) else "cpu"
 
 
 def spec_inputs(host_params, x, y):

@@ -21,6 +21,8 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from .common import on_gpu  # noqa: E402
+
 
 def _bars(ax, rows, label_of, other):
     """One bar per row from 1 to the ratio ``kfac_ref / rows[other]`` (log scale), dtypes
@@ -105,8 +107,7 @@ _TARGET_STYLES = (("tab:green", "--"), ("tab:olive", ":"), ("tab:red", (0, (5, 1
 
 def _device(meta):
     """``"gpu"`` for a run whose kfac_ref arrays were on a GPU, else ``"cpu"``."""
-    backend = meta.get("backend", "numpy")
-    return "gpu" if backend == "cupy" or "cuda" in backend else "cpu"
+    return "gpu" if on_gpu(meta.get("backend", "numpy")) else "cpu"
 
 
 def _on(row):

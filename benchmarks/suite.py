@@ -146,6 +146,12 @@ def _cnn(name, size, c1, c2, n):
                      {"kind": "mean_pool"}, _dense(c2, 10)])
 
 
+def short_repeats(repeats):
+    """Timed repeats of the millisecond rows (inverses, cached products): with 5 samples
+    they move ±10 % between runs of the same code, so four times as many, at least 20."""
+    return max(repeats, 5) * 4
+
+
 #: the workloads by name (``--workloads``); the first two run by default
 WORKLOADS = {"mlp": mlp_workload, "cnn": cnn_workload, "cnn-large": cnn_large_workload}
 
@@ -172,9 +178,7 @@ class Runner:
         self.b = backend
         self.quick = quick
         self.repeats = repeats
-        # the millisecond rows (inverses, cached products) move ±10 % between runs of the
-        # same code with 5 samples: they take four times as many, at least 20
-        self.short_repeats = max(repeats, 5) * 4
+        self.short_repeats = short_repeats(repeats)
         self.modes = tuple(modes)
         self.seed = seed
         self.log = log
@@ -387,7 +391,7 @@ def markdown(result):
     m = result["meta"]
     lines = [f"kfac_ref {m['kfac_ref_version']}, backend {m['backend']}, NumPy "
              f"{m['numpy_version']}, {m['cpu_count']} CPUs, {m['repeats']} repeats "
-             f"({max(m['repeats'], 5) * 4} for the inverses and cached products; median and "
+             f"({short_repeats(m['repeats'])} for the inverses and cached products; median and "
              f"interquartile range, ms){' — QUICK sizes' if m['quick'] else ''}.",
              "(The `chunking` rows compare kfac_ref with an 8 MiB memory bound against kfac_ref "
              "in one shot: there the second column is kfac_ref unchunked.)",

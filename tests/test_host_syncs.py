@@ -131,7 +131,7 @@ def test_a_failing_deferred_check_raises_its_usual_error():
     assert str(cached.value).replace("update_cache", "multiply_matpower") == str(fresh.value)
 
 
-def _three_block_estimator(fallback, rng, g_scale=1.0):
+def _three_block_estimator(fallback, rng):
     """A three-dense-layer estimator on torch tensors and its state after one update."""
     import kfac_ref.nn as nn
     from kfac_ref.curvature import BlockDiagonalCurvature
@@ -153,6 +153,17 @@ def _three_block_estimator(fallback, rng, g_scale=1.0):
     return est, state
 
 
+def _with_output_factor(state, k, raw):
+    """``state`` with block ``k``'s output factor average replaced by ``raw`` (its weight
+    kept, so the factor's value is ``raw / weight``)."""
+    import dataclasses
+
+    blocks = list(state.blocks_states)
+    a, g = blocks[k].statistics
+    blocks[k] = dataclasses.replace(blocks[k], statistics=(a, dataclasses.replace(g, raw=raw)))
+    return dataclasses.replace(state, blocks_states=tuple(blocks))
+
+
 @pytest.mark.parametrize("fallback,expected", [("identity", 1 + 3), ("pi_one", 1)])
 def test_an_estimator_cache_refresh_reads_every_blocks_checks_once(reads, fallback, expected):
     """``BlockDiagonalCurvature.update_cache`` reads the value checks of all three blocks
@@ -168,14 +179,9 @@ def test_a_failing_check_of_one_block_raises_that_blocks_error():
     """A singular damped factor in the second block of three (π = 1, no damping): the
     estimator's one read fails, and the refresh run again raises the block's own error,
     the one its refresh raises on its own."""
-    import dataclasses
-
     est, state = _three_block_estimator("pi_one", np.random.default_rng(7))
-    a, g = state.blocks_states[1].statistics
-    zero_g = dataclasses.replace(g, raw=torch.zeros_like(g.raw))
-    blocks = list(state.blocks_states)
-    blocks[1] = dataclasses.replace(blocks[1], statistics=(a, zero_g))
-    state = dataclasses.replace(state, blocks_states=tuple(blocks))
+    g = state.blocks_states[1].statistics[1]
+    state = _with_output_factor(state, 1, torch.zeros_like(g.raw))
     with pytest.raises(kfac_ref.KFACValueError) as alone:
         est.blocks[1].update_cache(state.blocks_states[1], 0.0, None, -1.0, False)
     with pytest.raises(kfac_ref.KFACValueError) as together:
@@ -188,19 +194,12 @@ def test_the_first_failing_block_raises_first():
     """Block 1 numerically singular (a pivot check, read back once for all blocks) and
     block 2 with a zero factor under kfac-jax's fall-back (an error raised at once), no
     damping: the user sees block 1's error, as when each block read its own checks."""
-    import dataclasses
-
     est, state = _three_block_estimator("identity", np.random.default_rng(8))
-    blocks = list(state.blocks_states)
-    a0, g0 = blocks[0].statistics
+    g0, g1 = (st.statistics[1] for st in state.blocks_states[:2])
     d = g0.raw.shape[0]
     tiny = torch.diag(torch.tensor([1.0] + [1e-20] * (d - 1), dtype=torch.float64))
-    blocks[0] = dataclasses.replace(
-        blocks[0], statistics=(a0, dataclasses.replace(g0, raw=tiny * g0.weight)))
-    a1, g1 = blocks[1].statistics
-    blocks[1] = dataclasses.replace(
-        blocks[1], statistics=(a1, dataclasses.replace(g1, raw=torch.zeros_like(g1.raw))))
-    state = dataclasses.replace(state, blocks_states=tuple(blocks))
+    state = _with_output_factor(state, 0, tiny * g0.weight)
+    state = _with_output_factor(state, 1, torch.zeros_like(g1.raw))
     with pytest.raises(kfac_ref.KFACValueError) as first:
         est.blocks[0].update_cache(state.blocks_states[0], 0.0, None, -1.0, False)
     assert "numerically singular" in str(first.value)
