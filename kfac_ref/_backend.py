@@ -89,6 +89,7 @@ __all__ = [
     "check_square",
     "check_symmetric",
     "check_scalar",
+    "check_scalars_with",
     "check_option",
     "check_bool",
     "check_int",
@@ -137,16 +138,18 @@ class errors_named:  # noqa: N801 (used as a function: ``with errors_named(func)
     ``"KFACOptimizer.step: BlockDiagonalCurvature.update_cache: ..."`` — the user called
     ``func``, not the inner method.  ``arguments`` maps the inner call's argument names to
     the user's (``{"parameter_structured_vector": "grad"}``), so the message names what the
-    user passed.  Errors already under ``func`` pass unchanged.
+    user passed.  Errors already under ``func`` pass unchanged.  ``context`` (with
+    ``inner``) says which part of ``func``'s work failed, after its name:
+    ``"BlockDiagonalCurvature.update_cache: block 1 (layer 'd2'): ..."``.
 
     A class rather than a generator context manager: it wraps every public call, and its
     enter and exit cost a tenth of a generator's."""
 
-    __slots__ = ("func", "inner", "arguments")
+    __slots__ = ("func", "inner", "arguments", "context")
 
     def __init__(self, func: str, *, inner: bool = False,
-                 arguments: dict[str, str] | None = None):
-        self.func, self.inner, self.arguments = func, inner, arguments
+                 arguments: dict[str, str] | None = None, context: str | None = None):
+        self.func, self.inner, self.arguments, self.context = func, inner, arguments, context
 
     def __enter__(self):
         return None
@@ -162,7 +165,8 @@ class errors_named:  # noqa: N801 (used as a function: ``with errors_named(func)
         for theirs, ours in (self.arguments or {}).items():
             # whole names only (not inside another name or after a dot)
             message = re.sub(rf"(?<![\w.]){re.escape(theirs)}(?![\w])", ours, message)
-        raise type(exc)(f"{func}: {message}") from None
+        where = f"{self.context}: " if self.context else ""
+        raise type(exc)(f"{func}: {where}{message}") from None
 
 
 def _fail(func: str, name: str, expected: str, got: str, kind: type = KFACValueError):
@@ -1054,6 +1058,18 @@ def check_scalar(
     v = int(value) if integer else float(value)
     _check_scalar_value(func, name, v, value, nonnegative, positive)
     return v
+
+
+def check_scalars_with(func: str, arrays: dict, **scalars: Any) -> None:
+    """Check the 0-D arrays among ``scalars`` (values :func:`check_scalar` returned) against
+    the named ``arrays``: one namespace, device and precision (:func:`namespace_of`).
+
+    A hyper-parameter kept on the device must be on the state's device and in its
+    precision.  Otherwise it would fail inside the array library, or turn a float32 result
+    into float64 without a word.  Python numbers pass: they take the arrays' dtype."""
+    named = {k: v for k, v in scalars.items() if v is not None and type(v) not in (float, int)}
+    if named:
+        namespace_of(func, **arrays, **named)
 
 
 def _check_scalar_value(func, name, v, value, nonnegative, positive):

@@ -34,6 +34,7 @@ from ._backend import (
     check_option,
     check_rng,
     check_scalar,
+    check_scalars_with,
     describe,
     device_of,
     errors_named,
@@ -604,7 +605,8 @@ def _make_part(func, block, state, identity_weight, power, exact_power, norm_typ
         raise KFACTypeError(f"{func}: state must be a BlockState from {type(block).__name__}"
                             f".init; got {describe(state)}.")
     block.check_state_structure(func, state)
-    namespace_of(func, like=state.like)
+    namespace_of(func, **{"state.like": state.like})
     w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
     options = block.check_product_options(func, power, exact_power, False, norm_type)
+    check_scalars_with(func, {"state.like": state.like}, identity_weight=w, power=options[0])
     return _BlockPart(block, state, w, options, start)

@@ -288,13 +288,16 @@ DASK_REFUSED_METHODS = {
 def _estimator_refusals(cls):
     short = cls.__name__
     eigh = _NO_EIGH_AT.format("linalg.eigh")
-    block = short if cls is curv.ExplicitExactCurvature else "DenseTwoKroneckerFactored"
+    # the block-diagonal estimator names the block whose refresh failed
+    block = "" if cls is curv.ExplicitExactCurvature else "block 0 (layer 'd1'): "
+    eigenvalues = (f"{short}.eigenvalues: " if cls is curv.ExplicitExactCurvature else
+                   f"{short}.eigenvalues: {block}DenseTwoKroneckerFactored.eigenvalues: ")
     return [
         (f"{short}.multiply_matpower: {eigh}", lambda f: (lambda est, st: est.multiply_matpower(
             st, f(_NV), 0.1, -1.0, True, False))(*_estimator(f, cls))),
-        (f"{short}.update_cache: {eigh}", lambda f: (lambda est, st: est.update_cache(
+        (f"{short}.update_cache: {block}{eigh}", lambda f: (lambda est, st: est.update_cache(
             st, 0.1, -1.0, None, False))(*_estimator(f, cls, exact_powers_to_cache=-1.0))),
-        (f"{block}.eigenvalues: {eigh}", lambda f: (lambda est, st: est.eigenvalues(st))(
+        (eigenvalues + eigh, lambda f: (lambda est, st: est.eigenvalues(st))(
             *_estimator(f, cls))),
     ]
 
@@ -331,7 +334,7 @@ DASK_PARTIAL_REFUSALS = {
     "kfac_ref.curvature.ExplicitExactCurvature": _estimator_refusals(
         curv.ExplicitExactCurvature),
     "kfac_ref.optim.KFACOptimizer": [
-        ("KFACOptimizer.step: BlockDiagonalCurvature.update_cache: "
+        ("KFACOptimizer.step: BlockDiagonalCurvature.update_cache: block 0 (layer 'd1'): "
          + _NO_EIGH_AT.format("linalg.eigh"),
          lambda f: (lambda opt, p, b: opt.step(opt.init(p, b), p, b))(
              optim.KFACOptimizer(_NET, _gauss, curv.BlockDiagonalCurvature(

@@ -14,9 +14,11 @@ from .._backend import (
     any_true,
     array_namespace,
     check_array,
+    check_bool,
     check_int,
     check_option,
     check_scalar,
+    check_scalars_with,
     check_square,
     describe,
     errors_named,
@@ -258,19 +260,37 @@ class BlockDiagonalCurvature(EstimatorBase):
         x = batch[0] if isinstance(batch, (tuple, list)) else batch
         params = self.net.check_params_and_input(func, params, x)
         shapes = self.net.input_shapes(tuple(x.shape))
-        self._input_shapes = shapes
-        self._blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
+        blocks = tuple(self._make_block(i, shapes[i]) for i in self.layer_indices)
+        like = params[self.layer_indices[0]][0]
+        # the blocks' states before any attribute changes: an option a block refuses leaves
+        # the estimator as it was, and the error is this method's, with the block named
+        states = []
+        for k, b in enumerate(blocks):
+            with errors_named(func, inner=True, context=self._block_label(k)):
+                states.append(b.init(like, exact_powers_to_cache, approx_powers_to_cache,
+                                     cache_eigenvalues))
+        self._input_shapes, self._blocks = shapes, blocks
         slices = self.net.layer_slices()
         self._block_slices = tuple(slices[i] for i in self.layer_indices)
         # the layers whose forward pass computes a statistic their block reads (Conv2D's Ω)
         wants = {i: not bl.uses_params_grads and bl.uses_layer_tap(self.net.layers[i], shapes[i])
                  for i, bl in zip(self.layer_indices, self._blocks, strict=True)}
         self._taps = tuple(wants.get(i, False) for i in range(len(self.net.layers)))
-        like = params[self.layer_indices[0]][0]
         self._checked_states = weakref.WeakValueDictionary()  # checked against old blocks
-        return self._checked(BlockDiagonalState(tuple(
-            b.init(like, exact_powers_to_cache, approx_powers_to_cache, cache_eigenvalues)
-            for b in self._blocks)))
+        return self._checked(BlockDiagonalState(tuple(states)))
+
+    def _block_label(self, k):
+        """How an error names block ``k``: its index and its layer's name."""
+        return f"block {k} (layer {self.net.names[self.layer_indices[k]]!r})"
+
+    def _per_block(self, func, state, call):
+        """``call(k, block, block_state)`` for every block, in order; an error of block
+        ``k`` is put under ``func`` with the block named (:meth:`_block_label`)."""
+        out = []
+        for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
+            with errors_named(func, inner=True, context=self._block_label(k)):
+                out.append(call(k, bl, st))
+        return tuple(out)
 
     def update_curvature_matrix_estimate(self, state, ema_old, ema_new, batch_size, rng,
                                          func_args, estimation_mode=None):
@@ -289,6 +309,7 @@ class BlockDiagonalCurvature(EstimatorBase):
             raise KFACValueError(f"{func}: the estimator must be initialised with init first; "
                                  f"got an uninitialised estimator.")
         likes = self._state_like(func, state)
+        check_scalars_with(func, likes, ema_old=ema_old, ema_new=ema_new)
         # the state against the parameters, in the user's names (the blocks would name their
         # own internal arguments), before the forward pass
         first = self.layer_indices[0]
@@ -422,7 +443,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         weakly, and not walked again; ``init`` makes new blocks and forgets them.  A state
         built on lists (which can change in place) is walked every time.
         """
-        if self._checked_states.get(id(state)) is not state:
+        if state is None or self._checked_states.get(id(state)) is not state:
             self._check_state(func, state)
             likes = {}
             for k, (bl, st) in enumerate(zip(self.blocks, state.blocks_states, strict=True)):
@@ -451,14 +472,24 @@ class BlockDiagonalCurvature(EstimatorBase):
             self._checked_states[id(state)] = state
         return state
 
-    def _weights(self, func, identity_weight):
+    def _weights(self, func, identity_weight, likes):
+        """One checked identity weight per block, from a scalar or a sequence; 0-D arrays
+        checked against the state's ``likes`` (one namespace, device and precision)."""
         if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
             if len(identity_weight) != len(self.blocks):
                 raise KFACValueError(f"{func}: identity_weight must be a scalar or one value per "
                                      f"block ({len(self.blocks)}); got {len(identity_weight)}.")
-            return tuple(check_scalar(func, "identity_weight", w, nonnegative=True)
-                         for w in identity_weight)
+            ws = tuple(check_scalar(func, f"identity_weight[{k}]", w, nonnegative=True)
+                       for k, w in enumerate(identity_weight))
+            check_scalars_with(func, likes, **{f"identity_weight[{k}]": w
+                                               for k, w in enumerate(ws)})
+            return ws
+        if type(identity_weight) is not float and getattr(identity_weight, "ndim", 0) != 0:
+            raise KFACTypeError(f"{func}: identity_weight must be a scalar or a list or tuple "
+                                f"of one scalar per block ({len(self.blocks)}); got "
+                                f"{describe(identity_weight)}.")
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        check_scalars_with(func, likes, identity_weight=w)
         return (w,) * len(self.blocks)
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
@@ -476,14 +507,19 @@ class BlockDiagonalCurvature(EstimatorBase):
         each check read at once, which raises that check's own error.
         """
         func = "BlockDiagonalCurvature.update_cache"
+        _check_pmap_axis_name(func, pmap_axis_name)
         likes = self._state_like(func, state)
-        ws = self._weights(func, identity_weight)
+        ws = self._weights(func, identity_weight, likes)
+        norm = norm_to_scale_identity_weight_per_block
+        if self.blocks:  # the options in this method's names; whether a power was declared
+            # in init is each block's to say (under this method, the block named)
+            exact_powers, approx_powers, eigenvalues, norm = self.blocks[0].check_cache_options(
+                func, exact_powers, approx_powers, eigenvalues, norm,
+                "norm_to_scale_identity_weight_per_block")
 
         def refresh():
-            return tuple(bl.update_cache(st, w, exact_powers, approx_powers, eigenvalues,
-                                         norm_to_scale_identity_weight_per_block)
-                         for bl, st, w in zip(self.blocks, state.blocks_states, ws,
-                                              strict=True))
+            return self._per_block(func, state, lambda k, bl, st: bl.update_cache(
+                st, ws[k], exact_powers, approx_powers, eigenvalues, norm))
 
         # a kernel's unnamed error (a namespace without linalg.eigh) in this method's name
         with errors_named(func), _statistics_named(func, state):
@@ -507,14 +543,17 @@ class BlockDiagonalCurvature(EstimatorBase):
         estimator made or checked before is not walked again (states are immutable).
         """
         func = "BlockDiagonalCurvature.multiply_matpower"
+        _check_pmap_axis_name(func, pmap_axis_name)
         # the vector (every member of a structured one) against the states: one namespace,
         # device and precision, before anything is concatenated
-        flat, back = flat_or_structured(func, self.net, parameter_structured_vector,
-                                        **self._state_like(func, state))
-        ws = self._weights(func, identity_weight)
+        likes = self._state_like(func, state)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **likes)
+        ws = self._weights(func, identity_weight, likes)
         # the scalar options once, then whether each block takes an approximate power
-        opts = self.blocks[0].check_product_options(func, power, exact_power, use_cached,
-                                                    norm_to_scale_identity_weight_per_block)
+        opts = self.blocks[0].check_product_options(
+            func, power, exact_power, use_cached, norm_to_scale_identity_weight_per_block,
+            "norm_to_scale_identity_weight_per_block")
+        check_scalars_with(func, likes, power=opts[0])
         if not opts[1]:
             for bl in self.blocks[1:]:
                 bl.check_approx_power(func, opts[0])
@@ -530,19 +569,23 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         .. math:: (\operatorname{spec} C_l)_l
         """
-        func = "BlockDiagonalCurvature.block_eigenvalues"
-        self._check_state(func, state)
+        return self._block_eigenvalues("BlockDiagonalCurvature.block_eigenvalues", state,
+                                       use_cached)
+
+    def _block_eigenvalues(self, func, state, use_cached):
+        self._state_like(func, state)
+        check_bool(func, "use_cached", use_cached)
         with _statistics_named(func, state):
-            return tuple(bl.eigenvalues(st, use_cached)
-                         for bl, st in zip(self.blocks, state.blocks_states, strict=True))
+            return self._per_block(func, state,
+                                   lambda k, bl, st: bl.eigenvalues(st, use_cached))
 
     def eigenvalues(self, state, use_cached=False):
         r"""All eigenvalues, block after block (not sorted globally).
 
         .. math:: \operatorname{spec}\,\mathrm{diag}(C_1,\dots,C_L)
         """
-        ev = self.block_eigenvalues(state, use_cached)
-        xp = namespace_of("BlockDiagonalCurvature.eigenvalues", e=ev[0])
+        ev = self._block_eigenvalues("BlockDiagonalCurvature.eigenvalues", state, use_cached)
+        xp = array_namespace(ev[0])  # one namespace: the block states were checked together
         return xp.concat([xp.reshape(e, (-1,)) for e in ev])
 
     def to_diagonal_block_dense_matrix(self, state):
@@ -550,9 +593,13 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         .. math:: (C_1, \dots, C_L)
         """
-        self._check_state("BlockDiagonalCurvature.to_diagonal_block_dense_matrix", state)
-        return tuple(bl.to_dense_matrix(st)
-                     for bl, st in zip(self.blocks, state.blocks_states, strict=True))
+        return self._block_dense_matrices(
+            "BlockDiagonalCurvature.to_diagonal_block_dense_matrix", state)
+
+    def _block_dense_matrices(self, func, state):
+        self._state_like(func, state)
+        with _statistics_named(func, state):
+            return self._per_block(func, state, lambda k, bl, st: bl.to_dense_matrix(st))
 
     def to_dense_matrix(self, state):
         r"""The block-diagonal matrix over all parameters (canonical order; parameter-free
@@ -560,7 +607,7 @@ class BlockDiagonalCurvature(EstimatorBase):
 
         .. math:: \mathrm{diag}(C_1, \dots, C_L) \in \mathbb R^{P\times P}
         """
-        blocks = self.to_diagonal_block_dense_matrix(state)
+        blocks = self._block_dense_matrices("BlockDiagonalCurvature.to_dense_matrix", state)
         return block_diag.kernel(array_namespace(blocks[0]), blocks)
 
     def sync(self, state, pmap_axis_name=None, *, batch_sizes=None):
@@ -591,9 +638,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         from ..blocks.kfac_jax import BlockState
 
         func = "BlockDiagonalCurvature.sync"
-        if pmap_axis_name is not None and not isinstance(pmap_axis_name, str):
-            raise KFACTypeError(f"{func}: pmap_axis_name must be None or a str (ignored); got "
-                                f"{type(pmap_axis_name).__name__}.")
+        _check_pmap_axis_name(func, pmap_axis_name)
         shards = state if isinstance(state, (list, tuple)) else (state,)
         if not shards:
             raise KFACValueError(f"{func}: state must be a BlockDiagonalState or a non-empty "
@@ -621,6 +666,13 @@ class BlockDiagonalCurvature(EstimatorBase):
                 for i in range(len(first.statistics)))
             out.append(BlockState(stats, first.cache, first.like))
         return BlockDiagonalState(tuple(out))
+
+
+def _check_pmap_axis_name(func, pmap_axis_name):
+    """kfac-jax's ``pmap_axis_name``: accepted for parity and ignored, so None or a str."""
+    if pmap_axis_name is not None and not isinstance(pmap_axis_name, str):
+        raise KFACTypeError(f"{func}: pmap_axis_name must be None or a str (ignored); got "
+                            f"{describe(pmap_axis_name)}.")
 
 
 class _statistics_named:  # noqa: N801 (used as a function, like errors_named)

@@ -35,7 +35,7 @@ def flat_or_structured(func, net, vector, **others):
                    if isinstance(layer, (tuple, list)) for j, a in enumerate(layer)}
         if members:
             namespace_of(func, **members, **others)
-        vector = net.check_params(func, vector)
+        vector = net.check_params(func, vector, VECTOR)
         return net.flatten(vector), net.unflatten
     check_array(func, VECTOR, vector, shape=(net.num_params,), layout="[P]")
     if others:

@@ -23,8 +23,10 @@ from ..._backend import (
     check_int,
     check_option,
     check_scalar,
+    check_scalars_with,
     describe,
     errors_named,
+    kernel_error,
     namespace_of,
     read_checks_once,
     reshape,
@@ -102,11 +104,10 @@ def powers_set(func, name, powers):
     return tuple(sorted({check_scalar(func, name, p) for p in powers}))
 
 
-def _check_norm(func, norm_type):
+def _check_norm(func, norm_type, name="norm_to_scale_identity_weight"):
     if norm_type is None or norm_type == "none":
         return None
-    return check_option(func, "norm_to_scale_identity_weight", norm_type,
-                        (*FACTOR_NORMS, "none"))
+    return check_option(func, name, norm_type, (*FACTOR_NORMS, "none"))
 
 
 def check_rows(func, state, arrays, batch_size):
@@ -119,7 +120,7 @@ def check_rows(func, state, arrays, batch_size):
                 flat[f"{k}[{i}]"] = a
         else:
             flat[k] = v
-    namespace_of(func, like=state.like, **flat)
+    namespace_of(func, **{"state.like": state.like}, **flat)
     for k, v in flat.items():
         check_array(func, k, v, min_ndim=1, finite=False)
         if v.shape[0] != batch_size:
@@ -339,7 +340,8 @@ class CurvatureBlock(abc.ABC):
     def scale(self, state, use_cache=False):
         r"""Total pre-factor :math:`s`: the cached snapshot's when ``use_cache``."""
         if use_cache:
-            return self._cache_get(state, "scale", "update_cache")
+            with errors_named(f"{type(self).__name__}.scale"):
+                return self._cache_get(state, "scale", "update_cache")
         return float(self.fixed_scale()) * float(self.state_dependent_scale(state))
 
     # -- hooks ---------------------------------------------------------------------------
@@ -435,7 +437,12 @@ class CurvatureBlock(abc.ABC):
 
     def _check_state(self, func, state):
         self.check_state_structure(func, state)
-        return namespace_of(func, like=state.like)
+        return namespace_of(func, **{"state.like": state.like})
+
+    def _check_scalars(self, func, state, **scalars):
+        """The checked scalars that are 0-D arrays against the state: one namespace, device
+        and precision (:func:`~kfac_ref._backend.check_scalars_with`)."""
+        check_scalars_with(func, {"state.like": state.like}, **scalars)
 
     def update_curvature_matrix_estimate(self, state, estimation_data, ema_old, ema_new,
                                          batch_size):
@@ -463,6 +470,7 @@ class CurvatureBlock(abc.ABC):
         batch_size = check_int(func, "batch_size", batch_size, minimum=1)
         ema_old = check_scalar(func, "ema_old", ema_old, nonnegative=True)
         ema_new = check_scalar(func, "ema_new", ema_new, nonnegative=True)
+        self._check_scalars(func, state, ema_old=ema_old, ema_new=ema_new)
         if not self._statistics_shapes():
             return state
         data = self._check_estimation_arrays(func, state, {k: estimation_data[k] for k in keys},
@@ -483,7 +491,8 @@ class CurvatureBlock(abc.ABC):
             raise KFACValueError(
                 f"{func}: vector must have {self.number_of_parameters} arrays of shapes "
                 f"{self.parameters_shapes}; got {len(vector)}.")
-        namespace_of(func, like=state.like, **{f"vector[{i}]": v for i, v in enumerate(vector)})
+        namespace_of(func, **{"state.like": state.like},
+                     **{f"vector[{i}]": v for i, v in enumerate(vector)})
         for i, (v, shape) in enumerate(zip(vector, self.parameters_shapes, strict=True)):
             check_array(func, f"vector[{i}]", v, shape=shape)
         return tuple(vector)
@@ -517,6 +526,7 @@ class CurvatureBlock(abc.ABC):
 
     def _effective_weight(self, func, xp, state, identity_weight, norm_type, use_cached):
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        self._check_scalars(func, state, identity_weight=w)
         return self._damping(func, xp, state, w, _check_norm(func, norm_type), use_cached)
 
     def _damping(self, func, xp, state, w, norm_type, use_cached):
@@ -525,7 +535,8 @@ class CurvatureBlock(abc.ABC):
         if norm_type is None:
             return w
         if use_cached:
-            cached = self._cache_get(state, "norms", "update_cache")
+            with errors_named(func):
+                cached = self._cache_get(state, "norms", "update_cache")
             if norm_type not in cached:
                 raise KFACValueError(
                     f"{func}: norm_to_scale_identity_weight must be one the cache was built "
@@ -573,20 +584,22 @@ class CurvatureBlock(abc.ABC):
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
         power, exact, use_cached, norm_type = self.check_product_options(
             func, power, exact_power, use_cached, norm_type)
+        self._check_scalars(func, state, identity_weight=w, power=power)
         lam = self._damping(func, xp, state, w, norm_type, use_cached)
         return xp, self._to_working_form(xp, vector), lam, power, exact, use_cached
 
-    def check_product_options(self, func, power, exact_power, use_cached, norm_type=None):
+    def check_product_options(self, func, power, exact_power, use_cached, norm_type=None,
+                              norm_name="norm_to_scale_identity_weight"):
         """The checked scalar options of :meth:`multiply_matpower`:
         ``(power, exact_power, use_cached, norm_type)``, with ``norm_type`` None or a name of
-        :data:`~kfac_ref.linalg.FACTOR_NORMS`.  An approximate power the block cannot do is
-        refused here."""
+        :data:`~kfac_ref.linalg.FACTOR_NORMS` (called ``norm_name`` in a message).  An
+        approximate power the block cannot do is refused here."""
         power = check_scalar(func, "power", power)
         exact = check_bool(func, "exact_power", exact_power)
         use_cached = check_bool(func, "use_cached", use_cached)
         if not exact:
             self.check_approx_power(func, power)
-        return power, exact, use_cached, _check_norm(func, norm_type)
+        return power, exact, use_cached, _check_norm(func, norm_type, norm_name)
 
     def multiply_matpower_kernel(self, func, xp, state, vector, identity_weight, power,
                                  exact_power, use_cached, norm_type):
@@ -678,10 +691,12 @@ class CurvatureBlock(abc.ABC):
 
     # -- cache ---------------------------------------------------------------------------
     def _cache_get(self, state, key, what):
+        """A cache entry; a missing one is a :func:`~kfac_ref._backend.kernel_error` that
+        the calling method's ``errors_named`` names."""
         if key not in state.cache:
-            raise KFACValueError(
-                f"{type(self).__name__}: the cache must hold {key!r} for this call; got a cache "
-                f"without it. Declare the power in init and call {what} first.")
+            raise kernel_error(
+                f"the cache must hold {key!r} for this call; got a {type(self).__name__} "
+                f"cache without it. Declare the power in init and call {what} first.")
         return state.cache[key]
 
     def update_cache(self, state, identity_weight, exact_powers, approx_powers, eigenvalues,
@@ -698,9 +713,8 @@ class CurvatureBlock(abc.ABC):
         """
         func = f"{type(self).__name__}.update_cache"
         xp = self._check_state(func, state)
-        exact = powers_set(func, "exact_powers", exact_powers)
-        approx = powers_set(func, "approx_powers", approx_powers)
-        eigenvalues = check_bool(func, "eigenvalues", eigenvalues)
+        exact, approx, eigenvalues, norm_type = self.check_cache_options(
+            func, exact_powers, approx_powers, eigenvalues, norm_to_scale_identity_weight)
         d_exact, d_approx, _ = state.cache.get("declared", ((), (), False))
         for p in exact:
             if p not in d_exact:
@@ -711,14 +725,26 @@ class CurvatureBlock(abc.ABC):
             if p not in d_approx:
                 raise KFACValueError(f"{func}: approx_powers must be declared in init "
                                      f"({d_approx}); got {p}.")
-        norm_type = _check_norm(func, norm_to_scale_identity_weight)
         w = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
+        self._check_scalars(func, state, identity_weight=w)
         # the value checks of the whole refresh (pivots, spectra) are read back once; when
         # one fails the refresh runs again with checks read at once, which raises the error
         # (or takes the fall-back) of the failing check as it always did
         cache = read_checks_once(xp, lambda: self._cache_entries(
             xp, state, w, norm_type, exact, approx, eigenvalues), func)
         return BlockState(state.statistics, MappingProxyType(cache), state.like)
+
+    def check_cache_options(self, func, exact_powers, approx_powers, eigenvalues, norm_type,
+                            norm_name="norm_to_scale_identity_weight"):
+        """The checked options of :meth:`update_cache`: ``(exact_powers, approx_powers,
+        eigenvalues, norm_type)``, the powers as sorted tuples and ``norm_type`` None or a
+        name of :data:`~kfac_ref.linalg.FACTOR_NORMS` (called ``norm_name`` in a message).
+        Whether the powers were declared in ``init`` is the state's to say, not checked
+        here."""
+        return (powers_set(func, "exact_powers", exact_powers),
+                powers_set(func, "approx_powers", approx_powers),
+                check_bool(func, "eigenvalues", eigenvalues),
+                _check_norm(func, norm_type, norm_name))
 
     def _cache_entries(self, xp, state, w, norm_type, exact, approx, eigenvalues):
         cache = {"declared": state.cache.get("declared", ((), (), False)),
@@ -737,9 +763,10 @@ class CurvatureBlock(abc.ABC):
         """
         func = f"{type(self).__name__}.eigenvalues"
         xp = self._check_state(func, state)
-        if check_bool(func, "use_cached", use_cached):
-            return self._cache_get(state, "eigenvalues", "update_cache(eigenvalues=True)")
+        use_cached = check_bool(func, "use_cached", use_cached)
         with errors_named(func):
+            if use_cached:
+                return self._cache_get(state, "eigenvalues", "update_cache(eigenvalues=True)")
             return self._eigenvalues(xp, state)
 
     def to_dense_matrix(self, state):

@@ -224,6 +224,7 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         xp = self._check_state(func, state)
         ema_old = check_scalar(func, "ema_old", ema_old, nonnegative=True)
         ema_new = check_scalar(func, "ema_new", ema_new, nonnegative=True)
+        self._check_scalars(func, state, ema_old=ema_old, ema_new=ema_new)
         a, gs, rows = self._layer_rows(layer, inputs, outputs_grads, batch_size, weight_sharing)
         data = self._check_estimation_arrays(func, state, {"inputs": a, "outputs_grad": gs[0]},
                                              rows)

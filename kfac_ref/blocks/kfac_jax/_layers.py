@@ -239,7 +239,7 @@ class ParamsGradsSources:
             raise KFACValueError(f"{func}: params_grads must be a sequence of {len(shapes)} "
                                  f"gradient arrays of shapes {shapes} (optionally with a "
                                  f"leading sources axis); got {describe(grads)}.")
-        namespace_of(func, like=state.like,
+        namespace_of(func, **{"state.like": state.like},
                      **{f"params_grads[{i}]": g for i, g in enumerate(grads)})
         with_sources = None
         for i, (g, s) in enumerate(zip(grads, shapes, strict=True)):

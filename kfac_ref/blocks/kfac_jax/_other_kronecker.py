@@ -37,6 +37,7 @@ from ..._backend import (
     check_bool,
     check_int,
     check_option,
+    errors_named,
     kernel_of,
     namespace_of,
 )
@@ -121,7 +122,8 @@ class _TNTScale:
     def state_dependent_scale(self, state):
         r""":math:`(\operatorname{tr}A\,\operatorname{tr}G)^{-1/2}` of the averaged factors
         (:func:`tnt_scale`)."""
-        xp = namespace_of(f"{type(self).__name__}.state_dependent_scale", like=state.like)
+        xp = namespace_of(f"{type(self).__name__}.state_dependent_scale",
+                          **{"state.like": state.like})
         a, g = (f.value for f in state.statistics)
         return _tnt_scale(xp, a, g)
 
@@ -130,7 +132,8 @@ class _TNTScale:
         \operatorname{tr}G)^{-1/2}` (a 0-D array); the cached snapshot's when
         ``use_cache``."""
         if use_cache:
-            return self._cache_get(state, "scale", "update_cache")
+            with errors_named(f"{type(self).__name__}.scale"):
+                return self._cache_get(state, "scale", "update_cache")
         return float(self.fixed_scale()) * self.state_dependent_scale(state)
 
     def uses_layer_tap(self, layer, input_shape):
