@@ -90,6 +90,7 @@ __all__ = [
     "check_symmetric",
     "check_scalar",
     "check_scalars_with",
+    "check_index_range",
     "check_option",
     "check_bool",
     "check_int",
@@ -497,6 +498,19 @@ def any_true(xp, condition) -> bool:
     value check that cannot run passes, like one on a lazy argument (see :func:`is_lazy`).
     """
     return _read_flag(xp.any(condition), when_lazy=False)
+
+
+def check_index_range(func: str, name: str, x: Any, size: int, size_name: str) -> None:
+    """Refuse integer ids of ``x`` outside ``[0, size)`` (``size`` called ``size_name``),
+    naming ``name`` and the range found: a value check, skipped for lazy ids and under
+    ``value_checks(False)``; inside ``jax.jit`` even ids the traced function closes over
+    cannot be read, and the check passes (:func:`any_true`)."""
+    if not math.prod(x.shape) or not checks_values(x):
+        return
+    xp = array_namespace(x)
+    if any_true(xp, (x < 0) | (x >= size)):
+        raise KFACValueError(f"{func}: {name} must lie in [0, {size_name}) = [0, {size}); got "
+                             f"ids in [{int(xp.min(x))}, {int(xp.max(x))}].")
 
 
 def _read_flag(flag, when_lazy):

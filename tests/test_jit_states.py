@@ -371,3 +371,24 @@ def test_optimizer_state_crosses_jit():
     got = opt.step(through, params1, batch, np.random.default_rng(2))
     _close(got[0], want[0])
     _close(got[1].velocity, want[1].velocity)
+
+
+def test_closed_over_ids_of_an_embedding_under_jit():
+    """Integer ids a jitted function closes over are concrete arrays, but their id-range
+    check is staged out inside the trace and cannot be read: it passes, as the finiteness
+    scan of closed-over floats does, and the update equals the eager one."""
+    rng = np.random.default_rng(0)
+    net = nn.Sequential([("e", nn.Embedding(5, 3)), ("f", nn.Flatten()), ("d", nn.Dense(6, 3))])
+    params = _jax_tree(net.init_params(rng, np.zeros(1)))
+    ids, y = jnp.asarray(rng.integers(0, 5, (5, 2))), jnp.asarray([0, 2, 1, 1, 0])
+    est = BlockDiagonalCurvature(net, _ce)
+    st = est.init(None, (params, (ids, y)))
+
+    def update(s, p):
+        return est.update_curvature_matrix_estimate(s, 0.0, 1.0, 5, None, (p, (ids, y)),
+                                                    "ggn_exact")
+
+    _close(jax.jit(update)(st, params), update(st, params))
+    with pytest.raises(kfac_ref.KFACValueError, match=r"ids must lie in \[0, vocab_size\)"):
+        est.update_curvature_matrix_estimate(st, 0.0, 1.0, 5, None,
+                                             (params, (ids + 5, y)), "ggn_exact")

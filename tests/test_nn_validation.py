@@ -154,7 +154,7 @@ def test_embedding_refuses_floating_or_out_of_range_ids(xp, rng):
     with pytest.raises(KFACTypeError, match=r"Embedding\.forward: ids must be an array of "
                                             r"integral dtype"):
         layer.forward(params, xp.asarray(np.ones((4, 3))))
-    with pytest.raises(KFACValueError, match=r"ids must lie in \[0, 5\)"):
+    with pytest.raises(KFACValueError, match=r"ids must lie in \[0, vocab_size\) = \[0, 5\)"):
         layer.forward(params, xp.asarray(np.full((4, 3), 5)))
     with pytest.raises(KFACValueError, match=r"Embedding\.jvp: dx must be None"):
         layer.jvp(params, x, params, xp.asarray(np.ones((4, 3))))

@@ -9,15 +9,13 @@ dropped and a repeated id counts :math:`c` times (not :math:`c^2`), as in TF.
 
 from __future__ import annotations
 
-import math
-
 from .._backend import (
     KFACTypeError,
     KFACValueError,
     asarray_like,
     check_array,
+    check_index_range,
     check_int,
-    checks_values,
     describe,
     device_of,
     kernel_of,
@@ -66,14 +64,7 @@ def _id_counts(xp, flat_ids, vocab_size, dtype):
 
 def _check_ids(func, xp, input_ids, vocab_size, ndim):
     check_array(func, "input_ids", input_ids, ndim=ndim, dtype="integral")
-    # the id range is a value check: skipped for lazy arrays and under value_checks(False)
-    if math.prod(input_ids.shape) and checks_values(input_ids):
-        lo, hi = int(xp.min(input_ids)), int(xp.max(input_ids))
-        if lo < 0 or hi >= vocab_size:
-            raise KFACValueError(
-                f"{func}: input_ids must lie in [0, vocab_size) = [0, {vocab_size}); got ids in "
-                f"[{lo}, {hi}]."
-            )
+    check_index_range(func, "input_ids", input_ids, vocab_size, "vocab_size")
 
 
 @capabilities(dask="yes")

@@ -43,11 +43,11 @@ from .._backend import (
     KFACValueError,
     check_array,
     check_bool,
+    check_index_range,
     check_int,
     check_option,
     check_rng,
     check_shape,
-    checks_values,
     describe,
     device_of,
     kernel_of,
@@ -1155,14 +1155,8 @@ class Embedding(Layer):
 
     def check_input(self, func, x):
         check_array(func, "ids", x, ndim=(1, 2), dtype="integral", layout="[N] or [N, T]")
-        xp = namespace_of(func, ids=x)
-        # a value check (it reads the ids): skipped for lazy ids and when checks are off
-        if (math.prod(x.shape) and checks_values(x)
-                and (int(xp.min(x)) < 0 or int(xp.max(x)) >= self.vocab_size)):
-            raise KFACValueError(
-                f"{func}: ids must lie in [0, {self.vocab_size}); got range "
-                f"[{int(xp.min(x))}, {int(xp.max(x))}]."
-            )
+        namespace_of(func, ids=x)
+        check_index_range(func, "ids", x, self.vocab_size, "vocab_size")
 
     def one_hot(self, ids, dtype):
         r"""``[..., vocab_size]`` one-hot encoding of ``ids`` in ``dtype``.
