@@ -1207,21 +1207,42 @@ def kron_factored_apply(xp, powers, x):
     return prod if coeff is None else coeff * prod
 
 
-def kron_factored_fold(powers):
+def kron_factored_fold(xp, powers, a, b):
     r"""``(c A_p, B_p, None)`` or ``(A_p, c B_p, None)`` from :func:`kron_factored_powers`'
-    ``(A_p, B_p, c)``: the coefficient multiplied into the factor power with fewer entries.
+    ``(A_p, B_p, c)`` of the factors ``a``, ``b``: the coefficient multiplied into the factor
+    power with fewer entries.
 
     .. math:: c\,A_p X B_p = (c A_p)\, X B_p \quad\text{or}\quad A_p X\, (c B_p)
 
-    For powers that are cached: each product then skips a pass over :math:`X`.  The
-    zero-factor identity and the lazy zero-factor form are returned unchanged.
+    For powers that are cached: each product then skips a pass over :math:`X`, and every
+    form has the same structure (two arrays and ``None``), so that a state cached eagerly
+    and one cached inside ``jax.jit`` are the same pytree.  The zero-factor identity
+    :math:`\lambda^p I` becomes :math:`(\lambda^p I, I)`, and the lazy zero-factor form
+    selects between both per entry of the factor powers, once, instead of per product:
+
+    .. math:: (A', B') = \begin{cases} (\lambda^p I,\ I) & \text{a zero factor} \\
+              (c A_p,\ B_p) & \text{otherwise} \end{cases}
+
+    (``I`` a vector of ones for a diagonal factor given as its diagonal).
     """
-    if len(powers) != 3 or powers[0] is None:
-        return powers
-    a_pow, b_pow, coeff = powers
-    if math.prod(a_pow.shape) <= math.prod(b_pow.shape):
-        return coeff * a_pow, b_pow, None
-    return a_pow, coeff * b_pow, None
+    a_pow, b_pow, coeff = powers[:3]
+    a_first = math.prod(a.shape) <= math.prod(b.shape)  # the factor the coefficient goes to
+    if a_pow is None:
+        identity = coeff  # λ^p: the damped block is λ I
+        a_pow, b_pow = _identity_like(xp, a), _identity_like(xp, b)
+        return (identity * a_pow, b_pow, None) if a_first else (a_pow, identity * b_pow, None)
+    folded = (coeff * a_pow, b_pow) if a_first else (a_pow, coeff * b_pow)
+    if len(powers) == 5:  # traced zero-factor test: both forms, selected once here
+        zero, identity = powers[3:]
+        ones = (identity * _identity_like(xp, a), _identity_like(xp, b)) if a_first else (
+            _identity_like(xp, a), identity * _identity_like(xp, b))
+        folded = tuple(xp.where(zero, i, f) for i, f in zip(ones, folded, strict=True))
+    return (*folded, None)
+
+
+def _identity_like(xp, factor):
+    """The identity of a factor's shape: ``I`` for a matrix, ones for a diagonal."""
+    return xp.ones_like(factor) if factor.ndim == 1 else eye_like(factor, factor.shape[0])
 
 
 def kron_factored_cholesky_apply(xp, a, b, x, delta_a, delta_b, scale, *, transpose=False,

@@ -168,6 +168,37 @@ def test_zero_factor_with_a_closed_over_state():
         np.testing.assert_allclose(np.asarray(j), np.asarray(v) / 0.1, rtol=RTOL)
 
 
+@pytest.mark.parametrize("zero_grads", [False, True])
+def test_a_cache_built_eagerly_and_under_jit_is_one_pytree(zero_grads):
+    """A Kronecker block's cached approximate powers have one structure whether the zero-
+    factor test was read on the host (eager) or staged out (jit): a loop whose body refreshes
+    the cache (``lax.scan``) starts from an eagerly cached state, and its products equal the
+    eager ones (λ^p v for a zero factor)."""
+    block = kj.DenseTwoKroneckerFactored(3, 2)
+    rng = np.random.default_rng(11)
+    x, g = (jnp.asarray(a) for a in _block_data(False, rng, zero_grads=zero_grads))
+    vec = tuple(jnp.asarray(rng.standard_normal(s)) for s in block.parameters_shapes)
+    st = block.init(jnp.zeros(()), approx_powers_to_cache=[-1.0])
+    st = _update(block, st, x, g)
+
+    def cache(s):
+        return block.update_cache(s, 0.1, None, [-1.0], False)
+
+    eager, jitted = cache(st), jax.jit(cache)(st)
+    assert (jax.tree_util.tree_structure(eager) == jax.tree_util.tree_structure(jitted))
+
+    def body(s, _):
+        s = cache(_update(block, s, x, g))
+        return s, block.multiply_matpower(s, vec, 0.1, -1.0, False, True)
+
+    _, products = jax.lax.scan(body, eager, None, length=2)
+    want = block.multiply_matpower(cache(_update(block, eager, x, g)), vec, 0.1, -1.0, False,
+                                   True)
+    _close(tuple(p[0] for p in products), want)
+    if zero_grads:
+        _close(want, tuple(v / 0.1 for v in vec))
+
+
 def test_states_are_pytrees_with_static_options():
     block = kj.DenseTwoKroneckerFactored(3, 2)
     st = block.init(jnp.zeros(()), exact_powers_to_cache=[-1.0])

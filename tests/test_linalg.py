@@ -205,9 +205,9 @@ def test_a_folded_coefficient_gives_the_same_product(xp, rng, p, q):
     product is the dense oracle's s^p (A + δ_A I)^p ⊗ (G + δ_G I)^p vec(X)."""
     a, g = (xp.round_host(random_spd(rng, n)) for n in (p, q))
     x = xp.round_host(rng.standard_normal((p, q)))
-    powers = K.linalg.kron_factored_powers(xp.xp, xp.asarray(a), xp.asarray(g), -1.0, 0.3,
-                                           4.0, second_moment=True)
-    folded = K.linalg.kron_factored_fold(powers)
+    fa, fg = xp.asarray(a), xp.asarray(g)
+    powers = K.linalg.kron_factored_powers(xp.xp, fa, fg, -1.0, 0.3, 4.0, second_moment=True)
+    folded = K.linalg.kron_factored_fold(xp.xp, powers, fa, fg)
     assert folded[2] is None
     smaller = 0 if p <= q else 1
     xp.assert_close(folded[smaller], powers[2] * xp.to_numpy(powers[smaller]))
@@ -220,12 +220,38 @@ def test_a_folded_coefficient_gives_the_same_product(xp, rng, p, q):
     xp.assert_close(got, want)
 
 
-def test_folding_leaves_the_zero_factor_identity_unchanged(xp):
-    identity = (None, None, 0.5)
-    assert K.linalg.kron_factored_fold(identity) is identity
-    z = xp.asarray(np.zeros((2, 2)))
-    lazy_form = (z, z, 1.0, False, 0.5)  # five entries: the traced zero-factor form
-    assert K.linalg.kron_factored_fold(lazy_form) is lazy_form
+@pytest.mark.parametrize("diagonal", [False, True])
+@pytest.mark.parametrize("zero", [False, True])
+def test_every_folded_form_has_one_structure_and_the_unfolded_product(xp, rng, zero, diagonal):
+    """The zero-factor identity λ^p I and the lazy zero-factor form (both branches, a flag)
+    fold into the same two arrays and None as the ordinary powers (one pytree structure for
+    a cache built eagerly and inside jax.jit), with the product of the unfolded form: the
+    dense oracle's λ^p X for a zero factor (kfac-jax's fall-back)."""
+    p, q = 3, 4
+    a = np.zeros((p, p)) if zero else random_spd(rng, p)
+    g = random_spd(rng, q)
+    fa = xp.asarray(np.diag(a).copy() if diagonal else a)
+    fg = xp.asarray(g)
+    x = xp.asarray(rng.standard_normal((p, q)))
+    eager = K.linalg.kron_factored_powers(xp.xp, fa, fg, -1.0, 0.3, 2.0,
+                                          zero_factor_fallback="identity")
+    assert (eager[0] is None) == zero
+    flag = xp.xp.asarray(zero, device=xp.device)  # the form a trace gets
+    lazy = K.linalg.kron_factored_powers(xp.xp, fa, fg, -1.0, 0.3, 2.0,
+                                         zero_factor_fallback="identity", zero=flag)
+    assert len(lazy) == 5
+    want = K.linalg.kron_factored_apply(xp.xp, eager, x)
+    for form in (eager, lazy):
+        folded = K.linalg.kron_factored_fold(xp.xp, form, fa, fg)
+        assert len(folded) == 3 and folded[2] is None
+        assert all(xp.xp.isdtype(f.dtype, "real floating") for f in folded[:2])
+        assert tuple(folded[0].shape) == tuple(fa.shape)
+        assert tuple(folded[1].shape) == tuple(fg.shape)
+        got = K.linalg.kron_factored_apply(xp.xp, folded, x)
+        xp.check(got)
+        xp.assert_close(got, xp.to_numpy(want))
+    if zero:
+        xp.assert_close(want, xp.to_numpy(x) / 0.3)
 
 
 def test_damped_matpower_inverse_of_singular_matrix_still_raises(xp):

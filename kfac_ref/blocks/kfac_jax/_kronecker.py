@@ -171,8 +171,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
                  if approx and (identity or self.norm_type != "off") else None)
         zero = kron_zero_factor(xp, norms) if approx and identity else None
         out["approx"] = MappingProxyType({
-            p: (lam, kron_factored_fold(self._prepare("factored", xp, a, g, p, lam, s,
-                                                      norms, zero)))
+            p: (lam, kron_factored_fold(xp, self._prepare("factored", xp, a, g, p, lam, s,
+                                                          norms, zero), a, g))
             for p in approx})
         return out
 
