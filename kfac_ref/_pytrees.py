@@ -21,7 +21,9 @@ The split of a state's nested containers (tuples, lists, mappings such as the re
 cache snapshot) is: every array is a leaf (traced under ``jax.jit``), everything else —
 Python numbers, booleans, ``None``, strings: the declared powers, the scale of a block, a
 Python-number damping — is static (part of the tree's structure, so a jitted function is
-compiled again when one of them changes).  The weight :math:`W` of a
+compiled again when one of them changes); a state that JAX rebuilt (the result of a
+jitted function or of ``jax.tree_util.tree_map``) keeps the structure it was rebuilt with,
+whatever its leaves now hold.  The weight :math:`W` of a
 :class:`~kfac_ref.averaging.WeightedMovingAverage` is a leaf even as a Python number, so a
 jitted step with ``ema_old < 1`` compiles once while :math:`W` changes.
 """
@@ -40,12 +42,30 @@ __all__ = ["register_jax_pytrees", "state_class", "ensure_for", "split", "join",
 _CLASSES: dict[type, tuple] = {}   # class -> (flatten, unflatten), in declaration order
 _REGISTERED: set[type] = set()
 _LEAF = "<array>"
+_REBUILT_FROM = "_pytree_rebuilt_from"  # (children, aux) of a state JAX rebuilt
 
 
 def state_class(cls, flatten, unflatten):
     """Declare ``cls`` a pytree with ``flatten(obj) -> (children, aux)`` and
-    ``unflatten(aux, children) -> obj``; registered with JAX now if JAX pytrees are on."""
-    _CLASSES[cls] = (flatten, unflatten)
+    ``unflatten(aux, children) -> obj``; registered with JAX now if JAX pytrees are on.
+
+    A state that JAX rebuilt remembers the children and static data it was rebuilt from and
+    flattens to them again: which entries of a container are leaves is decided by value only
+    for a state built by kfac_ref, so ``tree_map(lambda _: 0, state)`` (leaves that are
+    Python numbers) keeps the state's structure, as it does for any JAX pytree.  States are
+    frozen, so the remembered split stays the state's own.
+    """
+    def flatten_remembered(obj):
+        remembered = obj.__dict__.get(_REBUILT_FROM)
+        return flatten(obj) if remembered is None else remembered
+
+    def unflatten_remembering(aux, children):
+        children = tuple(children)
+        obj = unflatten(aux, children)
+        object.__setattr__(obj, _REBUILT_FROM, (children, aux))
+        return obj
+
+    _CLASSES[cls] = (flatten_remembered, unflatten_remembering)
     if _REGISTERED or "jax" in sys.modules:
         register_jax_pytrees()
     return cls

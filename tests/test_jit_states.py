@@ -215,6 +215,59 @@ def test_states_are_pytrees_with_static_options():
                                   2 * np.asarray(st.statistics[0].raw))
 
 
+def _structure_kept(tree):
+    """``tree_map`` to Python numbers or strings keeps a pytree's structure, as for any JAX
+    pytree: which cache entries are leaves is remembered, not decided again by value (also
+    after a second map)."""
+    treedef = jax.tree_util.tree_structure(tree)
+    for fill in (lambda _: 0, lambda _: 1.5, lambda _: "x"):
+        mapped = jax.tree_util.tree_map(fill, tree)
+        assert jax.tree_util.tree_structure(mapped) == treedef
+        again = jax.tree_util.tree_map(lambda _: True, mapped)
+        assert jax.tree_util.tree_structure(again) == treedef
+
+
+def test_mapping_a_state_to_numbers_keeps_its_structure():
+    """Block, block-diagonal, explicit and optimiser states keep their structure under
+    ``tree_map(lambda _: 0, state)``; the mapped tree serves as ``vmap``'s ``in_axes`` over
+    a stack of cached states, and the batched products equal the per-state ones."""
+    block = kj.DenseTwoKroneckerFactored(3, 2)
+    rng = np.random.default_rng(5)
+    x, g = (jnp.asarray(a) for a in _block_data(False, rng))
+    st = block.init(jnp.zeros(()), exact_powers_to_cache=[-1.0], approx_powers_to_cache=[-1.0])
+    st = block.update_cache(_update(block, st, x, g), 0.1, [-1.0], [-1.0], False)
+    _structure_kept(st)
+    _structure_kept(BlockDiagonalState((st, st)))
+
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, 2 * a]), st)
+    vec = tuple(jnp.asarray(rng.standard_normal(s)) for s in block.parameters_shapes)
+
+    def product(s, v):
+        return block.multiply_matpower(s, v, 0.1, -1.0, True, True)
+
+    axes = jax.tree_util.tree_map(lambda _: 0, st)
+    batched = jax.vmap(product, in_axes=(axes, None))(stacked, vec)
+    for i in range(2):
+        _close(tuple(b[i] for b in batched),
+               product(jax.tree_util.tree_map(lambda a, i=i: a[i], stacked), vec))
+
+    net, params, xs, ys, _ = _net_case()
+    for cls in (BlockDiagonalCurvature, ExplicitExactCurvature):
+        est = cls(net, _ce)
+        est_st = est.init(None, (_jax_tree(params), (jnp.asarray(xs), jnp.asarray(ys))),
+                          exact_powers_to_cache=[-1.0])
+        _structure_kept(est.update_cache(est_st, 0.1, [-1.0], [], False))
+
+    from kfac_ref.optim import KFACOptimizer
+
+    opt = KFACOptimizer(net, CE, BlockDiagonalCurvature(net, _ce), damping=0.1,
+                        momentum_type="qmodel", curvature_ema=0.5)
+    jparams, batch = _jax_tree(params), (jnp.asarray(xs), jnp.asarray(ys))
+    _, opt_st = opt.step(opt.init(jparams, batch, np.random.default_rng(0)), jparams, batch,
+                         np.random.default_rng(1))
+    _structure_kept(opt_st)
+
+
 def test_a_numpy_state_becomes_a_jax_state_by_tree_map():
     kfac_ref.register_jax_pytrees()
     block = kj.DenseDiagonal(3, 2)
