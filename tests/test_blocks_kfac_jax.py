@@ -505,3 +505,16 @@ def test_a_failing_cache_refresh_runs_once_on_numpy(monkeypatch):
                                              r"Kronecker factor is zero and damping is 0"):
         block.update_cache(state, 0.0, None, -1.0, False)
     assert passes == [1]
+
+
+def test_block_state_answers_to_kfac_jax_names():
+    """kfac-jax's state attributes read the same averages: ``factors`` (Kronecker),
+    ``diagonal_factors`` (diagonal), ``matrix`` (full)."""
+    like = np.zeros(())
+    kron = kj.DenseTwoKroneckerFactored(3, 2).init(like)
+    diag = kj.DenseDiagonal(3, 2).init(like)
+    full = kj.DenseFull(3, 2).init(like)
+    assert kron.factors is kron.statistics and len(kron.factors) == 2
+    assert diag.diagonal_factors is diag.statistics
+    assert full.matrix is full.statistics[0]
+    assert full.matrix.raw.shape == (8, 8)  # a 3 × 2 weight and a bias of 2

@@ -63,13 +63,11 @@ class BlockState:
 
     @property
     def factors(self):
-        """kfac-jax's name for the Kronecker factors' averages."""
+        """kfac-jax's name for the averages of a Kronecker block's factors (``factors``) and
+        of a diagonal block's diagonals (``diagonal_factors``)."""
         return self.statistics
 
-    @property
-    def diagonal_factors(self):
-        """kfac-jax's name for the diagonal blocks' averages."""
-        return self.statistics
+    diagonal_factors = factors
 
     @property
     def matrix(self):
