@@ -141,7 +141,8 @@ class errors_named:  # noqa: N801 (used as a function: ``with errors_named(func)
     the user's (``{"parameter_structured_vector": "grad"}``), so the message names what the
     user passed.  Errors already under ``func`` pass unchanged.  ``context`` (with
     ``inner``) says which part of ``func``'s work failed, after its name:
-    ``"BlockDiagonalCurvature.update_cache: block 1 (layer 'd2'): ..."``.
+    ``"BlockDiagonalCurvature.update_cache: block 1 (layer 'd2'): ..."``; an error already
+    under ``func`` gets the context too.
 
     A class rather than a generator context manager: it wraps every public call, and its
     enter and exit cost a tenth of a generator's."""
@@ -160,9 +161,14 @@ class errors_named:  # noqa: N801 (used as a function: ``with errors_named(func)
             return False
         func = self.func
         unnamed = getattr(exc, "unnamed", False)
-        if not (unnamed or (self.inner and not str(exc).startswith(f"{func}:"))):
-            return False
         message = str(exc)
+        if not unnamed and message.startswith(f"{func}:"):
+            if not (self.inner and self.context) or message.startswith(
+                    f"{func}: {self.context}:"):
+                return False
+            message = message[len(func) + 2:]  # under func already: the context goes after
+        elif not (unnamed or self.inner):
+            return False
         for theirs, ours in (self.arguments or {}).items():
             # whole names only (not inside another name or after a dot)
             message = re.sub(rf"(?<![\w.]){re.escape(theirs)}(?![\w])", ours, message)

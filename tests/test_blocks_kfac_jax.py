@@ -241,8 +241,11 @@ def test_norm_scaled_identity_weight_reaches_the_cache(xp, rng):
     unscaled = flat(xp, block.multiply_inverse(state, vec, w, False, False))
     assert_allclose_normwise(cached, manual, 16 * xp.eps)
     assert np.max(np.abs(cached - unscaled)) > 1e-3 * np.max(np.abs(unscaled))
-    # A different weight for the baked-in cached inverse is an error (strict) ...
-    with pytest.raises(KFACValueError, match="identity_weight"):
+    # A different weight for the baked-in cached inverse is an error (strict), both weights
+    # printed as numbers ...
+    with pytest.raises(KFACValueError, match=r"identity_weight \(effective 0\.5\) must equal "
+                                             r"the one the cached approximate power -1\.0 was "
+                                             r"built with \([0-9.e+-]+\); call update_cache"):
         block.multiply_inverse(state, vec, w, False, True)
     # ... unless kfac-jax's behaviour is asked for.
     lax = kj.DenseTwoKroneckerFactored(3, 2, strict_cache=False)

@@ -168,8 +168,9 @@ def test_option_errors_name_the_estimators_method_and_arguments(xp, rng):
                                                pmap_axis_name=3)):
         with pytest.raises(KFACTypeError, match=r"pmap_axis_name must be None or a str"):
             call()
-    # a cache entry that is missing: the method called is named
+    # a cache entry that is missing: the method called and the block are named
     with pytest.raises(KFACValueError, match=r"^BlockDiagonalCurvature\.multiply_matpower: "
+                                             r"block 0 \(layer 'd1'\): "
                                              r"the cache must hold 'approx' for this call; "
                                              r"got a DenseTwoKroneckerFactored cache"):
         est.multiply_matpower(st, v, 0.1, -1.0, False, True)
@@ -185,22 +186,38 @@ def test_option_errors_name_the_estimators_method_and_arguments(xp, rng):
         est.multiply_matpower(st, bad, 0.1, -1.0, True, False)
 
 
-@pytest.mark.parametrize("block", [1, 2])
-def test_a_failing_refresh_names_its_block(xp, rng, block):
-    # the output factor of one block set to zero: with no damping its damped factor is
-    # singular, and the error names that block and its layer
-    est, _, st = updated(xp, rng, approx_powers_to_cache=-1.0)
+def _one_zero_output_factor(st, block):
     bs = st.blocks_states[block]
     a, g = bs.statistics
     zero = type(g)(g.value * 0.0, g.weight)
     states = list(st.blocks_states)
     states[block] = type(bs)((a, zero), bs.cache, bs.like)
+    return type(st)(tuple(states))
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_a_failing_refresh_names_its_block(xp, rng, block):
+    # the output factor of one block set to zero: with no damping its damped factor is
+    # singular, and the error names that block and its layer
+    est, _, st = updated(xp, rng, approx_powers_to_cache=-1.0)
     layer = ("d1", "d2", "d3")[block]
     with pytest.raises(KFACValueError, match=rf"^BlockDiagonalCurvature\.update_cache: block "
                                              rf"{block} \(layer '{layer}'\): "
                                              r"DenseTwoKroneckerFactored\.update_cache: .*"
                                              r"singular"):
-        est.update_cache(type(st)(tuple(states)), 0.0, None, -1.0, False)
+        est.update_cache(_one_zero_output_factor(st, block), 0.0, None, -1.0, False)
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_a_failing_product_names_its_block(xp, rng, block):
+    # the same singular block met by an uncached product: the block and its layer named once
+    est, fa, st = updated(xp, rng)
+    layer = ("d1", "d2", "d3")[block]
+    vec = xp.asarray(rng.standard_normal(est.net.num_params))
+    with pytest.raises(KFACValueError,
+                       match=rf"^BlockDiagonalCurvature\.multiply_matpower: block {block} "
+                             rf"\(layer '{layer}'\): [^:]*singular"):
+        est.multiply_matpower(_one_zero_output_factor(st, block), vec, 0.0, -1.0, False, False)
 
 
 def test_a_refused_init_leaves_the_estimator_as_it_was(xp, rng):

@@ -558,10 +558,16 @@ class BlockDiagonalCurvature(EstimatorBase):
             for bl in self.blocks[1:]:
                 bl.check_approx_power(func, opts[0])
         xp = array_namespace(flat)  # checked with the states above
+        outs = []
         with _statistics_named(func, state):
-            outs = [bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w, *opts)
-                    for bl, st, sl, w in zip(self.blocks, state.blocks_states,
-                                             self._block_slices, ws, strict=True)]
+            try:  # not errors_named per block: its enter and exit would cost every product
+                for bl, st, sl, w in zip(self.blocks, state.blocks_states, self._block_slices,
+                                         ws, strict=True):
+                    outs.append(bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w,
+                                                                 *opts))
+            except KFACValueError:  # a block's values (a type error concerns them all)
+                with errors_named(func, inner=True, context=self._block_label(len(outs))):
+                    raise
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):

@@ -143,8 +143,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
             lam_cached, prepared = approx[power]
             if self.strict_cache and _differ(lam_cached, lam):
                 raise kernel_error(
-                    f"identity_weight (effective {lam!r}) must equal the one the "
-                    f"cached approximate power {power} was built with ({lam_cached!r}); call "
+                    f"identity_weight (effective {float(lam)}) must equal the one the "
+                    f"cached approximate power {power} was built with ({float(lam_cached)}); call "
                     f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
                     f"(cached weight used).")
             return kron_factored_apply(xp, prepared, vector)
