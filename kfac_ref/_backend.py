@@ -688,7 +688,8 @@ def namespace_of(func: str, **arrays: Any):
     PyTorch, say), live on different devices, or are floating arrays of different
     precisions (float32 next to float64): kfac_ref never promotes one precision to another
     behind the caller's back.  Integer and boolean arrays (ids, labels, masks) may sit next
-    to floating arrays of any precision.
+    to floating arrays of any precision, and so may weakly typed arrays (JAX's Python
+    numbers traced into a jitted function), which take the other operand's precision.
 
     An array whose device is unknown (``array_api_compat.device`` returns ``None``: a JAX
     tracer inside ``jax.jit``, whose placement is decided when the computation is compiled)
@@ -739,7 +740,10 @@ def namespace_of(func: str, **arrays: Any):
                 f"{func}: all arrays must live on one device; {known[0][0]} is on "
                 f"{known[0][1]!r} but {name} is on {dev!r}."
             )
-    floats = [(name, x.dtype) for name, x, _, _ in found if is_floating(xp0, x.dtype)]
+    # a weakly typed array (JAX's, for a Python number traced into a jitted function) takes
+    # the other operand's precision, as a Python number does
+    floats = [(name, x.dtype) for name, x, _, _ in found
+              if is_floating(xp0, x.dtype) and not getattr(x, "weak_type", False)]
     for name, dtype in floats[1:]:
         if dtype != floats[0][1]:
             raise KFACTypeError(
@@ -1051,12 +1055,16 @@ def check_scalar(
     positive: bool = False,
     integer: bool = False,
     allow_none: bool = False,
+    like: dict | None = None,
 ):
     """Validate a real scalar: a Python/NumPy number, returned as ``float`` (or ``int``),
     or — for real (non-integer) scalars — a 0-D real floating array, returned unchanged so
     that a hyper-parameter can live on the device or be traced (``jax.jit``).  The finite
     and sign checks of an array are value checks (skipped for lazy arrays and when value
-    checks are off)."""
+    checks are off).  ``like`` names the arrays the scalar meets (``{"matrix": matrix}``):
+    a 0-D array must share their namespace, device and precision (:func:`namespace_of`),
+    so that it neither fails inside the array library nor promotes a float32 result to
+    float64; a Python number takes their dtype."""
     if type(value) is float and not integer:  # the common case, before the type probes
         _check_scalar_value(func, name, value, value, nonnegative, positive)
         return value
@@ -1067,6 +1075,8 @@ def check_scalar(
         if value.ndim != 0 or not is_floating(xp, value.dtype):
             _fail(func, name, "a real number or a 0-D real floating array", describe(value),
                   KFACTypeError)
+        if like:
+            namespace_of(func, **like, **{name: value})
         if checks_values(value):
             _check_scalar_value(func, name, host_float(value), value, nonnegative, positive)
         return value

@@ -67,13 +67,15 @@ def weighted_accumulate(old, new, old_weight, new_weight):
         non-finite weights.
     """
     func = "weighted_accumulate"
-    old_weight = check_scalar(func, "old_weight", old_weight, nonnegative=True)
-    new_weight = check_scalar(func, "new_weight", new_weight, nonnegative=True)
+    like = None
     if is_array(old) or is_array(new):
         _check_same_arrays(func, ("old", old), ("new", new))
+        like = {"old": old}
     else:
         old = check_scalar(func, "old", old)
         new = check_scalar(func, "new", new)
+    old_weight = check_scalar(func, "old_weight", old_weight, nonnegative=True, like=like)
+    new_weight = check_scalar(func, "new_weight", new_weight, nonnegative=True, like=like)
     return _weighted_accumulate(old, new, old_weight, new_weight)
 
 
@@ -115,7 +117,7 @@ def _check_state(func, raw, weight_name, weight):
     """The stored sum of an average: a finite real floating array; its weight ≥ 0."""
     namespace_of(func, raw=raw)
     check_array(func, "raw", raw)
-    return check_scalar(func, weight_name, weight, nonnegative=True)
+    return check_scalar(func, weight_name, weight, nonnegative=True, like={"raw": raw})
 
 
 def _check_update(func, raw, x, old_weight, new_weight, names):
@@ -127,8 +129,9 @@ def _check_update(func, raw, x, old_weight, new_weight, names):
             f"{func}: x must have the averaged shape {tuple(raw.shape)}; got shape "
             f"{tuple(x.shape)}."
         )
-    old_weight = check_scalar(func, names[0], old_weight, nonnegative=True)
-    new_weight = check_scalar(func, names[1], new_weight, nonnegative=True)
+    like = {"value": raw}
+    old_weight = check_scalar(func, names[0], old_weight, nonnegative=True, like=like)
+    new_weight = check_scalar(func, names[1], new_weight, nonnegative=True, like=like)
     return old_weight, new_weight
 
 

@@ -209,7 +209,8 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
         if normalizer == 0:
             raise KFACValueError(f"{func}: tensor must have at least one row; got shape "
                                  f"{tuple(tensor.shape)}.")
-    normalizer = check_scalar(func, "normalizer", normalizer, positive=True)
+    normalizer = check_scalar(func, "normalizer", normalizer, positive=True,
+                              like={"tensor": tensor})
     return _compute_cov(xp, tensor, tensor_right, normalizer)
 
 
@@ -247,7 +248,7 @@ def append_homog(tensor, homog_value=1.0):
     func = "append_homog"
     xp = namespace_of(func, tensor=tensor)
     check_array(func, "tensor", tensor, min_ndim=1, layout="[..., d]")
-    homog_value = check_scalar(func, "homog_value", homog_value)
+    homog_value = check_scalar(func, "homog_value", homog_value, like={"tensor": tensor})
     return _append_homog(xp, tensor, homog_value)
 
 
@@ -287,7 +288,8 @@ def clipped_eigh(matrix, eigenvalue_clipping_threshold=0.0):
     xp = namespace_of(func, matrix=matrix)
     check_namespace_has(func, "matrix", matrix, "linalg.eigh", _EIGH_WHY)
     check_symmetric(func, "matrix", matrix)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold,
+                     like={"matrix": matrix})
     return _clipped_eigh(xp, matrix, c)
 
 
@@ -302,8 +304,8 @@ def _clipped_eigh(xp, matrix, threshold=0.0):
 _EIGH_WHY = "an eigendecomposition"
 
 
-def _check_exponent(func, power):
-    return check_scalar(func, "power", power)
+def _check_exponent(func, power, like):
+    return check_scalar(func, "power", power, like=like)
 
 
 def _singular_tolerance(xp, spectrum, order):
@@ -395,11 +397,13 @@ def damped_matpower(matrix, power, damping=0.0, eigenvalue_clipping_threshold=0.
     func = "damped_matpower"
     xp = namespace_of(func, matrix=matrix)
     check_symmetric(func, "matrix", matrix)
-    power = _check_exponent(func, power)
+    like = {"matrix": matrix}
+    power = _check_exponent(func, power, like)
     if power != 1.0:  # p = 1 is M + λI; every other power may take the eigenvalues
         check_namespace_has(func, "matrix", matrix, "linalg.eigh", _EIGH_WHY)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold,
+                     like=like)
     with errors_named(func):
         return _damped_matpower(xp, matrix, power, damping, c)
 
@@ -493,7 +497,7 @@ def _damped_inverse(xp, matrix, damping=0.0):
 
 def _check_cholesky_args(func, matrix, damping):
     check_symmetric(func, "matrix", matrix)
-    return check_scalar(func, "damping", damping, nonnegative=True)
+    return check_scalar(func, "damping", damping, nonnegative=True, like={"matrix": matrix})
 
 
 @capabilities(dask="yes")
@@ -741,7 +745,8 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
     """
     func = "pi_adjusted_damping"
     xp = _check_pi_args(func, left_cov, right_cov, norm_type)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    damping = check_scalar(func, "damping", damping, nonnegative=True,
+                           like={"left_cov": left_cov})
     return _pi_adjusted_damping(xp, left_cov, right_cov, damping, norm_type)
 
 
@@ -994,11 +999,13 @@ def _checked_kron_damped_matpower_matvec(func, a, b, x, power, damping, damping_
     check_option(func, "order", order, ("C", "F"))
     check_option(func, "norm_type", norm_type, FACTOR_NORMS)
     _check_kron_vector(func, x, order, (a.shape[0], b.shape[0]))
-    power = _check_exponent(func, power)
+    like = {"a": a}
+    power = _check_exponent(func, power, like)
     if power != 1.0 or damping_method == "exact":  # factored p = 1 is A + δI, B + δI
         check_namespace_has(func, "a", a, "linalg.eigh", _EIGH_WHY)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold,
+                     like=like)
     with errors_named(func):
         return _kron_damped_matpower_matvec(xp, a, b, x, power, damping, damping_method, order,
                                             norm_type, c)
@@ -1056,9 +1063,10 @@ def kron_eigenbasis_matpower(s_a, q_a, s_b, q_b, x, power, damping=0.0, scale=1.
     check_array(func, "x", x, min_ndim=2)
     if tuple(x.shape[-2:]) != (p, q):
         raise KFACValueError(f"{func}: x must be [..., {p}, {q}]; got shape {tuple(x.shape)}.")
-    power = _check_exponent(func, power)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    scale = check_scalar(func, "scale", scale, positive=True)
+    like = {"s_a": s_a}
+    power = _check_exponent(func, power, like)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    scale = check_scalar(func, "scale", scale, positive=True, like=like)
     with errors_named(func):
         return _kron_eigenbasis_matpower(xp, s_a, q_a, s_b, q_b, x, power, damping, scale)
 

@@ -79,8 +79,9 @@ def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_f
     xp = namespace_of(func, a=a, g=g)
     _check_factor(func, "a", a, eigenvalues)
     _check_factor(func, "g", g, eigenvalues)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    scale = check_scalar(func, "scale", scale, positive=True)
+    like = {"a": a}
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    scale = check_scalar(func, "scale", scale, positive=True, like=like)
     exact = check_bool(func, "exact", exact)
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
@@ -89,7 +90,7 @@ def _check_kron_args(func, a, g, damping, scale, exact, norm_type, zero_factor_f
             if f.ndim == 2:
                 check_namespace_has(func, name, f, "linalg.eigvalsh",
                                     "the largest eigenvalue of the 2_norm of the π split")
-    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold)
+    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold, like=like)
     return xp, a, g, damping, scale, exact, norm_type, zero_factor_fallback, threshold
 
 

@@ -48,6 +48,7 @@ from .._backend import (
     check_int,
     check_namespace_has,
     check_scalar,
+    check_scalars_with,
     checks_values,
     describe,
     errors_named,
@@ -173,15 +174,22 @@ def damping_key(func, damping):
     ``("func", f)`` for a zero-argument callable (keyed by identity)."""
     if callable(damping):
         return ("func", damping)
+    if is_array(damping):  # a key is compared by value, and an array's == is elementwise
+        raise KFACTypeError(
+            f"{func}: damping must be a real number or a zero-argument callable; got "
+            f"{describe(damping)}. A registered damping is a key: give an array as a "
+            f"callable (lambda: damping), evaluated at each use.")
     v = check_scalar(func, "damping", damping, nonnegative=True)
     return ("value", v)
 
 
-def damping_value(func, key):
-    """The damping of a registration key (a callable is evaluated and checked now)."""
+def damping_value(func, key, cov):
+    """The damping of a registration key (a callable is evaluated and checked now), checked
+    against the covariance it is added to (a 0-D array: one namespace, device, precision)."""
     kind, d = key
     if kind == "func":
-        return check_scalar(func, "damping_func()", d(), nonnegative=True)
+        return check_scalar(func, "damping_func()", d(), nonnegative=True, like={"cov": cov})
+    check_scalars_with(func, {"cov": cov}, damping=d)
     return d
 
 
@@ -464,17 +472,18 @@ class DenseSquareMatrixFactor(FisherFactor):
         if self.uses_eigendecomposition:
             for exp, key in self._matpower_regs:
                 cache[("matpower", exp, key)] = damped_matpower.kernel(
-                    xp, cov, exp, damping_value(func, key), self.eigenvalue_clipping_threshold)
+                    xp, cov, exp, damping_value(func, key, cov),
+                    self.eigenvalue_clipping_threshold)
         else:
             for exp, key in self._matpower_regs:
                 cache[("matpower", exp, key)] = damped_inverse.kernel(
-                    xp, cov, damping_value(func, key))
+                    xp, cov, damping_value(func, key, cov))
         for key in self._cholesky_regs:
             cache[("cholesky", None, key)] = damped_cholesky.kernel(
-                xp, cov, damping_value(func, key))
+                xp, cov, damping_value(func, key, cov))
         for key in self._cholesky_inverse_regs:
             cache[("cholesky_inverse", None, key)] = damped_cholesky_inverse.kernel(
-                xp, cov, damping_value(func, key))
+                xp, cov, damping_value(func, key, cov))
 
     def update_inverses(self):
         r"""Return a factor whose cached quantities are recomputed from the current
@@ -511,7 +520,7 @@ class DenseSquareMatrixFactor(FisherFactor):
         key = damping_key(func, damping)
         if exp == 1.0:
             cov = self.cov
-            return cov + damping_value(func, key) * eye_like(cov, cov.shape[0])
+            return cov + damping_value(func, key, cov) * eye_like(cov, cov.shape[0])
         return self._cached(func, "matpower", exp, key, self._matpower_regs, (exp, key))
 
     def get_inverse(self, damping):
@@ -599,9 +608,9 @@ class DiagonalFactor(FisherFactor):
         r""":math:`(d + \lambda)^{p}` elementwise, from the current diagonal."""
         func = f"{self.name}.get_matpower"
         exp = exp_value(func, exp)
-        lam = damping_value(func, damping_key(func, damping))
         cov = self.cov
         xp = namespace_of(func, cov=cov)
+        lam = damping_value(func, damping_key(func, damping), cov)
         damped = cov + lam
         # a value check: skipped with value checks off and for lazy arrays (NaN/Inf out)
         if (exp < 0 and math.prod(damped.shape) and checks_values(damped)

@@ -134,7 +134,7 @@ def _check_sua(func, sigma, mu, num_offsets, has_bias, damping, order):
         check_array(func, "mu", mu, shape=(sigma.shape[0],), layout="[C]")
     num_offsets = check_int(func, "num_offsets", num_offsets, minimum=1)
     check_bool(func, "has_bias", has_bias)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like={"sigma": sigma})
     check_option(func, "order", order, SUA_ORDERS)
     return xp, num_offsets, damping
 
@@ -379,9 +379,9 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
     def _inverse_cache(self):
         func = f"{self.name}.update_inverses"
         cache = {}
+        cov = self.cov
         for exp, key in self._matpower_regs:
-            lam = damping_value(func, key)
-            cov = self.cov
+            lam = damping_value(func, key, cov)
             with errors_named(func):
                 sigma_inv = damped_inverse.kernel(namespace_of(func, cov=cov), cov, lam)
             cache[("matpower", exp, key)] = (sigma_inv, self.mu, lam)
@@ -394,7 +394,7 @@ class ConvInputSUAKroneckerFactor(DenseSquareMatrixFactor):
         cov = self.cov
         xp = namespace_of(func, cov=cov)
         if exp_value(func, exp) == 1.0:
-            lam = damping_value(func, damping_key(func, damping))
+            lam = damping_value(func, damping_key(func, damping), cov)
             return _conv_input_sua_factor(xp, cov, self.mu, self.num_offsets, self.has_bias,
                                           lam, self.order)
         cached = super().get_matpower(exp, damping)

@@ -17,6 +17,7 @@ from .._backend import (
     KFACValueError,
     check_array,
     check_scalar,
+    check_scalars_with,
     describe,
     kernel_of,
     namespace_of,
@@ -71,14 +72,14 @@ def _to_vector(func, params_grads):
     return xp.concat([xp.reshape(g, (-1,)) for g in grads], axis=0)
 
 
-def _batch_size(func, batch_size):
-    return check_scalar(func, "batch_size", batch_size, positive=True)
+def _batch_size(func, batch_size, like=None):
+    return check_scalar(func, "batch_size", batch_size, positive=True, like=like)
 
 
 def _checked_vector(func, params_grads, batch_size):
     """``(xp, ĝ, N)``: the checked flat gradient vector and batch size of a naive factor."""
     v = _to_vector(func, params_grads)
-    n = _batch_size(func, batch_size)
+    n = _batch_size(func, batch_size, {"params_grads": v})
     return namespace_of(func, params_grads=v), v, n
 
 
@@ -178,6 +179,7 @@ def _per_source(func, params_grads, batch_size, kernel):
     """``(kernel(xp, ĝ_s, N),)`` for each source's flat gradient ĝ_s, all sources checked
     first."""
     vecs = [_to_vector(func, src) for src in _sources(func, params_grads)]
+    check_scalars_with(func, {"params_grads": vecs[0]}, batch_size=batch_size)
     return tuple((kernel(namespace_of(func, params_grads=v), v, batch_size),) for v in vecs)
 
 

@@ -119,9 +119,10 @@ def _check_pair(func, cov, cov_dt1, damping, threshold):
                              f"{tuple(cov.shape)} and {tuple(cov_dt1.shape)}.")
     check_namespace_has(func, "cov", cov, "linalg.eigh",
                         "the inverse square root of the damped cov")
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    like = {"cov": cov}
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
     threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold,
-                             nonnegative=True)
+                             nonnegative=True, like=like)
     return xp, damping, threshold
 
 
@@ -388,11 +389,11 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
             xp = namespace_of(func, cov=cov, cov_dt1=c1)
             for key in self._option1_regs:
                 cache[("option1", None, key)] = _series_option1_quantities(
-                    xp, cov, c1, damping_value(func, key), self.option1_eig_method,
+                    xp, cov, c1, damping_value(func, key, cov), self.option1_eig_method,
                     self.eigenvalue_clipping_threshold, func=func)
             for key in self._option2_regs:
                 cache[("option2", None, key)] = _series_option2_quantities(
-                    xp, cov, c1, damping_value(func, key), self.eigenvalue_clipping_threshold,
+                    xp, cov, c1, damping_value(func, key, cov), self.eigenvalue_clipping_threshold,
                     func=func)
         return cache
 

@@ -39,11 +39,12 @@ def check_factor(func, name, f):
     return f
 
 
-def check_common(func, power, damping, scale, threshold=0.0):
-    power = check_scalar(func, "power", power)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    scale = check_scalar(func, "scale", scale, positive=True)
-    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold)
+def check_common(func, like, power, damping, scale, threshold=0.0):
+    """The block's scalars, each a number or a 0-D array like the arrays named in ``like``."""
+    power = check_scalar(func, "power", power, like=like)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    scale = check_scalar(func, "scale", scale, positive=True, like=like)
+    threshold = check_scalar(func, "eigenvalue_clipping_threshold", threshold, like=like)
     return power, damping, scale, threshold
 
 

@@ -54,7 +54,8 @@ def diagonal_block_matpower(diagonal, x, power, damping=0.0, *, scale=1.0):
     xp = namespace_of(func, diagonal=diagonal, x=x)
     check_array(func, "diagonal", diagonal)
     check_array(func, "x", x, shape=tuple(diagonal.shape))
-    power, damping, scale, _ = check_common(func, power, damping, scale)
+    power, damping, scale, _ = check_common(func, {"diagonal": diagonal}, power, damping,
+                                            scale)
     with errors_named(func):
         return apply_diagonal(xp, diagonal, x, power, damping, scale)
 
@@ -108,7 +109,7 @@ def full_block_matpower(matrix, x, power, damping=0.0, *, scale=1.0,
     check_symmetric(func, "matrix", matrix)
     n = matrix.shape[0]
     check_array(func, "x", x, ndim=1, shape=(n,), layout=f"[{n}]")
-    power, damping, scale, c = check_common(func, power, damping, scale,
+    power, damping, scale, c = check_common(func, {"matrix": matrix}, power, damping, scale,
                                              eigenvalue_clipping_threshold)
     if power != 1.0:
         check_namespace_has(func, "matrix", matrix, "linalg.eigh", "an eigendecomposition")
@@ -128,9 +129,10 @@ def scaled_identity_matpower(x, power, damping=0.0, *, scale=1.0):
     func = "scaled_identity_matpower"
     namespace_of(func, x=x)
     check_array(func, "x", x)
-    power = check_scalar(func, "power", power)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
-    scale = check_scalar(func, "scale", scale, nonnegative=True)
+    like = {"x": x}
+    power = check_scalar(func, "power", power, like=like)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    scale = check_scalar(func, "scale", scale, nonnegative=True, like=like)
     base = scale + damping
     if power < 0 and base == 0.0:
         raise KFACValueError(f"{func}: scale + damping must be positive for the negative power "

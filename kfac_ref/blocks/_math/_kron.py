@@ -179,7 +179,7 @@ def kronecker_block_matpower(a, g, x, power, damping=0.0, *, scale=1.0, exact=Fa
     """
     func = "kronecker_block_matpower"
     xp = _check_kron_inputs(func, a, g, x)
-    power, damping, scale, c = check_common(func, power, damping, scale,
+    power, damping, scale, c = check_common(func, {"a": a}, power, damping, scale,
                                              eigenvalue_clipping_threshold)
     check_option(func, "norm_type", norm_type, PI_NORMS)
     check_option(func, "zero_factor_fallback", zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
@@ -206,8 +206,9 @@ def kronecker_block_eigenvalues(a, g, *, scale=1.0, eigenvalue_clipping_threshol
     xp = namespace_of(func, a=a, g=g)
     check_factor(func, "a", a)
     check_factor(func, "g", g)
-    scale = check_scalar(func, "scale", scale, positive=True)
-    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold)
+    scale = check_scalar(func, "scale", scale, positive=True, like={"a": a})
+    c = check_scalar(func, "eigenvalue_clipping_threshold", eigenvalue_clipping_threshold,
+                     like={"a": a})
     check_kron_linalg(func, "eigen", a, g, 0.0, c, "avg_diag")
     s_a, _, s_g, _ = kron_eigen(xp, a, g, c)
     return kron_spectrum(xp, s_a, s_g, scale)

@@ -155,7 +155,7 @@ def block_tridiagonal_multiply_inverse(a_diag, g_diag, a_off, g_off, xs, damping
             f"{len(a_off)}, {len(g_off)}.")
     arrays = {f"{k}[{i}]": v for k, seq in seqs.items() for i, v in enumerate(seq)}
     xp = namespace_of(func, **arrays)
-    damping = check_scalar(func, "damping", damping, nonnegative=True)
+    damping = check_scalar(func, "damping", damping, nonnegative=True, like=arrays)
     for i in range(n):
         check_symmetric(func, f"a_diag[{i}]", a_diag[i])
         check_symmetric(func, f"g_diag[{i}]", g_diag[i])

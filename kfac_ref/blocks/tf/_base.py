@@ -98,9 +98,11 @@ def cov_of(func, name, factor):
                         f"{describe(factor)}.")
 
 
-def damping_value(func, damping):
+def damping_value(func, damping, like):
+    """A block's damping (a number, a 0-D array like the arrays in ``like``, or a
+    zero-argument callable giving one), checked."""
     value = damping() if callable(damping) else damping
-    return check_scalar(func, "damping", value, nonnegative=True)
+    return check_scalar(func, "damping", value, nonnegative=True, like=like)
 
 
 def check_rows_data(func, **arrays):
@@ -191,11 +193,21 @@ class FisherBlock:
         """
         raise NotImplementedError
 
+    def _keep_damping(self, func, damping, like):
+        """Keep the damping (a value or a zero-argument callable, checked now and at each
+        read) and the block's arrays it meets (``{"factor": cov}``)."""
+        self._damping_arg, self._damping_like = damping, like
+        damping_value(func, damping, like)
+
+    def _given_damping(self):
+        """The damping given (the callable's value at this read), checked."""
+        return damping_value(type(self).__name__, self._damping_arg, self._damping_like)
+
     @property
     def damping(self):
         """The damping :math:`\\lambda` added to the block (to the diagonal of a diagonal
         block): the value given, or the zero-argument callable's value at this read."""
-        return damping_value(type(self).__name__, self._damping_arg)
+        return self._given_damping()
 
     def _exp(self, exp):
         return check_scalar(f"{type(self).__name__}.multiply_matpower", "exp", exp)

@@ -39,7 +39,6 @@ from ._base import (
     check_conv_data,
     check_rows_data,
     cov_of,
-    damping_value,
     grads_tuple,
 )
 
@@ -70,11 +69,9 @@ class _FlatVector:
 
         return xp, flatten(xp, parts), back
 
-    def _set_damping(self, func, damping, params_shapes):
-        """Keep the damping (a value or a callable, checked now and at each read) and the
-        parameter shapes."""
-        self._damping_arg = damping
-        damping_value(func, damping)
+    def _set_damping(self, func, damping, like, params_shapes):
+        """Keep the damping (:meth:`FisherBlock._keep_damping`) and the parameter shapes."""
+        self._keep_damping(func, damping, like)
         self.params_shapes = _params_shapes(func, params_shapes)
 
 
@@ -114,7 +111,7 @@ class FullFB(_FlatVector, FisherBlock):
         self._cov = cov_of(func, "factor", factor)
         namespace_of(func, factor=self._cov)
         check_square(func, "factor", self._cov)
-        self._set_damping(func, damping, params_shapes)
+        self._set_damping(func, damping, {"factor": self._cov}, params_shapes)
 
     def multiply_matpower(self, vector, exp):
         r""":math:`(F + \lambda I)^{p} v`.
@@ -214,7 +211,7 @@ class DiagonalFB(_FlatVector, FisherBlock):
         xp = namespace_of(func, factor=cov)
         check_array(func, "factor", cov)
         self._diag = xp.reshape(cov, (-1,))
-        self._set_damping(func, damping, params_shapes)
+        self._set_damping(func, damping, {"factor": cov}, params_shapes)
 
     def multiply_matpower(self, vector, exp):
         r""":math:`(d + \lambda)^{\odot p} \odot v`.
@@ -302,8 +299,7 @@ class FullyConnectedDiagonalFB(Mat2dVector, FisherBlock):
         self.has_bias = check_bool(func, "has_bias", has_bias)
         rows, out = self._diag.shape
         self.kernel_shape = (rows - (1 if self.has_bias else 0), out)
-        self._damping_arg = damping
-        damping_value(func, damping)
+        self._keep_damping(func, damping, {"factor": self._diag})
 
     @classmethod
     def from_data(cls, inputs, outputs_grad, damping, has_bias=False):
@@ -400,7 +396,8 @@ class ConvDiagonalFB(FullyConnectedDiagonalFB):
         self.kernel_shape = filter_shape
         self.num_locations = check_int(func, "num_locations", num_locations, minimum=1)
         self.normalize_damping_power = check_scalar(func, "normalize_damping_power",
-                                                    normalize_damping_power)
+                                                    normalize_damping_power,
+                                                    like={"factor": self._diag})
 
     @classmethod
     def from_data(cls, inputs, outputs_grad, damping, filter_shape, padding, strides=None,

@@ -39,7 +39,6 @@ from ._base import (
     check_rows_data,
     compute_pi_adjusted_damping,
     cov_of,
-    damping_value,
     norm_of_pi_type,
     pi_split,
 )
@@ -106,16 +105,17 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
                 f"dim {p} = prod(kernel_shape[:-1]) + has_bias, output factor dim {q} = "
                 f"kernel_shape[-1]; got kernel_shape {self.kernel_shape}, has_bias "
                 f"{self.has_bias}.")
-        self.renorm_coeff = check_scalar(func, "renorm_coeff", renorm_coeff, positive=True)
+        like = {"input_factor": self._a}  # the arrays each scalar meets
+        self.renorm_coeff = check_scalar(func, "renorm_coeff", renorm_coeff, positive=True,
+                                         like=like)
         self.normalization = None if normalization is None else check_scalar(
-            func, "normalization", normalization, positive=True)
+            func, "normalization", normalization, positive=True, like=like)
         self.pi_type = check_option(func, "pi_type", pi_type, PI_TYPES)
         self.normalize_damping_power = check_scalar(func, "normalize_damping_power",
-                                                    normalize_damping_power)
+                                                    normalize_damping_power, like=like)
         self.zero_factor_fallback = check_option(func, "zero_factor_fallback",
                                                  zero_factor_fallback, ZERO_FACTOR_FALLBACKS)
-        self._damping_arg = damping
-        damping_value(func, damping)
+        self._keep_damping(func, damping, like)
 
     @property
     def input_factor(self):
@@ -130,7 +130,7 @@ class KroneckerProductFB(Mat2dVector, FisherBlock):
     @property
     def damping(self):
         r"""The normalised damping :math:`\lambda / k^{\rho}` (TF's ``damping`` property)."""
-        lam = damping_value(type(self).__name__, self._damping_arg)
+        lam = self._given_damping()
         if self.normalization is None:
             return lam
         return normalize_damping(lam, self.normalization, self.normalize_damping_power)

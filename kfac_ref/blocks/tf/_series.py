@@ -27,7 +27,6 @@ from ._base import (
     Mat2dVector,
     compute_pi_adjusted_damping,
     cov_of,
-    damping_value,
     pi_split,
 )
 
@@ -108,13 +107,12 @@ class FullyConnectedSeriesFB(Mat2dVector, FisherBlock):
         self.option1_eig_method = check_option(func, "option1_eig_method", option1_eig_method,
                                                factors.OPTION1_EIG_METHODS)
         self.pi_type = check_option(func, "pi_type", pi_type, PI_TYPES)
-        self._damping_arg = damping
-        damping_value(func, damping)
+        self._keep_damping(func, damping, {"input_factor": self._a0})
 
     @property
     def damping(self):
         r"""The normalised damping :math:`\lambda / T`."""
-        return normalize_damping(damping_value(type(self).__name__, self._damping_arg),
+        return normalize_damping(self._given_damping(),
                                  self.num_uses)
 
     def factor_dampings(self):
