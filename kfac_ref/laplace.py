@@ -178,12 +178,12 @@ def _check_group(func, structure, name, block, n):
         _check_block(func, name, block, n)
 
 
-def _check_prior_precision(func, prior_precision, n_groups):
+def _check_prior_precision(func, prior_precision, n_groups, like):
     if is_array(prior_precision) and prior_precision.ndim == 1:
         check_array(func, "prior_precision", prior_precision, shape=(n_groups,),
                     layout=f"[{n_groups}] (one per parameter group)")
+        xp = namespace_of(func, **like, prior_precision=prior_precision)
         if checks_values(prior_precision):
-            xp = namespace_of(func, prior_precision=prior_precision)
             if any_true(xp, xp.any(prior_precision <= 0)):
                 _fail(func, "prior_precision", "positive", describe(prior_precision))
         return prior_precision
@@ -191,17 +191,18 @@ def _check_prior_precision(func, prior_precision, n_groups):
         _fail(func, "prior_precision", f"a positive number, a 0-D array or a 1-D array "
               f"[{n_groups}] (one per parameter group)", describe(prior_precision),
               KFACTypeError)
-    return check_scalar(func, "prior_precision", prior_precision, positive=True)
+    return check_scalar(func, "prior_precision", prior_precision, positive=True, like=like)
 
 
-def _check_prior_mean(func, prior_mean, params):
+def _check_prior_mean(func, prior_mean, params, like):
     if isinstance(prior_mean, (list, tuple)):
         _check_sequence(func, "prior_mean", prior_mean, len(params))
         for g, (m, p) in enumerate(zip(prior_mean, params, strict=True)):
             check_array(func, f"prior_mean[{g}]", m, shape=tuple(p.shape),
                         layout="(the shape of params[g])")
+        namespace_of(func, **like, **{f"prior_mean[{g}]": m for g, m in enumerate(prior_mean)})
         return prior_mean
-    return check_scalar(func, "prior_mean", prior_mean)
+    return check_scalar(func, "prior_mean", prior_mean, like=like)
 
 
 def _check_args(func, params, curvature, prior_precision, structure, temperature,
@@ -229,28 +230,23 @@ def _check_args(func, params, curvature, prior_precision, structure, temperature
         elif structure not in ("ekfac", "diagonal"):
             check_namespace_has(func, names[0], leaves[0], "linalg.eigvalsh",
                                 "the eigenvalues of a full block")
-    prior_precision = _check_prior_precision(func, prior_precision, len(params))
-    temperature = check_scalar(func, "temperature", temperature, positive=True)
-    prior_mean = _check_prior_mean(func, prior_mean, params)
+    # every scalar and prior array enters the groups' sums with the parameters: one
+    # namespace, device and precision
+    like = {"params[0]": params[0]}
+    prior_precision = _check_prior_precision(func, prior_precision, len(params), like)
+    temperature = check_scalar(func, "temperature", temperature, positive=True, like=like)
+    prior_mean = _check_prior_mean(func, prior_mean, params, like)
     if log_likelihood is not None:
-        log_likelihood = _check_log_likelihood(func, log_likelihood)
-    loss_arrays = ({f"log_likelihood.{k}": a for k, a in
-                    enumerate(log_likelihood.parameter_dependants)}
-                   if isinstance(log_likelihood, LossFunction) else {})
-    namespace_of(func, **{"params[0]": params[0]}, prior_precision=prior_precision,
-                 temperature=temperature, log_likelihood=_loglik_array(log_likelihood),
-                 **loss_arrays)
+        log_likelihood = _check_log_likelihood(func, log_likelihood, like)
     return xp, structure, prior_precision, temperature, prior_mean, log_likelihood
 
 
-def _loglik_array(value):
-    return value if is_array(value) else None
-
-
-def _check_log_likelihood(func, value):
+def _check_log_likelihood(func, value, like):
     if isinstance(value, LossFunction):
+        namespace_of(func, **like, **{f"log_likelihood.{k}": a for k, a in
+                                      enumerate(value.parameter_dependants)})
         return value
-    return check_scalar(func, "log_likelihood", value)
+    return check_scalar(func, "log_likelihood", value, like=like)
 
 
 # --------------------------------------------------------------------------------------

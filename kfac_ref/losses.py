@@ -1293,8 +1293,9 @@ class NormalMeanNegativeLogProbLoss(NaturalParamsNegativeLogProbLoss):
         At least 2-D, real floating, finite.
     targets : array, optional
         Same shape and dtype as ``mean``, finite.
-    variance : float
-        Positive scalar :math:`v` (Python number).  Default 0.5 (squared error).
+    variance : float or 0-D array
+        Positive scalar :math:`v` (a 0-D array in the namespace, device and dtype of
+        ``mean``).  Default 0.5 (squared error).
     weight : float
     normalize_log_prob : bool
         Include the additive normalising constant in ``evaluate``.

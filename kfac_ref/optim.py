@@ -54,6 +54,7 @@ from ._backend import (
     check_scalar,
     describe,
     errors_named,
+    is_array,
     kernel_of,
     namespace_of,
     zeros_like_shape,
@@ -138,9 +139,11 @@ def preconditioned_direction(estimator, estimator_state, grad, damping, exact_po
     lam = check_scalar(func, "damping", damping, nonnegative=True)
     exact_power = check_bool(func, "exact_power", exact_power)
     use_cached = check_bool(func, "use_cached", use_cached)
-    # the estimator's errors, under the user's call and the user's argument names
+    # the estimator's errors, under the user's call and the user's argument names; it checks
+    # a 0-D damping against its state (namespace, device, precision), as it checks grad
     with errors_named(func, inner=True, arguments={"parameter_structured_vector": "grad",
-                                                   "state": "estimator_state"}):
+                                                   "state": "estimator_state",
+                                                   "identity_weight": "damping"}):
         out = estimator.multiply_matpower(estimator_state, grad, identity_weight=lam,
                                           power=-1.0, exact_power=exact_power,
                                           use_cached=use_cached)
@@ -152,13 +155,13 @@ def preconditioned_direction(estimator, estimator_state, grad, damping, exact_po
 # ------------------------------------------------------------------------------------------
 # the quadratic model
 # ------------------------------------------------------------------------------------------
-def _check_fixed(func, fixed, k):
+def _check_fixed(func, fixed, k, like=None):
     if fixed is None:
         return (None,) * k
     if not isinstance(fixed, (tuple, list)) or len(fixed) != k:
         raise KFACValueError(f"{func}: fixed_coefficients must be a sequence of {k} numbers or "
                              f"None; got {describe(fixed)}.")
-    return tuple(check_scalar(func, f"fixed_coefficients[{i}]", c, allow_none=True)
+    return tuple(check_scalar(func, f"fixed_coefficients[{i}]", c, allow_none=True, like=like)
                  for i, c in enumerate(fixed))
 
 
@@ -271,8 +274,9 @@ def quadratic_model(curvature_gram, gram, grad_products, damping, fixed_coeffici
     check_array(func, "curvature_gram", curvature_gram, shape=(k, k), finite=True,
                 layout="[k, k]")
     check_array(func, "gram", gram, shape=(k, k), finite=True, layout="[k, k]")
-    lam = check_scalar(func, "damping", damping, nonnegative=True)
-    fixed = _check_fixed(func, fixed_coefficients, k)
+    like = {"curvature_gram": curvature_gram}  # the system the 0-D scalars enter
+    lam = check_scalar(func, "damping", damping, nonnegative=True, like=like)
+    fixed = _check_fixed(func, fixed_coefficients, k, like)
     include = check_bool(func, "include_damping_in_change", include_damping_in_change)
     return quadratic_model.kernel(xp, curvature_gram, gram, grad_products, lam, fixed, include)
 
@@ -426,9 +430,10 @@ def adapt_damping(damping, loss, new_loss, quad_change, omega, lower_threshold=0
     xp = namespace_of(func, loss=loss, new_loss=new_loss, quad_change=quad_change)
     for name, v in (("loss", loss), ("new_loss", new_loss), ("quad_change", quad_change)):
         check_array(func, name, v, ndim=0, layout="[]")
-    lam = check_scalar(func, "damping", damping, nonnegative=True)
+    like = {"loss": loss}  # the 0-D scalars meet rho, computed from the losses
+    lam = check_scalar(func, "damping", damping, nonnegative=True, like=like)
     opts = _check_lm(func, omega, lower_threshold, upper_threshold, min_damping, max_damping,
-                     rule)
+                     rule, like=like)
     return adapt_damping.kernel(xp, asarray_like(lam, loss), loss, new_loss, quad_change, *opts)
 
 
@@ -439,20 +444,23 @@ _OPTIMIZER_LM_NAMES = ("damping_lower_threshold", "damping_upper_threshold", "da
 """The same arguments as :class:`KFACOptimizer`'s constructor names them."""
 
 
-def _check_lm(func, omega, lower, upper, min_damping, max_damping, rule, names=_LM_NAMES):
+def _check_lm(func, omega, lower, upper, min_damping, max_damping, rule, names=_LM_NAMES,
+              like=None):
     # ``names``: the caller's own names of (lower, upper, rule), so that a message names
-    # the argument the user passed
+    # the argument the user passed; ``like``: the arrays the 0-D scalars meet (None in
+    # KFACOptimizer's constructor, which checks them at init and step)
     lower_name, upper_name, rule_name = names
-    omega = check_scalar(func, "omega", omega, positive=True)
+    omega = check_scalar(func, "omega", omega, positive=True, like=like)
     if omega > 1:
         raise KFACValueError(f"{func}: omega must be in (0, 1]; got {omega}.")
-    lower = check_scalar(func, lower_name, lower)
-    upper = check_scalar(func, upper_name, upper)
+    lower = check_scalar(func, lower_name, lower, like=like)
+    upper = check_scalar(func, upper_name, upper, like=like)
     if not lower <= upper:
         raise KFACValueError(f"{func}: {lower_name} must not exceed {upper_name} "
                              f"({upper}); got {lower}.")
-    min_damping = check_scalar(func, "min_damping", min_damping, nonnegative=True)
-    max_damping = check_scalar(func, "max_damping", max_damping, positive=True, allow_none=True)
+    min_damping = check_scalar(func, "min_damping", min_damping, nonnegative=True, like=like)
+    max_damping = check_scalar(func, "max_damping", max_damping, positive=True, allow_none=True,
+                               like=like)
     if max_damping is not None and max_damping < min_damping:
         raise KFACValueError(f"{func}: max_damping must be at least min_damping "
                              f"({min_damping}); got {max_damping}.")
@@ -471,10 +479,16 @@ def _adapt_damping(xp, lam, loss, new_loss, quad_change, omega, lower, upper, mi
         decrease = ((new_loss - loss < 0) & (quad_change > 0)) | (rho > upper)
         increase = rho < lower
     new = xp.where(decrease, lam * omega, xp.where(increase, lam / omega, lam))
-    new = xp.maximum(new, xp.full_like(new, min_damping))
+    new = xp.maximum(new, _filled(xp, new, min_damping))
     if max_damping is not None:
-        new = xp.minimum(new, xp.full_like(new, max_damping))
+        new = xp.minimum(new, _filled(xp, new, max_damping))
     return new, rho
+
+
+def _filled(xp, like, value):
+    """A checked scalar as an array like the 0-D ``like``: a 0-D array as it is (``full_like``
+    takes Python numbers only under the array API)."""
+    return value if is_array(value) else xp.full_like(like, value)
 
 
 # ------------------------------------------------------------------------------------------
@@ -515,8 +529,9 @@ def norm_constraint_coefficient(preconditioned, grad, learning_rate, norm_constr
     check_array(func, "preconditioned", preconditioned, ndim=1, finite=True, layout="[P]")
     check_array(func, "grad", grad, shape=tuple(preconditioned.shape), finite=True,
                 layout="[P]")
-    lr = check_scalar(func, "learning_rate", learning_rate, positive=True)
-    c = check_scalar(func, "norm_constraint", norm_constraint, positive=True)
+    like = {"preconditioned": preconditioned}
+    lr = check_scalar(func, "learning_rate", learning_rate, positive=True, like=like)
+    c = check_scalar(func, "norm_constraint", norm_constraint, positive=True, like=like)
     return norm_constraint_coefficient.kernel(xp, preconditioned, grad, lr, c)
 
 
@@ -685,6 +700,10 @@ class KFACOptimizer:
     :math:`(d, 1 - d)`.  Not modelled: kfac-jax's ``l2_reg`` (and its masks), burn-in steps,
     initial-damping calibration, step rejection, TF's ``qmodel_update_rescale``.
 
+    Every real-valued option (the floats below) may be a 0-D array instead, in the
+    parameters' namespace, device and precision: the constructor sees no array, so
+    :meth:`init` and :meth:`step` check it against the parameters.
+
     Parameters
     ----------
     net : kfac_ref.nn.Sequential
@@ -848,6 +867,16 @@ class KFACOptimizer:
                                            ESTIMATION_MODES)
         self.estimation_mode = estimation_mode
         self._implicit = ImplicitExactCurvature(net, loss_fn)
+        # the options given as 0-D arrays, checked against the parameters at init and step
+        # (the constructor sees no array); Python numbers take the parameters' dtype
+        options = {"learning_rate": self.learning_rate, "momentum": self.momentum,
+                   "damping": self.damping, "damping_adaptation_decay": decay,
+                   **dict(zip(("damping_lower_threshold", "damping_upper_threshold",
+                               "min_damping", "max_damping"), self._lm[1:5], strict=True)),
+                   "precon_damping_mult": self.precon_damping_mult,
+                   "norm_constraint": self.norm_constraint,
+                   "weight_decay": self.weight_decay, "curvature_ema": ema}
+        self._array_options = {k: v for k, v in options.items() if is_array(v)}
 
     # -- helpers ------------------------------------------------------------------------
     def _func_args(self, func, params, batch):
@@ -858,7 +887,8 @@ class KFACOptimizer:
         like = next((a for layer in params for a in layer), None)
         if like is None:
             raise KFACValueError(f"{func}: net must have parameters; got a network without.")
-        xp = namespace_of(func, params=like, **{"batch[0]": batch[0], "batch[1]": batch[1]})
+        xp = namespace_of(func, params=like, **{"batch[0]": batch[0], "batch[1]": batch[1]},
+                          **self._array_options)
         return xp, params, (params, tuple(batch))
 
     def _loss_and_grad(self, params, batch):
@@ -937,10 +967,11 @@ class KFACOptimizer:
         t = state.step
         # checked here, in the state's name: the estimator would report it as its own
         # identity_weight argument, which the user never passed
-        lam = check_scalar(func, "state.damping", state.damping, nonnegative=True)
+        like = {"params": flat}  # a state's 0-D dampings are in the parameters' precision
+        lam = check_scalar(func, "state.damping", state.damping, nonnegative=True, like=like)
         if state.preconditioner_damping is not None:
             check_scalar(func, "state.preconditioner_damping", state.preconditioner_damping,
-                         nonnegative=True)
+                         nonnegative=True, like=like)
         lam_p = lam * self.precon_damping_mult
         n = int(batch[0].shape[0])
 

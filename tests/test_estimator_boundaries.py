@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from losses_helpers import ce
+from scalar_kinds import other_namespace, other_precision
 
 import kfac_ref.nn as nn
 from kfac_ref import KFACTypeError, KFACValueError
@@ -36,15 +37,6 @@ def updated(xp, rng, n=5, **init_kw):
     st = est.init(None, fa, **init_kw)
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, n, None, fa, "ggn_exact")
     return est, fa, st
-
-
-def other_precision(xp, value):
-    """A 0-D array of ``value`` in the namespace under test, in the other float precision."""
-    try:
-        return xp.xp.asarray(value, dtype=xp.xp.float32 if xp.float64 else xp.xp.float64,
-                             device=xp.device)
-    except ValueError:  # a device without float64
-        pytest.skip("the device under test has one floating precision")
 
 
 def test_a_0d_weight_of_the_states_precision_is_accepted(xp, rng):
@@ -92,11 +84,7 @@ def test_a_0d_hyper_parameter_of_another_precision_is_refused(xp, rng):
 
 def test_a_0d_weight_from_another_namespace_is_refused(xp, rng):
     est, _, st = updated(xp, rng, approx_powers_to_cache=-1.0)
-    if xp.name.startswith("numpy"):
-        torch = pytest.importorskip("torch")
-        w = torch.tensor(0.1, dtype=torch.float64 if xp.float64 else torch.float32)
-    else:
-        w = np.asarray(0.1, dtype=np.float64 if xp.float64 else np.float32)
+    w = other_namespace(xp, 0.1)
     with pytest.raises(KFACTypeError, match=r"update_cache: all arrays must come from one "
                                             r"array namespace; state\.blocks_states\[0\] is "
                                             r"from .* but identity_weight is from"):

@@ -50,9 +50,11 @@ class EstimatorBase:
         mode = self.default_estimation_mode if mode is None else mode
         return check_option(func, "estimation_mode", mode, ESTIMATION_MODES)
 
-    def _check_ema(self, func, ema_old, ema_new):
-        return (check_scalar(func, "ema_old", ema_old, nonnegative=True),
-                check_scalar(func, "ema_new", ema_new, nonnegative=True))
+    def _check_ema(self, func, ema_old, ema_new, like=None):
+        """The EMA weights; ``like``: the state's arrays they are averaged into (0-D
+        weights must share their namespace, device and precision)."""
+        return (check_scalar(func, "ema_old", ema_old, nonnegative=True, like=like),
+                check_scalar(func, "ema_new", ema_new, nonnegative=True, like=like))
 
     def _check_batch_size(self, func, batch_size, n):
         bs = check_int(func, "batch_size", batch_size, minimum=1)

@@ -95,7 +95,8 @@ class ExplicitExactCurvature(EstimatorBase):
         Samples per example for the stochastic modes.
     empirical_fisher_normalization : {"mean", "kfac_jax"}
         See :data:`kfac_ref.curvature.EMPIRICAL_FISHER_NORMALIZATIONS`.
-    eigenvalue_clipping_threshold : float
+    eigenvalue_clipping_threshold : float or 0-D array
+        A 0-D array is checked against the state's matrix by each method that reads it.
     """
 
     def __init__(self, net, loss_fn, default_estimation_mode=None, num_samples=1,
@@ -148,16 +149,17 @@ class ExplicitExactCurvature(EstimatorBase):
         """
         func = "ExplicitExactCurvature.update_curvature_matrix_estimate"
         mode = self._check_mode(func, estimation_mode)
-        ema_old, ema_new = self._check_ema(func, ema_old, ema_new)
+        if not isinstance(state, ExplicitState):
+            raise KFACTypeError(f"{func}: state must be an ExplicitState from init; got "
+                                f"{describe(state)}.")
+        ema_old, ema_new = self._check_ema(func, ema_old, ema_new,
+                                           like={"state.matrix": state.matrix.raw})
         params, batch = unpack_func_args(func, func_args)
         x, _ = exact.unpack_batch(func, batch)
         # the inputs' shape is read before the batch is evaluated: static checks only (the
         # evaluation checks their values); integer inputs (ids) are allowed
         check_array(func, "x", x, dtype=None, finite=False, min_ndim=1)
         self._check_batch_size(func, batch_size, int(x.shape[0]))
-        if not isinstance(state, ExplicitState):
-            raise KFACTypeError(f"{func}: state must be an ExplicitState from init; got "
-                                f"{describe(state)}.")
         namespace_of(func, **{"state.matrix": state.matrix.raw}, x=x)
         est = exact.estimated_matrix(self.net, self.loss_fn, params, batch, mode, rng,
                                      self.num_samples, self.empirical_fisher_normalization)
@@ -223,11 +225,12 @@ class ExplicitExactCurvature(EstimatorBase):
             :math:`C + \lambda I`; a negative ``identity_weight``.
         """
         func = "ExplicitExactCurvature.multiply_matpower"
-        lam = check_scalar(func, "identity_weight", identity_weight, nonnegative=True)
-        p = check_scalar(func, "power", power)
         self._check_state(func, state)
-        flat, back = flat_or_structured(func, self.net, parameter_structured_vector,
-                                        **{"state.matrix": state.matrix.raw})
+        like = {"state.matrix": state.matrix.raw}
+        lam = check_scalar(func, "identity_weight", identity_weight, nonnegative=True,
+                           like=like)
+        p = check_scalar(func, "power", power, like=like)
+        flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **like)
         # the state's matrix was scanned when it entered the state (its update), so the
         # products call the kernels: no scan of the [P, P] matrix per product
         if use_cached:
@@ -252,7 +255,10 @@ class ExplicitExactCurvature(EstimatorBase):
         if not isinstance(state, ExplicitState):
             raise KFACTypeError(f"{func}: state must be an ExplicitState from init; got "
                                 f"{describe(state)}.")
-        return namespace_of(func, **{"state.matrix": state.matrix.raw})
+        # the constructor's threshold (a 0-D array, or a number namespace_of passes over)
+        # meets the matrix here: the constructor sees no array
+        return namespace_of(func, **{"state.matrix": state.matrix.raw},
+                            eigenvalue_clipping_threshold=self.eigenvalue_clipping_threshold)
 
     def eigenvalues(self, state, use_cached=False):
         r"""Eigenvalues of :math:`C` (clipped, ascending).
