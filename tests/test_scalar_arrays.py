@@ -31,7 +31,7 @@ from kfac_ref import (
     optim,
     spectral,
 )
-from kfac_ref.blocks import tf
+from kfac_ref.blocks import kfac_jax, tf
 
 
 # -- the math layer: linalg, spectral, block formulas, averaging, factors, TF blocks ---------
@@ -407,3 +407,22 @@ def test_a_state_damping_of_another_kind_is_refused_at_step(xp):
                                             r"state\.preconditioner_damping is from"):
         opt.step(dataclasses.replace(state, preconditioner_damping=other_namespace(xp, 0.1)),
                  params, batch)
+
+
+@pytest.mark.parametrize("kind", sorted(REFUSALS))
+@pytest.mark.parametrize(("make", "arg"), [
+    (lambda s: kfac_jax.DenseFull(3, 2, eigenvalue_clipping_threshold=s),
+     "eigenvalue_clipping_threshold"),
+    (lambda s: kfac_jax.ScaledIdentity([(3,)], scale=s), "scale"),
+], ids=["threshold", "scaled_identity_scale"])
+def test_a_kfac_jax_blocks_0d_option_meets_the_state_at_init(xp, kind, make, arg):
+    # the constructor sees no array; init, which fixes the state's kind, checks the option
+    like = xp.asarray(np.zeros(()))
+    block = make(own(xp, 0.5))
+    assert block.init(like).like.dtype == like.dtype
+    make_scalar, message = REFUSALS[kind]
+    block = make(make_scalar(xp, 0.5))
+    with pytest.raises(KFACTypeError, match=rf"^{type(block).__name__}\.init: "
+                                            + message.format(arg=arg)):
+        block.init(like)
+

@@ -405,6 +405,8 @@ class CurvatureBlock(abc.ABC):
         func = f"{type(self).__name__}.init"
         namespace_of(func, like=like)
         check_array(func, "like", like)
+        # the constructor saw no array: its 0-D options meet the state's kind here, once
+        check_scalars_with(func, {"like": like}, **self._scalar_options())
         ensure_for(like)  # a JAX state is a JAX pytree (kfac_ref.register_jax_pytrees)
         like0 = zeros_like_shape(like, ())
         exact = powers_set(func, "exact_powers_to_cache", exact_powers_to_cache)
@@ -416,6 +418,10 @@ class CurvatureBlock(abc.ABC):
                       for shape in self._statistics_shapes())
         cache = {"declared": (exact, approx, cache_eigenvalues)}
         return BlockState(stats, MappingProxyType(cache), like0)
+
+    def _scalar_options(self):
+        """The constructor's real options, by name (a 0-D array must be like the state)."""
+        return {"eigenvalue_clipping_threshold": self.eigenvalue_clipping_threshold}
 
     def check_state_structure(self, func, state):
         """Check that ``state`` is a :class:`BlockState` of this block's statistic shapes.

@@ -28,6 +28,9 @@ class ScaledIdentity(CurvatureBlock):
     def fixed_scale(self):
         return self._scale
 
+    def _scalar_options(self):
+        return {**super()._scalar_options(), "scale": self._scale}
+
     def _statistics_shapes(self):
         return ()
 
