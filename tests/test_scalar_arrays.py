@@ -118,6 +118,17 @@ MATH_CALLS = [
      2.0, "renorm_coeff", "KroneckerProductFB"),
     ("FullFactor.callable", lambda xp, s: _full_factor_inverse(xp, lambda: s), 0.1,
      r"damping_func\(\)", "FullFactor"),
+    ("FullFactor.threshold",
+     lambda xp, s: factors.FullFactor(4.0, eigenvalue_clipping_threshold=s).update_cov(
+         [xp.asarray(_VEC)], ema_decay=0.0).register_matpower(-0.5, 0.1).update_inverses(
+         ).get_matpower(-0.5, 0.1),
+     0.01, "eigenvalue_clipping_threshold", "FullFactor"),
+    ("compute_pi_adjusted_damping",
+     lambda xp, s: tf.compute_pi_adjusted_damping(xp.asarray(_A), xp.asarray(_G), s)[0], 0.1,
+     "damping", "compute_pi_adjusted_damping"),
+    ("FullFB.exp",
+     lambda xp, s: tf.FullFB(xp.asarray(_M), 0.1).multiply_matpower(xp.asarray(_VEC), s),
+     -0.5, "exp", "FullFB"),
 ]
 
 
@@ -425,4 +436,15 @@ def test_a_kfac_jax_blocks_0d_option_meets_the_state_at_init(xp, kind, make, arg
     with pytest.raises(KFACTypeError, match=rf"^{type(block).__name__}\.init: "
                                             + message.format(arg=arg)):
         block.init(like)
+
+
+def test_normalize_damping_takes_0d_arrays_of_one_kind(xp):
+    # no arrays to meet: the 0-D scalars must agree with each other
+    got = blocks.normalize_damping(own(xp, 0.8), 4.0, own(xp, 1.0))
+    assert got.dtype == xp.dtype
+    np.testing.assert_allclose(float(xp.to_numpy(got)), 0.2, rtol=1e-6)
+    for make, message in REFUSALS.values():
+        with pytest.raises(KFACTypeError, match=r"^normalize_damping: .*"
+                                                + message.format(arg="num_replications")):
+            blocks.normalize_damping(own(xp, 0.8), make(xp, 4.0))
 

@@ -460,7 +460,9 @@ class DenseSquareMatrixFactor(FisherFactor):
     def _inverse_cache(self):
         func = f"{self.name}.update_inverses"
         cov = self.cov  # the factor's own statistic: already checked, kernels only
-        xp = namespace_of(func, cov=cov)
+        # the constructor's clipping threshold (a number, or a 0-D array like cov)
+        xp = namespace_of(func, cov=cov,
+                          eigenvalue_clipping_threshold=self.eigenvalue_clipping_threshold)
         if self.uses_eigendecomposition:
             check_namespace_has(func, "cov", cov, "linalg.eigh", _EIGH_WHY)
         cache = {}

@@ -9,6 +9,7 @@ import math
 from ..._backend import (
     check_array,
     check_scalar,
+    check_scalars_with,
     check_symmetric,
     value_checks,
 )
@@ -112,6 +113,9 @@ def normalize_damping(damping, num_replications, normalize_damping_power=1.0):
     damping = check_scalar(func, "damping", damping, nonnegative=True)
     k = check_scalar(func, "num_replications", num_replications, positive=True)
     rho = check_scalar(func, "normalize_damping_power", normalize_damping_power)
+    # no arrays here: the 0-D ones among the three must agree with each other
+    check_scalars_with(func, {}, damping=damping, num_replications=k,
+                       normalize_damping_power=rho)
     if rho:
         return damping / k**rho
     return damping

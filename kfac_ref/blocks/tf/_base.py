@@ -68,7 +68,7 @@ def compute_pi_adjusted_damping(left_cov, right_cov, damping, pi_type="tracenorm
     func = "compute_pi_adjusted_damping"
     xp = namespace_of(func, left_cov=left_cov, right_cov=right_cov)
     check_option(func, "pi_type", pi_type, PI_TYPES)
-    d = check_scalar(func, "damping", damping, nonnegative=True)
+    d = check_scalar(func, "damping", damping, nonnegative=True, like={"left_cov": left_cov})
     if pi_type != "off":
         check_norm_argument(func, "left_cov", left_cov)
         check_norm_argument(func, "right_cov", right_cov)
@@ -210,7 +210,8 @@ class FisherBlock:
         return self._given_damping()
 
     def _exp(self, exp):
-        return check_scalar(f"{type(self).__name__}.multiply_matpower", "exp", exp)
+        return check_scalar(f"{type(self).__name__}.multiply_matpower", "exp", exp,
+                            like=self._damping_like)
 
     def _transpose(self, method, transpose):
         return check_bool(f"{type(self).__name__}.{method}", "transpose", transpose)
