@@ -27,6 +27,7 @@ from .networks_cases import (
     _tanh,
     build_net,
     loss_fn,
+    one_update,
     params_from_inputs,
 )
 
@@ -59,18 +60,9 @@ def full_blocks_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, b
     """Block-diagonal curvature (dense [P, P]) with every dense layer's block of
     ``params["block"]`` after one update in ``params["mode"]`` (kfac_ref)."""
     from kfac_ref.blocks import kfac_jax as kj
-    from kfac_ref.curvature import BlockDiagonalCurvature
 
-    spec = params["net"]
-    net = build_net(spec)
-    theta = params_from_inputs(spec, inputs, to_backend)
-    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params),
-                                 layer_to_block={"dense": getattr(kj, block or params["block"])})
-    rng = np.random.default_rng(0)  # unused by the exact and empirical modes
-    st = est.init(rng, (theta, batch))
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
-                                              (theta, batch), params["mode"])
+    est, st = one_update(params, inputs, to_backend,
+                         layer_to_block={"dense": getattr(kj, block or params["block"])})
     return to_numpy(est.to_dense_matrix(st))
 
 

@@ -290,30 +290,28 @@ def build_cases() -> list[Case]:
         k_fact = cond(a + pi * root * np.eye(p)) * cond(g + root / pi * np.eye(q))
         k_exact = cond(np.kron(a, g) + lam * np.eye(p * q))
         meta = {"p": p, "q": q}
-        cases.append(_case(
-            f"linalg.factored_damped_inverse_matvec/p{p}_q{q}_damping{lam:g}",
-            "linalg.factored_damped_inverse_matvec", {"a": a, "g": g, "v": v},
-            {"damping": lam}, fact,
-            Tolerance(SAFETY * (p + q) * k_fact,
-                      f"two damped inverses and GEMMs: work = {p + q}, κ = product of the "
-                      f"damped factors' condition numbers = {k_fact:.3g}"), meta,
-            {"pi_without_dimensions": split(pi_nd * root, root / pi_nd),
-             "unsplit_damping": split(lam, lam), "pi_off": split(root, root),
-             "exact_damping": exact,
-             "_damping_lambda": L.kron_damped_inverse_matvec(a, g, v, lam ** 2,
-                                                             damping_method="factored"),
-             "_operator": _operator(lambda e, a=a, g=g, lam=lam: L.kron_damped_inverse_matvec(
-                 a, g, e, lam, damping_method="factored"), p * q)}))
-        cases.append(_case(
-            f"linalg.exact_damped_inverse_matvec/p{p}_q{q}_damping{lam:g}",
-            "linalg.exact_damped_inverse_matvec", {"a": a, "g": g, "v": v},
-            {"damping": lam}, exact,
-            Tolerance(SAFETY * (p + q) * k_exact,
-                      f"eigh of both factors and GEMMs: work = {p + q}, κ = cond(A⊗G + λI) "
-                      f"= {k_exact:.3g}"), meta,
-            {"factored_damping": fact, "unsplit_damping": split(lam, lam),
-             "_operator": _operator(lambda e, a=a, g=g, lam=lam: L.kron_damped_inverse_matvec(
-                 a, g, e, lam, damping_method="exact"), p * q)}))
+
+        def inverse(method, a=a, g=g, lam=lam):
+            return lambda e: L.kron_damped_inverse_matvec(a, g, e, lam, damping_method=method)
+
+        # (method, expected, κ and what it is, the work, alternatives the diagnosis tries)
+        for method, expected, kappa, kappa_is, work, alternatives in (
+                ("factored", fact, k_fact, "product of the damped factors' condition numbers",
+                 "two damped inverses and GEMMs",
+                 {"pi_without_dimensions": split(pi_nd * root, root / pi_nd),
+                  "unsplit_damping": split(lam, lam), "pi_off": split(root, root),
+                  "exact_damping": exact,
+                  "_damping_lambda": L.kron_damped_inverse_matvec(
+                      a, g, v, lam ** 2, damping_method="factored")}),
+                ("exact", exact, k_exact, "cond(A⊗G + λI)", "eigh of both factors and GEMMs",
+                 {"factored_damping": fact, "unsplit_damping": split(lam, lam)})):
+            name = f"linalg.{method}_damped_inverse_matvec"
+            cases.append(_case(
+                f"{name}/p{p}_q{q}_damping{lam:g}", name, {"a": a, "g": g, "v": v},
+                {"damping": lam}, expected,
+                Tolerance(SAFETY * (p + q) * kappa,
+                          f"{work}: work = {p + q}, κ = {kappa_is} = {kappa:.3g}"), meta,
+                {**alternatives, "_operator": _operator(inverse(method), p * q)}))
         exp = -0.5
         powv = L.kron_damped_matpower_matvec(a, g, v, exp, lam, damping_method="factored")
         cases.append(_case(

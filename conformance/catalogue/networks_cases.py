@@ -79,18 +79,20 @@ def loss_fn(params):
     return lambda out, y: L.NormalMeanNegativeLogProbLoss(out, y, variance=v)
 
 
-def _one_update(params, inputs, to_backend, mode=None, sharing=None):
+def one_update(params, inputs, to_backend, mode=None, sharing=None, seed=0,
+               layer_to_block=None):
     """kfac_ref's estimator of the case's network and its state after one update on the
-    case's batch (in ``mode``, default ``params["mode"]``): ``(estimator, state)``."""
+    case's batch (in ``mode``, default ``params["mode"]``; the sampling modes draw from
+    ``numpy.random.default_rng(seed)``): ``(estimator, state)``."""
     from kfac_ref.curvature import BlockDiagonalCurvature
 
     spec = params["net"]
     net = build_net(spec)
     theta = params_from_inputs(spec, inputs, to_backend)
     batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params), weight_sharing=sharing or
-                                 params.get("weight_sharing", "expand"))
-    rng = np.random.default_rng(0)  # unused by the exact and empirical modes
+    est = BlockDiagonalCurvature(net, loss_fn(params), layer_to_block=layer_to_block,
+                                 weight_sharing=sharing or params.get("weight_sharing", "expand"))
+    rng = np.random.default_rng(seed)
     st = est.init(rng, (theta, batch))
     st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
                                               (theta, batch), mode or params["mode"])
@@ -100,7 +102,7 @@ def _one_update(params, inputs, to_backend, mode=None, sharing=None):
 def kfac_matrix(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                 sharing=None):
     """Block-diagonal K-FAC of the case's network (dense [P, P]) with kfac_ref."""
-    est, st = _one_update(params, inputs, to_backend, mode, sharing)
+    est, st = one_update(params, inputs, to_backend, mode, sharing)
     return to_numpy(est.to_dense_matrix(st))
 
 
@@ -108,7 +110,7 @@ def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
                         exact=None, damping=None):
     """(K + λI)⁻¹ v with the block-diagonal K-FAC K of one estimator update (kfac_ref):
     per block factored π damping of λ/s (``exact=False``) or exact damping."""
-    est, st = _one_update(params, inputs, to_backend)
+    est, st = one_update(params, inputs, to_backend)
     out = est.multiply_matpower(st, to_backend(inputs["v"]),
                                 params["damping"] if damping is None else damping, -1.0,
                                 params["exact"] if exact is None else exact, False)
@@ -118,7 +120,7 @@ def kfac_inverse_matvec(params, inputs, to_backend=lambda v: v, to_numpy=to_np,
 def layer_factors(params, inputs, to_backend=lambda v: v, to_numpy=to_np, mode=None,
                   sharing=None):
     """Every parametric layer's (A, G) after one update of kfac_ref's estimator."""
-    _, st = _one_update(params, inputs, to_backend, mode, sharing)
+    _, st = one_update(params, inputs, to_backend, mode, sharing)
     return [(to_numpy(bs.factors[0].value), to_numpy(bs.factors[1].value))
             for bs in st.blocks_states]
 

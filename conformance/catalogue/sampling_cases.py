@@ -58,6 +58,7 @@ from .networks_cases import (
     build_net,
     kfac_matrix,
     loss_fn,
+    one_update,
     params_from_inputs,
 )
 
@@ -114,16 +115,7 @@ def kfac_given_draws(params, inputs, to_backend=lambda v: v, to_numpy=to_np):
 
 def kfac_own_draws(params, inputs, seed, to_backend=lambda v: v, to_numpy=to_np):
     """One estimate with kfac_ref's own sampling (``numpy.random.default_rng(seed)``)."""
-    from kfac_ref.curvature import BlockDiagonalCurvature
-
-    net = build_net(params["net"])
-    theta = params_from_inputs(params["net"], inputs, to_backend)
-    batch = (to_backend(inputs["x"]), to_backend(inputs["targets"]))
-    est = BlockDiagonalCurvature(net, loss_fn(params))
-    rng = np.random.default_rng(seed)
-    st = est.init(rng, (theta, batch))
-    st = est.update_curvature_matrix_estimate(st, 0.0, 1.0, int(inputs["x"].shape[0]), rng,
-                                              (theta, batch), params["mode"])
+    est, st = one_update(params, inputs, to_backend, seed=seed)
     return to_numpy(est.to_dense_matrix(st))
 
 
