@@ -402,65 +402,68 @@ DOCS_PAGES = {
     "theory/laplace": "Laplace evidence",
 }
 
-_VEC = ("conventions", "Vectorisation and the order of the Kronecker factors")
-_PARAMS = ("conventions", "Parameter order in dense curvature matrices")
-_SCALE = ("theory/fisher_ggn", "Scale: mean versus sum")
-_EMA = ("conventions", "Moving averages")
-_EXPAND = ("theory/kfc", "KFAC-expand and KFAC-reduce")
-_SPLIT = ("theory/damping", "Factored (Tikhonov) damping")
-_PI = ("theory/damping", "Choosing π")
-_EXACT = ("theory/damping", "Exact damping")
-_SHARED = ("theory/damping", "Layers used several times")
-_EF = ("theory/fisher_ggn", "The empirical Fisher is something else")
-_EFSCALE = ("theory/estimation", "Scaling conventions")
-_CLIP = ("theory/damping", "Eigenvalue clipping")
-_SERIES = ("theory/series", "Estimating the statistics")
+#: (docs page, section title) -> the pitfalls whose formula that section writes down
+_SECTION_PITFALLS = {
+    ("conventions", "Vectorisation and the order of the Kronecker factors"): (
+        "kron_order_swapped", "vec_order", "transposed", "factors_swapped",
+    ),
+    ("conventions", "Parameter order in dense curvature matrices"): (
+        "bias_position", "bias_separate",
+    ),
+    ("theory/fisher_ggn", "Scale: mean versus sum"): (
+        "sum_vs_mean", "scale:N", "scale:1/N", "scale:N^2", "scale:1/N^2",
+    ),
+    ("conventions", "Moving averages"): (
+        "no_zero_debias", "spurious_zero_debias", "identity_init", "last_batch_only",
+        "ema_first_statistic", "ema_zero_start", "ema_weight_tied", "ema_weight_untied",
+        "ema_identity_init", "ema_zero_init_no_debias", "ema_decay",
+    ),
+    ("theory/kfac_dense", "Statistics across steps"): ("average_of_products",),
+    ("theory/kfc", "KFAC-expand and KFAC-reduce"): (
+        "conv_style", "reduce_instead_of_expand", "expand_instead_of_reduce",
+    ),
+    ("conventions", "Convolutions"): (
+        "patch_order", "dilation_ignored", "padding_ignored", "padding_split", "stride_ignored",
+    ),
+    ("theory/kfc", "KFC"): (
+        "scale:T", "scale:1/T", "scale:T^2", "scale:1/T^2", "scale:NT", "scale:1/NT", "scale:C",
+        "scale:1/C", "scale:kernel", "scale:1/kernel",
+    ),
+    ("theory/damping", "Layers used several times"): (
+        "missing_block_scale", "damping_not_normalised", "spurious_damping_normalisation",
+    ),
+    ("theory/estimation", "Scaling conventions"): (
+        "empirical_fisher_scale", "empirical_fisher_unit",
+    ),
+    ("theory/losses", "Squared error versus Gaussian likelihood"): (
+        "mse_factor_2", "scale:2", "scale:1/2",
+    ),
+    ("theory/damping", "Choosing π"): (
+        "pi_without_dimensions", "pi_squared", "pi_off", "scale:sqrt(dA/dG)", "scale:sqrt(dG/dA)",
+        "scale:dA/dG", "scale:dG/dA",
+    ),
+    ("theory/damping", "Factored (Tikhonov) damping"): (
+        "unsplit_damping", "damping_parameterisation", "no_damping",
+    ),
+    ("theory/damping", "Exact damping"): ("exact_damping", "factored_damping"),
+    ("theory/fisher_ggn", "The empirical Fisher is something else"): (
+        "empirical_fisher", "true_fisher",
+    ),
+    ("theory/losses", "Fisher, GGN and Hessian"): ("fisher_for_hessian",),
+    ("theory/kfac_dense", "The approximation"): ("exact_block_diagonal",),
+    ("theory/series", "Estimating the statistics"): ("symmetrised", "signed_eigenvalues"),
+    ("theory/damping", "Eigenvalue clipping"): ("no_eigenvalue_clipping", "non_finite"),
+    ("theory/laplace", "Log-determinants by eigenvalues"): (
+        "factored_instead_of_exact", "exact_instead_of_factored",
+    ),
+    ("theory/laplace", "Temperature and the normaliser"): (
+        "log_likelihood_untempered", "curvature_untempered",
+    ),
+}
 
 #: pitfall id -> (docs page, section title): where the formula the pitfall gets wrong is
 #: written down (see :func:`docs_link`)
-DOCS = {
-    "kron_order_swapped": _VEC, "vec_order": _VEC, "transposed": _VEC,
-    "bias_position": _PARAMS, "bias_separate": _PARAMS,
-    "sum_vs_mean": _SCALE, "scale:N": _SCALE, "scale:1/N": _SCALE, "scale:N^2": _SCALE,
-    "scale:1/N^2": _SCALE,
-    "no_zero_debias": _EMA, "spurious_zero_debias": _EMA, "identity_init": _EMA,
-    "last_batch_only": _EMA,
-    "average_of_products": ("theory/kfac_dense", "Statistics across steps"),
-    "conv_style": _EXPAND, "reduce_instead_of_expand": _EXPAND,
-    "expand_instead_of_reduce": _EXPAND,
-    "patch_order": ("conventions", "Convolutions"),
-    "scale:T": ("theory/kfc", "KFC"), "scale:1/T": ("theory/kfc", "KFC"),
-    "scale:T^2": ("theory/kfc", "KFC"), "scale:1/T^2": ("theory/kfc", "KFC"),
-    "scale:NT": ("theory/kfc", "KFC"), "scale:1/NT": ("theory/kfc", "KFC"),
-    "missing_block_scale": _SHARED, "damping_not_normalised": _SHARED,
-    "empirical_fisher_scale": _EFSCALE, "empirical_fisher_unit": _EFSCALE,
-    "mse_factor_2": ("theory/losses", "Squared error versus Gaussian likelihood"),
-    "scale:2": ("theory/losses", "Squared error versus Gaussian likelihood"),
-    "scale:1/2": ("theory/losses", "Squared error versus Gaussian likelihood"),
-    "pi_without_dimensions": _PI, "pi_squared": _PI, "pi_off": _PI,
-    "unsplit_damping": _SPLIT, "exact_damping": _EXACT, "factored_damping": _EXACT,
-    "empirical_fisher": _EF, "true_fisher": _EF,
-    "fisher_for_hessian": ("theory/losses", "Fisher, GGN and Hessian"),
-    "exact_block_diagonal": ("theory/kfac_dense", "The approximation"),
-    "symmetrised": _SERIES, "signed_eigenvalues": _SERIES,
-    "no_eigenvalue_clipping": _CLIP, "non_finite": _CLIP,
-    "scale:sqrt(dA/dG)": _PI, "scale:sqrt(dG/dA)": _PI, "scale:dA/dG": _PI, "scale:dG/dA": _PI,
-    "scale:C": ("theory/kfc", "KFC"), "scale:1/C": ("theory/kfc", "KFC"),
-    "scale:kernel": ("theory/kfc", "KFC"), "scale:1/kernel": ("theory/kfc", "KFC"),
-    "damping_parameterisation": _SPLIT,
-    "ema_first_statistic": _EMA, "ema_zero_start": _EMA, "ema_weight_tied": _EMA,
-    "ema_weight_untied": _EMA,
-    "ema_identity_init": _EMA, "ema_zero_init_no_debias": _EMA, "ema_decay": _EMA,
-    "factors_swapped": _VEC, "dilation_ignored": ("conventions", "Convolutions"),
-    "padding_ignored": ("conventions", "Convolutions"),
-    "padding_split": ("conventions", "Convolutions"),
-    "stride_ignored": ("conventions", "Convolutions"),
-    "spurious_damping_normalisation": _SHARED, "no_damping": _SPLIT,
-    "factored_instead_of_exact": ("theory/laplace", "Log-determinants by eigenvalues"),
-    "exact_instead_of_factored": ("theory/laplace", "Log-determinants by eigenvalues"),
-    "log_likelihood_untempered": ("theory/laplace", "Temperature and the normaliser"),
-    "curvature_untempered": ("theory/laplace", "Temperature and the normaliser"),
-}
+DOCS = {pid: section for section, pids in _SECTION_PITFALLS.items() for pid in pids}
 
 #: environment variable: where the built documentation lives (a URL or a directory); links in
 #: the HTML report point there
