@@ -148,11 +148,13 @@ def per_source_and_tower(sources, towers, pair_stat):
 
 def check_dense_rows(func, name, tensor):
     """A dense layer's input ``[N, d]`` (``[T, N, d]`` for several uses) with at least one
-    row."""
+    row; returns its namespace."""
+    xp = namespace_of(func, **{name: tensor})
     check_array(func, name, tensor, ndim=(2, 3), layout="[N, d] or [T, N, d]")
     if math.prod(tensor.shape[:-1]) == 0:
         raise KFACValueError(f"{func}: {name} must have at least one row; got shape "
                              f"{tuple(tensor.shape)}.")
+    return xp
 
 
 def check_equal_batches(func, name, arrays, axis=0):

@@ -65,8 +65,7 @@ def fully_connected_kronecker_factor(tensor, has_bias=False):
     Martens & Grosse (2015), §3; TF K-FAC ``FullyConnectedKroneckerFactor``.
     """
     func = "fully_connected_kronecker_factor"
-    xp = namespace_of(func, tensor=tensor)
-    check_dense_rows(func, "tensor", tensor)
+    xp = check_dense_rows(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
     return _fully_connected_kronecker_factor(xp, tensor, has_bias)
 
@@ -181,8 +180,7 @@ class FullyConnectedKroneckerFactor(DenseSquareMatrixFactor):
         for src in st:
             covs = []
             for t in src:
-                xp = namespace_of(func, tensors=t)
-                check_dense_rows(func, "tensors", t)
+                xp = check_dense_rows(func, "tensors", t)
                 covs.append(_fully_connected_kronecker_factor(xp, t, self.has_bias))
             out.append(tuple(covs))
         return tuple(out)

@@ -157,8 +157,7 @@ def diagonal_kronecker_factor(tensor, has_bias=False):
     TF K-FAC master ``DiagonalKroneckerFactor`` (dense branch).
     """
     func = "diagonal_kronecker_factor"
-    xp = namespace_of(func, tensor=tensor)
-    check_dense_rows(func, "tensor", tensor)
+    xp = check_dense_rows(func, "tensor", tensor)
     check_bool(func, "has_bias", has_bias)
     return _diagonal_kronecker_factor(xp, tensor, has_bias)
 
@@ -246,10 +245,10 @@ class DiagonalKroneckerFactor(DiagonalFactor):
                   dtype=dtype)
 
     def _one(self, func, tensor):
-        xp = namespace_of(func, tensors=tensor)
         if self.vocab_size is None:
-            check_dense_rows(func, "tensors", tensor)
-            return _diagonal_kronecker_factor(xp, tensor, self.has_bias)
+            return _diagonal_kronecker_factor(check_dense_rows(func, "tensors", tensor), tensor,
+                                              self.has_bias)
+        xp = namespace_of(func, tensors=tensor)
         if tensor.ndim != 1:
             raise KFACValueError(f"{func}: id tensors must be 1-D (fold uses first); got "
                                  f"{describe(tensor)}.")
