@@ -102,12 +102,7 @@ def test_no_reach_into_other_modules_privates(path):
 
 # -- private attributes across modules ---------------------------------------------------
 # (module, attribute) -> why the access is allowed.  Keep it short: fix instead of listing.
-_ATTRIBUTE_ALLOWED: dict[tuple[str, str], str] = {
-    ("kfac_ref.factors._series", "_evolve"): (
-        "FullyConnectedMultiKF.update_cov adds its C_1 average to the factor that the base "
-        "class's update_cov returned, an object of its own class: the copy-with-changes of "
-        "the factor family (kfac_ref/factors/_base.py), not another module's object"),
-}
+_ATTRIBUTE_ALLOWED: dict[tuple[str, str], str] = {}
 
 # The exact curvature validates the network's output and targets once, at its public
 # entry point, then calls each loss formula's unchecked kernel (the loss's public methods

@@ -344,15 +344,15 @@ class FullyConnectedMultiKF(FullyConnectedKroneckerFactor):
 
     def update_cov(self, tensors, *, ema_decay, ema_weight=1.0):
         st = self._checked(f"{self.name}.update_cov", tensors)  # each tensor checked once
-        new = super().update_cov(tensors, ema_decay=ema_decay, ema_weight=ema_weight,
-                                 _checked=st)
-        if not self._make_cov_dt1:
-            return new
-        c1 = self._new_cov_dt1(st)
-        avg = self._cov_dt1_avg
-        if avg is None:
-            avg = MovingAverageVariable.zeros_like(c1, zero_debias=self.zero_debias)
-        return new._evolve(_cov_dt1_avg=avg.update(c1, ema_decay, ema_weight))
+        with_c1 = self
+        if self._make_cov_dt1:  # C_1's average first, then the base class's of C_0
+            c1 = self._new_cov_dt1(st)
+            avg = self._cov_dt1_avg
+            if avg is None:
+                avg = MovingAverageVariable.zeros_like(c1, zero_debias=self.zero_debias)
+            with_c1 = self._evolve(_cov_dt1_avg=avg.update(c1, ema_decay, ema_weight))
+        return super(FullyConnectedMultiKF, with_c1).update_cov(
+            tensors, ema_decay=ema_decay, ema_weight=ema_weight, _checked=st)
 
     update_cov.__doc__ = FullyConnectedKroneckerFactor.update_cov.__doc__
 
