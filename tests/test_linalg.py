@@ -276,6 +276,19 @@ def test_cholesky_kernels_match_the_fallback(rng):
     assert K._backend._triangular_kernels(xs) is None
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 2, 33])
+def test_the_lapack_inverse_mirrors_its_triangle_exactly(rng, n, dtype):
+    """potri writes one triangle; the mirrored matrix is exactly symmetric, keeps the
+    dtype and is the inverse (against NumPy's LU inverse in float64)."""
+    m = random_spd(rng, n, 0.5, 3.0).astype(dtype)
+    got = K.damped_inverse(m, 0.1)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, got.T)
+    want = np.linalg.inv(m.astype(np.float64) + 0.1 * np.eye(n))
+    assert_allclose_normwise(got, want, 50 * np.finfo(dtype).eps)
+
+
 class _UpperCholeskyNamespace:
     """An array API namespace whose ``linalg.cholesky`` returns the upper factor ``Lᵀ``
     (as array-api-compat's wrapper of a blocked-Cholesky library does); everything else is
