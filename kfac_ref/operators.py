@@ -278,7 +278,8 @@ class CurvatureOperator:
                     layout="[dim]" if ndim == 1 else "[dim, k]")
         return v
 
-    def _mv(self, v, transpose=False):
+    def _mv(self, func, v, transpose=False):
+        """One product; ``func``: the public method that names a block's kernel error."""
         xp = self._xp
         if self._parts is None:
             fn = self._rmatvec_fn if transpose and not self._symmetric else self._matvec_fn
@@ -291,14 +292,14 @@ class CurvatureOperator:
             check_array("CurvatureOperator", "matvec's result", out, finite=False)
             return out
         outs = []
-        for p in self._parts:
-            outs.append(p.block.multiply_matpower_flat_kernel(
-                "CurvatureOperator.matvec", xp, p.state, v[p.start:p.stop], p.weight,
-                *p.options))
+        with errors_named(func):
+            for p in self._parts:
+                outs.append(p.block.multiply_matpower_flat_kernel(
+                    func, xp, p.state, v[p.start:p.stop], p.weight, *p.options))
         return outs[0] if len(outs) == 1 else xp.concat(outs)
 
-    def _mm(self, x, transpose=False):
-        cols = [self._mv(x[:, j], transpose) for j in range(x.shape[1])]
+    def _mm(self, func, x, transpose=False):
+        cols = [self._mv(func, x[:, j], transpose) for j in range(x.shape[1])]
         return self._xp.stack(cols, axis=1)
 
     def _estimator_matmat(self, func):
@@ -306,10 +307,10 @@ class CurvatureOperator:
         product matrix for NaN/Inf (its per-product checks are static, see :meth:`_mv`);
         the blocks' own products as they are."""
         if self._parts is not None:
-            return self._mm
+            return lambda x: self._mm(func, x)
 
         def scanned(x):
-            return check_array(func, "matmat's result", self._mm(x))
+            return check_array(func, "matmat's result", self._mm(func, x))
 
         return scanned
 
@@ -318,28 +319,32 @@ class CurvatureOperator:
 
         .. math:: v \mapsto M v
         """
-        return self._mv(self._check_vector("CurvatureOperator.matvec", vector, 1))
+        func = "CurvatureOperator.matvec"
+        return self._mv(func, self._check_vector(func, vector, 1))
 
     def rmatvec(self, vector):
         r""":math:`M^\top v` (:math:`= Mv` for the symmetric curvature matrices).
 
         .. math:: v \mapsto M^\top v
         """
-        return self._mv(self._check_vector("CurvatureOperator.rmatvec", vector, 1), True)
+        func = "CurvatureOperator.rmatvec"
+        return self._mv(func, self._check_vector(func, vector, 1), True)
 
     def matmat(self, matrix):
         r""":math:`MX` for ``X`` of shape ``[dim, k]`` (one product per column).
 
         .. math:: X \mapsto MX = [M x_1, \dots, M x_k]
         """
-        return self._mm(self._check_vector("CurvatureOperator.matmat", matrix, 2))
+        func = "CurvatureOperator.matmat"
+        return self._mm(func, self._check_vector(func, matrix, 2))
 
     def rmatmat(self, matrix):
         r""":math:`M^\top X` for ``X`` of shape ``[dim, k]``.
 
         .. math:: X \mapsto M^\top X
         """
-        return self._mm(self._check_vector("CurvatureOperator.rmatmat", matrix, 2), True)
+        func = "CurvatureOperator.rmatmat"
+        return self._mm(func, self._check_vector(func, matrix, 2), True)
 
     def __matmul__(self, other):
         if getattr(other, "ndim", None) == 1:
@@ -353,7 +358,7 @@ class CurvatureOperator:
 
         :math:`\dim` products: for checking and small problems.
         """
-        return self._mm(eye_like(self._like, self._dim))
+        return self._mm("CurvatureOperator.to_dense", eye_like(self._like, self._dim))
 
     def to_scipy(self):
         r"""A ``scipy.sparse.linalg.LinearOperator`` view (NumPy operators only).
@@ -414,9 +419,10 @@ class CurvatureOperator:
 
     def _part_dense(self, p):
         eye = eye_like(self._like, p.stop - p.start)
-        cols = [p.block.multiply_matpower_flat_kernel("CurvatureOperator.to_dense", self._xp,
-                                                      p.state, eye[:, j], p.weight, *p.options)
-                for j in range(p.stop - p.start)]
+        with errors_named("CurvatureOperator.to_dense"):
+            cols = [p.block.multiply_matpower_flat_kernel(
+                "CurvatureOperator.to_dense", self._xp, p.state, eye[:, j], p.weight,
+                *p.options) for j in range(p.stop - p.start)]
         return self._xp.stack(cols, axis=1)
 
     def eigenvalues(self):

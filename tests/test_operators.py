@@ -284,3 +284,19 @@ def test_conv_block_scale_and_norm_scaled_damping(xp, rng, exact):
                                       norm_to_scale_identity_weight="avg_diag")
     check_products(xp, rng, op, m)
     check_spectral(xp, op, m)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["factored", "exact"])
+def test_a_blocks_kernel_error_is_named_by_the_operator(exact):
+    """The blocks' product kernels raise unnamed errors; the operator's matvec and to_dense
+    put their own name in front, as the block's public method does."""
+    block = kj.DenseTwoKroneckerFactored(2, 2, has_bias=False)
+    state = block.init(np.zeros(1))  # zero statistics: singular without damping
+    op = CurvatureOperator.from_block(block, state, 0.0, power=-1.0, exact_power=exact)
+    for call, name in ((lambda: op.matvec(np.ones(4)), "matvec"),
+                       (op.to_dense, "to_dense")):
+        with pytest.raises(KFACValueError, match=rf"^CurvatureOperator\.{name}: .*singular"):
+            call()
+    with pytest.raises(KFACValueError,
+                       match=r"^DenseTwoKroneckerFactored\.multiply_matpower: .*singular"):
+        block.multiply_matpower(state, (np.ones((2, 2)),), 0.0, -1.0, exact, False)

@@ -475,6 +475,9 @@ class BlockDiagonalCurvature(EstimatorBase):
     def _weights(self, func, identity_weight, likes):
         """One checked identity weight per block, from a scalar or a sequence; 0-D arrays
         checked against the state's ``likes`` (one namespace, device and precision)."""
+        if type(identity_weight) is float:  # the common case, before the type probes
+            return (check_scalar(func, "identity_weight", identity_weight, nonnegative=True),
+                    ) * len(self.blocks)
         if isinstance(identity_weight, Sequence) and not isinstance(identity_weight, str):
             if len(identity_weight) != len(self.blocks):
                 raise KFACValueError(f"{func}: identity_weight must be a scalar or one value per "
@@ -550,19 +553,20 @@ class BlockDiagonalCurvature(EstimatorBase):
         flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **likes)
         ws = self._weights(func, identity_weight, likes)
         # the scalar options once, then whether each block takes an approximate power
-        opts = self.blocks[0].check_product_options(
+        blocks = self.blocks
+        opts = blocks[0].check_product_options(
             func, power, exact_power, use_cached, norm_to_scale_identity_weight_per_block,
             "norm_to_scale_identity_weight_per_block")
         check_scalars_with(func, likes, power=opts[0])
         if not opts[1]:
-            for bl in self.blocks[1:]:
+            for bl in blocks[1:]:
                 bl.check_approx_power(func, opts[0])
         xp = array_namespace(flat)  # checked with the states above
         outs = []
         with _statistics_named(func, state):
             try:  # not errors_named per block: its enter and exit would cost every product
-                for bl, st, sl, w in zip(self.blocks, state.blocks_states, self._block_slices,
-                                         ws, strict=True):
+                for bl, st, sl, w in zip(blocks, state.blocks_states, self._block_slices, ws,
+                                         strict=True):
                     outs.append(bl.multiply_matpower_flat_kernel(func, xp, st, flat[sl], w,
                                                                  *opts))
             except KFACValueError:  # a block's values (a type error concerns them all)

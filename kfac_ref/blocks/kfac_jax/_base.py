@@ -617,7 +617,8 @@ class CurvatureBlock(abc.ABC):
         already scanned for non-finite values, ``identity_weight`` is a checked
         non-negative number and the options come from :meth:`check_product_options`.  What
         depends on the cache's contents (a power or norm it was not built with) is still
-        refused here.
+        refused here, as a :func:`~kfac_ref._backend.kernel_error` that the caller names
+        once for all its blocks (``with errors_named(func):``).
         """
         work = self._multiply_working_form(func, xp, state, self._to_working_form(xp, vector),
                                            identity_weight, power, exact_power, use_cached,
@@ -644,11 +645,12 @@ class CurvatureBlock(abc.ABC):
 
     def _multiply_working_form(self, func, xp, state, work, identity_weight, power,
                                exact_power, use_cached, norm_type):
-        lam = self._damping(func, xp, state, identity_weight, norm_type, use_cached)
-        with errors_named(func):
-            if use_cached:
-                return self._multiply_cached(xp, state, work, lam, power, exact_power)
-            return self._multiply_fresh(xp, state, work, lam, power, exact_power)
+        # kernel errors come out unnamed: the caller names them once for all its blocks
+        lam = (identity_weight if norm_type is None
+               else self._damping(func, xp, state, identity_weight, norm_type, use_cached))
+        if use_cached:
+            return self._multiply_cached(xp, state, work, lam, power, exact_power)
+        return self._multiply_fresh(xp, state, work, lam, power, exact_power)
 
     # -- the working form of a vector: the parameter tuple unless a family overrides it --
     def _to_working_form(self, xp, vector):
