@@ -826,6 +826,14 @@ def _on_one_block(kernel, matrix):
     return whole.map_blocks(run, dtype=matrix.dtype)
 
 
+def _lapack(name, array):
+    """SciPy's LAPACK routine ``name`` for ``array``'s dtype (the NumPy kernels)."""
+    from scipy.linalg import lapack  # backend glue: this library's own kernel
+
+    (routine,) = lapack.get_lapack_funcs((name,), (array,))
+    return routine
+
+
 def cholesky_lower(xp, matrix):
     """Lower Cholesky factor ``L`` (``L Lᵀ = matrix``; only the lower triangle is read).
 
@@ -844,9 +852,7 @@ def cholesky_lower(xp, matrix):
     if kind == "blocks":
         return _on_one_block(cholesky_lower, matrix)
     if kind == "scipy":
-        from scipy.linalg import lapack  # backend glue: this library's own kernel
-
-        (potrf,) = lapack.get_lapack_funcs(("potrf",), (matrix,))
+        potrf = _lapack("potrf", matrix)
         # the transpose of a C-ordered symmetric matrix is itself, in the Fortran order
         # LAPACK reads, so no copy is made
         low, info = potrf(matrix.T, lower=True, clean=True)
@@ -878,10 +884,7 @@ def lower_triangular_inverse(xp, l_factor):
     if kind == "blocks":
         return _on_one_block(lower_triangular_inverse, l_factor)
     if kind == "scipy":
-        from scipy.linalg import lapack  # backend glue: this library's own kernel
-
-        (trtri,) = lapack.get_lapack_funcs(("trtri",), (l_factor,))
-        inv, _ = trtri(l_factor, lower=True)
+        inv, _ = _lapack("trtri", l_factor)(l_factor, lower=True)
         return xp.tril(inv)
     eye = eye_like(l_factor, n)
     if kind == "torch":
@@ -910,12 +913,9 @@ def cholesky_inverse(xp, l_factor):
     if kind == "blocks":
         return _on_one_block(cholesky_inverse, l_factor)
     if kind == "scipy":
-        from scipy.linalg import lapack  # backend glue: this library's own kernel
-
-        (potri,) = lapack.get_lapack_funcs(("potri",), (l_factor,))
         # the lower triangle of (L Lᵀ)⁻¹, written over a copy of L: potri leaves the zeros
         # above L's diagonal alone
-        low, _ = potri(l_factor, lower=True)
+        low, _ = _lapack("potri", l_factor)(l_factor, lower=True)
         # the mirror is X + Xᵀ with the diagonal counted once: one strided pass and no
         # index mask (a `where` over the triangle mask takes 2-3x as long at n ~ 300)
         out = low + low.T
