@@ -226,6 +226,25 @@ def test_activation_derivatives_match_formulas(xp, rng, kind):
         assert_allclose_normwise(ref[2][1:], fd2, 1e-4)
 
 
+@pytest.mark.parametrize("kind", nn.ACTIVATIONS)
+def test_a_forward_pass_forms_the_activation_cache_from_its_output_to_the_bit(xp, rng, kind):
+    """Sequential.vjp_caches forms σ' from the layer's output where σ' is a function of it
+    (tanh, sigmoid, ReLU): the same numbers, bit for bit, as the layer's own vjp_cache from
+    its input (zeros and ReLU's kink included)."""
+    x = rng.standard_normal((4, 3)) * 3
+    x[0, :] = 0.0  # the first row's pre-activations are the bias: 0 and saturating values
+    net = nn.Sequential([("d", nn.Dense(3, 5)), ("a", nn.Activation(kind)),
+                         ("o", nn.Dense(5, 2))])
+    init = net.init_params(rng, np.zeros((1, 3)))
+    bias = np.array([0.0, 40.0, -40.0, 1.0, -1.0])
+    params = tuple(tuple(xp.asarray(a) for a in p) for p in ((init[0][0], bias), (), init[2]))
+    fwd = net.forward_pass(params, xp.asarray(x))
+    cache = net.vjp_caches(fwd)[1]
+    own = net.layers[1].vjp_cache((), fwd.inputs[1])
+    np.testing.assert_array_equal(xp.to_numpy(cache), xp.to_numpy(own))
+    assert cache.dtype == own.dtype
+
+
 # ---------------------------------------------------------------------------------------------
 # derivative maps of single layers
 # ---------------------------------------------------------------------------------------------

@@ -261,7 +261,8 @@ class Layer:
     @property
     def kernel(self):
         """The unchecked maps of this layer (``forward``, ``forward_with_tap``, ``jvp``,
-        ``vjp_input``, ``vjp_input_stacked``, ``vjp_cache``, ``param_grads``, ``rvjp``,
+        ``vjp_input``, ``vjp_input_stacked``, ``vjp_cache``, ``vjp_cache_given_output``
+        (the same cache, given the layer's output too), ``param_grads``, ``rvjp``,
         ``init_params``, ``output_shape``; ``patches`` for :class:`Conv2D`), for code that
         has validated their arguments already: :class:`kfac_ref.nn.Sequential` validates a
         call once at its door and runs every layer through its kernel, so no array is
@@ -372,6 +373,11 @@ class Layer:
     def _vjp_cache(self, params, x):
         return None
 
+    def _vjp_cache_given_output(self, params, x, y):
+        """:meth:`vjp_cache` inside a forward pass that has the layer's output ``y`` as well
+        (a layer whose cache is cheaper to form from ``y`` overrides this)."""
+        return self._vjp_cache(params, x)
+
     def param_grads(self, params, x, g, per_example=False):
         r"""Parameter cotangents, summed over the batch or per example (leading ``N``).
 
@@ -445,7 +451,8 @@ class _LayerKernel:
     """The unchecked maps of one layer (:attr:`Layer.kernel`), bound to it."""
 
     __slots__ = ("forward", "forward_with_tap", "jvp", "vjp_input", "vjp_input_stacked",
-                 "vjp_cache", "param_grads", "rvjp", "init_params", "output_shape", "patches")
+                 "vjp_cache", "vjp_cache_given_output", "param_grads", "rvjp", "init_params",
+                 "output_shape", "patches")
 
     def __init__(self, layer):
         for name in self.__slots__:
@@ -1250,13 +1257,13 @@ def _activation_kernel(xp, kind, x, order):
         t = xp.tanh(x)
         if order == 0:
             return (t,)
-        d1 = 1.0 - t * t
+        d1 = _derivative_from_value(xp, kind, t)
         out = (t, d1, -2.0 * t * d1)
     elif kind == "sigmoid":
         s = _sigmoid(xp, x)
         if order == 0:
             return (s,)
-        d1 = s * (1.0 - s)
+        d1 = _derivative_from_value(xp, kind, s)
         out = (s, d1, d1 * (1.0 - 2.0 * s))
     elif kind == "relu":
         # maximum and a cast rather than `where`, which NumPy runs ~20× slower on floats
@@ -1264,7 +1271,7 @@ def _activation_kernel(xp, kind, x, order):
         val = xp.maximum(x, zero)
         if order == 0:
             return (val,)
-        out = (val, xp.astype(x > 0, x.dtype), zero)
+        out = (val, _derivative_from_value(xp, kind, val), zero)
     else:  # softplus: max(x, 0) + log1p(exp(-|x|)), stable for large |x|
         val = xp.maximum(x, xp.zeros_like(x)) + xp.log1p(xp.exp(-xp.abs(x)))
         if order == 0:
@@ -1272,6 +1279,21 @@ def _activation_kernel(xp, kind, x, order):
         s = _sigmoid(xp, x)
         out = (val, s, s * (1.0 - s))
     return out[:order + 1]
+
+
+#: the activations whose first derivative is a function of their value
+#: (:func:`_derivative_from_value`)
+_DERIVATIVE_FROM_VALUE = ("tanh", "sigmoid", "relu")
+
+
+def _derivative_from_value(xp, kind, y):
+    r""":math:`\sigma'` from the value :math:`y = \sigma(x)`: :math:`1 - y^2` (tanh),
+    :math:`y(1 - y)` (sigmoid), :math:`[y > 0]` (ReLU, where :math:`y > 0 \iff x > 0`)."""
+    if kind == "tanh":
+        return 1.0 - y * y
+    if kind == "sigmoid":
+        return y * (1.0 - y)
+    return xp.astype(y > 0, y.dtype)
 
 
 @capabilities(dask="yes")
@@ -1309,6 +1331,13 @@ class Activation(Layer):
     def _vjp_cache(self, params, x):
         r"""The derivative :math:`\sigma'(x)`, formed once per forward pass."""
         return self._derivs(x, 1)[1]
+
+    def _vjp_cache_given_output(self, params, x, y):
+        """From the output where the derivative is a function of it: the same numbers as
+        from ``x``, without evaluating the activation again."""
+        if self.activation in _DERIVATIVE_FROM_VALUE:
+            return _derivative_from_value(namespace_of("Activation", y=y), self.activation, y)
+        return self._vjp_cache(params, x)
 
     def _vjp_input(self, params, x, g, cache=None):
         return (self._vjp_cache(params, x) if cache is None else cache) * g

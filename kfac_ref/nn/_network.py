@@ -442,9 +442,10 @@ class Sequential:
             dh = layer.jvp(p, xin, dp, dh)
         return dh, dins
 
-    def _vjp_caches(self, params, inputs):
-        return tuple(layer.vjp_cache(p, xin)
-                     for layer, p, xin in zip(self._kernels, params, inputs, strict=True))
+    def _vjp_caches(self, params, inputs, output):
+        outputs = (*inputs[1:], output)  # each layer's output is the next one's input
+        return tuple(layer.vjp_cache_given_output(p, xin, y) for layer, p, xin, y
+                     in zip(self._kernels, params, inputs, outputs, strict=True))
 
     def _backward(self, params, inputs, g, per_example=False, param_grads=True, caches=None):
         n = len(self.layers)
@@ -592,7 +593,7 @@ class Sequential:
         :meth:`stacked_backward_pass`.
         """
         forward = self._check_pass("Sequential.vjp_caches", forward)
-        return self._vjp_caches(forward.params, forward.inputs)
+        return self._vjp_caches(forward.params, forward.inputs, forward.output)
 
     def jvp_pass(self, forward, dparams):
         r"""Forward-mode pass for a parameter tangent: the output tangent and every layer's
