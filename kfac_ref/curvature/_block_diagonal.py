@@ -572,6 +572,9 @@ class BlockDiagonalCurvature(EstimatorBase):
             except KFACValueError:  # a block's values (a type error concerns them all)
                 with errors_named(func, inner=True, context=self._block_label(len(outs))):
                     raise
+            except KFACTypeError:  # a kernel's (a namespace without linalg.eigh, say)
+                with errors_named(func):
+                    raise
         return back(xp.concat(outs))
 
     def block_eigenvalues(self, state, use_cached=False):
