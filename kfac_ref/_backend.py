@@ -296,8 +296,12 @@ def value_checks(enabled: bool = True) -> Iterator[None]:
     r"""Switch kfac_ref's value checks on or off inside a ``with`` block.
 
     Value checks read the data of an argument — every entry finite, a matrix symmetric, a
-    damped matrix positive definite before a negative power — and cost one reduction and
-    one device→host read each.  Static checks (type, rank, shape, dtype, namespace, device,
+    damped matrix positive definite before a negative power — and cost one reduction each
+    and a device→host read.  Where a call has several, they are read back together: the
+    parameters and input of a network call in one read, the statistics an estimator update
+    stores in one, all the checks of a cache refresh in one; when that read fails, the
+    checks run again one by one and the error names the argument (on NumPy, where a read
+    is free, each is read at once).  Static checks (type, rank, shape, dtype, namespace, device,
     options, scalars) are not affected and always run.  The setting is per thread and per
     ``contextvars`` context, and nests.
 
@@ -338,24 +342,28 @@ _DEFERRED = contextvars.ContextVar("kfac_ref_deferred_value_checks", default=Non
 
 @contextlib.contextmanager
 def deferred_value_checks(xp):
-    r"""Run the value checks of the kernels called inside on the device and read them back
-    once, at the end (a block's ``update_cache``).
+    r"""Run the value checks called inside on the device and read them back once, at the
+    end (a block's ``update_cache``, the argument checks of a network call, the statistics
+    of an update).
 
-    .. math:: \text{ok} = \textstyle\bigwedge_k \text{flag}_k \quad \text{(one read)}
+    .. math:: \text{ok} = \textstyle\bigwedge_k \text{flag}_k
+        \;\wedge\; \operatorname{isfinite}\big(\textstyle\sum_j s_j\big)
+        \quad \text{(one read)}
 
     Each check inside (a Cholesky pivot, the spectrum of a negative or fractional power)
-    leaves a 0-D boolean flag instead of reading it; at the exit one ``all`` of the stacked
-    flags is read into the yielded ``status["ok"]``.  The caller discards what it computed
-    when it is false and computes again outside this context, where the failing check
-    raises the error (and takes the fall-back) it always did; so the numbers and errors
-    are the eager ones, and a success costs one read.  Nested uses collect into the
-    outermost: their own status stays true, and ``status["nested"]`` tells the caller that
-    an error raised inside is the outermost caller's to handle (it computes everything
-    again, so the first failing check raises first).  NumPy arrays are on the host, where
-    a read costs nothing: their checks read at once, a failing one raises its own error
-    inside (or takes its fall-back), and ``status["at_once"]`` tells the caller that this
-    error is the one to raise, with nothing to compute again.  :func:`read_checks_once`
-    is the caller's side.
+    leaves a 0-D boolean flag instead of reading it, and each finiteness scan of
+    :func:`all_finite` its sum :math:`s_j`; at the exit one ``all`` of the stacked flags and
+    of the total's finiteness is read into the yielded ``status["ok"]``.  The caller discards
+    what it computed when it is false and computes again outside this context, where the
+    failing check raises the error (and takes the fall-back) it always did; so the numbers
+    and errors are the eager ones, and a success costs one read.  Nested uses collect into
+    the outermost: their own status stays true, and ``status["nested"]`` tells the caller
+    that an error raised inside is the outermost caller's to handle (it computes everything
+    again, so the first failing check raises first).  NumPy arrays are on the host, where a
+    read costs nothing: their checks read at once, a failing one raises its own error inside
+    (or takes its fall-back), and ``status["at_once"]`` tells the caller that this error is
+    the one to raise, with nothing to compute again.  :func:`read_checks_once` is the
+    caller's side.
     """
     status = {"ok": True, "at_once": False, "nested": False}
     if _DEFERRED.get() is not None:
@@ -366,7 +374,7 @@ def deferred_value_checks(xp):
         status["at_once"] = True
         yield status
         return
-    pending = []
+    pending = {"flags": [], "sums": []}
     token = _DEFERRED.set(pending)
     try:
         # warnings of arithmetic on failing numbers are held back; shown only on success
@@ -375,11 +383,27 @@ def deferred_value_checks(xp):
             yield status
     finally:
         _DEFERRED.reset(token)
-    if pending:
-        status["ok"] = bool(xp.all(xp.stack([xp.reshape(f, ()) for f, _ in pending])))
+    if pending["flags"] or pending["sums"]:
+        status["ok"] = _read_pending(xp, pending)
     if status["ok"]:
         for w in caught:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def _read_pending(xp, pending):
+    """The one read of :func:`deferred_value_checks`: every pending flag true and the total
+    of the pending finiteness sums (:func:`all_finite`) finite.  A total of finite sums
+    can overflow: then the caller computes again with each check read at once, which
+    passes."""
+    flags = [xp.reshape(f, ()) for f in pending["flags"]]
+    sums = pending["sums"]
+    if sums:
+        total = sums[0] if len(sums) == 1 else (
+            sums[0] + sums[1] if len(sums) == 2 else xp.sum(xp.stack(sums)))
+        if not flags:  # the sums alone: the finiteness test on the host, no kernel
+            return math.isfinite(host_float(total))
+        flags.append(xp.isfinite(total))
+    return bool(flags[0] if len(flags) == 1 else xp.all(xp.stack(flags)))
 
 
 def read_checks_once(xp, compute, func):
@@ -388,17 +412,26 @@ def read_checks_once(xp, compute, func):
     check raises its own error (or takes its fall-back), in the name of ``func``
     (:func:`errors_named`): the numbers and errors of an eager run at the cost of one read.
     A value error raised inside is re-raised in that name when it is already the eager
-    one (NumPy), and as it is when it is an enclosing call's to handle (nested); other
-    errors pass unchanged."""
+    one (NumPy), and as it is when it is an enclosing call's to handle (nested).  Any other
+    error raised while checks are pending (a library's own error on the numbers of a check
+    that failed unread: a singular factor's inverse) runs ``compute()`` again with each
+    check read at once, which raises the check's error first, or the same error again;
+    type errors pass unchanged."""
+    status = None
     try:
         with deferred_value_checks(xp) as status:
             out = compute()
-    except KFACValueError:
-        if status["nested"]:
+    except KFACTypeError:
+        raise
+    except Exception as exc:
+        if status is None or status["nested"]:
+            raise
+        if status["at_once"]:
+            if isinstance(exc, KFACValueError):
+                with errors_named(func):
+                    raise
             raise
         with errors_named(func):
-            if status["at_once"]:
-                raise
             return compute()
     if status["ok"]:
         return out
@@ -414,7 +447,20 @@ def value_check(flag, fail):
         if not bool(flag):
             fail()
     else:
-        pending.append((flag, fail))
+        pending["flags"].append(flag)
+
+
+def rare_branch(xp, flag) -> bool:
+    """Whether to take a rare branch that the host decides (the 0-D boolean ``flag``): read
+    now, or, inside :func:`deferred_value_checks`, taken as false without a read, with
+    ``not flag`` joining the one read of the checks.  When the flag was true, that read
+    fails and the caller computes again with every read at once, which takes the branch:
+    the results of an eager run, without a read of its own on the common path."""
+    pending = _DEFERRED.get()
+    if pending is None:
+        return bool(_detached(flag))
+    pending["flags"].append(xp.logical_not(flag))
+    return False
 
 
 def is_lazy(x: Any) -> bool:
@@ -460,24 +506,41 @@ def all_finite(xp, x) -> bool:
     (``jax.jit``) even a concrete array's reduction is staged out; its answer cannot be
     read, and the check passes as it does for a lazy argument.
 
-    On PyTorch, CuPy and JAX the scan is one sum: a NaN or Inf entry makes
-    :math:`\sum_i x_i` non-finite, so a finite sum proves every entry finite, and only a
-    non-finite sum (a non-finite entry, or an overflow of finite ones) is re-checked
-    entry-wise.  The sum needs no boolean temporary (PyTorch on CPU: 12 µs against 210 µs
-    for ``all(isfinite)`` of 2·10⁵ floats).  A contiguous native-endian float32/float64
-    NumPy array is scanned by one BLAS dot product :math:`x^\top x` (``numpy.vdot``, which
-    raises no floating-point warning): its terms are non-negative, so no Inf − Inf can
-    cancel, a NaN propagates, and again only a non-finite result is re-checked entry-wise
-    (on 2·10⁴ to 2·10⁶ floats, 1.3–3× faster than NumPy's fused ``isfinite``, which
-    NumPy-backed arrays of other dtypes and layouts keep; NumPy's pairwise sum is slower
-    than both).
+    On PyTorch, CuPy and JAX the scan is one sum: a NaN or Inf entry makes :math:`\sum_i
+    x_i` non-finite, so a finite sum proves every entry finite, and only a non-finite sum (a
+    non-finite entry, or an overflow of finite ones) is re-checked entry-wise.  The sum is
+    read back and tested on the host (one kernel launch, not the four of a 0-D ``isfinite``
+    on PyTorch); inside :func:`deferred_value_checks` it is not read but added to the
+    others, and their total is read once at the end (the scans of a call's arguments, the
+    statistics of an update).  The sum needs no boolean temporary (PyTorch on CPU: 12 µs
+    against 210 µs for ``all(isfinite)`` of 2·10⁵ floats).  A contiguous native-endian
+    float32/float64 NumPy array is scanned by one BLAS dot product :math:`x^\top x`
+    (``numpy.vdot``, which raises no floating-point warning): its terms are non-negative, so
+    no Inf − Inf can cancel, a NaN propagates, and again only a non-finite result is
+    re-checked entry-wise (on 2·10⁴ to 2·10⁶ floats, 1.3–3× faster than NumPy's fused
+    ``isfinite``, which NumPy-backed arrays of other dtypes and layouts keep; NumPy's
+    pairwise sum is slower than both).
     """
     if type(x) is np.ndarray:
         if x.dtype.char in "fd" and x.dtype.isnative and x.flags.forc and math.isfinite(
                 np.vdot(flat := x if x.ndim == 1 else x.ravel(order="K"), flat)):
             return True
-    elif _sum_scan(xp) and _read_flag(xp.isfinite(xp.sum(x)), when_lazy=True):
-        return True
+    else:
+        pending = _DEFERRED.get()
+        if _sum_scan(xp):
+            total = xp.sum(x)
+            if is_lazy(total):  # staged out by a trace: cannot be read
+                return True
+            if pending is not None:  # read with the others at the end (one read)
+                pending["sums"].append(total)
+                return True
+            if math.isfinite(host_float(total)):  # tested on the host: one kernel
+                return True
+        elif pending is not None:
+            flag = xp.all(xp.isfinite(x))
+            if not is_lazy(flag):
+                pending["flags"].append(flag)
+            return True
     # all(isfinite) is one pass fewer than any(~isfinite); an unreadable flag passes
     return _read_flag(xp.all(xp.isfinite(x)), when_lazy=True)
 
@@ -835,14 +898,19 @@ def _lapack(name, array):
 
 
 def cholesky_lower(xp, matrix):
-    """Lower Cholesky factor ``L`` (``L Lᵀ = matrix``; only the lower triangle is read).
+    """Lower Cholesky factor ``L`` of a symmetric matrix (``L Lᵀ = matrix``).
 
     On NumPy this is LAPACK ``potrf`` through SciPy, so that the factorisation and the
     inverse that usually follows (``potri``, :func:`cholesky_inverse`) run in one BLAS
     library: NumPy and SciPy ship separate OpenBLAS builds whose thread pools, used in
-    alternation, spin against each other.  Raises :class:`numpy.linalg.LinAlgError` when the
+    alternation, spin against each other.  NumPy and PyTorch read the lower triangle;
+    other libraries factor :math:`(M + M^\top)/2` (JAX symmetrises its input itself), the
+    same matrix for a symmetric input.  Raises :class:`numpy.linalg.LinAlgError` when the
     matrix is not positive definite, as ``numpy.linalg.cholesky`` does (on eager arrays; a
-    lazy blocked array gets NaN at compute time, see :func:`_on_one_block`).
+    lazy blocked array gets NaN at compute time, see :func:`_on_one_block`).  PyTorch's
+    ``cholesky_ex`` reports the failure without a read of its own
+    (:func:`_factor_unless_failed`): inside :func:`deferred_value_checks` it joins the
+    one read of the checks.
 
     A namespace may hand back the *upper* factor ``Lᵀ`` of the library it wraps instead of
     the standard's lower one (array-api-compat's Dask wrapper does, as blocked Cholesky
@@ -857,12 +925,45 @@ def cholesky_lower(xp, matrix):
         # LAPACK reads, so no copy is made
         low, info = potrf(matrix.T, lower=True, clean=True)
         if info:
-            raise np.linalg.LinAlgError(f"potrf: leading minor {info} is not positive")
+            raise np.linalg.LinAlgError(_not_positive_definite(info))
         return low  # SciPy's LAPACK wrappers return NumPy arrays: the namespace's own
+    if kind == "torch":
+        import torch  # backend glue: this library's own kernel
+
+        # cholesky_ex reports a failure in `info` instead of reading it back (which
+        # linalg.cholesky does on a GPU); it reads the lower triangle
+        low, info = torch.linalg.cholesky_ex(matrix)
+        return _factor_unless_failed(xp, low, info)
+    if kind == "jax":  # jax.numpy symmetrises its input itself
+        return xp.linalg.cholesky(matrix)
     factor = xp.linalg.cholesky((matrix + xp.matrix_transpose(matrix)) / 2.0)
     if kind is None:
         return _lower_of_either_factor(xp, factor)
-    return factor  # PyTorch, CuPy, JAX: the standard's lower factor (checked by the tests)
+    return factor  # CuPy: the standard's lower factor (checked by the tests)
+
+
+def _not_positive_definite(info) -> str:
+    return f"potrf: leading minor {info} is not positive"
+
+
+def _factor_unless_failed(xp, low, info):
+    """The factor of a factorisation that reports failure in a 0-D integer ``info``
+    (nonzero: the order of the first minor that is not positive definite) instead of
+    raising: a :class:`numpy.linalg.LinAlgError` where value checks read now, as LAPACK's
+    wrappers raise; inside :func:`deferred_value_checks` ``info == 0`` joins the one read;
+    where values are not read (value checks off, lazy arrays) a failed factor is NaN, the
+    policy of unchecked values."""
+    if not checks_values(info):
+        return xp.where(info == 0, low, xp.asarray(math.nan, dtype=low.dtype,
+                                                   device=device_of(low)))
+    pending = _DEFERRED.get()
+    if pending is not None:
+        pending["flags"].append(info == 0)
+        return low
+    code = int(_detached(info))
+    if code:
+        raise np.linalg.LinAlgError(_not_positive_definite(code))
+    return low
 
 
 def _lower_of_either_factor(xp, factor):

@@ -114,6 +114,7 @@ from ._backend import (
     one_like,
     ones_like_shape,
     optional_linalg,
+    rare_branch,
     value_check,
 )
 from ._support import DASK_NO_EIGH, capabilities
@@ -535,17 +536,25 @@ def _damped_cholesky(xp, matrix, damping=0.0):
         ) from None
     n = matrix.shape[0]
     if n and checks_values(l_factor):
-        # Some backends (PyTorch, JAX) return NaN instead of raising.  A NaN or Inf pivot
-        # fails the comparison too, so one host read decides; the message is worked out
-        # only when it fails.
-        pivots = xp.linalg.diagonal(l_factor) ** 2
-        tol = _singular_tolerance(xp, pivots, n)
+        # Some backends (JAX) return NaN instead of raising.  The squared pivots d² must
+        # exceed n·eps·max d²: for the positive pivots of a factor that is
+        # min d > sqrt(n·eps)·max d, and a NaN or non-positive pivot fails it too, so one
+        # comparison (one host read, or none of its own inside deferred_value_checks)
+        # decides; the message is worked out only when it fails.
+        diag = xp.linalg.diagonal(l_factor)
 
         def fail():
+            pivots = diag**2
+            tol = _singular_tolerance(xp, pivots, n)
             if not bool(xp.all(xp.isfinite(pivots))):
                 raise kernel_error(
                     "matrix + damping·I must be positive definite; the Cholesky "
                     "factor has non-finite entries. Add damping."
+                )
+            if float(xp.min(diag)) < 0.0:  # a factorisation that stopped without raising
+                raise kernel_error(
+                    "matrix + damping·I must be positive definite; the Cholesky "
+                    "factorisation stopped at a negative pivot. Add damping."
                 )
             raise kernel_error(
                 f"matrix + damping·I must be positive definite; its smallest squared "
@@ -553,7 +562,8 @@ def _damped_cholesky(xp, matrix, damping=0.0):
                 f"{float(tol):.3g} (numerically singular). Add damping."
             )
 
-        value_check(xp.min(pivots) > tol, fail)
+        value_check(xp.min(diag) > math.sqrt(n * xp.finfo(diag.dtype).eps) * xp.max(diag),
+                    fail)
     return l_factor
 
 
@@ -660,9 +670,10 @@ def _factor_norm(xp, matrix, norm_type="avg_diag"):
 
 
 def _nonzero_peak(xp, x):
-    """``max|x|``, or 1 where that is 0: the unit a norm's sum is taken in."""
-    peak = xp.max(xp.abs(x))
-    return xp.where(peak > 0, peak, one_like(xp, peak))
+    """``max|x|``, at least the smallest normal number (a zero matrix: its norm is 0 in any
+    unit): the unit a norm's sum is taken in.  Dividing by a power of two, as that floor
+    is, is exact, so a subnormal matrix keeps every bit."""
+    return xp.clip(xp.max(xp.abs(x)), min=float(xp.finfo(x.dtype).smallest_normal))
 
 
 @capabilities(jit="yes", dask="yes")
@@ -709,11 +720,14 @@ def _check_pi_args(func, left, right, norm_type):
 
 
 @kernel_of(pi_tracenorm)
-def _pi(xp, left, right, norm_type="avg_diag", *, norms=None):
+def _pi(xp, left, right, norm_type="avg_diag", *, norms=None, nonzero=False):
     """π = sqrt(‖L‖/‖R‖), 1 when either norm is 0 (any norm of :func:`factor_norm`);
-    ``norms``: the pair ``(‖L‖, ‖R‖)`` when the caller has computed it already."""
+    ``norms``: the pair ``(‖L‖, ‖R‖)`` when the caller has computed it already;
+    ``nonzero``: the caller has found both norms non-zero (no guard needed)."""
     left_norm, right_norm = norms if norms is not None else (
         _factor_norm(xp, left, norm_type), _factor_norm(xp, right, norm_type))
+    if nonzero:
+        return xp.sqrt(left_norm) / xp.sqrt(right_norm)
     zero = (left_norm == 0) | (right_norm == 0)
     one = one_like(xp, left_norm)
     # sqrt of each norm, then the ratio: the ratio of two float32 norms can overflow.  A
@@ -751,8 +765,9 @@ def pi_adjusted_damping(left_cov, right_cov, damping, norm_type="avg_diag"):
 
 
 @kernel_of(pi_adjusted_damping)
-def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norms=None):
-    pi = _pi(xp, left, right, norm_type, norms=norms)
+def _pi_adjusted_damping(xp, left, right, damping, norm_type="avg_diag", *, norms=None,
+                         nonzero=False):
+    pi = _pi(xp, left, right, norm_type, norms=norms, nonzero=nonzero)
     # an array λ (a norm-scaled identity weight) stays on the device: no host read, and
     # under jax.jit a traced λ cannot become a Python float (sqrt is correctly rounded in
     # both, so the numbers are the same)
@@ -1122,20 +1137,24 @@ def kron_factor_norms(xp, a, b, norm_type):
 
 
 def kron_zero_factor(xp, norms):
-    """kfac-jax's zero-factor test ``‖A‖ = 0 or ‖B‖ = 0``: a Python bool read on the host
-    when value checks run on concrete arrays, else the 0-D boolean array (inside a trace,
-    or with value checks off: both branches are computed and selected, the same numbers
-    without a read and without the error of a singular zero block)."""
+    """kfac-jax's zero-factor test ``‖A‖ = 0 or ‖B‖ = 0``: a Python bool decided on the host
+    when value checks run on concrete arrays (inside a cache refresh's one read of its
+    checks, without a read of its own: :func:`~kfac_ref._backend.rare_branch`), else the
+    0-D boolean array (inside a trace, or with value checks off: both branches are
+    computed and selected, the same numbers without a read and without the error of a
+    singular zero block)."""
     flag = xp.logical_or(norms[0] == 0.0, norms[1] == 0.0)
-    return bool(flag) if checks_values(flag) else flag
+    return rare_branch(xp, flag) if checks_values(flag) else flag
 
 
-def kron_factor_dampings(xp, a, b, damping, norm_type="avg_diag", *, norms=None):
+def kron_factor_dampings(xp, a, b, damping, norm_type="avg_diag", *, norms=None,
+                         nonzero=False):
     r"""The π split :math:`(\delta_A, \delta_B) = (\pi\sqrt\lambda, \sqrt\lambda/\pi)` of
-    :math:`\lambda`, with π = 1 for ``norm_type="off"``."""
+    :math:`\lambda`, with π = 1 for ``norm_type="off"``; ``nonzero``: both factor norms
+    are known to be non-zero."""
     if norm_type == "off":
         return damping**0.5, damping**0.5
-    return _pi_adjusted_damping(xp, a, b, damping, norm_type, norms=norms)
+    return _pi_adjusted_damping(xp, a, b, damping, norm_type, norms=norms, nonzero=nonzero)
 
 
 def kron_factored_powers(xp, a, b, power, damping, scale=1.0, norm_type="avg_diag",
@@ -1168,7 +1187,8 @@ def kron_factored_powers(xp, a, b, power, damping, scale=1.0, norm_type="avg_dia
     elif zero is None:
         # inside a trace the flag is lazy even for factors the traced function closes over
         zero = kron_zero_factor(xp, norms)
-    if isinstance(zero, bool):  # eager: decided on the host, as kfac-jax's Python branch does
+    nonzero = isinstance(zero, bool)
+    if nonzero:  # eager: decided on the host, as kfac-jax's Python branch does
         if zero:
             # kfac-jax: every damped factor is (λ/s)^(1/2) I, so the damped block is λ I.
             if power < 0 and damping == 0.0:
@@ -1176,8 +1196,9 @@ def kron_factored_powers(xp, a, b, power, damping, scale=1.0, norm_type="avg_dia
                     f"a Kronecker factor is zero and damping is 0, so the block is singular "
                     f"for the power {power}. Add damping.")
             return None, None, damping**power
-        zero = None
-    delta_a, delta_b = kron_factor_dampings(xp, a, b, lam, norm_type, norms=norms)
+        zero = None  # both norms non-zero: π needs no guard
+    delta_a, delta_b = kron_factor_dampings(xp, a, b, lam, norm_type, norms=norms,
+                                            nonzero=nonzero)
     try:
         # written out per factor (no helper) so that an inverse reaches the Cholesky call in
         # two frames: damped_matpower's kernel, then damped_cholesky's

@@ -57,3 +57,59 @@ def test_cache_of_several_powers_computes_the_norms_once(monkeypatch):
         fresh = block.multiply_matpower(st, vec, 0.1, p, False, False, "avg_diag")
         for c, f in zip(cached, fresh, strict=True):
             np.testing.assert_array_equal(c, f)
+
+
+# PyTorch operations that only make a view (no kernel launch on a device)
+_VIEWS = frozenset({"view", "transpose", "diagonal", "permute", "slice", "select", "detach",
+                    "alias", "_unsafe_view", "expand", "t", "as_strided", "unsqueeze",
+                    "squeeze", "_reshape_alias", "unbind", "split", "lift_fresh"})
+
+
+def _kernels_launched(fn):
+    """``(result, number of PyTorch operations other than views)`` of ``fn()``: on a
+    device each is a kernel launch, which is what a small factor's refresh costs there."""
+    pytest.importorskip("torch")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _VIEWS:
+                Counting.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        out = fn()
+    return out, Counting.n
+
+
+@pytest.mark.parametrize("fallback,bound", [("identity", 50), ("pi_one", 52)])
+def test_a_kronecker_inverse_refresh_launches_few_kernels(fallback, bound):
+    """A refresh of one damped Kronecker inverse (two Cholesky inverses) on torch tensors,
+    value checks on, stays within ``bound`` operations: two norms of four kernels each
+    (no ``where`` guard: the unit is clipped at the smallest normal number), π without its
+    zero guard once the zero-factor test has passed (kfac-jax's fall-back), the
+    positive-definiteness test on the pivots themselves (no squares), the Cholesky
+    factorisation without a read of its own (``cholesky_ex``), one read for the whole
+    refresh.  The refresh agrees with NumPy's to rounding."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(13)
+    data = {"inputs": rng.standard_normal((16, 6)), "outputs_grad": rng.standard_normal((16, 4))}
+    vec = tuple(rng.standard_normal(s) for s in ((6, 4), (4,)))
+    out = []
+    for to in (np.asarray, lambda a: torch.tensor(a, dtype=torch.float64)):
+        block = kj.DenseTwoKroneckerFactored(6, 4, zero_factor_fallback=fallback)
+        state = block.init(to(np.zeros(())), approx_powers_to_cache=[-1.0])
+        state = block.update_curvature_matrix_estimate(
+            state, {k: to(v) for k, v in data.items()}, 0.0, 1.0, 16)
+        if to is np.asarray:
+            cached = block.update_cache(state, 0.1, [], [-1.0], False)
+        else:
+            cached, n = _kernels_launched(lambda b=block, s=state: b.update_cache(
+                s, 0.1, [], [-1.0], False))
+            assert n <= bound, n
+        out.append(block.multiply_matpower(cached, tuple(to(v) for v in vec), 0.1, -1.0,
+                                           False, True))
+    for want, got in zip(*out, strict=True):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-12)

@@ -1,11 +1,14 @@
 """Device→host reads on the hot paths, counted on torch tensors (a read is ``bool()``,
 ``float()``, ``int()``, ``.item()`` or ``.tolist()`` of a tensor; on a GPU each one waits
-for the device).  With value checks on, each input costs one read (its finiteness scan);
+for the device).  With value checks on, an input of a single-array function costs one
+read (its finiteness scan), and the scans of a call's several arguments are read together;
 with value checks off (:func:`kfac_ref.value_checks`) a curvature update, a cache refresh
 and a cached product read nothing back.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pytest
@@ -94,12 +97,11 @@ def test_norm_scaled_cache_of_several_powers_reads_nothing_without_value_checks(
     assert all(o.shape == v.shape for o, v in zip(out, vec, strict=True))
 
 
-@pytest.mark.parametrize("fallback,expected", [("identity", 2), ("pi_one", 1)])
-def test_cache_refresh_reads_its_value_checks_once(reads, fallback, expected):
+@pytest.mark.parametrize("fallback", ["identity", "pi_one"])
+def test_cache_refresh_reads_its_value_checks_once(reads, fallback):
     """With value checks on, a Kronecker cache refresh (exact −1, approximate −1, −½, ½,
     eigenvalues, a norm-scaled weight) reads all its checks (Cholesky pivots, spectra) back
-    in one read; kfac-jax's zero-factor test (a branch, not a check) is one more read, once
-    for all the powers."""
+    in one read; kfac-jax's zero-factor test (a branch, not a check) joins that read."""
     rng = np.random.default_rng(4)
     block = kj.DenseTwoKroneckerFactored(6, 4, zero_factor_fallback=fallback)
     batch = {"inputs": _t(rng.standard_normal((16, 6))),
@@ -111,7 +113,7 @@ def test_cache_refresh_reads_its_value_checks_once(reads, fallback, expected):
         state = block.update_curvature_matrix_estimate(state, batch, 0.0, 1.0, 16)
     reads["n"] = 0
     block.update_cache(state, 0.1, [-1.0], powers, True, "avg_diag")
-    assert reads["n"] == expected
+    assert reads["n"] == 1
 
 
 def test_a_failing_deferred_check_raises_its_usual_error():
@@ -164,15 +166,37 @@ def _with_output_factor(state, k, raw):
     return dataclasses.replace(state, blocks_states=tuple(blocks))
 
 
-@pytest.mark.parametrize("fallback,expected", [("identity", 1 + 3), ("pi_one", 1)])
-def test_an_estimator_cache_refresh_reads_every_blocks_checks_once(reads, fallback, expected):
+@pytest.mark.parametrize("fallback", ["identity", "pi_one"])
+def test_an_estimator_cache_refresh_reads_every_blocks_checks_once(reads, fallback):
     """``BlockDiagonalCurvature.update_cache`` reads the value checks of all three blocks
-    (their Cholesky pivots) back in one read; kfac-jax's zero-factor test, a branch each
-    block takes in Python, is one more read a block."""
+    (their Cholesky pivots) and kfac-jax's zero-factor test of each block (a branch taken
+    in Python) back in one read."""
     est, state = _three_block_estimator(fallback, np.random.default_rng(6))
     reads["n"] = 0
     est.update_cache(state, 0.1, None, -1.0, False)
-    assert reads["n"] == expected
+    assert reads["n"] == 1
+
+
+def test_a_zero_factor_read_with_the_checks_takes_kfac_jaxs_branch(reads):
+    """A zero output factor in the second of three blocks under kfac-jax's fall-back: the
+    one read of the refresh says so, the refresh runs again with reads at once, and the
+    block's cached power is λ^p I, as NumPy's (read at once) is."""
+    est, state = _three_block_estimator("identity", np.random.default_rng(11))
+    g = state.blocks_states[1].statistics[1]
+    state = _with_output_factor(state, 1, torch.zeros_like(g.raw))
+    reads["n"] = 0
+    cached = est.update_cache(state, 0.1, None, -1.0, False)
+    assert reads["n"] > 1  # the failed read, then the refresh with reads at once
+    vec = _t(np.random.default_rng(12).standard_normal(est.dim))
+    got = est.multiply_matpower(cached, vec, 0.1, -1.0, False, True)
+    sizes = [sum(math.prod(s) for s in b.parameters_shapes) for b in est.blocks]
+    lo, hi = sizes[0], sizes[0] + sizes[1]
+    # kfac-jax's zero-factor case: the damped block is λ I, so its inverse is v / λ
+    np.testing.assert_allclose(got[lo:hi].numpy(), vec[lo:hi].numpy() / 0.1, rtol=1e-14)
+    with kfac_ref.value_checks(False):  # the branch selected on the device, no read
+        unread = est.multiply_matpower(est.update_cache(state, 0.1, None, -1.0, False), vec,
+                                       0.1, -1.0, False, True)
+    np.testing.assert_array_equal(got.numpy(), unread.numpy())
 
 
 def test_a_failing_check_of_one_block_raises_that_blocks_error():
@@ -206,3 +230,66 @@ def test_the_first_failing_block_raises_first():
     with pytest.raises(kfac_ref.KFACValueError) as together:
         est.update_cache(state, 0.0, None, -1.0, False)
     assert str(first.value) in str(together.value)
+
+
+def _update_args(rng):
+    est, state = _three_block_estimator("pi_one", rng)
+    params = tuple(tuple(_t(a) for a in p)
+                   for p in est.net.init_params(rng, np.zeros(1)))
+    batch = (_t(rng.standard_normal((8, 5))), torch.as_tensor(rng.integers(0, 3, 8)))
+    return est, state, params, batch
+
+
+def test_an_estimator_update_reads_its_arguments_once(reads):
+    """With value checks on, one update reads back four times, whatever the number of
+    layers: the finiteness scans of the six parameter arrays and ``x`` together (before
+    the forward pass), the network output's scan, the range of the targets, and the scans
+    of the six updated statistics together (before the state is returned).  A loss built
+    on the output array itself needs no read to show that it passes the output
+    unchanged."""
+    est, state, params, batch = _update_args(np.random.default_rng(9))
+    reads["n"] = 0
+    est.update_curvature_matrix_estimate(state, 0.0, 1.0, 8, None, (params, batch),
+                                         "ggn_exact")
+    assert reads["n"] == 4
+
+
+@pytest.mark.parametrize("where", ["params", "x"])
+def test_a_non_finite_argument_among_those_read_together_is_named(where):
+    """The scans read back together fail together: the checks run again one by one and
+    name the argument, word for word as NumPy's (read at once) do."""
+    messages = []
+    for to in (np.asarray, _t):
+        est, _, params, batch = _update_args(np.random.default_rng(10))
+        params = [[np.asarray(a) for a in p] for p in params]
+        x, y = np.asarray(batch[0]), np.asarray(batch[1])
+        good = tuple(tuple(to(a) for a in p) for p in params)
+        state = est.init(None, (good, (to(x), to(y))))
+        if where == "params":
+            params[2][0] = params[2][0].copy()
+            params[2][0][1, 1] = np.nan
+        else:
+            x = x.copy()
+            x[3, 0] = np.inf
+        fa = (tuple(tuple(to(a) for a in p) for p in params), (to(x), to(y)))
+        with pytest.raises(kfac_ref.KFACValueError) as err:
+            est.update_curvature_matrix_estimate(state, 0.0, 1.0, 8, None, fa, "ggn_exact")
+        messages.append(str(err.value))
+    assert messages[0] == messages[1].replace("torch.float64", "float64")
+    assert ("params[2][0] (d2.w)" if where == "params" else "x must be finite") in messages[1]
+
+
+def test_finite_arguments_whose_scans_overflow_together_pass(reads):
+    """float32 arrays whose sums are finite but whose total overflows: the one read fails,
+    the scans run again one by one, and every array passes."""
+    import kfac_ref.nn as nn
+
+    net = nn.Sequential([("d1", nn.Dense(2, 2)), ("d2", nn.Dense(2, 2))])
+    big = torch.full((2, 2), 8e37, dtype=torch.float32)  # sum 3.2e38 < 3.4e38
+    params = ((big, torch.zeros(2)), (big, torch.zeros(2)))
+    x = torch.ones((3, 2))
+    reads["n"] = 0
+    checked = net.check_params_and_input("f", params, x)
+    assert all(a is b for p, q in zip(checked, params, strict=True)
+               for a, b in zip(p, q, strict=True))
+    assert reads["n"] == 1 + 5  # the total, then each array's own scan (x's too)

@@ -346,7 +346,8 @@ class BlockDiagonalCurvature(EstimatorBase):
         # Finite inputs can still give non-finite statistics (their squares overflow), and a
         # state may have been built with value checks off: the statistics are scanned here,
         # where they enter the state, so that no product or cache refresh meets them later
-        self._check_statistics(func, states)
+        # (the scans of all blocks read back once)
+        read_checks_once(b.xp, lambda: self._check_statistics(func, states), func)
         return self._checked(BlockDiagonalState(tuple(states)))
 
     def _check_statistics(self, func, states):

@@ -123,8 +123,10 @@ class _Batch:
             )
         self.dep_sizes = sizes
         self.func = func
-        if self.loss is not None and checks_values(self.out) and any_true(
-                self.xp, self.flat(deps) != self.xp.reshape(self.out, (self.n, self.d))):
+        # a loss built on the output array itself passes it unchanged (no values to read)
+        unchanged = len(deps) == 1 and deps[0] is self.out
+        if (self.loss is not None and not unchanged and checks_values(self.out) and any_true(
+                self.xp, self.flat(deps) != self.xp.reshape(self.out, (self.n, self.d)))):
             raise KFACValueError(
                 f"{func}: loss_fn must pass the network outputs to the loss unchanged (split "
                 f"into its inputs in order, each flattened per example); got loss inputs that "

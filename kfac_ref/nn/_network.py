@@ -53,6 +53,7 @@ from .._backend import (
     check_shape,
     describe,
     namespace_of,
+    read_checks_once,
     value_checks,
     zeros_like_shape,
 )
@@ -334,11 +335,16 @@ class Sequential:
         for name, v in others.items():
             named.update(self._named_arrays(name, v) if isinstance(v, (tuple, list))
                          else {name: v})
-        namespace_of(func, **named, x=x)
-        params = self._check_params(func, params, arrays=arrays)
-        like = next((p[0] for p in params if p), None)
-        self.check_input(func, x, like)
-        return params
+        xp = namespace_of(func, **named, x=x)
+
+        def check():
+            checked = self._check_params(func, params, arrays=arrays)
+            self.check_input(func, x, next((p[0] for p in checked if p), None))
+            return checked
+
+        # the finiteness scans of the parameters and x read back once, before any
+        # computation (on the host: each at once)
+        return read_checks_once(xp, check, func)
 
     def check_param_tangent(self, func, name, v):
         r"""Validate a vector of parameter space, given flat (``[P]``, the canonical order) or
