@@ -219,10 +219,13 @@ def compute_cov(tensor, tensor_right=None, normalizer=None):
 def _compute_cov(xp, tensor, tensor_right=None, normalizer=None):
     if normalizer is None:
         normalizer = tensor.shape[0]
-    if tensor_right is None:
-        cov = (tensor.T @ tensor) / normalizer
-        return cov if gram_is_exactly_symmetric(xp) else (cov + cov.T) / 2.0
-    return (tensor.T @ tensor_right) / normalizer
+    cov = tensor.T @ (tensor if tensor_right is None else tensor_right)
+    # the product is this function's own fresh array: divided where it lies, one pass and
+    # one d×d temporary fewer (JAX and Dask, without in-place arithmetic, make a new array)
+    cov /= normalizer
+    if tensor_right is None and not gram_is_exactly_symmetric(xp):
+        cov = (cov + cov.T) / 2.0
+    return cov
 
 
 @capabilities(jit="yes", vmap="yes", dask="yes")
@@ -255,8 +258,10 @@ def append_homog(tensor, homog_value=1.0):
 
 @kernel_of(append_homog)
 def _append_homog(xp, tensor, homog_value=1.0):
-    ones = ones_like_shape(tensor, (*tensor.shape[:-1], 1))
-    return xp.concat([tensor, ones * homog_value], axis=-1)
+    column = ones_like_shape(tensor, (*tensor.shape[:-1], 1))
+    if not (isinstance(homog_value, (int, float)) and homog_value == 1.0):  # a bias: ones
+        column = column * homog_value
+    return xp.concat([tensor, column], axis=-1)
 
 
 # --------------------------------------------------------------------------------------

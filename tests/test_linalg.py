@@ -39,6 +39,22 @@ def test_compute_cov_right_and_normalizer(xp, rng):
     xp.assert_close(K.compute_cov(xp.asarray(x), xp.asarray(y), normalizer=2.5), expected)
 
 
+@pytest.mark.parametrize("normalizer", [None, 2.5])
+def test_compute_cov_leaves_its_inputs_and_keeps_their_dtype(xp, rng, normalizer):
+    """The moment is divided in place, on the product the function made itself: the
+    arguments are unchanged (also a square X used as both factors), and the result has
+    their dtype with a Python normaliser."""
+    x = xp.asarray(xp.round_host(rng.standard_normal((6, 3))))
+    y = xp.asarray(xp.round_host(rng.standard_normal((6, 3))))
+    sq = xp.asarray(xp.round_host(rng.standard_normal((3, 3))))
+    before = [xp.to_numpy(a).copy() for a in (x, y, sq)]
+    for args in ((x,), (x, y), (sq, sq)):
+        out = K.compute_cov(*args, normalizer=normalizer)
+        xp.check(out)
+    for a, b in zip((x, y, sq), before, strict=True):
+        np.testing.assert_array_equal(xp.to_numpy(a), b)
+
+
 def test_compute_cov_right_is_not_symmetrised(rng):
     x = rng.standard_normal((5, 3))
     y = rng.standard_normal((5, 3))

@@ -375,6 +375,21 @@ def test_sequential_refuses_bad_inputs(xp, rng, make, method):
             call(params, x32)
 
 
+def test_a_later_layers_shape_is_checked_for_every_new_input_shape(xp, rng):
+    """The shape probes of the later layers are remembered per per-example input shape and
+    dtype: after a fitting call, an input whose flattened size does not fit the dense layer
+    is still refused, naming that layer, and a fitting one still passes."""
+    net = nn.Sequential([("c", nn.Conv2D(2, 3, 3, padding="SAME")), ("f", nn.Flatten()),
+                         ("d", nn.Dense(4 * 4 * 3, 2))])
+    params = tuple(tuple(xp.asarray(a) for a in p)
+                   for p in net.init_params(rng, np.zeros((1, 4, 4, 2))))
+    fits = xp.asarray(rng.standard_normal((3, 4, 4, 2)))
+    for _ in range(2):  # the second call meets the remembered shape
+        assert tuple(net.forward(params, fits).shape) == (3, 2)
+        with pytest.raises(KFACValueError, match=r"layer 'd' must receive the shape"):
+            net.forward(params, xp.asarray(rng.standard_normal((3, 5, 4, 2))))
+
+
 def test_sequential_refuses_mixed_precision_in_a_structured_direction(xp, rng):
     if not xp.float64:
         pytest.skip("needs float64 next to float32")

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import math
 
+import array_api_extra as xpx
+
 from .._backend import (
     KFACTypeError,
     KFACValueError,
@@ -808,7 +810,7 @@ class Conv2D(Layer):
         receives :math:`\sum_a g_{i,a}` over the offsets with :math:`h^p = i s + a d`.
         Writing :math:`h^p = q s + r`, offset ``a`` lands in phase :math:`r = a d \bmod s`
         at row :math:`q = i + (a d - r)/s`: each phase is a sum of shifted slices of ``g``
-        (zero rows concatenated, no scatter), and the phases interleave by one stack and a
+        (zero rows padded on, no scatter), and the phases interleave by one stack and a
         free reshape.  No array is written in place.
         """
         *lead, o, b, _, r = g.shape
@@ -829,9 +831,9 @@ class Conv2D(Layer):
                 if keep <= 0:
                     continue
                 term = g[..., :keep, :, a, :]
-                parts = ([zeros(shift)] if shift else []) + [term] + (
-                    [zeros(q - shift - keep)] if q - shift - keep else [])
-                placed = xp.concat(parts, axis=axis) if len(parts) > 1 else term
+                after = q - shift - keep
+                placed = term if not (shift or after) else xpx.pad(
+                    term, [(0, 0)] * axis + [(shift, after), (0, 0), (0, 0)], xp=xp)
                 total = placed if total is None else total + placed
             phases.append(zeros(q) if total is None else total)
         inter = phases[0] if stride == 1 else xp.reshape(
