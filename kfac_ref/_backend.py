@@ -956,13 +956,11 @@ def _factor_unless_failed(xp, low, info):
     if not checks_values(info):
         return xp.where(info == 0, low, xp.asarray(math.nan, dtype=low.dtype,
                                                    device=device_of(low)))
-    pending = _DEFERRED.get()
-    if pending is not None:
-        pending["flags"].append(info == 0)
-        return low
-    code = int(_detached(info))
-    if code:
-        raise np.linalg.LinAlgError(_not_positive_definite(code))
+
+    def fail():
+        raise np.linalg.LinAlgError(_not_positive_definite(int(_detached(info))))
+
+    value_check(info == 0, fail)
     return low
 
 
