@@ -1116,6 +1116,26 @@ def check_array(
     return x
 
 
+def check_array_like(func: str, name: str, x: Any, like_name: str, like: Any, *,
+                     shape: Sequence[int], layout: str | None = None):
+    """:func:`check_array` (real floating, ``shape``, finite) and :func:`namespace_of`
+    against ``like``, a checked array of a state (a real floating array of float32 or
+    float64), in one call; returns ``x`` unchanged.
+
+    When ``x`` has ``like``'s array type, dtype and device and the expected shape, the type,
+    dtype, precision and namespace checks hold already and only the finiteness scan runs
+    (the products of a cached state pay these checks on every call); anything else takes
+    :func:`check_array`, then :func:`namespace_of`, whose messages name the argument.
+    """
+    if (type(x) is type(like) and x.dtype == like.dtype and x.shape == tuple(shape)
+            and device_of(x) == device_of(like)):
+        if not checks_values(x) or _static_size(x) == 0 or all_finite(array_namespace(x), x):
+            return x
+    check_array(func, name, x, shape=shape, layout=layout)
+    namespace_of(func, **{name: x, like_name: like})
+    return x
+
+
 def check_square(func: str, name: str, x: Any, *, layout: str = "[n, n]"):
     """Validate a finite, real floating, square 2-D array."""
     check_array(func, name, x, ndim=2, layout=layout)

@@ -324,3 +324,51 @@ def test_check_array_shape_with_and_without_free_entries():
     for bad in ((4, 3), (3, None, 1), (3,)):
         with pytest.raises(KFACValueError, match="must be an array of shape"):
             B.check_array("f", "x", x, shape=bad)
+
+
+def _two_step_error(func, name, x, like_name, like, shape):
+    """The error of check_array then namespace_of, the checks check_array_like stands for."""
+    try:
+        B.check_array(func, name, x, shape=shape, layout="[P]")
+        B.namespace_of(func, **{name: x, like_name: like})
+    except KFACInputError as exc:
+        return type(exc), str(exc)
+    return None
+
+
+def test_check_array_like_is_check_array_and_namespace_of_in_one_call(xp, monkeypatch):
+    import array_api_strict as xs
+
+    like = xp.asarray(np.zeros(()))
+    good = xp.asarray(np.arange(3.0))
+    scans = []
+    real = B.all_finite
+    monkeypatch.setattr(B, "all_finite", lambda ns, x: scans.append(x.shape) or real(ns, x))
+    assert B.check_array_like("f", "v", good, "like", like, shape=(3,)) is good
+    assert scans == [(3,)]  # the matching case: one finiteness scan, nothing else read
+    cases = {
+        "non-finite": xp.asarray(np.array([0.0, np.inf, 1.0])),
+        "shape": xp.asarray(np.arange(4.0)),
+        "rank": xp.asarray(np.ones((3, 1))),
+        "integer": xp.asarray(np.arange(3)),
+        "namespace": np.arange(3.0) if xp.name.startswith("strict") else xs.asarray(
+            np.arange(3.0)),
+        "not an array": [0.0, 1.0, 2.0],
+    }
+    if xp.name != "strict-no_float64":  # a device without float64 has one precision
+        cases["precision"] = xp.xp.asarray(
+            good, dtype=xp.xp.float32 if xp.float64 else xp.xp.float64)
+    if xp.name.startswith("strict"):
+        other = "device1" if xp.name != "strict-device1" else "CPU_DEVICE"
+        cases["device"] = xs.asarray(np.arange(3.0), dtype=good.dtype, device=xs.Device(other))
+    for what, bad in cases.items():
+        want = _two_step_error("f", "v", bad, "like", like, (3,))
+        assert want is not None, what
+        with pytest.raises(want[0]) as got:
+            B.check_array_like("f", "v", bad, "like", like, shape=(3,), layout="[P]")
+        assert str(got.value) == want[1], what
+    with B.value_checks(False):  # the scan is a value check; the static checks stay
+        assert B.check_array_like("f", "v", cases["non-finite"], "like", like, shape=(3,)) \
+            is cases["non-finite"]
+        with pytest.raises(KFACValueError, match=r"f: v must be an array of shape \(3\)"):
+            B.check_array_like("f", "v", cases["shape"], "like", like, shape=(3,))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .._backend import (
     KFACValueError,
     check_array,
+    check_array_like,
     check_int,
     check_option,
     check_scalar,
@@ -37,10 +38,19 @@ def flat_or_structured(func, net, vector, **others):
             namespace_of(func, **members, **others)
         vector = net.check_params(func, vector, VECTOR)
         return net.flatten(vector), net.unflatten
+    likes = [(k, a) for k, a in others.items() if a is not None]
+    if len(likes) == 1:  # a state's array: one call checks the vector against it
+        check_array_like(func, VECTOR, vector, *likes[0], shape=(net.num_params,),
+                         layout="[P]")
+        return vector, _same
     check_array(func, VECTOR, vector, shape=(net.num_params,), layout="[P]")
-    if others:
+    if likes:
         namespace_of(func, **{VECTOR: vector}, **others)
-    return vector, lambda v: v
+    return vector, _same
+
+
+def _same(v):
+    return v
 
 
 class EstimatorBase:
