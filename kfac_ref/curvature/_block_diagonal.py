@@ -175,7 +175,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         self.block_kwargs = dict(block_kwargs or {})
         self._blocks = None
         self._input_shapes = None
-        self._checked_states = weakref.WeakValueDictionary()
+        self._forget_states()
 
     # -- structure ------------------------------------------------------------------------------
     @property
@@ -276,7 +276,7 @@ class BlockDiagonalCurvature(EstimatorBase):
         wants = {i: not bl.uses_params_grads and bl.uses_layer_tap(self.net.layers[i], shapes[i])
                  for i, bl in zip(self.layer_indices, self._blocks, strict=True)}
         self._taps = tuple(wants.get(i, False) for i in range(len(self.net.layers)))
-        self._checked_states = weakref.WeakValueDictionary()  # checked against old blocks
+        self._forget_states()  # checked against the old blocks
         return self._checked(BlockDiagonalState(tuple(states)))
 
     def _block_label(self, k):
@@ -458,12 +458,18 @@ class BlockDiagonalCurvature(EstimatorBase):
         return {"state.blocks_states[0]": state.blocks_states[0].like}
 
     def __getstate__(self):
-        # the remembered states are weak references to this process's objects
-        return {k: v for k, v in self.__dict__.items() if k != "_checked_states"}
+        # the remembered states and plan are weak references to this process's objects
+        return {k: v for k, v in self.__dict__.items()
+                if k not in ("_checked_states", "_plan")}
 
     def __setstate__(self, attributes):
         self.__dict__.update(attributes)
+        self._forget_states()
+
+    def _forget_states(self):
+        """Forget the states checked against the blocks and the product plan."""
         self._checked_states = weakref.WeakValueDictionary()
+        self._plan = None
 
     def _checked(self, state):
         """``state``, remembered as checked against the blocks (see :meth:`_state_like`)
@@ -545,6 +551,15 @@ class BlockDiagonalCurvature(EstimatorBase):
         its block states, then the vector against them and one finiteness scan of the
         vector); the blocks then run their unchecked product kernels.  A state this
         estimator made or checked before is not walked again (states are immutable).
+
+        A cached product without norm scaling, with a Python float ``identity_weight`` and
+        ``power``, keeps a plan for its state: each block's cached product bound to the
+        state and the options
+        (:meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.cached_flat_product`).
+        The next products of that state with equal options check the vector and run the
+        plan, without the options' checks and the dispatch to each block (the state's
+        blocks must all have one).  One plan is kept, for the last state, and dropped with
+        it; none is kept for traced or lazy arrays, or for a state built on lists.
         """
         func = "BlockDiagonalCurvature.multiply_matpower"
         _check_pmap_axis_name(func, pmap_axis_name)
@@ -552,6 +567,13 @@ class BlockDiagonalCurvature(EstimatorBase):
         # device and precision, before anything is concatenated
         likes = self._state_like(func, state)
         flat, back = flat_or_structured(func, self.net, parameter_structured_vector, **likes)
+        key = _plan_key(identity_weight, power, exact_power, use_cached,
+                        norm_to_scale_identity_weight_per_block, flat, likes)
+        plan = self._plan
+        if key is not None and plan is not None and plan[0]() is state and plan[1] == key:
+            # options that passed with this state before: the blocks' bound products
+            with _statistics_named(func, state):
+                return back(array_namespace(flat).concat([f(flat[sl]) for f, sl in plan[2]]))
         ws = self._weights(func, identity_weight, likes)
         # the scalar options once, then whether each block takes an approximate power
         blocks = self.blocks
@@ -576,7 +598,30 @@ class BlockDiagonalCurvature(EstimatorBase):
             except KFACTypeError:  # a kernel's (a namespace without linalg.eigh, say)
                 with errors_named(func):
                     raise
+        if key is not None:
+            self._remember_plan(xp, state, key, ws, opts)
         return back(xp.concat(outs))
+
+    def _remember_plan(self, xp, state, key, ws, opts):
+        """Keep the blocks' cached products bound to ``state`` and these options (see
+        :meth:`~kfac_ref.blocks.kfac_jax.CurvatureBlock.cached_flat_product`) for the next
+        products, when every block has one: one plan, for the last state, weakly (it is
+        dropped with the state).  Only for a state remembered as immutable
+        (:meth:`_checked`)."""
+        if self._checked_states.get(id(state)) is not state:
+            return
+        fns = []
+        for bl, st, sl, w in zip(self.blocks, state.blocks_states, self._block_slices, ws,
+                                 strict=True):
+            f = bl.cached_flat_product(xp, st, w, opts[0], opts[1])
+            if f is None:
+                return
+            fns.append((f, sl))
+        self._plan = (weakref.ref(state, self._forget_plan), key, tuple(fns))
+
+    def _forget_plan(self, ref):
+        if self._plan is not None and self._plan[0] is ref:
+            self._plan = None
 
     def block_eigenvalues(self, state, use_cached=False):
         r"""Eigenvalues of each block, in block order.
@@ -687,6 +732,20 @@ def _check_pmap_axis_name(func, pmap_axis_name):
     if pmap_axis_name is not None and not isinstance(pmap_axis_name, str):
         raise KFACTypeError(f"{func}: pmap_axis_name must be None or a str (ignored); got "
                             f"{describe(pmap_axis_name)}.")
+
+
+def _plan_key(identity_weight, power, exact_power, use_cached, norm, flat, likes):
+    """The key of a product plan (:meth:`BlockDiagonalCurvature._remember_plan`), or None
+    for a call that takes none: a cached product without norm scaling, with a Python float
+    weight and power and a bool ``exact_power`` (whose equal values passed the same checks),
+    on eager arrays (a plan kept across a trace would keep its tracers)."""
+    if not (use_cached is True and norm is None and type(identity_weight) is float
+            and type(power) is float and type(exact_power) is bool) or is_lazy(flat):
+        return None
+    for like in likes.values():
+        if is_lazy(like):
+            return None
+    return (identity_weight, power, exact_power)
 
 
 class _statistics_named:  # noqa: N801 (used as a function, like errors_named)

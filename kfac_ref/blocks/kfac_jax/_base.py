@@ -643,6 +643,22 @@ class CurvatureBlock(abc.ABC):
                                            norm_type)
         return self._working_form_to_flat(xp, work)
 
+    def cached_flat_product(self, xp, state, identity_weight, power, exact_power):
+        r"""The cached product of :meth:`multiply_matpower_flat_kernel` with
+        ``use_cached=True`` and no norm scaling, bound to ``state`` and these checked
+        options, as a function of the flat slice alone; ``None`` when this family has none
+        or the call would take another branch (an error included).
+
+        .. math:: v \mapsto \mathrm{vec}\big((s B + \lambda I)^{p} v\big)
+
+        For a caller that makes many products with one immutable state and the same
+        options (:meth:`kfac_ref.curvature.BlockDiagonalCurvature.multiply_matpower` keeps
+        one per state): the branch choices and cache look-ups are made once here, not per
+        product.  The function computes what the kernel computes, with the kernel's own
+        formula.
+        """
+        return None
+
     def _multiply_working_form(self, func, xp, state, work, identity_weight, power,
                                exact_power, use_cached, norm_type):
         # kernel errors come out unnamed: the caller names them once for all its blocks

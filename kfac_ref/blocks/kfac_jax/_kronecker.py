@@ -4,6 +4,7 @@ matrix (kfac-jax ``TwoKroneckerFactored`` and its layer blocks)."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..._backend import (
     is_array,
     kernel_error,
     namespace_of,
+    reshape,
 )
 from ..._support import capabilities
 from ...conv_geometry import to_channels_last
@@ -156,6 +158,18 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
         elif path == "factored":  # power one: the damped factors themselves
             prepared = self._prepare(path, xp, a, g, power, lam, s)
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
+
+    def cached_flat_product(self, xp, state, identity_weight, power, exact_power):
+        # the factored path's cached factor powers (the common preconditioner); every other
+        # branch, and every error, stays with the kernel
+        if kron_product_path(power, exact_power, self.approx_power_one) != "factored" or (
+                power == 1.0):
+            return None
+        approx = state.cache.get("approx")
+        entry = None if approx is None else approx.get(power)
+        if entry is None or (self.strict_cache and _differ(entry[0], identity_weight)):
+            return None
+        return partial(_flat_factored_apply, xp, entry[1], (self.input_size, self.output_size))
 
     def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         a, g = (f.value for f in state.statistics)
@@ -431,3 +445,8 @@ class ReducedConv2DTwoKroneckerFactored(DenseTwoKroneckerFactored):
 register_layer_block("dense", "kronecker", DenseTwoKroneckerFactored, default=True)
 register_layer_block("conv2d", "kronecker", Conv2DTwoKroneckerFactored, default=True)
 register_layer_block("conv2d", "kronecker_reduce", ReducedConv2DTwoKroneckerFactored)
+
+
+def _flat_factored_apply(xp, prepared, shape, flat):
+    """:func:`~kfac_ref.linalg.kron_factored_apply` on a flat ``[W; b]`` slice, flat out."""
+    return reshape(xp, kron_factored_apply(xp, prepared, reshape(xp, flat, shape)), (-1,))
