@@ -161,3 +161,19 @@ def test_no_plan_holds_a_traced_array():
     g = jax.jit(lambda s, v: est.multiply_matpower(s, v, 0.1, -1.0, False, True))
     np.testing.assert_allclose(np.asarray(g(st, vec)), np.asarray(want), rtol=1e-5)
     assert est._plan[0]() is st  # a traced state neither replaced nor joined the plan
+
+
+def test_a_plan_made_without_value_checks_does_not_skip_them_later():
+    """A cache built with a 0-D array weight is compared with a product's weight only while
+    value checks run (``strict_cache``): a plan made with the checks off must not let a
+    later call with the checks on skip that comparison."""
+    from kfac_ref import value_checks
+
+    est, st, vec = _cached(_Host(), strict_cache=True)
+    st = est.update_cache(st, np.asarray(0.1), None, -1.0, False)
+    with value_checks(False):
+        est.multiply_matpower(st, vec, 0.2, -1.0, False, True)
+        assert est._plan is not None
+        est.multiply_matpower(st, vec, 0.2, -1.0, False, True)
+    with pytest.raises(KFACValueError, match=r"identity_weight \(effective 0.2\) must equal"):
+        est.multiply_matpower(st, vec, 0.2, -1.0, False, True)

@@ -738,14 +738,16 @@ def _plan_key(identity_weight, power, exact_power, use_cached, norm, flat, likes
     """The key of a product plan (:meth:`BlockDiagonalCurvature._remember_plan`), or None
     for a call that takes none: a cached product without norm scaling, with a Python float
     weight and power and a bool ``exact_power`` (whose equal values passed the same checks),
-    on eager arrays (a plan kept across a trace would keep its tracers)."""
+    on eager arrays (a plan kept across a trace would keep its tracers).  Whether value
+    checks run is part of the key: a cache built with an array weight is compared with the
+    given one only while they do (``strict_cache``)."""
     if not (use_cached is True and norm is None and type(identity_weight) is float
             and type(power) is float and type(exact_power) is bool) or is_lazy(flat):
         return None
     for like in likes.values():
         if is_lazy(like):
             return None
-    return (identity_weight, power, exact_power)
+    return (identity_weight, power, exact_power, value_checks_enabled())
 
 
 class _statistics_named:  # noqa: N801 (used as a function, like errors_named)
