@@ -177,3 +177,16 @@ def test_a_plan_made_without_value_checks_does_not_skip_them_later():
         est.multiply_matpower(st, vec, 0.2, -1.0, False, True)
     with pytest.raises(KFACValueError, match=r"identity_weight \(effective 0.2\) must equal"):
         est.multiply_matpower(st, vec, 0.2, -1.0, False, True)
+
+
+def test_a_structured_vector_takes_the_plan_too(monkeypatch):
+    calls = _count_kernel_calls(monkeypatch)
+    est, st, vec = _cached(_Host())
+    structured = est.net.unflatten(vec)
+    want = est.multiply_matpower(st, vec, 0.1, -1.0, False, True)
+    n = calls["n"]
+    for _ in range(2):
+        got = est.multiply_matpower(st, structured, 0.1, -1.0, False, True)
+        assert calls["n"] == n  # the plan made by the flat call: equal options, same state
+        assert isinstance(got, tuple)
+        np.testing.assert_allclose(est.net.flatten(got), want, rtol=1e-12)
