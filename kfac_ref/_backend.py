@@ -365,7 +365,7 @@ def deferred_value_checks(xp):
     the one to raise, with nothing to compute again.  :func:`read_checks_once` is the
     caller's side.
     """
-    status = {"ok": True, "at_once": False, "nested": False}
+    status = {"ok": True, "at_once": False, "nested": False, "pending": False}
     if _DEFERRED.get() is not None:
         status["nested"] = True
         yield status
@@ -383,6 +383,8 @@ def deferred_value_checks(xp):
             yield status
     finally:
         _DEFERRED.reset(token)
+        # whether checks were left unread (for an error raised inside: read_checks_once)
+        status["pending"] = bool(pending["flags"] or pending["sums"])
     if pending["flags"] or pending["sums"]:
         status["ok"] = _read_pending(xp, pending)
     if status["ok"]:
@@ -415,14 +417,15 @@ def read_checks_once(xp, compute, func):
     one (NumPy), and as it is when it is an enclosing call's to handle (nested).  Any other
     error raised while checks are pending (a library's own error on the numbers of a check
     that failed unread: a singular factor's inverse) runs ``compute()`` again with each
-    check read at once, which raises the check's error first, or the same error again;
-    type errors pass unchanged."""
+    check read at once, which raises the check's error first, or the same error again.  A
+    type error passes unchanged when no value check is pending (it comes before any of
+    them in an eager run too); one raised after pending checks (a later argument's dtype)
+    runs ``compute()`` again, where a failing earlier check raises first, as it does
+    eagerly."""
     status = None
     try:
         with deferred_value_checks(xp) as status:
             out = compute()
-    except KFACTypeError:
-        raise
     except Exception as exc:
         if status is None or status["nested"]:
             raise
@@ -430,6 +433,8 @@ def read_checks_once(xp, compute, func):
             if isinstance(exc, KFACValueError):
                 with errors_named(func):
                     raise
+            raise
+        if isinstance(exc, KFACTypeError) and not status["pending"]:
             raise
         with errors_named(func):
             return compute()

@@ -241,17 +241,40 @@ def _update_args(rng):
 
 
 def test_an_estimator_update_reads_its_arguments_once(reads):
-    """With value checks on, one update reads back four times, whatever the number of
-    layers: the finiteness scans of the six parameter arrays and ``x`` together (before
-    the forward pass), the network output's scan, the range of the targets, and the scans
-    of the six updated statistics together (before the state is returned).  A loss built
-    on the output array itself needs no read to show that it passes the output
-    unchanged."""
+    """With value checks on, one update reads back three times, whatever the number of
+    layers: the range of the targets (at once: they index the outputs), the finiteness
+    scans of the six parameter arrays, ``x`` and the network output together (after the
+    loss is built), and the scans of the six updated statistics together (before the state
+    is returned).  A loss built on the output array itself needs no read to show that it
+    passes the output unchanged."""
     est, state, params, batch = _update_args(np.random.default_rng(9))
     reads["n"] = 0
     est.update_curvature_matrix_estimate(state, 0.0, 1.0, 8, None, (params, batch),
                                          "ggn_exact")
-    assert reads["n"] == 4
+    assert reads["n"] == 3
+
+
+def test_a_type_error_after_a_pending_check_comes_second_as_eagerly():
+    """Non-finite parameters and targets of a float dtype: an eager run names the
+    parameters first.  On torch the parameters' scan is still unread when the loss refuses
+    the targets' dtype; the update evaluates again with each check read at once and raises
+    the parameters' error, word for word as on NumPy."""
+    messages = []
+    for to in (np.asarray, _t):
+        est, _, params, batch = _update_args(np.random.default_rng(11))
+        params = [[np.asarray(a) for a in p] for p in params]
+        x, y = np.asarray(batch[0]), np.asarray(batch[1])
+        state = est.init(None, (tuple(tuple(to(a) for a in p) for p in params),
+                                (to(x), torch.as_tensor(y) if to is _t else y)))
+        params[0][0] = params[0][0].copy()
+        params[0][0][0, 0] = np.nan
+        bad_y = y.astype(np.float64)  # a float dtype: the loss refuses it (a type error)
+        fa = (tuple(tuple(to(a) for a in p) for p in params), (to(x), to(bad_y)))
+        with pytest.raises(kfac_ref.KFACValueError) as err:
+            est.update_curvature_matrix_estimate(state, 0.0, 1.0, 8, None, fa, "ggn_exact")
+        messages.append(str(err.value))
+    assert messages[0] == messages[1].replace("torch.float64", "float64")
+    assert "params[0][0]" in messages[1]
 
 
 @pytest.mark.parametrize("where", ["params", "x"])

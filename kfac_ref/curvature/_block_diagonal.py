@@ -316,8 +316,17 @@ class BlockDiagonalCurvature(EstimatorBase):
         if (isinstance(params, (tuple, list)) and len(params) > first
                 and isinstance(params[first], (tuple, list)) and params[first]):
             namespace_of(func, **{f"params[{first}][0]": params[first][0]}, **likes)
-        b = exact.evaluate_batch(func, self.net, self.loss_fn, params, batch,
-                                 layer_taps=self._layer_taps if any(self._taps) else None)
+        taps = self._layer_taps if any(self._taps) else None
+
+        def evaluate():
+            return exact.evaluate_batch(func, self.net, self.loss_fn, params, batch,
+                                        layer_taps=taps)
+
+        # the scans of the parameters, the input and the network output (the loss's inputs)
+        # read back together, after the loss is built (a loss reads its targets' range at
+        # once: they index the outputs); a failure evaluates again with each read at once
+        b = (read_checks_once(array_namespace(*likes.values()), evaluate, func) if likes
+             else evaluate())
         self._check_batch_size(func, batch_size, b.n)
         for i in self.layer_indices:  # blocks were built for init's shapes (T, |T|, ...)
             got, want = tuple(b.inputs[i].shape[1:]), tuple(self._input_shapes[i][1:])
