@@ -383,9 +383,9 @@ def deferred_value_checks(xp):
             yield status
     finally:
         _DEFERRED.reset(token)
-        # whether checks were left unread (for an error raised inside: read_checks_once)
+        # whether checks were left unread (also for an error raised inside: read_checks_once)
         status["pending"] = bool(pending["flags"] or pending["sums"])
-    if pending["flags"] or pending["sums"]:
+    if status["pending"]:
         status["ok"] = _read_pending(xp, pending)
     if status["ok"]:
         for w in caught:

@@ -647,7 +647,8 @@ class CurvatureBlock(abc.ABC):
         r"""The cached product of :meth:`multiply_matpower_flat_kernel` with
         ``use_cached=True`` and no norm scaling, bound to ``state`` and these checked
         options, as a function of the flat slice alone; ``None`` when this family has none
-        or the call would take another branch (an error included).
+        for these options.  Called after that product succeeded with the same arguments, so
+        its errors do not arise here.
 
         .. math:: v \mapsto \mathrm{vec}\big((s B + \lambda I)^{p} v\big)
 

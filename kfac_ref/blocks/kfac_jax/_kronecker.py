@@ -137,19 +137,8 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
     def _multiply_cached(self, xp, state, vector, lam, power, exact):
         path = kron_product_path(power, exact, self.approx_power_one)
         if path == "factored" and power != 1.0:  # the cached factor powers, nothing else
-            approx = self._cache_get(state, "approx", "update_cache with approx_powers")
-            if power not in approx:
-                raise kernel_error(
-                    f"power must be one of the cached approximate powers "
-                    f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
-            lam_cached, prepared = approx[power]
-            if self.strict_cache and _differ(lam_cached, lam):
-                raise kernel_error(
-                    f"identity_weight (effective {float(lam)}) must equal the one the "
-                    f"cached approximate power {power} was built with ({float(lam_cached)}); call "
-                    f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
-                    f"(cached weight used).")
-            return kron_factored_apply(xp, prepared, vector)
+            return kron_factored_apply(xp, self._cached_factor_powers(state, lam, power),
+                                       vector)
         a, g = self._cache_get(state, "factors", "update_cache")
         s = self._cache_get(state, "scale", "update_cache")
         prepared = None
@@ -159,17 +148,32 @@ class TwoKroneckerFactored(MatrixWorkingForm, CurvatureBlock):
             prepared = self._prepare(path, xp, a, g, power, lam, s)
         return apply_kron(path, xp, a, g, prepared, vector, power, lam, s)
 
+    def _cached_factor_powers(self, state, lam, power):
+        """The cached factor powers of the approximate ``power`` (the factored path), or
+        the kernel's error: a power not cached, or (``strict_cache``) a weight other than
+        the one they were built with."""
+        approx = self._cache_get(state, "approx", "update_cache with approx_powers")
+        if power not in approx:
+            raise kernel_error(
+                f"power must be one of the cached approximate powers "
+                f"{tuple(approx)}; got {power}. Declare it in init and call update_cache.")
+        lam_cached, prepared = approx[power]
+        if self.strict_cache and _differ(lam_cached, lam):
+            raise kernel_error(
+                f"identity_weight (effective {float(lam)}) must equal the one the "
+                f"cached approximate power {power} was built with ({float(lam_cached)}); call "
+                f"update_cache, or pass strict_cache=False for kfac-jax's behaviour "
+                f"(cached weight used).")
+        return prepared
+
     def cached_flat_product(self, xp, state, identity_weight, power, exact_power):
         # the factored path's cached factor powers (the common preconditioner); every other
-        # branch, and every error, stays with the kernel
+        # branch stays with the kernel
         if kron_product_path(power, exact_power, self.approx_power_one) != "factored" or (
                 power == 1.0):
             return None
-        approx = state.cache.get("approx")
-        entry = None if approx is None else approx.get(power)
-        if entry is None or (self.strict_cache and _differ(entry[0], identity_weight)):
-            return None
-        return partial(_flat_factored_apply, xp, entry[1], (self.input_size, self.output_size))
+        prepared = self._cached_factor_powers(state, identity_weight, power)
+        return partial(_flat_factored_apply, xp, prepared, (self.input_size, self.output_size))
 
     def _build_cache(self, xp, state, lam, exact, approx, eigenvalues):
         a, g = (f.value for f in state.statistics)
